@@ -1,0 +1,150 @@
+// pybind11 bindings: the only file that defines the Python module.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include "comm.h"
+#include "layout.h"
+#include "pack.h"
+#include "param_slots.h"
+#include "unit.h"
+
+namespace py = pybind11;
+using namespace mfsdp;
+
+namespace {
+
+bool compiled_with_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_fsdp_ext C++ core: flat layouts, packing kernels, collectives, units";
+  m.def("compiled_with_cuda", &compiled_with_cuda);
+
+  py::class_<ShardSlice>(m, "ShardSlice")
+      .def_readonly("param_offset", &ShardSlice::param_offset)
+      .def_readonly("shard_offset", &ShardSlice::shard_offset)
+      .def_readonly("numel", &ShardSlice::numel)
+      .def("__repr__", [](const ShardSlice& s) {
+        return "ShardSlice(param_offset=" + std::to_string(s.param_offset) +
+               ", shard_offset=" + std::to_string(s.shard_offset) +
+               ", numel=" + std::to_string(s.numel) + ")";
+      });
+
+  py::class_<FlatLayout>(m, "FlatLayout")
+      .def_static("even", &FlatLayout::even, py::arg("numels"), py::arg("world_size"),
+                  py::arg("alignment") = 16)
+      .def_static("by_owner", &FlatLayout::by_owner, py::arg("numels"), py::arg("owners"),
+                  py::arg("world_size"), py::arg("alignment") = 16)
+      .def_property_readonly("kind", [](const FlatLayout& l) {
+        return l.kind() == SegmentKind::kEven ? "even" : "owner";
+      })
+      .def_property_readonly("world_size", &FlatLayout::world_size)
+      .def_property_readonly("alignment", &FlatLayout::alignment)
+      .def_property_readonly("num_params", &FlatLayout::num_params)
+      .def_property_readonly("total_numel", &FlatLayout::total_numel)
+      .def_property_readonly("offsets", &FlatLayout::offsets)
+      .def_property_readonly("numels", &FlatLayout::numels)
+      .def_property_readonly("segment_starts", &FlatLayout::segment_starts)
+      .def_property_readonly("segment_numels", &FlatLayout::segment_numels)
+      .def_property_readonly("max_segment_numel", &FlatLayout::max_segment_numel)
+      .def_property_readonly("has_gaps", &FlatLayout::has_gaps)
+      .def_property_readonly("padding_fraction", &FlatLayout::padding_fraction)
+      .def("owner", &FlatLayout::owner)
+      .def("shard_slice", &FlatLayout::shard_slice, py::arg("param"), py::arg("rank"))
+      .def("shard_slices", &FlatLayout::shard_slices, py::arg("rank"))
+      .def("__repr__", &FlatLayout::describe);
+
+  m.def("pack_into_flat", &pack_into_flat, py::arg("flat"), py::arg("tensors"),
+        py::arg("offsets"), py::arg("accumulate") = false, py::arg("zero_fill_first") = true,
+        "Copy (or add) tensors into a flat buffer at offsets, casting to its dtype.");
+  m.def("cast_scale_into", &cast_scale_into, py::arg("dst"), py::arg("src"), py::arg("scale"),
+        py::arg("accumulate") = false);
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def("all_gather_flat", &Communicator::all_gather_flat, py::arg("out"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter_flat", &Communicator::reduce_scatter_flat, py::arg("out"),
+           py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce_sum", [](const Communicator& c, at::Tensor& t) {
+        py::gil_scoped_release no_gil;
+        c.all_reduce(t, c10d::ReduceOp::SUM);
+      })
+      .def("all_reduce_max", [](const Communicator& c, at::Tensor& t) {
+        py::gil_scoped_release no_gil;
+        c.all_reduce(t, c10d::ReduceOp::MAX);
+      })
+      .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"),
+           py::call_guard<py::gil_scoped_release>());
+
+  py::class_<CommContext, std::shared_ptr<CommContext>>(m, "CommContext")
+      .def(py::init<c10::Device, int64_t>(), py::arg("device"), py::arg("max_inflight_reductions") = 2)
+      .def_property_readonly("device", &CommContext::device)
+      .def_property_readonly("has_side_streams", [](const CommContext& c) { return c.streams().enabled(); })
+      .def_property_readonly("max_inflight_reductions", &CommContext::max_inflight_reductions)
+      .def_property_readonly("num_inflight_reductions", &CommContext::num_inflight_reductions)
+      .def("wait_reductions", &CommContext::wait_reductions, py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_stream", [](const CommContext& c) -> py::object {
+        if (!c.streams().enabled()) return py::none();
+        return py::cast(c.streams().all_gather());
+      })
+      .def("reduce_scatter_stream", [](const CommContext& c) -> py::object {
+        if (!c.streams().enabled()) return py::none();
+        return py::cast(c.streams().reduce_scatter());
+      });
+
+  py::enum_<UnitState>(m, "UnitState")
+      .value("SHARDED", UnitState::kSharded)
+      .value("GATHERING", UnitState::kGathering)
+      .value("UNSHARDED", UnitState::kUnsharded);
+
+  // Every Unit method that may wait on a collective releases the GIL: a Gloo worker
+  // thread finishing an earlier Python-issued collective needs it to free tensors.
+  py::class_<Unit, std::shared_ptr<Unit>>(m, "Unit")
+      .def(py::init<const std::vector<at::Tensor>&, std::vector<std::string>, ProcessGroupPtr,
+                    int64_t, std::optional<at::ScalarType>, std::optional<at::ScalarType>>(),
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = 16,
+           py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none())
+      .def_property_readonly("layout", &Unit::layout, py::return_value_policy::reference_internal)
+      .def_property_readonly("rank", &Unit::rank)
+      .def_property_readonly("world_size", &Unit::world_size)
+      .def_property_readonly("state", &Unit::state)
+      .def_property_readonly("device", &Unit::device)
+      .def_property_readonly("orig_dtype", &Unit::orig_dtype)
+      .def_property_readonly("param_dtype", &Unit::param_dtype)
+      .def_property_readonly("reduce_dtype", &Unit::reduce_dtype)
+      .def_property_readonly("sharded_flat", &Unit::sharded_flat)
+      .def_property_readonly("unsharded_storage_bytes", &Unit::unsharded_storage_bytes)
+      .def_property_readonly("has_accumulated_grads", &Unit::has_accumulated_grads)
+      .def("sharded_views", &Unit::sharded_views)
+      .def("unsharded_views", &Unit::unsharded_views)
+      .def("bind_params", &Unit::bind_params)
+      .def("set_context", &Unit::set_context)
+      .def("set_all_gather_group", &Unit::set_all_gather_group)
+      .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
+      .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
+      .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
+      .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>())
+      .def("load_full_params", &Unit::load_full_params, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<ParamSlots>(m, "ParamSlots")
+      .def(py::init<>())
+      .def("add", &ParamSlots::add)
+      .def("set_objects", &ParamSlots::set_objects)
+      .def("install", &ParamSlots::install)
+      .def("param_index", &ParamSlots::param_index)
+      .def("params_dict", &ParamSlots::params_dict)
+      .def("name", &ParamSlots::name)
+      .def("__len__", &ParamSlots::size);
+}

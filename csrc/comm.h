@@ -1,0 +1,44 @@
+// Communicator: the collectives FSDP needs, over one c10d::ProcessGroup.
+//
+// Contract: a collective on CUDA tensors is issued with asyncOp=false, so NCCL runs it
+// on the caller's *current* stream (set a stream guard first) and it completes in
+// stream order; the returned Work may be null and is waited only if present. A
+// collective on CPU tensors (Gloo) has completed when the call returns.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <vector>
+
+namespace mfsdp {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+class Communicator {
+ public:
+  Communicator() = default;
+  explicit Communicator(ProcessGroupPtr pg);
+
+  bool defined() const { return static_cast<bool>(pg_); }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const ProcessGroupPtr& group() const { return pg_; }
+
+  // out (size * in.numel()) <- concatenation of every rank's `in`. `in` may alias
+  // out's own segment (in-place all-gather).
+  void all_gather_flat(at::Tensor& out, at::Tensor& in) const;
+  // out (in.numel() / size) <- SUM over ranks of this rank's segment of `in`.
+  void reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const;
+  void all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const;
+  void broadcast(at::Tensor& t, int root) const;
+
+ private:
+  static void finish(const c10::intrusive_ptr<c10d::Work>& work);
+
+  ProcessGroupPtr pg_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace mfsdp

@@ -1,0 +1,147 @@
+#include "layout.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace mfsdp {
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("FlatLayout: " + what);
+}
+
+void check_common(const std::vector<int64_t>& numels, int64_t world_size,
+                  int64_t alignment) {
+  check(world_size >= 1, "world_size must be >= 1, got " + std::to_string(world_size));
+  check(alignment >= 1, "alignment must be >= 1, got " + std::to_string(alignment));
+  for (size_t i = 0; i < numels.size(); ++i) {
+    check(numels[i] >= 0, "parameter " + std::to_string(i) + " has negative numel " +
+                              std::to_string(numels[i]));
+  }
+}
+
+}  // namespace
+
+FlatLayout FlatLayout::even(const std::vector<int64_t>& numels, int64_t world_size,
+                            int64_t alignment) {
+  check_common(numels, world_size, alignment);
+  FlatLayout l;
+  l.kind_ = SegmentKind::kEven;
+  l.world_size_ = world_size;
+  l.alignment_ = alignment;
+  l.numels_ = numels;
+  l.offsets_.resize(numels.size());
+  int64_t cursor = 0;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    cursor = round_up(cursor, alignment);
+    l.offsets_[i] = cursor;
+    cursor += numels[i];
+  }
+  // Every segment is a whole number of alignment units, so each rank's shard starts
+  // aligned too (vectorised casts, 16-byte NCCL buffers).
+  const int64_t seg = round_up((cursor + world_size - 1) / world_size, alignment);
+  l.total_ = seg * world_size;
+  for (int64_t r = 0; r < world_size; ++r) {
+    l.seg_starts_.push_back(r * seg);
+    l.seg_numels_.push_back(seg);
+  }
+  l.finish();
+  return l;
+}
+
+FlatLayout FlatLayout::by_owner(const std::vector<int64_t>& numels,
+                                const std::vector<int64_t>& owners, int64_t world_size,
+                                int64_t alignment) {
+  check_common(numels, world_size, alignment);
+  check(owners.size() == numels.size(),
+        "owners has " + std::to_string(owners.size()) + " entries for " +
+            std::to_string(numels.size()) + " parameters");
+  for (size_t i = 0; i < owners.size(); ++i) {
+    check(owners[i] >= 0 && owners[i] < world_size,
+          "parameter " + std::to_string(i) + " has owner " + std::to_string(owners[i]) +
+              " outside [0, " + std::to_string(world_size) + ")");
+  }
+  FlatLayout l;
+  l.kind_ = SegmentKind::kOwner;
+  l.world_size_ = world_size;
+  l.alignment_ = alignment;
+  l.numels_ = numels;
+  l.owners_ = owners;
+  l.offsets_.resize(numels.size());
+  int64_t cursor = 0;
+  for (int64_t r = 0; r < world_size; ++r) {
+    const int64_t start = cursor;
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if (owners[i] != r) continue;
+      cursor = round_up(cursor, alignment);
+      l.offsets_[i] = cursor;
+      cursor += numels[i];
+    }
+    cursor = round_up(cursor, alignment);  // next segment starts aligned
+    l.seg_starts_.push_back(start);
+    l.seg_numels_.push_back(cursor - start);
+  }
+  l.total_ = cursor;
+  l.finish();
+  return l;
+}
+
+void FlatLayout::finish() {
+  int64_t covered = 0;
+  for (int64_t n : numels_) covered += n;
+  has_gaps_ = covered != total_;
+}
+
+int64_t FlatLayout::max_segment_numel() const {
+  return seg_numels_.empty() ? 0 : *std::max_element(seg_numels_.begin(), seg_numels_.end());
+}
+
+ShardSlice FlatLayout::shard_slice(int64_t i, int64_t rank) const {
+  check(rank >= 0 && rank < world_size_, "rank " + std::to_string(rank) + " out of range");
+  const int64_t p0 = offsets_.at(i), p1 = p0 + numels_.at(i);
+  const int64_t s0 = seg_starts_[rank], s1 = s0 + seg_numels_[rank];
+  const int64_t lo = std::max(p0, s0), hi = std::min(p1, s1);
+  ShardSlice s;
+  if (hi > lo) {
+    s.param_offset = lo - p0;
+    s.shard_offset = lo - s0;
+    s.numel = hi - lo;
+  } else {
+    // Empty slice: keep the offsets inside the segment so a zero-length view is valid.
+    s.param_offset = 0;
+    s.shard_offset = std::min(std::max(p0 - s0, int64_t{0}), seg_numels_[rank]);
+    s.numel = 0;
+  }
+  return s;
+}
+
+std::vector<ShardSlice> FlatLayout::shard_slices(int64_t rank) const {
+  std::vector<ShardSlice> out;
+  out.reserve(numels_.size());
+  for (int64_t i = 0; i < num_params(); ++i) out.push_back(shard_slice(i, rank));
+  return out;
+}
+
+double FlatLayout::padding_fraction() const {
+  if (total_ == 0) return 0.0;
+  int64_t covered = 0;
+  for (int64_t n : numels_) covered += n;
+  return static_cast<double>(total_ - covered) / static_cast<double>(total_);
+}
+
+std::string FlatLayout::describe() const {
+  std::ostringstream os;
+  os << "FlatLayout(" << (kind_ == SegmentKind::kEven ? "even" : "owner")
+     << ", params=" << numels_.size() << ", total=" << total_ << ", world=" << world_size_
+     << ", align=" << alignment_ << ", segments=[";
+  for (int64_t r = 0; r < world_size_; ++r) {
+    os << (r ? ", " : "") << seg_starts_[r] << "+" << seg_numels_[r];
+  }
+  os << "])";
+  return os.str();
+}
+
+}  // namespace mfsdp

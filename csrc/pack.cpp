@@ -1,0 +1,90 @@
+#include "pack.h"
+
+namespace mfsdp {
+namespace {
+
+bool is_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+}  // namespace
+
+void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
+                    const std::vector<int64_t>& offsets, bool accumulate,
+                    bool zero_fill_first) {
+  TORCH_CHECK(tensors.size() == offsets.size(), "pack_into_flat: ", tensors.size(),
+              " tensors but ", offsets.size(), " offsets");
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "pack_into_flat: flat buffer must be 1-D contiguous");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (!t.defined()) continue;
+    TORCH_CHECK(t.device() == flat.device(), "pack_into_flat: tensor ", i, " is on ", t.device(),
+                " but the flat buffer is on ", flat.device());
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(),
+                "pack_into_flat: tensor ", i, " [", offsets[i], ", ", offsets[i] + t.numel(),
+                ") exceeds the flat buffer of ", flat.numel());
+  }
+  if (zero_fill_first && !accumulate) flat.zero_();
+
+#ifdef WITH_CUDA
+  if (flat.is_cuda() && is_float(flat.scalar_type())) {
+    // The fused kernel takes contiguous float tensors of one dtype; anything else
+    // (rare: non-contiguous or mixed-dtype grads) goes through ATen below.
+    std::vector<at::Tensor> fused;
+    std::vector<int64_t> fused_offsets;
+    std::vector<at::Tensor> rest;
+    std::vector<int64_t> rest_offsets;
+    at::ScalarType src_type = at::ScalarType::Undefined;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      if (!t.defined() || t.numel() == 0) continue;
+      if (src_type == at::ScalarType::Undefined && is_float(t.scalar_type())) src_type = t.scalar_type();
+      if (t.is_contiguous() && t.scalar_type() == src_type) {
+        fused.push_back(t);
+        fused_offsets.push_back(offsets[i]);
+      } else {
+        rest.push_back(t);
+        rest_offsets.push_back(offsets[i]);
+      }
+    }
+    if (!fused.empty()) pack_into_flat_cuda(flat, fused, fused_offsets, accumulate);
+    for (size_t i = 0; i < rest.size(); ++i) {
+      auto dst = flat.narrow(0, rest_offsets[i], rest[i].numel());
+      if (accumulate) dst.add_(rest[i].reshape({-1}));
+      else dst.copy_(rest[i].reshape({-1}));
+    }
+    return;
+  }
+#endif
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (!t.defined() || t.numel() == 0) continue;
+    auto dst = flat.narrow(0, offsets[i], t.numel());
+    if (accumulate) dst.add_(t.reshape({-1}));
+    else dst.copy_(t.reshape({-1}));
+  }
+}
+
+void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool accumulate) {
+  TORCH_CHECK(dst.numel() == src.numel(), "cast_scale_into: dst has ", dst.numel(),
+              " elements, src has ", src.numel());
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
+  if (dst.numel() == 0) return;
+#ifdef WITH_CUDA
+  if (dst.is_cuda() && is_float(dst.scalar_type()) && is_float(src.scalar_type())) {
+    cast_scale_into_cuda(dst, src, scale, accumulate);
+    return;
+  }
+#endif
+  if (dst.is_same(src)) {  // in place: RS wrote straight into the fp32 gradient
+    TORCH_CHECK(!accumulate, "cast_scale_into: cannot accumulate a buffer into itself");
+    if (scale != 1.0) dst.mul_(scale);
+    return;
+  }
+  // Upcast first so that the scale is applied in the destination's precision.
+  auto wide = src.scalar_type() == dst.scalar_type() ? src : src.to(dst.scalar_type());
+  if (accumulate) dst.add_(wide, scale);
+  else at::mul_out(dst, wide, scale);
+}
+
+}  // namespace mfsdp

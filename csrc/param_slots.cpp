@@ -1,0 +1,38 @@
+#include "param_slots.h"
+
+namespace mfsdp {
+
+void ParamSlots::add(py::dict params_dict, py::str name, int64_t param_index) {
+  slots_.push_back({std::move(params_dict), std::move(name), param_index});
+}
+
+void ParamSlots::set_objects(std::vector<py::object> sharded, std::vector<py::object> unsharded) {
+  TORCH_CHECK(sharded.size() == unsharded.size(), "ParamSlots: ", sharded.size(),
+              " sharded vs ", unsharded.size(), " unsharded objects");
+  for (const auto& s : slots_) {
+    TORCH_CHECK(s.index >= 0 && s.index < static_cast<int64_t>(sharded.size()),
+                "ParamSlots: slot index ", s.index, " out of range");
+  }
+  sharded_ = std::move(sharded);
+  unsharded_ = std::move(unsharded);
+}
+
+std::vector<int64_t> ParamSlots::install(bool unsharded) {
+  std::vector<int64_t> replaced;
+  const auto& want = unsharded ? unsharded_ : sharded_;
+  const auto& other = unsharded ? sharded_ : unsharded_;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    auto& s = slots_[k];
+    PyObject* cur = PyDict_GetItem(s.dict.ptr(), s.name.ptr());  // borrowed
+    PyObject* target = want[s.index].ptr();
+    if (cur == target) continue;
+    if (cur != other[s.index].ptr()) {
+      replaced.push_back(static_cast<int64_t>(k));
+      continue;
+    }
+    if (PyDict_SetItem(s.dict.ptr(), s.name.ptr(), target) != 0) throw py::error_already_set();
+  }
+  return replaced;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,36 @@
+// ParamSlots: every (module._parameters, name) entry that holds a parameter of a unit
+// (tied parameters have several), and the swap between the sharded and the unsharded
+// nn.Parameter objects in those entries. Done in C++ so a hook costs O(1) Python.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <vector>
+
+namespace mfsdp {
+
+namespace py = pybind11;
+
+class ParamSlots {
+ public:
+  void add(py::dict params_dict, py::str name, int64_t param_index);
+  void set_objects(std::vector<py::object> sharded, std::vector<py::object> unsharded);
+  // Put the unsharded (or sharded) objects into every slot. A slot holding neither
+  // object was re-assigned by the user: it is left alone and its index returned.
+  std::vector<int64_t> install(bool unsharded);
+  int64_t size() const { return static_cast<int64_t>(slots_.size()); }
+  int64_t param_index(int64_t slot) const { return slots_.at(slot).index; }
+  py::dict params_dict(int64_t slot) const { return slots_.at(slot).dict; }
+  py::str name(int64_t slot) const { return slots_.at(slot).name; }
+
+ private:
+  struct Slot {
+    py::dict dict;
+    py::str name;
+    int64_t index;
+  };
+  std::vector<Slot> slots_;
+  std::vector<py::object> sharded_, unsharded_;
+};
+
+}  // namespace mfsdp

@@ -1,0 +1,75 @@
+// StreamSet: the side streams of one communication context, plus a tiny event type.
+//
+// Uses c10's device-generic stream/event API, so this header needs no CUDA headers;
+// on CPU (and in builds without WITH_CUDA) there are no side streams and every
+// operation here is a no-op: collectives then complete synchronously.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <memory>
+#include <optional>
+
+namespace mfsdp {
+
+inline bool uses_side_streams(const c10::Device& device) {
+#ifdef WITH_CUDA
+  return device.is_cuda();
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+inline c10::Stream current_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device);
+}
+
+// One stream per role, taken from the pool once and kept (the pool hands streams out
+// round-robin, so asking again could alias another role's stream).
+class StreamSet {
+ public:
+  explicit StreamSet(c10::Device device) : device_(device) {
+    if (!uses_side_streams(device)) return;
+    c10::impl::VirtualGuardImpl impl(device.type());
+    all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+    reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+    all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  }
+
+  const c10::Device& device() const { return device_; }
+  bool enabled() const { return all_gather_.has_value(); }
+  const c10::Stream& all_gather() const { return *all_gather_; }
+  const c10::Stream& reduce_scatter() const { return *reduce_scatter_; }
+  const c10::Stream& all_reduce() const { return *all_reduce_; }
+
+ private:
+  c10::Device device_;
+  std::optional<c10::Stream> all_gather_, reduce_scatter_, all_reduce_;
+};
+
+// A recordable event; a no-op on CPU.
+class StreamEvent {
+ public:
+  explicit StreamEvent(const c10::Device& device) {
+    if (uses_side_streams(device)) event_ = std::make_unique<c10::Event>(device.type());
+  }
+  void record(const c10::Stream& stream) {
+    if (event_) event_->record(stream);
+  }
+  // `stream` waits (on the device) until the last record() is done.
+  void block(const c10::Stream& stream) const {
+    if (event_) event_->block(stream);
+  }
+  bool query() const { return !event_ || event_->query(); }
+
+ private:
+  std::unique_ptr<c10::Event> event_;
+};
+
+}  // namespace mfsdp

@@ -1,0 +1,363 @@
+#include "unit.h"
+
+#include "pack.h"
+
+#include <c10/core/Allocator.h>
+
+#include <sstream>
+
+namespace mfsdp {
+namespace {
+
+bool is_floating(at::ScalarType t) { return at::isFloatingType(t); }
+
+std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
+  std::vector<int64_t> n;
+  n.reserve(params.size());
+  for (const auto& p : params) n.push_back(p.numel());
+  return n;
+}
+
+std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- CommContext
+
+CommContext::CommContext(c10::Device device, int64_t max_inflight_reductions)
+    : device_(device), streams_(device), max_inflight_(max_inflight_reductions) {
+  TORCH_CHECK(max_inflight_ >= 1, "max_inflight_reductions must be >= 1, got ", max_inflight_);
+}
+
+void CommContext::add_inflight_reduction(std::vector<at::Tensor> buffers,
+                                         std::shared_ptr<StreamEvent> done) {
+  inflight_.push_back({std::move(buffers), std::move(done)});
+  while (static_cast<int64_t>(inflight_.size()) > max_inflight_) retire_oldest();
+}
+
+void CommContext::retire_oldest() {
+  // The buffers were allocated on the current (compute) stream; once that stream has
+  // waited for the collective, the allocator may hand the memory out again safely.
+  inflight_.front().done->block(current_stream(device_));
+  inflight_.pop_front();
+}
+
+void CommContext::wait_reductions() {
+  while (!inflight_.empty()) retire_oldest();
+}
+
+// ---------------------------------------------------------------- Unit
+
+Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names,
+           ProcessGroupPtr pg, int64_t alignment, std::optional<at::ScalarType> param_dtype,
+           std::optional<at::ScalarType> reduce_dtype)
+    : layout_(FlatLayout::even(numels_of(params), pg ? pg->getSize() : 1, alignment)),
+      names_(std::move(names)),
+      ag_comm_(pg),
+      rs_comm_(pg),
+      device_(params.empty() ? c10::Device(c10::kCPU) : params.front().device()),
+      compute_ready_(device_),
+      all_gather_done_(device_) {
+  TORCH_CHECK(!params.empty(), "Unit needs at least one parameter");
+  TORCH_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
+              params.size(), " parameters");
+  orig_dtype_ = params.front().scalar_type();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK(p.device() == device_, "parameter '", names_[i], "' is on ", p.device(),
+                " but parameter '", names_[0], "' is on ", device_,
+                "; all parameters of one fully_shard unit must be on one device");
+    TORCH_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names_[i], "' has dtype ",
+                p.scalar_type(), " but '", names_[0], "' has ", orig_dtype_,
+                "; one fully_shard unit needs a single parameter dtype");
+    shapes_.emplace_back(p.sizes().vec());
+  }
+  TORCH_CHECK(is_floating(orig_dtype_), "fully_shard needs floating-point parameters, got ",
+              orig_dtype_);
+  param_dtype_ = param_dtype.value_or(orig_dtype_);
+  reduce_dtype_ = reduce_dtype.value_or(param_dtype_);
+  TORCH_CHECK(is_floating(param_dtype_), "param_dtype must be floating point, got ", param_dtype_);
+  TORCH_CHECK(is_floating(reduce_dtype_), "reduce_dtype must be floating point, got ", reduce_dtype_);
+
+  slices_ = layout_.shard_slices(rank());
+  const auto opts = params.front().options().requires_grad(false);
+  sharded_flat_ = at::zeros({layout_.segment_numel(rank())}, opts);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& s = slices_[i];
+      if (s.numel == 0) continue;
+      sharded_flat_.narrow(0, s.shard_offset, s.numel)
+          .copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));
+    }
+  }
+  unsharded_flat_ = at::empty({layout_.total_numel()}, opts.dtype(param_dtype_));
+  unsharded_nbytes_ = unsharded_flat_.storage().nbytes();
+  free_unsharded();
+  has_grad_.assign(params.size(), false);
+}
+
+int64_t Unit::unsharded_storage_bytes() const {
+  return static_cast<int64_t>(unsharded_flat_.storage().nbytes());
+}
+
+std::vector<at::Tensor> Unit::sharded_views() const {
+  std::vector<at::Tensor> out;
+  for (const auto& s : slices_) out.push_back(sharded_flat_.narrow(0, s.shard_offset, s.numel));
+  return out;
+}
+
+std::vector<at::Tensor> Unit::unsharded_views() const {
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    // set_() instead of view(): the result has its own version counter, so writing the
+    // flat buffer (all-gather) does not invalidate tensors autograd saved from it.
+    auto v = at::empty({0}, unsharded_flat_.options());
+    v.set_(unsharded_flat_.storage(), layout_.param_offset(i), shapes_[i],
+           c10::contiguous_strides(shapes_[i]));
+    out.push_back(v);
+  }
+  return out;
+}
+
+void Unit::bind_params(std::vector<at::Tensor> sharded_params,
+                       std::vector<at::Tensor> unsharded_params) {
+  const size_t n = static_cast<size_t>(layout_.num_params());
+  TORCH_CHECK(sharded_params.size() == n && unsharded_params.size() == n,
+              "bind_params: expected ", n, " sharded and unsharded parameters");
+  sharded_params_ = std::move(sharded_params);
+  unsharded_params_ = std::move(unsharded_params);
+}
+
+void Unit::set_context(std::shared_ptr<CommContext> ctx) {
+  TORCH_CHECK(ctx && ctx->device() == device_, "set_context: context device does not match the unit's ",
+              device_);
+  ctx_ = std::move(ctx);
+}
+
+void Unit::set_all_gather_group(ProcessGroupPtr pg) {
+  Communicator c(std::move(pg));
+  TORCH_CHECK(c.size() == rs_comm_.size() && c.rank() == rs_comm_.rank(),
+              "all-gather group has rank ", c.rank(), " of ", c.size(),
+              " but the reduce-scatter group has rank ", rs_comm_.rank(), " of ", rs_comm_.size(),
+              "; both must span the same ranks in the same order");
+  ag_comm_ = std::move(c);
+}
+
+CommContext& Unit::ctx() {
+  TORCH_CHECK(ctx_, "fully_shard unit has no communication context (internal error: lazy init did not run)");
+  return *ctx_;
+}
+
+void Unit::check_sharded_params_intact() {
+  // Optimizers update shards in place through the views; a user who assigned
+  // `param.data = ...` broke the link. Re-link a same-size replacement, refuse others.
+  const auto itemsize = sharded_flat_.element_size();
+  auto* base = static_cast<char*>(sharded_flat_.data_ptr());
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    auto& p = sharded_params_[i];
+    const auto& s = slices_[i];
+    if (p.numel() == s.numel && p.data_ptr() == base + s.shard_offset * itemsize &&
+        p.scalar_type() == orig_dtype_)
+      continue;
+    TORCH_CHECK(p.numel() == s.numel && p.dim() == 1,
+                "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
+                shape_str(p.sizes()), "; its shard has shape [", s.numel,
+                "] (full shape ", shape_str(shapes_[i]),
+                "). Update sharded parameters in place (e.g. `with torch.no_grad(): p.copy_(x)`) "
+                "or use load_full_state_dict()");
+    auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
+    {
+      at::NoGradGuard no_grad;
+      slot.copy_(p.detach());
+    }
+    p.set_data(slot);
+  }
+}
+
+void Unit::allocate_unsharded() {
+  // Allocated on the current (compute) stream: the memory is then only ever reused in
+  // that stream's order, so freeing it needs no record_stream.
+  auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
+  if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
+  c10::Allocator* alloc = impl->allocator();
+  TORCH_CHECK(alloc != nullptr, "unsharded storage has no allocator");
+  impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));
+  impl->set_nbytes(unsharded_nbytes_);
+}
+
+void Unit::free_unsharded() {
+  auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+  impl->set_nbytes(0);
+}
+
+void Unit::unshard() {
+  if (state_ != UnitState::kSharded) return;
+  check_sharded_params_intact();
+  allocate_unsharded();
+  const int r = ag_comm_.rank();
+  const int64_t seg = layout_.segment_numel(r);
+  const auto& streams = ctx().streams();
+  if (streams.enabled()) {
+    compute_ready_.record(current_stream(device_));
+    c10::StreamGuard guard(streams.all_gather());
+    compute_ready_.block(streams.all_gather());
+    at::Tensor input = sharded_flat_;
+    if (param_dtype_ != orig_dtype_) {
+      // Cast straight into this rank's slot of the output: an in-place all-gather.
+      input = unsharded_flat_.narrow(0, layout_.segment_start(r), seg);
+      input.copy_(sharded_flat_);
+    }
+    ag_comm_.all_gather_flat(unsharded_flat_, input);
+    all_gather_done_.record(streams.all_gather());
+    state_ = UnitState::kGathering;
+    return;
+  }
+  at::Tensor input = param_dtype_ == orig_dtype_ ? sharded_flat_ : sharded_flat_.to(param_dtype_);
+  ag_comm_.all_gather_flat(unsharded_flat_, input);
+  state_ = UnitState::kUnsharded;
+}
+
+void Unit::wait_unshard() {
+  if (state_ != UnitState::kGathering) return;
+  all_gather_done_.block(current_stream(device_));
+  state_ = UnitState::kUnsharded;
+}
+
+void Unit::reshard() {
+  if (state_ == UnitState::kSharded) return;
+  wait_unshard();  // never free memory a collective may still write
+  free_unsharded();
+  state_ = UnitState::kSharded;
+}
+
+bool Unit::is_view_of_grad_flat(const at::Tensor& g, int64_t i) const {
+  if (!grad_flat_.defined() || !g.defined()) return false;
+  const auto& s = slices_[i];
+  auto* expect = static_cast<char*>(grad_flat_.data_ptr()) + s.shard_offset * grad_flat_.element_size();
+  return g.data_ptr() == expect && g.numel() == s.numel && g.scalar_type() == grad_flat_.scalar_type();
+}
+
+bool Unit::reduce_grads(bool sync) {
+  const int64_t n = layout_.num_params();
+  std::vector<at::Tensor> grads(n);
+  bool any = false, all = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& g = unsharded_params_[i].grad();
+    if (g.defined()) {
+      TORCH_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", names_[i], "' has ",
+                  g.numel(), " elements, expected ", layout_.param_numel(i));
+      grads[i] = g;
+      any = true;
+      has_grad_[i] = true;
+    } else {
+      all = false;
+    }
+  }
+  if (!any && !accumulated_.defined()) return false;
+
+  const bool accumulate = accumulated_.defined();
+  at::Tensor flat = accumulate
+      ? accumulated_
+      : at::empty({layout_.total_numel()}, sharded_flat_.options().dtype(reduce_dtype_));
+  pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
+  // The packed copy is all we need: free the unsharded gradients right away.
+  for (int64_t i = 0; i < n; ++i) {
+    if (grads[i].defined()) unsharded_params_[i].mutable_grad() = at::Tensor();
+  }
+  grads.clear();
+  if (!sync) {
+    accumulated_ = flat;
+    return true;
+  }
+  accumulated_ = at::Tensor();
+
+  // How the reduced shard meets the sharded .grad: fresh (no grads yet), accumulate
+  // into our own flat gradient, or the rare mixed case handled per parameter.
+  bool all_none = true, all_ours = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!has_grad_[i]) continue;
+    const auto& g = sharded_params_[i].grad();
+    if (g.defined()) all_none = false;
+    if (!is_view_of_grad_flat(g, i)) all_ours = false;
+  }
+  enum class Mode { kFresh, kAccumulate, kMixed };
+  const Mode mode = all_none ? Mode::kFresh : (all_ours ? Mode::kAccumulate : Mode::kMixed);
+  const int64_t seg = layout_.segment_numel(rank());
+  at::Tensor target = mode == Mode::kAccumulate
+      ? grad_flat_
+      : at::empty({seg}, sharded_flat_.options());
+  at::Tensor rs_out = (mode == Mode::kFresh && reduce_dtype_ == orig_dtype_)
+      ? target
+      : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+  const double scale = 1.0 / static_cast<double>(world_size());
+
+  auto done = std::make_shared<StreamEvent>(device_);
+  const auto& streams = ctx().streams();
+  if (streams.enabled()) {
+    compute_ready_.record(current_stream(device_));
+    c10::StreamGuard guard(streams.reduce_scatter());
+    compute_ready_.block(streams.reduce_scatter());
+    rs_comm_.reduce_scatter_flat(rs_out, flat);
+    cast_scale_into(target, rs_out, scale, mode == Mode::kAccumulate);
+    done->record(streams.reduce_scatter());
+  } else {
+    rs_comm_.reduce_scatter_flat(rs_out, flat);
+    cast_scale_into(target, rs_out, scale, mode == Mode::kAccumulate);
+  }
+
+  if (mode == Mode::kMixed) {
+    // Per-parameter merge reads `target` on the current stream: wait for it first.
+    done->block(current_stream(device_));
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!has_grad_[i]) continue;
+      auto view = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+      auto& g = sharded_params_[i].mutable_grad();
+      if (g.defined()) g.add_(view.view_as(g));
+      else g = view;
+    }
+  } else if (mode == Mode::kFresh) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (!has_grad_[i]) continue;
+      sharded_params_[i].mutable_grad() = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+    }
+  }
+  grad_flat_ = target;
+  ctx().add_inflight_reduction({flat, rs_out, target}, std::move(done));
+  std::fill(has_grad_.begin(), has_grad_.end(), false);
+  return true;
+}
+
+std::vector<at::Tensor> Unit::gather_full_params() {
+  check_sharded_params_intact();
+  auto full = at::empty({layout_.total_numel()}, sharded_flat_.options());
+  ag_comm_.all_gather_flat(full, sharded_flat_);
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));
+  }
+  return out;
+}
+
+void Unit::load_full_params(const std::vector<at::Tensor>& full) {
+  TORCH_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
+              full.size(), " tensors for ", layout_.num_params(), " parameters");
+  check_sharded_params_intact();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < full.size(); ++i) {
+    TORCH_CHECK(full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
+                "' has shape ", shape_str(full[i].sizes()), ", expected ", shape_str(shapes_[i]));
+    const auto& s = slices_[i];
+    if (s.numel == 0) continue;
+    sharded_flat_.narrow(0, s.shard_offset, s.numel)
+        .copy_(full[i].reshape({-1}).narrow(0, s.param_offset, s.numel));
+  }
+}
+
+}  // namespace mfsdp

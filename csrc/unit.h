@@ -1,0 +1,133 @@
+// Unit: the parameters of one fully_shard call, their flat sharded/unsharded storage,
+// and the state machine SHARDED -> GATHERING -> UNSHARDED -> SHARDED that moves them.
+//
+// Storage:
+//  - sharded_flat (original dtype, this rank's segment): sharded params are 1-D views.
+//  - unsharded_flat (param dtype, padded total): unsharded params are views made with
+//    set_() so they own a version counter (writes by collectives never trip autograd);
+//    its storage is freed (0 bytes) while SHARDED and re-allocated by unshard().
+//  - gradients: unsharded grads are packed into a flat reduce-dtype buffer, reduce-
+//    scattered, scaled by 1/world and land in a flat fp32 buffer whose 1-D views become
+//    the sharded params' .grad.
+//
+// CommContext is shared by all units under one root: side streams and the bounded
+// queue of in-flight reduce-scatters whose buffers must outlive their collective.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm.h"
+#include "layout.h"
+#include "streams.h"
+
+namespace mfsdp {
+
+enum class UnitState { kSharded = 0, kGathering = 1, kUnsharded = 2 };
+
+class CommContext {
+ public:
+  CommContext(c10::Device device, int64_t max_inflight_reductions);
+
+  const c10::Device& device() const { return device_; }
+  const StreamSet& streams() const { return streams_; }
+  int64_t max_inflight_reductions() const { return max_inflight_; }
+  int64_t num_inflight_reductions() const { return static_cast<int64_t>(inflight_.size()); }
+
+  // Keep `buffers` alive until the current stream has waited for `done`. Past the
+  // bound, the oldest reduction is retired (the current stream waits for it).
+  void add_inflight_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<StreamEvent> done);
+  // The current stream waits for every in-flight reduction; their buffers are released.
+  void wait_reductions();
+
+ private:
+  struct Inflight {
+    std::vector<at::Tensor> buffers;
+    std::shared_ptr<StreamEvent> done;
+  };
+  void retire_oldest();
+
+  c10::Device device_;
+  StreamSet streams_;
+  int64_t max_inflight_;
+  std::deque<Inflight> inflight_;
+};
+
+class Unit {
+ public:
+  Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names, ProcessGroupPtr pg,
+       int64_t alignment, std::optional<at::ScalarType> param_dtype,
+       std::optional<at::ScalarType> reduce_dtype);
+
+  const FlatLayout& layout() const { return layout_; }
+  int rank() const { return rs_comm_.rank(); }
+  int world_size() const { return rs_comm_.size(); }
+  UnitState state() const { return state_; }
+  at::ScalarType orig_dtype() const { return orig_dtype_; }
+  at::ScalarType param_dtype() const { return param_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  const c10::Device& device() const { return device_; }
+  const at::Tensor& sharded_flat() const { return sharded_flat_; }
+  // Bytes the unsharded buffer holds now (0 while SHARDED).
+  int64_t unsharded_storage_bytes() const;
+
+  std::vector<at::Tensor> sharded_views() const;
+  std::vector<at::Tensor> unsharded_views() const;
+  // The tensors the user sees (nn.Parameter objects made from the views above).
+  void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params);
+  void set_context(std::shared_ptr<CommContext> ctx);
+  void set_all_gather_group(ProcessGroupPtr pg);
+
+  // Issue the all-gather (on the all-gather stream for CUDA). No-op unless SHARDED.
+  void unshard();
+  // Make the current stream wait for the all-gather. No-op unless GATHERING.
+  void wait_unshard();
+  // Free the unsharded storage (waiting first if an all-gather is in flight).
+  void reshard();
+
+  // Move the gradients sitting on the unsharded params into this unit. With `sync`,
+  // reduce-scatter them (plus anything accumulated earlier) into the sharded .grad;
+  // without, accumulate them locally in the reduce dtype. Returns false when there
+  // was nothing to reduce.
+  bool reduce_grads(bool sync);
+  bool has_accumulated_grads() const { return accumulated_.defined(); }
+
+  // Full-precision unsharded copy of every parameter (synchronous collective).
+  std::vector<at::Tensor> gather_full_params();
+  // Overwrite this rank's shards from full (unsharded) parameter values.
+  void load_full_params(const std::vector<at::Tensor>& full);
+
+ private:
+  void check_sharded_params_intact();
+  void allocate_unsharded();
+  void free_unsharded();
+  bool is_view_of_grad_flat(const at::Tensor& g, int64_t i) const;
+  CommContext& ctx();
+
+  FlatLayout layout_;
+  std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<ShardSlice> slices_;
+  Communicator ag_comm_, rs_comm_;
+  c10::Device device_;
+  at::ScalarType orig_dtype_, param_dtype_, reduce_dtype_;
+
+  at::Tensor sharded_flat_;
+  at::Tensor unsharded_flat_;
+  int64_t unsharded_nbytes_ = 0;
+  std::vector<at::Tensor> sharded_params_, unsharded_params_;
+  std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
+  at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
+  at::Tensor grad_flat_;        // orig dtype, sharded: storage of the sharded .grad views
+
+  UnitState state_ = UnitState::kSharded;
+  std::shared_ptr<CommContext> ctx_;
+  StreamEvent compute_ready_, all_gather_done_;
+};
+
+}  // namespace mfsdp

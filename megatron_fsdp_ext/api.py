@@ -1,0 +1,248 @@
+"""Public API: fully_shard, FSDPModule methods and the mixed-precision policy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _C
+from .hooks import FSDPState, iter_states
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the unsharded parameters, the gradient reduction and the outputs.
+
+    param_dtype:  dtype parameters are all-gathered and computed in (None: as stored).
+    reduce_dtype: dtype gradients are reduce-scattered in (None: param_dtype).
+    output_dtype: dtype floating outputs of the module are cast to (None: unchanged).
+    cast_forward_inputs: cast floating inputs to param_dtype before forward.
+    The sharded master parameters always stay in their original dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype, got {value!r}")
+            if not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{field} must be a floating-point dtype "
+                    f"(one of {', '.join(str(d) for d in _FLOAT_DTYPES)}), got {value}"
+                )
+
+
+class UnshardHandle:
+    """Returned by FSDPModule.unshard(async_op=True); wait() makes the parameters usable."""
+
+    def __init__(self, state: Optional[FSDPState]):
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state = None
+
+
+class FSDPModule:
+    """Mixin added to every module passed to fully_shard (the class is swapped in place)."""
+
+    @property
+    def _fsdp_state(self) -> FSDPState:
+        return self.__dict__["_mfsdp_state"]
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters; with async_op, return a handle to wait on."""
+        state = self._fsdp_state
+        state.lazy_init()
+        state.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones again."""
+        self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward accumulates gradients locally without communication
+        (gradient accumulation); the next backward with True reduces everything."""
+        for state in self._states(recurse):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for state in self._states(recurse):
+            state.set_reshard_after_forward(bool(reshard_after_forward))
+
+    def _states(self, recurse: bool):
+        return list(iter_states(self)) if recurse else [self._fsdp_state]
+
+
+_CLASS_CACHE: dict = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _CLASS_CACHE[cls]
+
+
+def _backend_device_types(pg) -> set:
+    backend = str(dist.get_backend(pg)).lower()
+    kinds = set()
+    if "nccl" in backend:
+        kinds.add("cuda")
+    if "gloo" in backend:
+        kinds.add("cpu")
+    if not kinds:
+        raise ValueError(f"fully_shard supports NCCL and Gloo process groups, got backend '{backend}'")
+    return kinds
+
+
+def _check_devices(module: nn.Module, params: list, names: list, pg) -> None:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        by_dev = {}
+        for p, n in zip(params, names):
+            by_dev.setdefault(str(p.device), n)
+        listing = ", ".join(f"'{n}' on {d}" for d, n in by_dev.items())
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameters are on different devices ({listing}); "
+            "move the module to one device first"
+        )
+    device = next(iter(devices))
+    if device.type == "meta":
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameters are on the meta device; "
+            "materialize them (e.g. module.to_empty(device=...) and initialize) before fully_shard"
+        )
+    kinds = _backend_device_types(pg)
+    if device.type not in kinds:
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameters are on {device} but the process group's "
+            f"backend '{dist.get_backend(pg)}' communicates {'/'.join(sorted(kinds))} tensors; "
+            f"move the module to {'cuda' if 'cuda' in kinds else 'cpu'} first"
+        )
+    if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if device.index != current:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): parameters are on {device} but the current CUDA "
+                f"device is cuda:{current}; call torch.cuda.set_device(local_rank) before building the model"
+            )
+
+
+def _collect(module: nn.Module, ignored: set):
+    """The parameters this call owns and every slot (module._parameters, name) holding them.
+
+    Subtrees of already-sharded modules belong to their own units and are skipped; a
+    parameter of such a unit found outside it is a tie across units, which one unit's
+    swap could not serve, so it is refused.
+    """
+    params, names, index_of = [], [], {}
+    slots = []  # (params_dict, name, index)
+
+    def visit(mod: nn.Module, prefix: str, is_top: bool):
+        if not is_top and "_mfsdp_state" in mod.__dict__:
+            return
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is not None:
+                raise ValueError(
+                    f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
+                    f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
+                    "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
+                    "is tied to a module of another unit (tied parameters must live in one unit)"
+                )
+            if id(p) not in index_of:
+                index_of[id(p)] = len(params)
+                params.append(p)
+                names.append(prefix + name)
+            slots.append((mod._parameters, name, index_of[id(p)]))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    visit(module, "", True)
+    return params, names, slots
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    alignment: int = 16,
+) -> nn.Module:
+    """Shard `module`'s parameters (those not already claimed by an inner fully_shard
+    call) across `process_group` (ZeRO-3) and install the hooks that all-gather them
+    for forward/backward and reduce-scatter their gradients.
+
+    Call it bottom-up: each transformer block first, then the root. Returns `module`,
+    whose class now also derives from FSDPModule.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fully_shard needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
+    if "_mfsdp_state" in module.__dict__:
+        raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+
+    ignored = {id(p) for p in (ignored_params or ())}
+    params, names, slots = _collect(module, ignored)
+    unit = None
+    sharded, unsharded = [], []
+    if params:
+        _check_devices(module, params, names, pg)
+        for p, n in zip(params, names):
+            if not p.is_floating_point():
+                raise ValueError(f"fully_shard: parameter '{n}' has non-floating dtype {p.dtype}")
+        unit = _C.Unit(
+            [p.detach() for p in params], names, pg, alignment,
+            mp_policy.param_dtype, mp_policy.reduce_dtype,
+        )
+        for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
+            s = nn.Parameter(sview, requires_grad=p.requires_grad)
+            u = nn.Parameter(uview, requires_grad=p.requires_grad)
+            # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
+            for k, v in p.__dict__.items():
+                if not k.startswith("_mfsdp"):
+                    setattr(s, k, v)
+                    setattr(u, k, v)
+            sharded.append(s)
+            unsharded.append(u)
+        unit.bind_params(sharded, unsharded)
+
+    state = FSDPState(
+        module, unit, names, sharded, unsharded, slots, pg,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+    )
+    module.__dict__["_mfsdp_state"] = state
+    module.__class__ = _fsdp_class(type(module))
+    return module

@@ -1,0 +1,104 @@
+"""Full (unsharded) state dicts that load into the plain, unwrapped nn.Module."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .hooks import iter_states
+
+
+def _unit_states(module: nn.Module):
+    states = [s for s in iter_states(module) if s.unit is not None]
+    for s in states:
+        if s.unit.state != s.unit.state.SHARDED:
+            raise RuntimeError(
+                f"full state dict: {s} is unsharded right now (inside forward/backward or after "
+                "unshard()); call it between training steps or reshard() first"
+            )
+    return states
+
+
+def _names_by_param(module: nn.Module) -> Dict[int, list]:
+    names: Dict[int, list] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict:
+    """Gather every sharded parameter in full precision. Collective: call on all ranks.
+
+    Returns the full state dict (same keys as the unwrapped module's) on rank 0, or on
+    every rank with rank0_only=False; other ranks get {}.
+    """
+    states = _unit_states(module)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    keep = (not rank0_only) or rank == 0
+    names = _names_by_param(module)
+    sd = module.state_dict()
+    for state in states:
+        full = state.unit.gather_full_params()
+        for p, t in zip(state.sharded_params, full):
+            for key in names.get(id(p), ()):
+                if keep:
+                    sd[key] = t.detach().cpu() if cpu_offload else t.detach().clone()
+    if not keep:
+        return {}
+    if cpu_offload:
+        sd = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    return sd
+
+
+def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True) -> None:
+    """Load a full (unsharded) state dict, as saved from the plain module or by
+    full_state_dict(), into a sharded module. Every rank passes the full dict."""
+    states = _unit_states(module)
+    names = _names_by_param(module)
+    sharded_ids = set()
+    expected = set(module.state_dict().keys())
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise KeyError(
+            "load_full_state_dict: "
+            + (f"missing keys {missing}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected keys {unexpected}" if unexpected else "")
+        )
+    for state in states:
+        full = []
+        for p, u, name in zip(state.sharded_params, state.unsharded_params, state.names):
+            sharded_ids.add(id(p))
+            keys = [k for k in names.get(id(p), ()) if k in state_dict]
+            if not keys:
+                if strict:
+                    raise KeyError(f"load_full_state_dict: missing key for parameter '{name}'")
+                full.append(None)
+                continue
+            value = state_dict[keys[0]]
+            if tuple(value.shape) != tuple(u.shape):
+                raise ValueError(
+                    f"load_full_state_dict: '{keys[0]}' has shape {tuple(value.shape)}, "
+                    f"expected {tuple(u.shape)}"
+                )
+            full.append(value.detach().to(device=state.unit.device, dtype=state.unit.orig_dtype))
+        if any(t is None for t in full):
+            current = state.unit.gather_full_params()
+            full = [c if t is None else t for c, t in zip(current, full)]
+        state.unit.load_full_params(full)
+    # Everything else (buffers, ignored/unsharded parameters) is replicated: copy it.
+    sharded_keys = {k for pid in sharded_ids for k in names.get(pid, ())}
+    own = module.state_dict()
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if key in sharded_keys or key not in own:
+                continue
+            target = own[key]
+            if tuple(target.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(value)

@@ -1,0 +1,257 @@
+"""Per-unit state and the module/autograd hooks that drive the C++ units.
+
+Each hook does O(1) Python work per unit: one or two calls into the C++ Unit, which
+holds everything per-parameter.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from . import _C
+
+
+def iter_states(module: nn.Module):
+    """FSDP states of `module` and its descendants, in module (pre-)order."""
+    for m in module.modules():
+        state = m.__dict__.get("_mfsdp_state")
+        if state is not None:
+            yield state
+
+
+class RootContext:
+    """What all units under one root share: the C++ CommContext (streams, in-flight
+    reductions) and the per-backward bookkeeping."""
+
+    def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device):
+        self.root = root
+        self.states = states
+        self.device = device
+        self.comm = _C.CommContext(device, 2)
+        self.final_callback_queued = False
+
+    def queue_final_callback(self) -> None:
+        if self.final_callback_queued:
+            return
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        # Units whose post-backward hook did not fire (e.g. the root, whose inputs are
+        # token ids) are reduced here, innermost last-used first.
+        for state in reversed(self.states):
+            state.post_backward()
+        self.comm.wait_reductions()
+        for state in self.states:
+            state.end_backward()
+        self.final_callback_queued = False
+
+
+class _RegisterPostBackward(torch.autograd.Function):
+    """Identity on the unit's forward inputs; its backward runs once the unit's whole
+    backward is done (the inputs' gradients are the last thing the unit produces)."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None,) + grads
+
+
+class FSDPState:
+    def __init__(self, module, unit, names, sharded, unsharded, slots, pg, *,
+                 reshard_after_forward: bool, mp_policy):
+        self._module_ref = weakref.ref(module)
+        self._module_name = type(module).__name__
+        self.unit = unit
+        self.names = names
+        self.sharded_params = sharded
+        self.unsharded_params = unsharded
+        self.process_group = pg
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self._user_reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        self.ctx: Optional[RootContext] = None
+        self.is_root = False
+        self._pre_backward_done = False
+        self._post_backward_done = False
+
+        self.slots = _C.ParamSlots()
+        for params_dict, name, index in slots:
+            self.slots.add(params_dict, name, index)
+            params_dict[name] = sharded[index]
+        if unit is not None:
+            self.slots.set_objects(list(sharded), list(unsharded))
+            owner = weakref.ref(self)
+            for p in sharded:
+                p._mfsdp_owner = owner
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self._module_name} (unit of {len(self.names)} parameters)"
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module_ref()
+
+    # ------------------------------------------------------------ lazy init
+
+    def lazy_init(self) -> None:
+        if self.ctx is not None:
+            return
+        states = list(iter_states(self.module))
+        for s in states:
+            if s.ctx is not None:
+                raise RuntimeError(
+                    f"fully_shard: {s} already belongs to the root {s.ctx.root}; a module can be the "
+                    "root of one forward only (run forward on the outermost fully_shard module)"
+                )
+        device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
+        ctx = RootContext(self, states, device)
+        for s in states:
+            if s.unit is not None and s.unit.device != device:
+                raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
+            s.ctx = ctx
+            s.is_root = s is self
+            if s.unit is not None:
+                s.unit.set_context(ctx.comm)
+        # The root is used again right at the start of backward: keep it unsharded.
+        self.reshard_after_forward = False
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        self._user_reshard_after_forward = value
+        self.reshard_after_forward = value and not self.is_root
+
+    # ------------------------------------------------------------ unshard / reshard
+
+    def unshard(self) -> None:
+        if self.unit is not None:
+            self.unit.unshard()
+
+    def wait_unshard(self) -> None:
+        if self.unit is None:
+            return
+        self.unit.wait_unshard()
+        self._install(unsharded=True)
+
+    def reshard(self) -> None:
+        if self.unit is None:
+            return
+        self.unit.reshard()
+        self._install(unsharded=False)
+
+    def _install(self, unsharded: bool) -> None:
+        replaced = self.slots.install(unsharded)
+        if replaced:
+            self._adopt_replaced(replaced)
+            self.slots.install(unsharded)
+
+    def _adopt_replaced(self, replaced) -> None:
+        """The user assigned a new parameter to a slot (module.weight = nn.Parameter(...)).
+        A same-shaped full parameter is copied into the shard; anything else is an error."""
+        for slot in replaced:
+            idx = self.slots.param_index(slot)
+            params_dict, name = self.slots.params_dict(slot), str(self.slots.name(slot))
+            new = params_dict[name]
+            unsharded = self.unsharded_params[idx]
+            if not isinstance(new, torch.Tensor) or new.shape != unsharded.shape:
+                shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise ValueError(
+                    f"parameter '{self.names[idx]}' of {self} was replaced by one of shape {shape}, "
+                    f"but the sharded parameter has full shape {tuple(unsharded.shape)}; "
+                    "a replacement must keep the shape (or build the model again before fully_shard)"
+                )
+            full = [None] * len(self.names)
+            gathered = self.unit.gather_full_params()
+            for i, t in enumerate(gathered):
+                full[i] = t
+            full[idx] = new.detach().to(device=gathered[idx].device, dtype=gathered[idx].dtype)
+            self.unit.load_full_params(full)
+            params_dict[name] = self.sharded_params[idx]
+
+    # ------------------------------------------------------------ forward hooks
+
+    def _pre_forward(self, module, args, kwargs):
+        if self.ctx is None:
+            self.lazy_init()
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            dtype = self.mp_policy.param_dtype
+            args, kwargs = tree_map(
+                lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
+            )
+        self.unshard()
+        self.wait_unshard()
+        if torch.is_grad_enabled():
+            self._pre_backward_done = False
+            self._post_backward_done = False
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _register_post_backward(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _RegisterPostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, module, args, output):
+        grad_enabled = torch.is_grad_enabled()
+        if self.reshard_after_forward or not grad_enabled:
+            self.reshard()
+        if self.mp_policy.output_dtype is not None:
+            dtype = self.mp_policy.output_dtype
+            output = tree_map(
+                lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                output,
+            )
+        if grad_enabled:
+            flat, _ = tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    # ------------------------------------------------------------ backward hooks
+
+    def _pre_backward_hook(self, grad):
+        self.pre_backward()
+        return None
+
+    def pre_backward(self) -> None:
+        if self._pre_backward_done:
+            return
+        self._pre_backward_done = True
+        self.ctx.queue_final_callback()
+        self.unshard()
+        self.wait_unshard()
+
+    def post_backward(self) -> None:
+        if self._post_backward_done:
+            return
+        self._post_backward_done = True
+        self.ctx.queue_final_callback()
+        if self.unit is None:
+            return
+        self.unit.reduce_grads(self.requires_gradient_sync)
+        self.reshard()
+
+    def end_backward(self) -> None:
+        self._pre_backward_done = False
+        self._post_backward_done = False

@@ -1,0 +1,120 @@
+"""Run a function on N local processes with a process group, fail loudly on timeout."""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, results):
+    try:
+        # A hung rank prints every thread's stack shortly before the launcher kills it.
+        faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+        finally:
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 180.0,
+    **kwargs: Any,
+) -> List[Any]:
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes and return
+    the per-rank results. Raises DistributedTestError with the failing rank's
+    traceback, or when the processes do not finish within `timeout` seconds (they
+    are killed: a hang never blocks the test suite)."""
+    ctx = mp.get_context("spawn")
+    fd, init_file = tempfile.mkstemp(prefix="mfsdp_init_")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, backend, init_file, timeout, args, kwargs, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outputs, failures = {}, {}
+    try:
+        while len(outputs) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedTestError(
+                    f"{fn.__name__} (world {world_size}, {backend}) timed out after {timeout:.0f}s; "
+                    f"ranks finished: {sorted(outputs)}; failed: {sorted(failures)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs and r not in failures]
+                # A rank that died without reporting (segfault, abort) fails the test.
+                if dead and all(procs[r].exitcode not in (None, 0) for r in dead):
+                    time.sleep(0.5)
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedTestError(
+                            f"{fn.__name__} (world {world_size}, {backend}): ranks died without a result, "
+                            f"exit codes {codes}"
+                        )
+                continue
+            if ok:
+                outputs[rank] = payload
+            else:
+                failures[rank] = payload
+                # One failing rank usually leaves the others blocked in a collective.
+                break
+        if failures:
+            rank = min(failures)
+            raise DistributedTestError(
+                f"{fn.__name__} (world {world_size}, {backend}) failed on rank {rank}:\n{failures[rank]}"
+            )
+        return [outputs[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures and len(outputs) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
