@@ -5,7 +5,15 @@ __version__ = "0.1.0"
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401  (fails loudly if the extension was not built)
+try:
+    from . import _C  # noqa: F401
+except ImportError as _err:  # pragma: no cover - depends on how the package was installed
+    raise ImportError(
+        "megatron_fsdp_ext: the C++ extension megatron_fsdp_ext._C is missing or does not load "
+        f"({_err}). Build it with `pip install --no-build-isolation .` (or `-e .` for development); "
+        "if you installed it, you may be importing the source tree instead: run from another "
+        "directory or with `python -P`."
+    ) from _err
 from .api import (
     FSDPModule,
     MixedPrecisionPolicy,

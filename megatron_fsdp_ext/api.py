@@ -1,6 +1,7 @@
 """Public API: fully_shard, FSDPModule methods and the mixed-precision policy."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -162,6 +163,8 @@ def _collect(module: nn.Module, ignored: set):
         for name, p in mod._parameters.items():
             if p is None or id(p) in ignored:
                 continue
+            # _mfsdp_owner marks both the sharded parameter and the original it replaced
+            # (a tied original can still sit in a module outside the unit's subtree).
             owner = getattr(p, "_mfsdp_owner", None)
             if owner is not None:
                 raise ValueError(
@@ -243,6 +246,9 @@ def fully_shard(
         module, unit, names, sharded, unsharded, slots, pg,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
     )
+    owner = weakref.ref(state)
+    for p in params:  # a tied copy of an original elsewhere must not be claimed again
+        p._mfsdp_owner = owner
     module.__dict__["_mfsdp_state"] = state
     module.__class__ = _fsdp_class(type(module))
     return module

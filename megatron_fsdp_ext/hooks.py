@@ -110,15 +110,12 @@ class FSDPState:
     # ------------------------------------------------------------ lazy init
 
     def lazy_init(self) -> None:
+        """Make this state the root of every unit in its subtree (first forward or
+        unshard()). A descendant that was made root earlier (e.g. by calling unshard()
+        on it alone) is taken over."""
         if self.ctx is not None:
             return
         states = list(iter_states(self.module))
-        for s in states:
-            if s.ctx is not None:
-                raise RuntimeError(
-                    f"fully_shard: {s} already belongs to the root {s.ctx.root}; a module can be the "
-                    "root of one forward only (run forward on the outermost fully_shard module)"
-                )
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
         ctx = RootContext(self, states, device)
         for s in states:
@@ -126,10 +123,9 @@ class FSDPState:
                 raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
             s.ctx = ctx
             s.is_root = s is self
+            s.reshard_after_forward = s._user_reshard_after_forward and not s.is_root
             if s.unit is not None:
                 s.unit.set_context(ctx.comm)
-        # The root is used again right at the start of backward: keep it unsharded.
-        self.reshard_after_forward = False
 
     def set_reshard_after_forward(self, value: bool) -> None:
         self._user_reshard_after_forward = value

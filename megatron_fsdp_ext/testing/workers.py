@@ -63,7 +63,10 @@ def make_optimizer(params, opts: Dict):
     kind = opts.get("optimizer", "adamw")
     if kind == "adamw":
         fused = opts.get("fused", False)
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused or None)
+        # lr 1e-4: Adam's g/sqrt(v) amplifies fp32 rounding of near-zero gradients
+        # (reduction order differs from the reference) in proportion to lr; the
+        # parity test also checks the parameters moved far more than its tolerance.
+        return torch.optim.AdamW(params, lr=opts.get("lr", 1e-4), weight_decay=0.1, fused=fused or None)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     raise ValueError(kind)
@@ -80,6 +83,7 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     """Train sharded vs reference for opts['steps'] steps; assert parity; return stats."""
     device = device_for_backend()
     cfg, model, ref = build_models(opts, device)
+    init_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     shard(model, opts)
     opt = make_optimizer(model.parameters(), opts)
     ref_opt = make_optimizer(ref.parameters(), opts)
@@ -134,7 +138,18 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     loss_tol = opts.get("loss_tol", 1e-5)
     loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
     assert max(loss_errs) <= loss_tol, f"losses {losses} vs reference {ref_losses} (rel err {max(loss_errs):.2e} > {loss_tol})"
-    assert errs[worst] <= param_tol, f"parameter '{worst}' rel err {errs[worst]:.3e} > {param_tol}"
+    moved = {k: rel_err(ref_sd[k], init_sd[k]) for k in ref_sd}
+    if "param_tol_of_update" in opts:
+        # Low precision: each parameter must end far closer to the reference than the
+        # reference is to the initial value (its error is a small part of its update).
+        frac = {k: errs[k] / moved[k] for k in ref_sd if moved[k] > 0}
+        k = max(frac, key=frac.get)
+        assert frac[k] <= opts["param_tol_of_update"], (
+            f"parameter '{k}' error {errs[k]:.2e} is {frac[k]:.2f} of its update {moved[k]:.2e}")
+    else:
+        assert errs[worst] <= param_tol, f"parameter '{worst}' rel err {errs[worst]:.3e} > {param_tol}"
+        assert max(moved.values()) > 100 * param_tol, (
+            f"reference parameters barely moved ({max(moved.values()):.2e}); the parity check would be vacuous")
     if clip:
         norm_errs = [abs(a - b) / b for a, b in zip(norms, ref_norms)]
         assert max(norm_errs) <= opts.get("norm_tol", 1e-4), f"grad norms {norms} vs {ref_norms}"
@@ -146,3 +161,132 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
         plain.blocks[0].unused = nn.Linear(cfg.d_model, 7)
     plain.load_state_dict(full)
     return {"losses": losses, "ref_losses": ref_losses, "max_param_err": errs[worst], "worst": worst}
+
+
+class TinyOddModel(nn.Module):
+    """Parameters smaller than the world size, of zero size, and of odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 3)
+        self.scalar = nn.Parameter(torch.tensor([0.7]))  # numel 1 < world
+        self.empty = nn.Parameter(torch.empty(0, 3))     # zero-size
+        self.odd = nn.Linear(3, 1, bias=False)           # numel 3
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x)) * self.scalar
+        h = h + self.empty.sum()  # keeps the zero-size parameter in the graph
+        return self.odd(h).squeeze(-1)
+
+
+def train_tiny_parity(rank: int, world: int, opts: Dict) -> float:
+    """Odd-sized, zero-size and smaller-than-world parameters train exactly like the reference."""
+    device = device_for_backend()
+    torch.manual_seed(0)
+    model = TinyOddModel().to(device)
+    ref = copy.deepcopy(model)
+    mfsdp.fully_shard(model.inner)
+    mfsdp.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(5)
+    per_rank = 3
+    for _ in range(5):
+        x = torch.randn(per_rank * world, 5, generator=g).to(device)
+        y = torch.randn(per_rank * world, generator=g).to(device)
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
+        opt.step()
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    worst = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    assert worst <= 1e-6, f"tiny model parity error {worst}"
+    assert full["empty"].shape == (0, 3)
+    return worst
+
+
+def api_semantics(rank: int, world: int) -> None:
+    """unshard/reshard, parameter registration, state dict round trips, replaced params."""
+    device = device_for_backend()
+    cfg, model, ref = build_models({"layers": 2}, device)
+    shard(model, {})
+    block = model.blocks[0]
+    # Outside forward: sharded 1-D parameters, which together hold each parameter once.
+    for p in model.parameters():
+        assert p.dim() == 1, "sharded parameters must be 1-D shards"
+    local = sum(p.numel() for p in model.parameters())
+    total = torch.tensor([local], device=device)
+    dist.all_reduce(total)
+    assert total.item() == sum(p.numel() for p in ref.parameters())
+
+    # unshard(): full parameters registered with the right values; reshard() undoes it.
+    assert isinstance(block, mfsdp.FSDPModule)
+    block.unshard()
+    for (name, p), (_, q) in zip(block.named_parameters(), ref.blocks[0].named_parameters()):
+        assert p.shape == q.shape, f"{name}: {p.shape} vs {q.shape}"
+        assert torch.equal(p.detach(), q.detach()), f"{name} differs after unshard"
+    block.reshard()
+    assert all(p.dim() == 1 for p in block.parameters())
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    assert block.mlp.w_down.weight.shape == ref.blocks[0].mlp.w_down.weight.shape
+    block.reshard()
+
+    # Full state dict loads into the plain module and round-trips through load_full_state_dict.
+    full = mfsdp.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        plain = LlamaModel(cfg)
+        plain.load_state_dict(full)
+        for k, v in ref.state_dict().items():
+            assert torch.equal(full[k], v.cpu()), k
+    else:
+        assert full == {}
+    torch.manual_seed(77)
+    other = LlamaModel(cfg).to(device)
+    mfsdp.load_full_state_dict(model, other.state_dict())
+    again = mfsdp.full_state_dict(model, rank0_only=False)
+    for k, v in other.state_dict().items():
+        assert torch.equal(again[k].to(device), v), f"load_full_state_dict lost {k}"
+    bad = dict(other.state_dict())
+    bad.pop("norm.weight")
+    try:
+        mfsdp.load_full_state_dict(model, bad)
+        raise AssertionError("missing key accepted")
+    except KeyError as e:
+        assert "norm.weight" in str(e)
+
+    # Replacing a parameter with a same-shaped one: adopted at the next unshard.
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+    shape = tuple(ref.blocks[1].mlp.w_down.weight.shape)
+    model.blocks[1].mlp.w_down.weight = nn.Parameter(torch.full(shape, 0.5, device=device))
+    with torch.no_grad():
+        model(tokens)
+    replaced = mfsdp.full_state_dict(model, rank0_only=False)["blocks.1.mlp.w_down.weight"]
+    assert torch.all(replaced == 0.5), "same-shape replacement was not adopted"
+    # ...and with a different shape: a clear error naming the parameter.
+    model.blocks[1].mlp.w_down.weight = nn.Parameter(torch.zeros(3, 3, device=device))
+    try:
+        with torch.no_grad():
+            model(tokens)
+        raise AssertionError("replacement with a different shape was accepted")
+    except ValueError as e:
+        assert "mlp.w_down.weight" in str(e) and "shape" in str(e), str(e)
+
+
+def world_one_and_eval(rank: int, world: int) -> None:
+    """Eval (no_grad) forward reshards everything; outputs match the reference."""
+    device = device_for_backend()
+    cfg, model, ref = build_models({}, device)
+    shard(model, {})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+    with torch.no_grad():
+        out = model(tokens)
+        expected = ref(tokens)
+    assert rel_err(out, expected) < 1e-6
+    for m in model.modules():
+        state = m.__dict__.get("_mfsdp_state")
+        if state is not None and state.unit is not None:
+            assert state.unit.unsharded_storage_bytes == 0, f"{state} still unsharded after eval forward"

@@ -1,0 +1,116 @@
+"""FlatLayout math: offsets, alignment, segments and shard slices (no process group)."""
+import random
+
+import pytest
+
+from megatron_fsdp_ext import _C
+
+
+def check_even_layout(numels, world, align):
+    layout = _C.FlatLayout.even(numels, world, align)
+    offsets = layout.offsets
+    # Params are in order, aligned, non-overlapping, inside the buffer.
+    end = 0
+    for off, n in zip(offsets, numels):
+        assert off % align == 0
+        assert off >= end
+        end = off + n
+    assert layout.total_numel >= end
+    segs = layout.segment_numels
+    assert len(segs) == world and len(set(segs)) == 1
+    assert segs[0] % align == 0
+    assert layout.total_numel == segs[0] * world
+    assert layout.segment_starts == [r * segs[0] for r in range(world)]
+    # Every element of every parameter is in exactly one rank's shard, at the right place.
+    for i, n in enumerate(numels):
+        covered = []
+        for r in range(world):
+            s = layout.shard_slice(i, r)
+            assert 0 <= s.shard_offset and s.shard_offset + s.numel <= segs[r]
+            if s.numel:
+                # Same flat position seen from the parameter and from the segment.
+                assert offsets[i] + s.param_offset == layout.segment_starts[r] + s.shard_offset
+                covered.extend(range(s.param_offset, s.param_offset + s.numel))
+        assert sorted(covered) == list(range(n))
+    covered_total = sum(numels)
+    assert layout.has_gaps == (covered_total != layout.total_numel)
+    return layout
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_even_layout_random(world, align):
+    rng = random.Random(world * 100 + align)
+    for _ in range(20):
+        numels = [rng.choice([0, 1, 2, 3, 7, 16, 17, 100, 1023]) for _ in range(rng.randint(1, 9))]
+        check_even_layout(numels, world, align)
+
+
+
+
+def test_small_param_spread_over_ranks_without_alignment():
+    layout = _C.FlatLayout.even([3], 8, 1)
+    assert layout.segment_numels == [1] * 8
+    assert [layout.shard_slice(0, r).numel for r in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def test_zero_size_params_and_offsets():
+    layout = check_even_layout([0, 5, 0, 0, 17], 3, 16)
+    assert layout.offsets == [0, 0, 16, 16, 16]
+    assert layout.total_numel == 48  # 33 elements -> 3 segments of 16
+
+
+def test_all_zero_size():
+    layout = _C.FlatLayout.even([0, 0], 4, 16)
+    assert layout.total_numel == 0
+    assert all(layout.shard_slice(i, r).numel == 0 for i in range(2) for r in range(4))
+
+
+def test_world_one_is_identity():
+    layout = check_even_layout([10, 7], 1, 4)
+    assert layout.segment_starts == [0]
+    s = layout.shard_slice(1, 0)
+    assert (s.param_offset, s.shard_offset, s.numel) == (0, 12, 7)
+
+
+def test_alignment_padding_fraction():
+    layout = _C.FlatLayout.even([1] * 4, 1, 16)
+    assert layout.total_numel == 64
+    assert layout.padding_fraction == pytest.approx(60 / 64)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_owner_layout_segments_are_contiguous_and_uneven(world):
+    rng = random.Random(world)
+    numels = [rng.randint(0, 300) for _ in range(11)]
+    owners = [rng.randrange(world) for _ in numels]
+    layout = _C.FlatLayout.by_owner(numels, owners, world, 16)
+    assert layout.kind == "owner"
+    starts, lens = layout.segment_starts, layout.segment_numels
+    assert starts[0] == 0
+    for r in range(world - 1):
+        assert starts[r] + lens[r] == starts[r + 1]
+    assert starts[-1] + lens[-1] == layout.total_numel
+    for i, n in enumerate(numels):
+        r = owners[i]
+        assert layout.owner(i) == r
+        s = layout.shard_slice(i, r)
+        assert s.numel == n and s.param_offset == 0  # wholly on its owner
+        for other in range(world):
+            if other != r:
+                assert layout.shard_slice(i, other).numel == 0
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _C.FlatLayout.even([1], 0, 16), "world_size must be >= 1"),
+        (lambda: _C.FlatLayout.even([1], 2, 0), "alignment must be >= 1"),
+        (lambda: _C.FlatLayout.even([4, -1], 2, 1), "parameter 1 has negative numel"),
+        (lambda: _C.FlatLayout.by_owner([1, 2], [0], 2, 1), "owners has 1 entries for 2 parameters"),
+        (lambda: _C.FlatLayout.by_owner([1], [2], 2, 1), "owner 2 outside"),
+    ],
+)
+def test_layout_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

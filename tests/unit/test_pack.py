@@ -1,0 +1,63 @@
+"""Packing/cast kernels against plain torch (CPU here; the GPU suite runs them on CUDA)."""
+import pytest
+import torch
+
+from megatron_fsdp_ext import _C
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def reference_pack(flat, tensors, offsets, accumulate):
+    out = flat.clone() if accumulate else torch.zeros_like(flat)
+    for t, off in zip(tensors, offsets):
+        if t is None:
+            continue
+        seg = out[off: off + t.numel()]
+        seg.copy_((seg.float() + t.reshape(-1).float()) if accumulate else t.reshape(-1).float())
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumulate):
+    g = torch.Generator().manual_seed(0)
+    # Many tensors, some empty, some missing, some larger than one CUDA chunk (16384),
+    # and more tensors than one launch holds (48) to exercise launch splitting.
+    sizes = [0, 1, 5, 16, 40000, 3, 17000] + [7] * 60 + [300000]
+    tensors, offsets, cursor = [], [], 0
+    for i, n in enumerate(sizes):
+        cursor = (cursor + 15) // 16 * 16
+        offsets.append(cursor)
+        t = torch.randn(n, generator=g).to(src_dtype).to(device)
+        tensors.append(None if i % 11 == 4 else t.view(-1, 1) if n else t)
+        cursor += n
+    flat = torch.randn(cursor + 9, generator=g).to(dst_dtype).to(device)
+    expected = reference_pack(flat, tensors, offsets, accumulate)
+    _C.pack_into_flat(flat, tensors, offsets, accumulate, True)
+    tol = dict(rtol=1e-2, atol=1e-2) if dst_dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(flat.float(), expected.float(), **tol)
+
+
+def test_pack_rejects_out_of_range():
+    flat = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="exceeds the flat buffer"):
+        _C.pack_into_flat(flat, [torch.ones(5)], [8])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cast_scale_into(device, src_dtype, accumulate):
+    src = torch.randn(1000).to(src_dtype).to(device)
+    dst = torch.randn(1000, device=device)
+    expected = (dst if accumulate else 0) + src.float() * 0.25
+    _C.cast_scale_into(dst, src, 0.25, accumulate)
+    torch.testing.assert_close(dst, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_cast_scale_in_place():
+    t = torch.arange(8.0)
+    _C.cast_scale_into(t, t, 0.5, False)
+    assert t.tolist() == [x * 0.5 for x in range(8)]
