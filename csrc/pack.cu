@@ -1,8 +1,9 @@
 // Fused multi-tensor cast/copy kernels (see pack.h).
 #include "pack.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -72,7 +73,8 @@ void launch_pack(PackLaunch& args, int blocks, Dst* flat, bool accumulate, cudaS
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets, bool accumulate) {
   const at::ScalarType src_type = tensors.front().scalar_type();
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(flat.device().index());
+  c10::cuda::CUDAGuard guard(flat.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
   dispatch_float(flat.scalar_type(), "pack_into_flat", [&](auto dst_tag) {
     using Dst = decltype(dst_tag);
     dispatch_float(src_type, "pack_into_flat", [&](auto src_tag) {
@@ -113,9 +115,12 @@ void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensor
 
 void cast_scale_into_cuda(at::Tensor& dst, const at::Tensor& src, double scale, bool accumulate) {
   const int64_t n = dst.numel();
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(dst.device().index());
+  c10::cuda::CUDAGuard guard(dst.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dst.device().index()).stream();
   const int threads = 512;
-  const int64_t max_blocks = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dst.device().index()));
+  const int64_t max_blocks = static_cast<int64_t>(sms) * 8;
   const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, max_blocks));
   dispatch_float(dst.scalar_type(), "cast_scale_into", [&](auto dst_tag) {
     using Dst = decltype(dst_tag);

@@ -290,3 +290,98 @@ def world_one_and_eval(rank: int, world: int) -> None:
         state = m.__dict__.get("_mfsdp_state")
         if state is not None and state.unit is not None:
             assert state.unit.unsharded_storage_bytes == 0, f"{state} still unsharded after eval forward"
+
+
+# ---------------------------------------------------------------- GPU-only workers
+
+def _sleep_cycles() -> int:
+    return 20_000_000  # ~10 ms on an H200: long enough to expose a missing wait
+
+
+def install_stream_chaos() -> None:
+    """Delay the compute stream right before every unshard and gradient reduction,
+    and the side streams right before their collectives are issued, so that any
+    missing cross-stream wait produces wrong numbers instead of passing by luck."""
+    from megatron_fsdp_ext import hooks
+
+    def as_cuda_stream(s):
+        return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+    orig_unshard = hooks.FSDPState.unshard
+    orig_post_backward = hooks.FSDPState.post_backward
+
+    def unshard(self):
+        if self.unit is not None and self.ctx is not None:
+            torch.cuda._sleep(_sleep_cycles())            # compute still busy when AG starts
+            with torch.cuda.stream(as_cuda_stream(self.ctx.comm.all_gather_stream())):
+                torch.cuda._sleep(_sleep_cycles())        # AG late: compute must wait for it
+        orig_unshard(self)
+
+    def post_backward(self):
+        if self.unit is not None and not self._post_backward_done:
+            torch.cuda._sleep(_sleep_cycles())            # grads packed late on compute
+            with torch.cuda.stream(as_cuda_stream(self.ctx.comm.reduce_scatter_stream())):
+                torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
+        orig_post_backward(self)
+
+    hooks.FSDPState.unshard = unshard
+    hooks.FSDPState.post_backward = post_backward
+
+
+def train_parity_with_stream_chaos(rank: int, world: int, opts: Dict) -> Dict:
+    install_stream_chaos()
+    return train_parity(rank, world, opts)
+
+
+def cuda_device_errors(rank: int, world: int) -> None:
+    """Parameters not on the process group's device are refused with a clear message."""
+    gloo = dist.new_group(backend="gloo")
+    m = nn.Linear(4, 4).cuda()
+    try:
+        mfsdp.fully_shard(m, process_group=gloo)
+        raise AssertionError("CUDA params with a Gloo group accepted")
+    except ValueError as e:
+        assert "backend 'gloo'" in str(e) and "cuda" in str(e), str(e)
+    m = nn.Linear(4, 4)  # CPU params, default NCCL group
+    try:
+        mfsdp.fully_shard(m)
+        raise AssertionError("CPU params with an NCCL group accepted")
+    except ValueError as e:
+        assert "move the module to cuda" in str(e), str(e)
+    other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+    m = nn.Linear(4, 4).to(f"cuda:{other}")
+    try:
+        mfsdp.fully_shard(m)
+        raise AssertionError("params on a non-current GPU accepted")
+    except ValueError as e:
+        assert "current CUDA device" in str(e), str(e)
+    m = nn.Sequential(nn.Linear(4, 4).cuda(), nn.Linear(4, 4))
+    try:
+        mfsdp.fully_shard(m)
+        raise AssertionError("params on two devices accepted")
+    except ValueError as e:
+        assert "different devices" in str(e), str(e)
+
+
+def unsharded_memory_released(rank: int, world: int) -> Dict:
+    """After a training step every unit is resharded and the side buffers are gone:
+    allocated memory returns to the same level step after step."""
+    device = device_for_backend()
+    cfg, model, _ = build_models({"layers": 4, "d_model": 256, "ffn": 688, "vocab": 512}, device)
+    shard(model, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    after = []
+    for tokens, targets in global_batches(cfg, 4, 4, 64, device):
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        after.append(torch.cuda.memory_allocated())
+        for m in model.modules():
+            st = m.__dict__.get("_mfsdp_state")
+            if st is not None and st.unit is not None:
+                assert st.unit.unsharded_storage_bytes == 0, f"{st} still holds unsharded storage"
+                assert st.ctx.comm.num_inflight_reductions == 0
+    # Steady state from the second step on (the first allocates optimizer state).
+    assert after[1] == after[2] == after[3], f"allocated memory keeps changing: {after}"
+    return {"allocated_after_step": after}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything the GPU machine must show, in one call: build from source, the whole
+# test suite (CPU/Gloo + NCCL `gpu` tests), and the example on 2 GPUs.
+# Usage (device machine, repo root): bash tests/gpu/run_all.sh   (logs under $OUT)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/mfsdp_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+status=0
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== build"
+start=$(date +%s)
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+  $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+  || { tail -60 "$OUT/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - start ))s"
+$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+
+echo "== tests ${PYTEST_ARGS:-}"
+$PY -m pytest tests -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ -z "${SKIP_EXAMPLE:-}" ]; then
+  echo "== example on 2 GPUs"
+  torchrun --nproc_per_node=2 examples/train_gpt.py --out-dir "$OUT/train_gpt" > "$OUT/example.log" 2>&1 \
+    || status=1
+  tail -4 "$OUT/example.log"
+fi
+exit $status

@@ -1,0 +1,61 @@
+"""The distributed suite on NCCL (2 GPUs), plus stream-race and device checks."""
+import pytest
+import torch
+
+from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing import workers as W
+
+pytestmark = pytest.mark.gpu
+
+NCCL_SCENARIOS = {
+    "adamw": {},
+    "fused_adamw": {"fused": True},
+    "sgd": {"optimizer": "sgd"},
+    "tied": {"tie": True},
+    "unused_frozen": {"unused": True, "frozen": True},
+    "grad_accumulation": {"micro_batches": 2},
+    "clip_grad_norm": {"clip": 0.05},
+    "no_reshard_after_forward": {"reshard_after_forward": False},
+    "bf16_mixed_precision": {
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
+        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+    },
+    "bf16_reduce": {
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
+        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(NCCL_SCENARIOS))
+def test_nccl_parity(name):
+    opts = dict(NCCL_SCENARIOS[name], steps=5)
+    results = run_distributed(W.train_parity, 2, opts, backend="nccl", timeout=300)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "bf16_mixed_precision", "grad_accumulation"])
+def test_nccl_parity_under_stream_chaos(name):
+    opts = dict(NCCL_SCENARIOS[name], steps=5)
+    run_distributed(W.train_parity_with_stream_chaos, 2, opts, backend="nccl", timeout=300)
+
+
+def test_nccl_tiny_odd_params():
+    errs = run_distributed(W.train_tiny_parity, 2, {}, backend="nccl", timeout=300)
+    assert max(errs) <= 1e-6
+
+
+def test_nccl_api_semantics():
+    run_distributed(W.api_semantics, 2, backend="nccl", timeout=300)
+
+
+def test_nccl_eval_forward_reshards():
+    run_distributed(W.world_one_and_eval, 2, backend="nccl", timeout=300)
+
+
+def test_cuda_device_errors():
+    run_distributed(W.cuda_device_errors, 2, backend="nccl", timeout=300)
+
+
+def test_memory_released_after_step():
+    run_distributed(W.unsharded_memory_released, 2, backend="nccl", timeout=300)
