@@ -23,7 +23,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
 void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool accumulate);
 
 #ifdef WITH_CUDA
-// CUDA implementations (pack.cu). Preconditions checked by the callers above.
+// CUDA implementations (pack_kernels.cu). Preconditions checked by the callers above.
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets, bool accumulate);
 void cast_scale_into_cuda(at::Tensor& dst, const at::Tensor& src, double scale,
