@@ -3,7 +3,7 @@
 namespace mfsdp {
 
 Communicator::Communicator(ProcessGroupPtr pg) : pg_(std::move(pg)) {
-  TORCH_CHECK(pg_, "Communicator: process group is null");
+  MFSDP_CHECK(pg_, "Communicator: process group is null");
   rank_ = pg_->getRank();
   size_ = pg_->getSize();
 }
@@ -15,9 +15,9 @@ void Communicator::finish(const c10::intrusive_ptr<c10d::Work>& work) {
 }
 
 void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
-  TORCH_CHECK(out.numel() == in.numel() * size_, "all_gather_flat: output has ", out.numel(),
+  MFSDP_CHECK(out.numel() == in.numel() * size_, "all_gather_flat: output has ", out.numel(),
               " elements, expected ", in.numel(), " x ", size_);
-  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "all_gather_flat: dtype mismatch ",
+  MFSDP_CHECK(out.scalar_type() == in.scalar_type(), "all_gather_flat: dtype mismatch ",
               out.scalar_type(), " vs ", in.scalar_type());
   if (size_ == 1) {
     if (!out.is_same(in) && out.data_ptr() != in.data_ptr()) out.copy_(in);
@@ -30,9 +30,9 @@ void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
 }
 
 void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
-  TORCH_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat: input has ", in.numel(),
+  MFSDP_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat: input has ", in.numel(),
               " elements, expected ", out.numel(), " x ", size_);
-  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "reduce_scatter_flat: dtype mismatch ",
+  MFSDP_CHECK(out.scalar_type() == in.scalar_type(), "reduce_scatter_flat: dtype mismatch ",
               out.scalar_type(), " vs ", in.scalar_type());
   if (size_ == 1) {
     if (out.data_ptr() != in.data_ptr()) out.copy_(in);

@@ -6,6 +6,7 @@
 // collective on CPU tensors (Gloo) has completed when the call returns.
 #pragma once
 
+#include "errors.h"
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

@@ -1,7 +1,6 @@
 #include "layout.h"
 
 #include <algorithm>
-#include <sstream>
 #include <stdexcept>
 
 namespace mfsdp {
@@ -133,15 +132,15 @@ double FlatLayout::padding_fraction() const {
 }
 
 std::string FlatLayout::describe() const {
-  std::ostringstream os;
-  os << "FlatLayout(" << (kind_ == SegmentKind::kEven ? "even" : "owner")
-     << ", params=" << numels_.size() << ", total=" << total_ << ", world=" << world_size_
-     << ", align=" << alignment_ << ", segments=[";
+  // std::to_string only: see errors.h for why this extension avoids iostreams.
+  std::string s = std::string("FlatLayout(") + (kind_ == SegmentKind::kEven ? "even" : "owner") +
+                  ", params=" + std::to_string(numels_.size()) + ", total=" + std::to_string(total_) +
+                  ", world=" + std::to_string(world_size_) + ", align=" + std::to_string(alignment_) +
+                  ", segments=[";
   for (int64_t r = 0; r < world_size_; ++r) {
-    os << (r ? ", " : "") << seg_starts_[r] << "+" << seg_numels_[r];
+    s += (r ? ", " : "") + std::to_string(seg_starts_[r]) + "+" + std::to_string(seg_numels_[r]);
   }
-  os << "])";
-  return os.str();
+  return s + "])";
 }
 
 }  // namespace mfsdp

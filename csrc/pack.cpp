@@ -12,15 +12,15 @@ bool is_float(at::ScalarType t) {
 void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                     const std::vector<int64_t>& offsets, bool accumulate,
                     bool zero_fill_first) {
-  TORCH_CHECK(tensors.size() == offsets.size(), "pack_into_flat: ", tensors.size(),
+  MFSDP_CHECK(tensors.size() == offsets.size(), "pack_into_flat: ", tensors.size(),
               " tensors but ", offsets.size(), " offsets");
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "pack_into_flat: flat buffer must be 1-D contiguous");
+  MFSDP_CHECK(flat.dim() == 1 && flat.is_contiguous(), "pack_into_flat: flat buffer must be 1-D contiguous");
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.defined()) continue;
-    TORCH_CHECK(t.device() == flat.device(), "pack_into_flat: tensor ", i, " is on ", t.device(),
+    MFSDP_CHECK(t.device() == flat.device(), "pack_into_flat: tensor ", i, " is on ", t.device(),
                 " but the flat buffer is on ", flat.device());
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(),
+    MFSDP_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(),
                 "pack_into_flat: tensor ", i, " [", offsets[i], ", ", offsets[i] + t.numel(),
                 ") exceeds the flat buffer of ", flat.numel());
   }
@@ -66,9 +66,9 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
 }
 
 void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool accumulate) {
-  TORCH_CHECK(dst.numel() == src.numel(), "cast_scale_into: dst has ", dst.numel(),
+  MFSDP_CHECK(dst.numel() == src.numel(), "cast_scale_into: dst has ", dst.numel(),
               " elements, src has ", src.numel());
-  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
+  MFSDP_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
   if (dst.numel() == 0) return;
 #ifdef WITH_CUDA
   if (dst.is_cuda() && is_float(dst.scalar_type()) && is_float(src.scalar_type())) {
@@ -77,7 +77,7 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
   }
 #endif
   if (dst.is_same(src)) {  // in place: RS wrote straight into the fp32 gradient
-    TORCH_CHECK(!accumulate, "cast_scale_into: cannot accumulate a buffer into itself");
+    MFSDP_CHECK(!accumulate, "cast_scale_into: cannot accumulate a buffer into itself");
     if (scale != 1.0) dst.mul_(scale);
     return;
   }

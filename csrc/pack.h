@@ -7,6 +7,7 @@
 //                   turn a reduce-scattered shard into the fp32 sharded gradient.
 #pragma once
 
+#include "errors.h"
 #include <ATen/ATen.h>
 
 #include <vector>

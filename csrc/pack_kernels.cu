@@ -57,7 +57,7 @@ void dispatch_float(at::ScalarType t, const char* what, F&& f) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, what, ": unsupported dtype ", t);
+    default: MFSDP_CHECK(false, what, ": unsupported dtype ", t);
   }
 }
 

@@ -7,10 +7,10 @@ void ParamSlots::add(py::dict params_dict, py::str name, int64_t param_index) {
 }
 
 void ParamSlots::set_objects(std::vector<py::object> sharded, std::vector<py::object> unsharded) {
-  TORCH_CHECK(sharded.size() == unsharded.size(), "ParamSlots: ", sharded.size(),
+  MFSDP_CHECK(sharded.size() == unsharded.size(), "ParamSlots: ", sharded.size(),
               " sharded vs ", unsharded.size(), " unsharded objects");
   for (const auto& s : slots_) {
-    TORCH_CHECK(s.index >= 0 && s.index < static_cast<int64_t>(sharded.size()),
+    MFSDP_CHECK(s.index >= 0 && s.index < static_cast<int64_t>(sharded.size()),
                 "ParamSlots: slot index ", s.index, " out of range");
   }
   sharded_ = std::move(sharded);

@@ -3,6 +3,7 @@
 // nn.Parameter objects in those entries. Done in C++ so a hook costs O(1) Python.
 #pragma once
 
+#include "errors.h"
 #include <torch/csrc/utils/pybind.h>
 
 #include <vector>

@@ -4,7 +4,6 @@
 
 #include <c10/core/Allocator.h>
 
-#include <sstream>
 
 namespace mfsdp {
 namespace {
@@ -18,11 +17,6 @@ std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   return n;
 }
 
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
 
 }  // namespace
 
@@ -30,7 +24,7 @@ std::string shape_str(c10::IntArrayRef s) {
 
 CommContext::CommContext(c10::Device device, int64_t max_inflight_reductions)
     : device_(device), streams_(device), max_inflight_(max_inflight_reductions) {
-  TORCH_CHECK(max_inflight_ >= 1, "max_inflight_reductions must be >= 1, got ", max_inflight_);
+  MFSDP_CHECK(max_inflight_ >= 1, "max_inflight_reductions must be >= 1, got ", max_inflight_);
 }
 
 void CommContext::add_inflight_reduction(std::vector<at::Tensor> buffers,
@@ -62,26 +56,26 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
       device_(params.empty() ? c10::Device(c10::kCPU) : params.front().device()),
       compute_ready_(device_),
       all_gather_done_(device_) {
-  TORCH_CHECK(!params.empty(), "Unit needs at least one parameter");
-  TORCH_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
+  MFSDP_CHECK(!params.empty(), "Unit needs at least one parameter");
+  MFSDP_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
               params.size(), " parameters");
   orig_dtype_ = params.front().scalar_type();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    TORCH_CHECK(p.device() == device_, "parameter '", names_[i], "' is on ", p.device(),
+    MFSDP_CHECK(p.device() == device_, "parameter '", names_[i], "' is on ", p.device(),
                 " but parameter '", names_[0], "' is on ", device_,
                 "; all parameters of one fully_shard unit must be on one device");
-    TORCH_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names_[i], "' has dtype ",
+    MFSDP_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names_[i], "' has dtype ",
                 p.scalar_type(), " but '", names_[0], "' has ", orig_dtype_,
                 "; one fully_shard unit needs a single parameter dtype");
     shapes_.emplace_back(p.sizes().vec());
   }
-  TORCH_CHECK(is_floating(orig_dtype_), "fully_shard needs floating-point parameters, got ",
+  MFSDP_CHECK(is_floating(orig_dtype_), "fully_shard needs floating-point parameters, got ",
               orig_dtype_);
   param_dtype_ = param_dtype.value_or(orig_dtype_);
   reduce_dtype_ = reduce_dtype.value_or(param_dtype_);
-  TORCH_CHECK(is_floating(param_dtype_), "param_dtype must be floating point, got ", param_dtype_);
-  TORCH_CHECK(is_floating(reduce_dtype_), "reduce_dtype must be floating point, got ", reduce_dtype_);
+  MFSDP_CHECK(is_floating(param_dtype_), "param_dtype must be floating point, got ", param_dtype_);
+  MFSDP_CHECK(is_floating(reduce_dtype_), "reduce_dtype must be floating point, got ", reduce_dtype_);
 
   slices_ = layout_.shard_slices(rank());
   const auto opts = params.front().options().requires_grad(false);
@@ -127,21 +121,21 @@ std::vector<at::Tensor> Unit::unsharded_views() const {
 void Unit::bind_params(std::vector<at::Tensor> sharded_params,
                        std::vector<at::Tensor> unsharded_params) {
   const size_t n = static_cast<size_t>(layout_.num_params());
-  TORCH_CHECK(sharded_params.size() == n && unsharded_params.size() == n,
+  MFSDP_CHECK(sharded_params.size() == n && unsharded_params.size() == n,
               "bind_params: expected ", n, " sharded and unsharded parameters");
   sharded_params_ = std::move(sharded_params);
   unsharded_params_ = std::move(unsharded_params);
 }
 
 void Unit::set_context(std::shared_ptr<CommContext> ctx) {
-  TORCH_CHECK(ctx && ctx->device() == device_, "set_context: context device does not match the unit's ",
+  MFSDP_CHECK(ctx && ctx->device() == device_, "set_context: context device does not match the unit's ",
               device_);
   ctx_ = std::move(ctx);
 }
 
 void Unit::set_all_gather_group(ProcessGroupPtr pg) {
   Communicator c(std::move(pg));
-  TORCH_CHECK(c.size() == rs_comm_.size() && c.rank() == rs_comm_.rank(),
+  MFSDP_CHECK(c.size() == rs_comm_.size() && c.rank() == rs_comm_.rank(),
               "all-gather group has rank ", c.rank(), " of ", c.size(),
               " but the reduce-scatter group has rank ", rs_comm_.rank(), " of ", rs_comm_.size(),
               "; both must span the same ranks in the same order");
@@ -149,7 +143,7 @@ void Unit::set_all_gather_group(ProcessGroupPtr pg) {
 }
 
 CommContext& Unit::ctx() {
-  TORCH_CHECK(ctx_, "fully_shard unit has no communication context (internal error: lazy init did not run)");
+  MFSDP_CHECK(ctx_, "fully_shard unit has no communication context (internal error: lazy init did not run)");
   return *ctx_;
 }
 
@@ -164,10 +158,10 @@ void Unit::check_sharded_params_intact() {
     if (p.numel() == s.numel && p.data_ptr() == base + s.shard_offset * itemsize &&
         p.scalar_type() == orig_dtype_)
       continue;
-    TORCH_CHECK(p.numel() == s.numel && p.dim() == 1,
+    MFSDP_CHECK(p.numel() == s.numel && p.dim() == 1,
                 "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
-                shape_str(p.sizes()), "; its shard has shape [", s.numel,
-                "] (full shape ", shape_str(shapes_[i]),
+                p.sizes(), "; its shard has shape [", s.numel,
+                "] (full shape ", shapes_[i],
                 "). Update sharded parameters in place (e.g. `with torch.no_grad(): p.copy_(x)`) "
                 "or use load_full_state_dict()");
     auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
@@ -185,7 +179,7 @@ void Unit::allocate_unsharded() {
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
   if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
   c10::Allocator* alloc = impl->allocator();
-  TORCH_CHECK(alloc != nullptr, "unsharded storage has no allocator");
+  MFSDP_CHECK(alloc != nullptr, "unsharded storage has no allocator");
   impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));
   impl->set_nbytes(unsharded_nbytes_);
 }
@@ -250,7 +244,7 @@ bool Unit::reduce_grads(bool sync) {
   for (int64_t i = 0; i < n; ++i) {
     const auto& g = unsharded_params_[i].grad();
     if (g.defined()) {
-      TORCH_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", names_[i], "' has ",
+      MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", names_[i], "' has ",
                   g.numel(), " elements, expected ", layout_.param_numel(i));
       grads[i] = g;
       any = true;
@@ -346,13 +340,13 @@ std::vector<at::Tensor> Unit::gather_full_params() {
 }
 
 void Unit::load_full_params(const std::vector<at::Tensor>& full) {
-  TORCH_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
+  MFSDP_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
               full.size(), " tensors for ", layout_.num_params(), " parameters");
   check_sharded_params_intact();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < full.size(); ++i) {
-    TORCH_CHECK(full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
-                "' has shape ", shape_str(full[i].sizes()), ", expected ", shape_str(shapes_[i]));
+    MFSDP_CHECK(full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
+                "' has shape ", full[i].sizes(), ", expected ", shapes_[i]);
     const auto& s = slices_[i];
     if (s.numel == 0) continue;
     sharded_flat_.narrow(0, s.shard_offset, s.numel)

@@ -14,6 +14,7 @@
 // queue of in-flight reduce-scatters whose buffers must outlive their collective.
 #pragma once
 
+#include "errors.h"
 #include <ATen/ATen.h>
 
 #include <deque>

@@ -23,8 +23,19 @@ TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
 echo "built in $(( $(date +%s) - start ))s"
 $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
 
-echo "== tests ${PYTEST_ARGS:-}"
-$PY -m pytest tests -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+echo "== diagnostics"
+{ ls /opt/torch/.venv/include 2>/dev/null | head; ldd megatron_fsdp_ext/_C*.so | grep -E "stdc|c10"; } > "$OUT/diag.txt" 2>&1
+$PY -c "import torch, megatron_fsdp_ext._C as C; print(C.FlatLayout.even([3, 5], 2, 4))" >> "$OUT/diag.txt" 2>&1
+
+# CPU/Gloo tests in parallel (they use no GPU); the NCCL tests one at a time, each
+# owning both GPUs.
+echo "== CPU/Gloo tests (xdist)"
+$PY -m pytest tests/unit tests/distributed -q -p no:cacheprovider -n 16 ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/pytest_cpu.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== GPU tests"
+$PY -m pytest tests/gpu tests/unit/test_pack.py -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/pytest_gpu.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${SKIP_EXAMPLE:-}" ]; then
