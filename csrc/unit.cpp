@@ -230,11 +230,24 @@ void Unit::reshard() {
   state_ = UnitState::kSharded;
 }
 
-bool Unit::is_view_of_grad_flat(const at::Tensor& g, int64_t i) const {
-  if (!grad_flat_.defined() || !g.defined()) return false;
-  const auto& s = slices_[i];
-  auto* expect = static_cast<char*>(grad_flat_.data_ptr()) + s.shard_offset * grad_flat_.element_size();
-  return g.data_ptr() == expect && g.numel() == s.numel && g.scalar_type() == grad_flat_.scalar_type();
+at::Tensor Unit::flat_grad_behind_views() const {
+  const int64_t seg = layout_.segment_numel(rank());
+  c10::Storage storage;
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    if (!has_grad_[i]) continue;
+    const auto& g = sharded_params_[i].grad();
+    if (!g.defined() || g.scalar_type() != orig_dtype_ || g.numel() != slices_[i].numel) return {};
+    if (!storage) {
+      storage = g.storage();
+      if (storage.nbytes() != static_cast<size_t>(seg) * g.element_size()) return {};
+    } else if (!g.storage().is_alias_of(storage)) {
+      return {};
+    }
+    auto* expect = static_cast<const char*>(storage.data()) + slices_[i].shard_offset * g.element_size();
+    if (static_cast<const char*>(g.const_data_ptr()) != expect) return {};
+  }
+  if (!storage) return {};
+  return at::empty({0}, sharded_flat_.options()).set_(storage, 0, {seg}, {1});
 }
 
 bool Unit::reduce_grads(bool sync) {
@@ -273,19 +286,15 @@ bool Unit::reduce_grads(bool sync) {
 
   // How the reduced shard meets the sharded .grad: fresh (no grads yet), accumulate
   // into our own flat gradient, or the rare mixed case handled per parameter.
-  bool all_none = true, all_ours = true;
+  bool all_none = true;
   for (int64_t i = 0; i < n; ++i) {
-    if (!has_grad_[i]) continue;
-    const auto& g = sharded_params_[i].grad();
-    if (g.defined()) all_none = false;
-    if (!is_view_of_grad_flat(g, i)) all_ours = false;
+    if (has_grad_[i] && sharded_params_[i].grad().defined()) all_none = false;
   }
+  at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
   enum class Mode { kFresh, kAccumulate, kMixed };
-  const Mode mode = all_none ? Mode::kFresh : (all_ours ? Mode::kAccumulate : Mode::kMixed);
+  const Mode mode = all_none ? Mode::kFresh : (existing.defined() ? Mode::kAccumulate : Mode::kMixed);
   const int64_t seg = layout_.segment_numel(rank());
-  at::Tensor target = mode == Mode::kAccumulate
-      ? grad_flat_
-      : at::empty({seg}, sharded_flat_.options());
+  at::Tensor target = mode == Mode::kAccumulate ? existing : at::empty({seg}, sharded_flat_.options());
   at::Tensor rs_out = (mode == Mode::kFresh && reduce_dtype_ == orig_dtype_)
       ? target
       : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
@@ -322,7 +331,6 @@ bool Unit::reduce_grads(bool sync) {
       sharded_params_[i].mutable_grad() = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
     }
   }
-  grad_flat_ = target;
   ctx().add_inflight_reduction({flat, rs_out, target}, std::move(done));
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   return true;

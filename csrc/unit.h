@@ -107,7 +107,11 @@ class Unit {
   void check_sharded_params_intact();
   void allocate_unsharded();
   void free_unsharded();
-  bool is_view_of_grad_flat(const at::Tensor& g, int64_t i) const;
+  // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
+  // got a gradient still has a view of one such buffer at its slot; else undefined.
+  // Derived from the grads themselves: the unit keeps no reference, so
+  // zero_grad(set_to_none=True) really frees the memory.
+  at::Tensor flat_grad_behind_views() const;
   CommContext& ctx();
 
   FlatLayout layout_;
@@ -124,7 +128,6 @@ class Unit {
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
   std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
   at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
-  at::Tensor grad_flat_;        // orig dtype, sharded: storage of the sharded .grad views
 
   UnitState state_ = UnitState::kSharded;
   std::shared_ptr<CommContext> ctx_;

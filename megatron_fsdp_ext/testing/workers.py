@@ -113,7 +113,8 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
         for m in range(micro):
             start = m * batch + rank * per_rank
             rows = slice(start, start + per_rank)
-            model.set_requires_gradient_sync(m == micro - 1)
+            # sync_every_micro: reduce every backward, accumulating into existing .grad.
+            model.set_requires_gradient_sync(opts.get("sync_every_micro", False) or m == micro - 1)
             loss = model.loss(tokens[rows], targets[rows]) / micro
             loss.backward()
             total += loss.item()
@@ -364,24 +365,32 @@ def cuda_device_errors(rank: int, world: int) -> None:
 
 
 def unsharded_memory_released(rank: int, world: int) -> Dict:
-    """After a training step every unit is resharded and the side buffers are gone:
-    allocated memory returns to the same level step after step."""
+    """After a training step every unit is resharded, no side buffer is in flight,
+    zero_grad(set_to_none=True) frees all gradient memory (the units keep no
+    reference), and allocated memory does not grow from step to step."""
     device = device_for_backend()
     cfg, model, _ = build_models({"layers": 4, "d_model": 256, "ffn": 688, "vocab": 512}, device)
     shard(model, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    after = []
+    after, drops = [], []
     for tokens, targets in global_batches(cfg, 4, 4, 64, device):
         model.loss(tokens, targets).backward()
         opt.step()
+        torch.cuda.synchronize()
+        grad_storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                         for p in model.parameters() if p.grad is not None}
+        before = torch.cuda.memory_allocated()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
+        drops.append((before - after[-1], sum(grad_storages.values())))
         for m in model.modules():
             st = m.__dict__.get("_mfsdp_state")
             if st is not None and st.unit is not None:
                 assert st.unit.unsharded_storage_bytes == 0, f"{st} still holds unsharded storage"
                 assert st.ctx.comm.num_inflight_reductions == 0
-    # Steady state from the second step on (the first allocates optimizer state).
-    assert after[1] == after[2] == after[3], f"allocated memory keeps changing: {after}"
-    return {"allocated_after_step": after}
+    for freed, grad_bytes in drops:
+        assert freed >= grad_bytes, f"zero_grad freed {freed} bytes of {grad_bytes} gradient bytes: something keeps grads alive"
+    # No growth once the optimizer state exists (from the second step on).
+    assert max(after[1:]) <= after[1] + (256 << 10), f"allocated memory grows: {after}"
+    return {"allocated_after_step": after, "freed_by_zero_grad": drops}

@@ -12,6 +12,7 @@ SCENARIOS = {
     "unused_params": {"unused": True},
     "frozen_params": {"frozen": True},
     "grad_accumulation": {"micro_batches": 2},
+    "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
     "clip_grad_norm": {"clip": 0.05},
     "no_reshard_after_forward": {"reshard_after_forward": False},
     # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every

@@ -14,6 +14,7 @@ NCCL_SCENARIOS = {
     "tied": {"tie": True},
     "unused_frozen": {"unused": True, "frozen": True},
     "grad_accumulation": {"micro_batches": 2},
+    "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
     "clip_grad_norm": {"clip": 0.05},
     "no_reshard_after_forward": {"reshard_after_forward": False},
     "bf16_mixed_precision": {
