@@ -22,6 +22,17 @@ def device_for_backend() -> torch.device:
     return torch.device("cpu")
 
 
+def expect_error(fn, exc_type, *fragments: str) -> None:
+    """fn() must raise exc_type whose message contains every fragment."""
+    try:
+        fn()
+    except exc_type as e:
+        for f in fragments:
+            assert f in str(e), f"{f!r} not in the error message: {e}"
+        return
+    raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragments})")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are empty or zero)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
@@ -77,6 +88,30 @@ def global_batches(cfg, steps: int, batch: int, seq: int, device):
     for _ in range(steps):
         data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
         yield data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+# Option sets for train_parity, shared by the Gloo and NCCL suites.
+PARITY_SCENARIOS = {
+    "adamw": {},
+    "sgd": {"optimizer": "sgd"},
+    "tied": {"tie": True},
+    "unused_params": {"unused": True},
+    "frozen_params": {"frozen": True},
+    "grad_accumulation": {"micro_batches": 2},
+    "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
+    "clip_grad_norm": {"clip": 0.05},
+    "no_reshard_after_forward": {"reshard_after_forward": False},
+    # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every
+    # parameter's error a small fraction of how far it moved (lr 1e-3 so it moves).
+    "bf16_mixed_precision": {
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
+        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+    },
+    "bf16_reduce": {
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
+        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+    },
+}
 
 
 def train_parity(rank: int, world: int, opts: Dict) -> Dict:
@@ -253,11 +288,7 @@ def api_semantics(rank: int, world: int) -> None:
         assert torch.equal(again[k].to(device), v), f"load_full_state_dict lost {k}"
     bad = dict(other.state_dict())
     bad.pop("norm.weight")
-    try:
-        mfsdp.load_full_state_dict(model, bad)
-        raise AssertionError("missing key accepted")
-    except KeyError as e:
-        assert "norm.weight" in str(e)
+    expect_error(lambda: mfsdp.load_full_state_dict(model, bad), KeyError, "norm.weight")
 
     # Replacing a parameter with a same-shaped one: adopted at the next unshard.
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
@@ -338,30 +369,14 @@ def cuda_device_errors(rank: int, world: int) -> None:
     """Parameters not on the process group's device are refused with a clear message."""
     gloo = dist.new_group(backend="gloo")
     m = nn.Linear(4, 4).cuda()
-    try:
-        mfsdp.fully_shard(m, process_group=gloo)
-        raise AssertionError("CUDA params with a Gloo group accepted")
-    except ValueError as e:
-        assert "backend 'gloo'" in str(e) and "cuda" in str(e), str(e)
+    expect_error(lambda: mfsdp.fully_shard(m, process_group=gloo), ValueError, "backend 'gloo'", "cuda")
     m = nn.Linear(4, 4)  # CPU params, default NCCL group
-    try:
-        mfsdp.fully_shard(m)
-        raise AssertionError("CPU params with an NCCL group accepted")
-    except ValueError as e:
-        assert "move the module to cuda" in str(e), str(e)
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "move the module to cuda")
     other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
     m = nn.Linear(4, 4).to(f"cuda:{other}")
-    try:
-        mfsdp.fully_shard(m)
-        raise AssertionError("params on a non-current GPU accepted")
-    except ValueError as e:
-        assert "current CUDA device" in str(e), str(e)
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "current CUDA device")
     m = nn.Sequential(nn.Linear(4, 4).cuda(), nn.Linear(4, 4))
-    try:
-        mfsdp.fully_shard(m)
-        raise AssertionError("params on two devices accepted")
-    except ValueError as e:
-        assert "different devices" in str(e), str(e)
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "different devices")
 
 
 def unsharded_memory_released(rank: int, world: int) -> Dict:

@@ -1,31 +1,10 @@
 """Multi-process (Gloo) parity against a single-process reference: same seed, same data."""
 import pytest
-import torch
 
 from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import train_parity, train_tiny_parity
+from megatron_fsdp_ext.testing.workers import PARITY_SCENARIOS, train_parity, train_tiny_parity
 
-SCENARIOS = {
-    "adamw": {},
-    "sgd": {"optimizer": "sgd"},
-    "tied": {"tie": True},
-    "unused_params": {"unused": True},
-    "frozen_params": {"frozen": True},
-    "grad_accumulation": {"micro_batches": 2},
-    "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
-    "clip_grad_norm": {"clip": 0.05},
-    "no_reshard_after_forward": {"reshard_after_forward": False},
-    # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every
-    # parameter's error a small fraction of how far it moved (lr 1e-3 so it moves).
-    "bf16_mixed_precision": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
-    },
-    "bf16_reduce": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
-    },
-}
+SCENARIOS = PARITY_SCENARIOS
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,31 +1,15 @@
 """The distributed suite on NCCL (2 GPUs), plus stream-race and device checks."""
 import pytest
-import torch
 
 from megatron_fsdp_ext.testing import run_distributed
 from megatron_fsdp_ext.testing import workers as W
 
 pytestmark = pytest.mark.gpu
 
-NCCL_SCENARIOS = {
-    "adamw": {},
-    "fused_adamw": {"fused": True},
-    "sgd": {"optimizer": "sgd"},
-    "tied": {"tie": True},
-    "unused_frozen": {"unused": True, "frozen": True},
-    "grad_accumulation": {"micro_batches": 2},
-    "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
-    "clip_grad_norm": {"clip": 0.05},
-    "no_reshard_after_forward": {"reshard_after_forward": False},
-    "bf16_mixed_precision": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
-    },
-    "bf16_reduce": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
-    },
-}
+# The Gloo scenarios, with unused and frozen parameters combined, plus fused AdamW.
+NCCL_SCENARIOS = {k: v for k, v in W.PARITY_SCENARIOS.items() if k not in ("unused_params", "frozen_params")}
+NCCL_SCENARIOS["unused_frozen"] = {"unused": True, "frozen": True}
+NCCL_SCENARIOS["fused_adamw"] = {"fused": True}
 
 
 @pytest.mark.parametrize("name", list(NCCL_SCENARIOS))
