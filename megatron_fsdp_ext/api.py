@@ -89,8 +89,56 @@ class FSDPModule:
         for state in self._states(recurse):
             state.set_reshard_after_forward(bool(reshard_after_forward))
 
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """All-gather these FSDP modules' parameters when this module's forward starts,
+        instead of the next ones in the recorded forward order."""
+        self._fsdp_state.forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """All-gather these FSDP modules' parameters when this module's backward starts,
+        instead of the previous ones in the recorded forward order."""
+        self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many units ahead to all-gather (0: no prefetch). Read by the root at its
+        first forward; on the root after that, applies to its whole tree."""
+        depth = _check_depth(depth)
+        state = self._fsdp_state
+        state.prefetch_depth = depth
+        if state.ctx is not None and state.ctx.root is state:
+            state.ctx.prefetch_depth = depth
+
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
+
+
+def _states_of(modules, what: str):
+    states = []
+    for m in modules:
+        state = m.__dict__.get("_mfsdp_state") if isinstance(m, nn.Module) else None
+        if state is None:
+            raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
+        states.append(state)
+    return states
+
+
+def _check_depth(depth) -> int:
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise ValueError(f"prefetch_depth must be an int >= 0, got {depth!r}")
+    return depth
+
+
+# Second communicator per process group for all-gathers, created once and cached so
+# that all-gather and reduce-scatter can run concurrently (NCCL serialises the
+# collectives of one communicator).
+_ALL_GATHER_GROUPS: dict = {}
+
+
+def _all_gather_group_for(pg):
+    key = (dist.get_backend(pg), tuple(dist.get_process_group_ranks(pg)))
+    if key not in _ALL_GATHER_GROUPS:
+        _ALL_GATHER_GROUPS[key] = dist.new_group(ranks=list(key[1]), backend=key[0])
+    return _ALL_GATHER_GROUPS[key]
 
 
 _CLASS_CACHE: dict = {}
@@ -194,6 +242,9 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     alignment: int = 16,
+    prefetch_depth: int = 1,
+    all_gather_group: Optional[dist.ProcessGroup] = None,
+    create_all_gather_group: Optional[bool] = None,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
     call) across `process_group` (ZeRO-3) and install the hooks that all-gather them
@@ -201,6 +252,15 @@ def fully_shard(
 
     Call it bottom-up: each transformer block first, then the root. Returns `module`,
     whose class now also derives from FSDPModule.
+
+    process_group:   the group parameters are sharded over; gradients are
+                     reduce-scattered on it (the reduce-scatter group).
+    prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
+                     the first iteration (0: off). The root's value governs its tree.
+    all_gather_group: an explicit group (same ranks, same order) for all-gathers.
+    create_all_gather_group: give all-gathers their own communicator, created once per
+                     group and cached, so they overlap reduce-scatters. Default: on for
+                     NCCL, off otherwise (Megatron-FSDP's `create_all_gather_group`).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -216,6 +276,9 @@ def fully_shard(
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    prefetch_depth = _check_depth(prefetch_depth)
+    if all_gather_group is not None and create_all_gather_group:
+        raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
 
     ignored = {id(p) for p in (ignored_params or ())}
     params, names, slots = _collect(module, ignored)
@@ -241,10 +304,27 @@ def fully_shard(
             sharded.append(s)
             unsharded.append(u)
         unit.bind_params(sharded, unsharded)
+        if all_gather_group is None:
+            if create_all_gather_group is None:
+                create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower()
+                # Only for a group spanning the whole job: new_group() is collective
+                # over the default group, so per-rank subgroups (expert-parallel, ...)
+                # must pass all_gather_group explicitly.
+                create_all_gather_group = create_all_gather_group and dist.get_world_size(pg) == dist.get_world_size()
+            if create_all_gather_group and dist.get_world_size(pg) > 1:
+                if dist.get_world_size(pg) != dist.get_world_size():
+                    raise ValueError(
+                        "create_all_gather_group=True needs a process group spanning all ranks "
+                        "(new_group is collective over the default group); for a subgroup, create the "
+                        "all-gather group on every rank yourself and pass all_gather_group="
+                    )
+                all_gather_group = _all_gather_group_for(pg)
+        if all_gather_group is not None:
+            unit.set_all_gather_group(all_gather_group)
 
     state = FSDPState(
         module, unit, names, sharded, unsharded, slots, pg,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, prefetch_depth=prefetch_depth,
     )
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again

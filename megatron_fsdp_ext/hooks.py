@@ -26,14 +26,39 @@ def iter_states(module: nn.Module):
 
 class RootContext:
     """What all units under one root share: the C++ CommContext (streams, in-flight
-    reductions) and the per-backward bookkeeping."""
+    reductions), the forward order recorded in the first iteration (for prefetching)
+    and the per-backward bookkeeping."""
 
-    def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device):
+    def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device,
+                 prefetch_depth: int):
         self.root = root
         self.states = states
         self.device = device
         self.comm = _C.CommContext(device, 2)
         self.final_callback_queued = False
+        self.prefetch_depth = prefetch_depth
+        # Units in the order their forward ran in the first iteration (runtime order,
+        # not construction order); frozen after the first backward.
+        self.forward_order: List["FSDPState"] = []
+        self._position: dict = {}
+        self.recording = True
+
+    def record_forward(self, state: "FSDPState") -> None:
+        if self.recording and state.unit is not None and id(state) not in self._position:
+            self._position[id(state)] = len(self.forward_order)
+            self.forward_order.append(state)
+
+    def next_in_forward(self, state: "FSDPState") -> List["FSDPState"]:
+        i = self._position.get(id(state))
+        if self.recording or i is None:
+            return []
+        return self.forward_order[i + 1: i + 1 + self.prefetch_depth]
+
+    def previous_in_forward(self, state: "FSDPState") -> List["FSDPState"]:
+        i = self._position.get(id(state))
+        if self.recording or i is None or self.prefetch_depth == 0:
+            return []
+        return self.forward_order[max(0, i - self.prefetch_depth): i][::-1]
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -50,6 +75,7 @@ class RootContext:
         for state in self.states:
             state.end_backward()
         self.final_callback_queued = False
+        self.recording = False
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -69,7 +95,7 @@ class _RegisterPostBackward(torch.autograd.Function):
 
 class FSDPState:
     def __init__(self, module, unit, names, sharded, unsharded, slots, pg, *,
-                 reshard_after_forward: bool, mp_policy):
+                 reshard_after_forward: bool, mp_policy, prefetch_depth: int = 1):
         self._module_ref = weakref.ref(module)
         self._module_name = type(module).__name__
         self.unit = unit
@@ -81,6 +107,10 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self._user_reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
+        self.prefetch_depth = prefetch_depth
+        # Explicit prefetch targets (set_modules_to_*_prefetch); None: recorded order.
+        self.forward_prefetch: Optional[List["FSDPState"]] = None
+        self.backward_prefetch: Optional[List["FSDPState"]] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self._pre_backward_done = False
@@ -117,7 +147,7 @@ class FSDPState:
             return
         states = list(iter_states(self.module))
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
-        ctx = RootContext(self, states, device)
+        ctx = RootContext(self, states, device, self.prefetch_depth)
         for s in states:
             if s.unit is not None and s.unit.device != device:
                 raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
@@ -189,7 +219,13 @@ class FSDPState:
                 lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                 (args, kwargs),
             )
+        self.ctx.record_forward(self)
         self.unshard()
+        # Issue the next units' all-gathers before waiting on ours: they run on the
+        # all-gather stream while this unit computes.
+        targets = self.forward_prefetch if self.forward_prefetch is not None else self.ctx.next_in_forward(self)
+        for t in targets:
+            t.unshard()
         self.wait_unshard()
         if torch.is_grad_enabled():
             self._pre_backward_done = False
@@ -211,6 +247,10 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         if self.reshard_after_forward or not grad_enabled:
             self.reshard()
+        if self.is_root and not grad_enabled:
+            # No backward follows: a prefetched unit that did not run must not stay gathered.
+            for s in self.ctx.states:
+                s.reshard()
         if self.mp_policy.output_dtype is not None:
             dtype = self.mp_policy.output_dtype
             output = tree_map(
@@ -236,6 +276,10 @@ class FSDPState:
         self._pre_backward_done = True
         self.ctx.queue_final_callback()
         self.unshard()
+        targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.previous_in_forward(self)
+        for t in targets:
+            if not t._post_backward_done:  # never re-gather a unit already reduced
+                t.unshard()
         self.wait_unshard()
 
     def post_backward(self) -> None:

@@ -63,10 +63,15 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
     mp = mfsdp.MixedPrecisionPolicy(
         param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype")
     )
-    raf = opts.get("reshard_after_forward", True)
+    kw = dict(
+        mp_policy=mp,
+        reshard_after_forward=opts.get("reshard_after_forward", True),
+        prefetch_depth=opts.get("prefetch_depth", 1),
+        create_all_gather_group=opts.get("create_all_gather_group"),
+    )
     for block in model.blocks:
-        mfsdp.fully_shard(block, mp_policy=mp, reshard_after_forward=raf)
-    mfsdp.fully_shard(model, mp_policy=mp, reshard_after_forward=raf)
+        mfsdp.fully_shard(block, **kw)
+    mfsdp.fully_shard(model, **kw)
     return model
 
 
@@ -409,3 +414,115 @@ def unsharded_memory_released(rank: int, world: int) -> Dict:
     # No growth once the optimizer state exists (from the second step on).
     assert max(after[1:]) <= after[1] + (256 << 10), f"allocated memory grows: {after}"
     return {"allocated_after_step": after, "freed_by_zero_grad": drops}
+
+
+# ---------------------------------------------------------------- prefetch / overlap engine
+
+class _Reversed(LlamaModel):
+    """Runs its blocks in the reverse of construction order."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
+    """Runtime-order recording, prefetch targets, explicit overrides, the bound on
+    simultaneously unsharded units, and one shared context per root."""
+    from megatron_fsdp_ext import hooks
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64)
+    model = _Reversed(cfg).to(device)
+    ref = copy.deepcopy(model)
+    for b in model.blocks:
+        mfsdp.fully_shard(b, prefetch_depth=depth)
+    mfsdp.fully_shard(model, prefetch_depth=depth)
+    root = model._fsdp_state
+    blocks = [b._fsdp_state for b in model.blocks]
+
+    events = []  # (phase, kind, state) for every unshard issued / reshard done
+    phase = ["fwd"]
+    orig_unshard, orig_reshard = hooks.FSDPState.unshard, hooks.FSDPState.reshard
+
+    def unshard(self):
+        if self.unit is not None and self.unit.state == self.unit.state.SHARDED:
+            events.append((phase[0], "unshard", self))
+        orig_unshard(self)
+
+    def reshard(self):
+        if self.unit is not None and self.unit.state != self.unit.state.SHARDED:
+            events.append((phase[0], "reshard", self))
+        orig_reshard(self)
+
+    hooks.FSDPState.unshard, hooks.FSDPState.reshard = unshard, reshard
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    max_live = {"fwd": 0, "bwd": 0}
+    try:
+        for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2 * world, 8, device)):
+            events.clear()
+            phase[0] = "fwd"
+            loss = model.loss(tokens[rank * 2:(rank + 1) * 2], targets[rank * 2:(rank + 1) * 2])
+            phase[0] = "bwd"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            ref.loss(tokens, targets).backward()
+            ref_opt.step()
+            if step == 0:
+                # Order recorded at runtime: root first, then blocks in reverse construction order.
+                assert root.ctx.forward_order == [root] + blocks[::-1], "forward order not recorded at runtime"
+                continue
+            # Replay the events: how many non-root units were gathered at once, per phase.
+            live = set()
+            for ph, kind, st in events:
+                if st is root:
+                    continue
+                (live.add if kind == "unshard" else live.discard)(st)
+                max_live[ph] = max(max_live[ph], len(live))
+            fwd_unshards = [st for ph, kind, st in events if ph == "fwd" and kind == "unshard"]
+            assert fwd_unshards == [root] + blocks[::-1], "forward all-gathers out of runtime order"
+    finally:
+        hooks.FSDPState.unshard, hooks.FSDPState.reshard = orig_unshard, orig_reshard
+    assert max_live["fwd"] <= 1 + depth, f"forward had {max_live['fwd']} units unsharded (bound {1 + depth})"
+    assert max_live["bwd"] <= 2 + depth, f"backward had {max_live['bwd']} units unsharded (bound {2 + depth})"
+    if depth > 0:
+        assert max_live["fwd"] == 1 + depth, f"prefetch depth {depth} never had {1 + depth} units in flight"
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    worst = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    assert worst <= 1e-5, f"parity with prefetch depth {depth}: {worst}"
+
+    # Explicit override: the root prefetches nothing, block 4 (runs first) prefetches
+    # block 0 (runs last).
+    model.set_modules_to_forward_prefetch([])
+    model.blocks[4].set_modules_to_forward_prefetch([model.blocks[0]])
+    model.blocks[0].set_modules_to_backward_prefetch([])
+    seen = []
+    orig = hooks.FSDPState.unshard
+
+    def spy(self):
+        if self.unit is not None and self.unit.state == self.unit.state.SHARDED:
+            seen.append(self)
+        orig(self)
+
+    hooks.FSDPState.unshard = spy
+    try:
+        with torch.no_grad():
+            model(tokens[:1])
+    finally:
+        hooks.FSDPState.unshard = orig
+    assert seen[:3] == [root, blocks[4], blocks[0]], "explicit forward prefetch not honoured"
+
+    # Context sharing: every unit under this root shares one context; a second root has its own.
+    assert all(b.ctx is root.ctx for b in blocks) and root.ctx.root is root
+    other = LlamaModel(cfg).to(device)
+    mfsdp.fully_shard(other)
+    with torch.no_grad():
+        other(tokens[:1])
+    assert other._fsdp_state.ctx is not root.ctx and other._fsdp_state.ctx.comm is not root.ctx.comm
+    return max_live

@@ -1,0 +1,203 @@
+"""Training-step benchmark: megatron_fsdp_ext vs FSDP2 (torch fully_shard) vs DDP, in one
+run, on the same model and data.
+
+    torchrun --nproc_per_node=2 benchmarks/bench_train.py --configs 1b,1b_comm_bound,small_many,8b_ish
+
+Each system trains the Llama-style model for --warmup + --steps steps with bf16
+compute, fp32 gradient reduction and fused AdamW (DDP: fp32 parameters under bf16
+autocast). Reports the median step time, tokens/s/GPU, TFLOP/s/GPU and peak memory,
+and the ratios against FSDP2 and DDP; writes results.json, results.md and a step-time
+PNG under --out. `--device cpu --configs tiny` runs the same code on Gloo (a smoke run,
+not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+# name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
+CONFIGS = {
+    "1b": (32000, 2048, 24, 16, 5504, 4, 2048),
+    "1b_comm_bound": (32000, 2048, 24, 16, 5504, 1, 512),
+    "small_many": (8192, 512, 48, 8, 1536, 8, 512),
+    "8b_ish": (32000, 4096, 16, 32, 11008, 2, 2048),
+    "tiny": (256, 64, 4, 4, 176, 2, 32),
+}
+SYSTEMS = ("mfsdp", "fsdp2", "ddp")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="1b,1b_comm_bound,small_many,8b_ish")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default="benchmarks/out")
+    return p.parse_args()
+
+
+def build(system: str, cfg: LlamaConfig, device: torch.device):
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(device)
+    bf16 = device.type == "cuda"
+    if system == "mfsdp":
+        mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else mfsdp.MixedPrecisionPolicy()
+        for block in model.blocks:
+            mfsdp.fully_shard(block, mp_policy=mp)
+        mfsdp.fully_shard(model, mp_policy=mp)
+        return model, model, False
+    if system == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model, model, False
+    if system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return ddp, model, bf16  # autocast for bf16 compute
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def run_one(system, name, device, args):
+    vocab, d, layers, heads, ffn, mb, seq = CONFIGS[name]
+    cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    wrapped, model, autocast = build(system, cfg, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
+    tokens, targets = data[:, :-1], data[:, 1:]
+    times = []
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = wrapped(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(dt)
+    # Slowest rank decides the step time.
+    med = torch.tensor([statistics.median(times)], device=device, dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak_t = torch.tensor([peak], device=device, dtype=torch.float64)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    step_s = med.item()
+    tokens_per_gpu = mb * seq / step_s
+    result = {
+        "system": system, "config": name, "step_s": step_s, "tokens_per_s_per_gpu": tokens_per_gpu,
+        "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
+        "peak_mem_gib": peak_t.item() / 2**30, "final_loss": loss.item(),
+    }
+    del wrapped, model, opt, logits, loss
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def write_outputs(results, out: Path, meta):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    lines = ["| config | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | vs FSDP2 | vs DDP |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {(r["config"], r["system"]): r for r in results}
+    def ratio(r, other):
+        return f"{r['step_s'] / other['step_s']:.2f}x" if other else "-"
+
+    for r in results:
+        f2, dd = by.get((r["config"], "fsdp2")), by.get((r["config"], "ddp"))
+        lines.append(
+            f"| {r['config']} | {r['system']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{r['tflops_per_gpu']:.1f} | {r['peak_mem_gib']:.2f} | {ratio(r, f2)} | {ratio(r, dd)} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    systems = list(dict.fromkeys(r["system"] for r in results))
+    fig, ax = plt.subplots(figsize=(2 + 2 * len(configs), 4), dpi=120)
+    width = 0.8 / max(1, len(systems))
+    for i, s in enumerate(systems):
+        ys = [by[(c, s)]["step_s"] * 1e3 if (c, s) in by else 0 for c in configs]
+        ax.bar([x + i * width for x in range(len(configs))], ys, width, label=s)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(configs))], configs)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{meta['world']}x {meta['device_name']}, torch {meta['torch']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png")
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meta = {
+        "date": datetime.date.today().isoformat(), "world": world, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if use_cuda else "cpu",
+        "steps": args.steps, "warmup": args.warmup, "build": mfsdp.build_info(),
+    }
+    results = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+        for system in args.systems.split(","):
+            r = run_one(system, name, device, args)
+            results.append(r)
+            if rank == 0:
+                print(f"{name:>14} {system:>6}: {r['step_s'] * 1e3:8.1f} ms/step  "
+                      f"{r['tokens_per_s_per_gpu']:>10,.0f} tok/s/GPU  {r['tflops_per_gpu']:6.1f} TFLOP/s  "
+                      f"peak {r['peak_mem_gib']:.2f} GiB", flush=True)
+    if rank == 0:
+        write_outputs(results, Path(args.out), meta)
+        print((Path(args.out) / "results.md").read_text())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
