@@ -18,6 +18,7 @@ from .api import (
     FSDPModule,
     MixedPrecisionPolicy,
     UnshardHandle,
+    attach_param_sync,
     fully_shard,
 )
 from .checkpoint import full_state_dict, load_full_state_dict
@@ -47,6 +48,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "UnshardHandle",
+    "attach_param_sync",
     "build_info",
     "clip_grad_norm_",
     "full_state_dict",

@@ -89,6 +89,12 @@ class FSDPModule:
         for state in self._states(recurse):
             state.set_reshard_after_forward(bool(reshard_after_forward))
 
+    def start_param_sync(self) -> None:
+        """With all_gather_in_start_param_sync=True (on this root): launch the first
+        units' all-gathers now, typically right after optimizer.step(), so they overlap
+        data loading; the next forward finds them in flight. Otherwise a no-op."""
+        self._fsdp_state.start_param_sync()
+
     def set_modules_to_forward_prefetch(self, modules) -> None:
         """All-gather these FSDP modules' parameters when this module's forward starts,
         instead of the next ones in the recorded forward order."""
@@ -110,6 +116,14 @@ class FSDPModule:
 
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
+
+
+def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
+    """Call module.start_param_sync() after every optimizer.step(). Returns the hook
+    handle (remove() to detach)."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"attach_param_sync needs a fully_shard module, got {type(module).__name__}")
+    return optimizer.register_step_post_hook(lambda *_: module.start_param_sync())
 
 
 def _states_of(modules, what: str):
@@ -245,6 +259,7 @@ def fully_shard(
     prefetch_depth: int = 1,
     all_gather_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
+    all_gather_in_start_param_sync: bool = False,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
     call) across `process_group` (ZeRO-3) and install the hooks that all-gather them
@@ -261,6 +276,9 @@ def fully_shard(
     create_all_gather_group: give all-gathers their own communicator, created once per
                      group and cached, so they overlap reduce-scatters. Default: on for
                      NCCL, off otherwise (Megatron-FSDP's `create_all_gather_group`).
+    all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
+                     all-gathers right after the optimizer step; off: nothing is ever
+                     launched outside forward/backward.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -326,6 +344,7 @@ def fully_shard(
         module, unit, names, sharded, unsharded, slots, pg,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, prefetch_depth=prefetch_depth,
     )
+    state.all_gather_in_start_param_sync = bool(all_gather_in_start_param_sync)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner

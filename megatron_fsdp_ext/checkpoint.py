@@ -11,12 +11,14 @@ from .hooks import iter_states
 
 
 def _unit_states(module: nn.Module):
+    # Shards are always authoritative; what matters is that the module's slots hold the
+    # sharded parameters (not the unsharded ones installed for forward/backward).
     states = [s for s in iter_states(module) if s.unit is not None]
     for s in states:
-        if s.unit.state != s.unit.state.SHARDED:
+        if s.unsharded_installed:
             raise RuntimeError(
-                f"full state dict: {s} is unsharded right now (inside forward/backward or after "
-                "unshard()); call it between training steps or reshard() first"
+                f"full state dict: {s} has its unsharded parameters installed (inside forward/backward "
+                "or after unshard()); call it between training steps or reshard() first"
             )
     return states
 
@@ -56,6 +58,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
     """Load a full (unsharded) state dict, as saved from the plain module or by
     full_state_dict(), into a sharded module. Every rank passes the full dict."""
     states = _unit_states(module)
+    for state in states:
+        state.reshard()  # an early all-gather (start_param_sync) would now be stale
     names = _names_by_param(module)
     sharded_ids = set()
     expected = set(module.state_dict().keys())

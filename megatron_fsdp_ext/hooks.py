@@ -115,6 +115,8 @@ class FSDPState:
         self.is_root = False
         self._pre_backward_done = False
         self._post_backward_done = False
+        self.unsharded_installed = False
+        self.all_gather_in_start_param_sync = False
 
         self.slots = _C.ParamSlots()
         for params_dict, name, index in slots:
@@ -180,6 +182,7 @@ class FSDPState:
         self._install(unsharded=False)
 
     def _install(self, unsharded: bool) -> None:
+        self.unsharded_installed = unsharded
         replaced = self.slots.install(unsharded)
         if replaced:
             self._adopt_replaced(replaced)
@@ -207,6 +210,19 @@ class FSDPState:
             full[idx] = new.detach().to(device=gathered[idx].device, dtype=gathered[idx].dtype)
             self.unit.load_full_params(full)
             params_dict[name] = self.sharded_params[idx]
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gathers the next forward needs first (the root's and, with
+        prefetching, the next units'), e.g. right after the optimizer step so they
+        overlap data loading. A no-op unless all_gather_in_start_param_sync is on,
+        so that by default nothing is launched outside forward (CUDA-graph safe)."""
+        if not self.all_gather_in_start_param_sync:
+            return
+        self.lazy_init()
+        ctx = self.ctx
+        first = ctx.forward_order[: 1 + ctx.prefetch_depth] if not ctx.recording else [self]
+        for state in first:
+            state.unshard()
 
     # ------------------------------------------------------------ forward hooks
 

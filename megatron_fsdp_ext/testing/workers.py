@@ -526,3 +526,171 @@ def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
         other(tokens[:1])
     assert other._fsdp_state.ctx is not root.ctx and other._fsdp_state.ctx.comm is not root.ctx.comm
     return max_live
+
+
+def param_sync_modes(rank: int, world: int, on: bool) -> None:
+    """all_gather_in_start_param_sync: on, the first units are gathered right after
+    optimizer.step() (and training is unchanged); off, nothing is gathered outside
+    forward/backward."""
+    device = device_for_backend()
+    cfg, model, ref = build_models({"layers": 3}, device)
+    for b in model.blocks:
+        mfsdp.fully_shard(b)
+    mfsdp.fully_shard(model, all_gather_in_start_param_sync=on)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    mfsdp.attach_param_sync(opt, model)
+    states = [model._fsdp_state] + [b._fsdp_state for b in model.blocks]
+    per = 2
+    for step, (tokens, targets) in enumerate(global_batches(cfg, 4, per * world, 8, device)):
+        rows = slice(rank * per, (rank + 1) * per)
+        model.loss(tokens[rows], targets[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.loss(tokens, targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gathered = [s for s in states if s.unit.state != s.unit.state.SHARDED]
+        assert not any(s.unsharded_installed for s in states), "start_param_sync must not install params"
+        if on:  # the order is known once the first backward is done
+            # Root plus prefetch_depth (1) next units in the recorded order.
+            assert gathered == states[:2], f"expected root and first block gathered, got {[str(s) for s in gathered]}"
+        else:
+            assert gathered == [], f"gathered outside forward: {[str(s) for s in gathered]}"
+    full = mfsdp.full_state_dict(model, rank0_only=False)  # fine with gathers in flight
+    worst = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    assert worst <= 1e-5, f"parity with start_param_sync={on}: {worst}"
+    # Loading a state dict drops early gathers: the next forward sees the new values.
+    torch.manual_seed(3)
+    fresh = LlamaModel(cfg).to(device)
+    mfsdp.load_full_state_dict(model, fresh.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+    with torch.no_grad():
+        assert rel_err(model(tokens), fresh(tokens)) < 1e-6, "stale all-gather survived load_full_state_dict"
+
+
+def _unsharded_bytes_probe(states):
+    """Wrap every state's unshard/reshard to record the most unsharded bytes held at once."""
+    from megatron_fsdp_ext import hooks
+
+    peak = [0]
+    orig_unshard, orig_reshard = hooks.FSDPState.unshard, hooks.FSDPState.reshard
+
+    def sample():
+        peak[0] = max(peak[0], sum(s.unit.unsharded_storage_bytes for s in states if s.unit is not None))
+
+    def unshard(self):
+        orig_unshard(self)
+        sample()
+
+    def reshard(self):
+        sample()
+        orig_reshard(self)
+
+    hooks.FSDPState.unshard, hooks.FSDPState.reshard = unshard, reshard
+
+    def restore():
+        hooks.FSDPState.unshard, hooks.FSDPState.reshard = orig_unshard, orig_reshard
+
+    return peak, restore
+
+
+def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> Dict:
+    """The unsharded bytes held at once never exceed root + (2 + depth) blocks, for any
+    number of blocks: memory held for parameters does not grow with depth."""
+    device = device_for_backend()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, d_model=128, n_layers=n_layers, n_heads=4, ffn_hidden=352)
+    model = LlamaModel(cfg).to(device)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        mfsdp.fully_shard(b, mp_policy=mp, prefetch_depth=depth)
+    mfsdp.fully_shard(model, mp_policy=mp, prefetch_depth=depth)
+    states = [model._fsdp_state] + [b._fsdp_state for b in model.blocks]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2, 32, device)):
+        if step == 1:  # the order is recorded: measure the steady state
+            peak, restore = _unsharded_bytes_probe(states)
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    restore()
+    root_bytes = model._fsdp_state.unit.layout.total_numel * 2
+    block_bytes = model.blocks[0]._fsdp_state.unit.layout.total_numel * 2
+    bound = root_bytes + (2 + depth) * block_bytes
+    assert peak[0] <= bound, f"{peak[0]} unsharded bytes held at once > bound {bound} ({n_layers} layers, depth {depth})"
+    return {"peak_unsharded_bytes": peak[0], "bound": bound}
+
+
+def _kernel_intervals(trace_path: str):
+    """(name, stream, start_us, end_us) of every GPU kernel in a chrome trace."""
+    import json
+
+    with open(trace_path) as f:
+        trace = json.load(f)
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel" and "dur" in e:
+            out.append((e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    return out
+
+
+def _overlapping(a, others) -> bool:
+    return any(o[1] != a[1] and o[2] < a[3] and a[2] < o[3] for o in others)
+
+
+def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -> Dict:
+    """torch.profiler on one steady-state step: forward all-gathers overlap compute
+    kernels (>= N-1 of them), backward all-gathers and reduce-scatters overlap compute,
+    and with separate communicators all-gather and reduce-scatter kernels overlap."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=n_layers, n_heads=16, ffn_hidden=2816)
+    model = LlamaModel(cfg).to(device)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        mfsdp.fully_shard(b, mp_policy=mp)
+    mfsdp.fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batches = list(global_batches(cfg, 3, 4, 1024, device))
+    for tokens, targets in batches[:2]:
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    tokens, targets = batches[2]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loss = model.loss(tokens, targets)
+        torch.cuda._sleep(1000)  # marker kernel between forward and backward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+    path = os.path.join(trace_dir or tempfile.mkdtemp(), f"overlap_trace_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    kernels = _kernel_intervals(path)
+    marker = min(k[2] for k in kernels if "spin" in k[0].lower())
+    is_nccl = lambda k: "nccl" in k[0].lower()  # noqa: E731
+    compute = [k for k in kernels if not is_nccl(k) and "spin" not in k[0].lower()]
+    ag = [k for k in kernels if is_nccl(k) and "allgather" in k[0].lower()]
+    rs = [k for k in kernels if is_nccl(k) and "reducescatter" in k[0].lower()]
+    fwd_ag = [k for k in ag if k[3] <= marker]
+    bwd_ag = [k for k in ag if k[2] >= marker]
+    stats = {
+        "fwd_all_gathers": len(fwd_ag),
+        "fwd_all_gathers_overlapping_compute": sum(_overlapping(k, compute) for k in fwd_ag),
+        "bwd_all_gathers_overlapping_compute": sum(_overlapping(k, compute) for k in bwd_ag),
+        "reduce_scatters_overlapping_compute": sum(_overlapping(k, compute) for k in rs),
+        "all_gathers_overlapping_reduce_scatters": sum(_overlapping(k, rs) for k in ag),
+        "trace": path,
+    }
+    assert stats["fwd_all_gathers_overlapping_compute"] >= n_layers - 1, stats
+    assert stats["bwd_all_gathers_overlapping_compute"] >= 1, stats
+    assert stats["reduce_scatters_overlapping_compute"] >= 1, stats
+    assert stats["all_gathers_overlapping_reduce_scatters"] >= 1, stats
+    return stats

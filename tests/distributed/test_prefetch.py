@@ -3,7 +3,7 @@ contexts per root, and parity with prefetching and a separate all-gather communi
 import pytest
 
 from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import prefetch_semantics, train_parity
+from megatron_fsdp_ext.testing.workers import param_sync_modes, prefetch_semantics, train_parity, unsharded_memory_bound
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -19,3 +19,15 @@ def test_parity_with_separate_all_gather_group(world):
 
 def test_parity_prefetch_depth_2_with_accumulation():
     run_distributed(train_parity, 2, {"prefetch_depth": 2, "micro_batches": 2, "steps": 5}, timeout=240)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_all_gather_in_start_param_sync(on):
+    run_distributed(param_sync_modes, 2, on, timeout=180)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_unsharded_memory_independent_of_depth_of_model(depth):
+    peaks = [run_distributed(unsharded_memory_bound, 2, n, depth, timeout=180)[0]["peak_unsharded_bytes"]
+             for n in (3, 6)]
+    assert peaks[0] == peaks[1], f"unsharded peak grows with the number of blocks: {peaks}"
