@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shard_slices", &FlatLayout::shard_slices, py::arg("rank"))
       .def("__repr__", &FlatLayout::describe);
 
+  m.def("balance_owners", &balance_owners, py::arg("costs"), py::arg("world_size"),
+        "Owner rank per parameter, balancing the summed cost (largest first, least-loaded rank).");
+
   m.def(
       "pack_into_flat",
       [](at::Tensor& flat, const std::vector<std::optional<at::Tensor>>& tensors,
@@ -75,6 +78,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Copy (or add) tensors into a flat buffer at offsets, casting to its dtype.");
   m.def("cast_scale_into", &cast_scale_into, py::arg("dst"), py::arg("src"), py::arg("scale"),
         py::arg("accumulate") = false);
+
+  py::enum_<VarAlgo>(m, "VarAlgo")
+      .value("AUTO", VarAlgo::kAuto)
+      .value("GROUPED", VarAlgo::kGrouped)
+      .value("PADDED", VarAlgo::kPadded)
+      .value("ALL_REDUCE", VarAlgo::kAllReduce);
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))
@@ -92,6 +101,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release no_gil;
         c.all_reduce(t, c10d::ReduceOp::MAX);
       })
+      .def("all_gather_v", &Communicator::all_gather_v, py::arg("out"), py::arg("input"),
+           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter_v", &Communicator::reduce_scatter_v, py::arg("out"), py::arg("input"),
+           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
+           py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"),
            py::call_guard<py::gil_scoped_release>());
 

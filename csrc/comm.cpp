@@ -1,5 +1,7 @@
 #include "comm.h"
 
+#include <algorithm>
+
 namespace mfsdp {
 
 Communicator::Communicator(ProcessGroupPtr pg) : pg_(std::move(pg)) {
@@ -61,6 +63,110 @@ void Communicator::broadcast(at::Tensor& t, int root) const {
   opts.rootRank = root;
   opts.asyncOp = false;
   finish(pg_->broadcast(tensors, opts));
+}
+
+void Communicator::check_segments(const char* what, const at::Tensor& flat,
+                                  const std::vector<int64_t>& starts,
+                                  const std::vector<int64_t>& numels) const {
+  MFSDP_CHECK(static_cast<int>(starts.size()) == size_ && static_cast<int>(numels.size()) == size_,
+              what, ": expected ", size_, " segment starts and numels, got ", starts.size(), " and ",
+              numels.size());
+  MFSDP_CHECK(flat.dim() == 1 && flat.is_contiguous(), what, ": flat buffer must be 1-D contiguous");
+  for (int r = 0; r < size_; ++r) {
+    MFSDP_CHECK(numels[r] >= 0 && starts[r] >= 0 && starts[r] + numels[r] <= flat.numel(), what,
+                ": segment ", r, " [", starts[r], ", ", starts[r] + numels[r],
+                ") is outside the flat buffer of ", flat.numel(), " elements");
+  }
+}
+
+VarAlgo Communicator::resolve(VarAlgo algo, const at::Tensor& t) {
+  MFSDP_CHECK(algo != VarAlgo::kGrouped || t.is_cuda(),
+              "the GROUPED uneven algorithm needs CUDA tensors (NCCL); use PADDED (or AUTO) on CPU");
+  if (algo != VarAlgo::kAuto) return algo;
+  return t.is_cuda() ? VarAlgo::kGrouped : VarAlgo::kPadded;
+}
+
+void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& numels, VarAlgo algo) const {
+  check_segments("all_gather_v", out, starts, numels);
+  MFSDP_CHECK(in.numel() == numels[rank_], "all_gather_v: rank ", rank_, " passes ", in.numel(),
+              " elements but its segment has ", numels[rank_]);
+  MFSDP_CHECK(in.scalar_type() == out.scalar_type(), "all_gather_v: dtype mismatch ", in.scalar_type(),
+              " vs ", out.scalar_type());
+  MFSDP_CHECK(algo != VarAlgo::kAllReduce, "all_gather_v: kAllReduce applies to reduce_scatter_v only");
+  auto mine = out.narrow(0, starts[rank_], numels[rank_]);
+  if (size_ == 1) {
+    if (mine.data_ptr() != in.data_ptr()) mine.copy_(in);
+    return;
+  }
+  const int64_t longest = *std::max_element(numels.begin(), numels.end());
+  if (longest == 0) return;
+  switch (resolve(algo, out)) {
+    case VarAlgo::kGrouped: {
+      std::vector<std::vector<at::Tensor>> outs(1);
+      for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, starts[r], numels[r]));
+      std::vector<at::Tensor> ins{in.contiguous()};
+      c10d::AllgatherOptions opts;
+      opts.asyncOp = false;
+      finish(pg_->allgather(outs, ins, opts));
+      return;
+    }
+    default: {  // kPadded
+      auto padded_in = at::zeros({longest}, in.options());
+      padded_in.narrow(0, 0, in.numel()).copy_(in);
+      auto gathered = at::empty({longest * size_}, in.options());
+      all_gather_flat(gathered, padded_in);
+      for (int r = 0; r < size_; ++r) {
+        if (numels[r] == 0) continue;
+        out.narrow(0, starts[r], numels[r]).copy_(gathered.narrow(0, r * longest, numels[r]));
+      }
+      return;
+    }
+  }
+}
+
+void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
+                                    const std::vector<int64_t>& numels, VarAlgo algo) const {
+  check_segments("reduce_scatter_v", in, starts, numels);
+  MFSDP_CHECK(out.numel() == numels[rank_], "reduce_scatter_v: output has ", out.numel(),
+              " elements but rank ", rank_, "'s segment has ", numels[rank_]);
+  MFSDP_CHECK(in.scalar_type() == out.scalar_type(), "reduce_scatter_v: dtype mismatch ", in.scalar_type(),
+              " vs ", out.scalar_type());
+  if (size_ == 1) {
+    out.copy_(in.narrow(0, starts[0], numels[0]));
+    return;
+  }
+  const int64_t longest = *std::max_element(numels.begin(), numels.end());
+  if (longest == 0) return;
+  switch (resolve(algo, in)) {
+    case VarAlgo::kGrouped: {
+      std::vector<std::vector<at::Tensor>> ins(1);
+      for (int r = 0; r < size_; ++r) ins[0].push_back(in.narrow(0, starts[r], numels[r]));
+      std::vector<at::Tensor> outs{out};
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      opts.asyncOp = false;
+      finish(pg_->reduce_scatter(outs, ins, opts));
+      return;
+    }
+    case VarAlgo::kAllReduce: {
+      auto all = in.clone();
+      all_reduce(all, c10d::ReduceOp::SUM);
+      out.copy_(all.narrow(0, starts[rank_], numels[rank_]));
+      return;
+    }
+    default: {  // kPadded
+      auto padded = at::zeros({longest * size_}, in.options());
+      for (int r = 0; r < size_; ++r) {
+        if (numels[r] == 0) continue;
+        padded.narrow(0, r * longest, numels[r]).copy_(in.narrow(0, starts[r], numels[r]));
+      }
+      auto reduced = at::empty({longest}, in.options());
+      reduce_scatter_flat(reduced, padded);
+      out.copy_(reduced.narrow(0, 0, numels[rank_]));
+      return;
+    }
+  }
 }
 
 }  // namespace mfsdp

@@ -16,6 +16,15 @@ namespace mfsdp {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
+// How an uneven (v) collective is carried out.
+//  kGrouped: one NCCL group of per-rank broadcasts / reduces through the process
+//            group's uneven allgather / reduce_scatter, straight into views (NCCL only).
+//  kPadded:  pad every segment to the longest, run the even collective, compact.
+//            Works on every backend; costs a copy and (max - mean) extra bytes.
+//  kAllReduce: (reduce_scatter_v only) all-reduce the whole buffer, keep our segment.
+//  kAuto:    kGrouped for CUDA tensors, kPadded otherwise.
+enum class VarAlgo { kAuto = 0, kGrouped = 1, kPadded = 2, kAllReduce = 3 };
+
 class Communicator {
  public:
   Communicator() = default;
@@ -32,10 +41,22 @@ class Communicator {
   // out (in.numel() / size) <- SUM over ranks of this rank's segment of `in`.
   void reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const;
+
+  // Uneven all-gather: rank r contributes numels[r] elements (`in`), which land at
+  // out[starts[r], starts[r] + numels[r]). Segments may be empty.
+  void all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto) const;
+  // Uneven reduce-scatter (SUM): out (numels[rank]) <- sum over ranks of
+  // in[starts[rank], starts[rank] + numels[rank]).
+  void reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
+                        const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto) const;
   void broadcast(at::Tensor& t, int root) const;
 
  private:
   static void finish(const c10::intrusive_ptr<c10d::Work>& work);
+  void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
+                      const std::vector<int64_t>& numels) const;
+  static VarAlgo resolve(VarAlgo algo, const at::Tensor& t);
 
   ProcessGroupPtr pg_;
   int rank_ = 0;

@@ -1,6 +1,7 @@
 #include "layout.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 namespace mfsdp {
@@ -141,6 +142,25 @@ std::string FlatLayout::describe() const {
     s += (r ? ", " : "") + std::to_string(seg_starts_[r]) + "+" + std::to_string(seg_numels_[r]);
   }
   return s + "])";
+}
+
+std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size) {
+  check(world_size >= 1, "world_size must be >= 1, got " + std::to_string(world_size));
+  for (size_t i = 0; i < costs.size(); ++i) {
+    check(costs[i] >= 0 && costs[i] < std::numeric_limits<double>::infinity(),
+          "cost of parameter " + std::to_string(i) + " must be finite and >= 0");
+  }
+  std::vector<size_t> order(costs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
+  std::vector<double> load(world_size, 0.0);
+  std::vector<int64_t> owners(costs.size(), 0);
+  for (size_t i : order) {
+    const auto best = std::min_element(load.begin(), load.end()) - load.begin();
+    owners[i] = best;
+    load[best] += costs[i];
+  }
+  return owners;
 }
 
 }  // namespace mfsdp

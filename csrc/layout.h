@@ -83,4 +83,9 @@ class FlatLayout {
   std::vector<int64_t> seg_numels_;
 };
 
+// Owner per parameter balancing total cost across ranks: largest cost first, each to
+// the rank with the least cost so far (ties: lowest rank, then original order), so
+// every rank computes the same answer. Costs must be finite and >= 0.
+std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size);
+
 }  // namespace mfsdp

@@ -694,3 +694,42 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
     assert stats["reduce_scatters_overlapping_compute"] >= 1, stats
     assert stats["all_gathers_overlapping_reduce_scatters"] >= 1, stats
     return stats
+
+
+# ---------------------------------------------------------------- uneven collectives
+
+def uneven_collectives(rank: int, world: int, algos) -> int:
+    """all_gather_v / reduce_scatter_v against a torch reference for random uneven
+    segment sizes (some empty), on every algorithm given."""
+    from megatron_fsdp_ext import _C
+
+    device = device_for_backend()
+    comm = _C.Communicator(dist.distributed_c10d._get_default_group())
+    checked = 0
+    for trial in range(6):
+        g = torch.Generator().manual_seed(100 + trial)
+        numels = [int(x) for x in torch.randint(0, 40, (world,), generator=g)]
+        if trial == 0:
+            numels[world - 1] = 0
+        if trial == 1:
+            numels = [0] * world
+        starts, cursor = [], 0
+        for n in numels:
+            starts.append(cursor)
+            cursor += n
+        total = cursor
+        # Everyone can compute every rank's data: the reference needs no communication.
+        data = [torch.randn(numels[r], generator=torch.Generator().manual_seed(1000 * trial + r)) for r in range(world)]
+        grads = [torch.randn(total, generator=torch.Generator().manual_seed(7000 * trial + r)) for r in range(world)]
+        expected_full = torch.cat(data) if total else torch.zeros(0)
+        expected_rs = sum(grads)[starts[rank]:starts[rank] + numels[rank]]
+        for algo in algos:
+            if algo != "ALL_REDUCE":  # a reduce_scatter_v-only fallback
+                out = torch.full((total,), float("nan"), device=device)  # poison: every element must be written
+                comm.all_gather_v(out, data[rank].to(device), starts, numels, getattr(_C.VarAlgo, algo))
+                assert torch.equal(out.cpu(), expected_full), f"all_gather_v {algo} numels {numels}"
+            rs_out = torch.full((numels[rank],), float("nan"), device=device)
+            comm.reduce_scatter_v(rs_out, grads[rank].to(device), starts, numels, getattr(_C.VarAlgo, algo))
+            torch.testing.assert_close(rs_out.cpu(), expected_rs, rtol=1e-6, atol=1e-6)
+            checked += 1
+    return checked

@@ -44,3 +44,9 @@ def test_cuda_device_errors():
 
 def test_memory_released_after_step():
     run_distributed(W.unsharded_memory_released, 2, backend="nccl", timeout=300)
+
+
+def test_nccl_uneven_collectives():
+    checked = run_distributed(W.uneven_collectives, 2, ["AUTO", "GROUPED", "PADDED", "ALL_REDUCE"],
+                              backend="nccl", timeout=300)
+    assert all(c == 24 for c in checked)

@@ -114,3 +114,22 @@ def test_owner_layout_segments_are_contiguous_and_uneven(world):
 def test_layout_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_balance_owners_is_balanced_and_deterministic():
+    rng = random.Random(7)
+    costs = [float(rng.randint(1, 1000)) for _ in range(50)]
+    for world in (1, 2, 3, 4, 8):
+        owners = _C.balance_owners(costs, world)
+        assert owners == _C.balance_owners(costs, world)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        # Longest-first greedy: no rank exceeds the mean by more than the largest cost.
+        assert max(loads) - sum(costs) / world <= max(costs)
+        assert set(owners) <= set(range(world))
+
+
+def test_balance_owners_bad_input():
+    with pytest.raises(ValueError, match="cost of parameter 1"):
+        _C.balance_owners([1.0, -2.0], 2)
+    with pytest.raises(ValueError, match="world_size"):
+        _C.balance_owners([1.0], 0)
