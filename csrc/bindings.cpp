@@ -62,8 +62,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shard_slices", &FlatLayout::shard_slices, py::arg("rank"))
       .def("__repr__", &FlatLayout::describe);
 
-  m.def("balance_owners", &balance_owners, py::arg("costs"), py::arg("world_size"),
-        "Owner rank per parameter, balancing the summed cost (largest first, least-loaded rank).");
+  m.def(
+      "balance_owners",
+      [](const std::vector<double>& costs, int64_t world_size, std::vector<double> loads) {
+        auto owners = balance_owners(costs, world_size, &loads);
+        return std::make_pair(owners, loads);
+      },
+      py::arg("costs"), py::arg("world_size"), py::arg("loads") = std::vector<double>{},
+      "(owners, loads): owner rank per parameter balancing the summed cost (largest first, "
+      "least-loaded rank), starting from and returning the per-rank loads.");
 
   m.def(
       "pack_into_flat",

@@ -144,7 +144,8 @@ std::string FlatLayout::describe() const {
   return s + "])";
 }
 
-std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size) {
+std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size,
+                                    std::vector<double>* loads) {
   check(world_size >= 1, "world_size must be >= 1, got " + std::to_string(world_size));
   for (size_t i = 0; i < costs.size(); ++i) {
     check(costs[i] >= 0 && costs[i] < std::numeric_limits<double>::infinity(),
@@ -153,7 +154,11 @@ std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t wo
   std::vector<size_t> order(costs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
-  std::vector<double> load(world_size, 0.0);
+  std::vector<double> local(world_size, 0.0);
+  std::vector<double>& load = loads ? *loads : local;
+  if (load.empty()) load.assign(world_size, 0.0);
+  check(static_cast<int64_t>(load.size()) == world_size,
+        "loads has " + std::to_string(load.size()) + " entries for world_size " + std::to_string(world_size));
   std::vector<int64_t> owners(costs.size(), 0);
   for (size_t i : order) {
     const auto best = std::min_element(load.begin(), load.end()) - load.begin();

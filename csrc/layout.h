@@ -85,7 +85,10 @@ class FlatLayout {
 
 // Owner per parameter balancing total cost across ranks: largest cost first, each to
 // the rank with the least cost so far (ties: lowest rank, then original order), so
-// every rank computes the same answer. Costs must be finite and >= 0.
-std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size);
+// every rank computes the same answer. Costs must be finite and >= 0. `loads` (one
+// per rank, or empty for zeros) is the cost already assigned, e.g. by earlier buckets,
+// and is updated in place.
+std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size,
+                                    std::vector<double>* loads = nullptr);
 
 }  // namespace mfsdp

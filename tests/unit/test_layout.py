@@ -120,12 +120,27 @@ def test_balance_owners_is_balanced_and_deterministic():
     rng = random.Random(7)
     costs = [float(rng.randint(1, 1000)) for _ in range(50)]
     for world in (1, 2, 3, 4, 8):
-        owners = _C.balance_owners(costs, world)
-        assert owners == _C.balance_owners(costs, world)
+        owners, loads = _C.balance_owners(costs, world)
+        assert owners == _C.balance_owners(costs, world)[0]
         loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
         # Longest-first greedy: no rank exceeds the mean by more than the largest cost.
         assert max(loads) - sum(costs) / world <= max(costs)
         assert set(owners) <= set(range(world))
+        assert loads == pytest.approx(loads_from(costs, owners, world))
+
+
+def loads_from(costs, owners, world):
+    return [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+
+
+def test_balance_owners_carries_loads_across_buckets():
+    # Buckets of two parameters on four ranks: every rank still gets work.
+    loads, owners = [], []
+    for bucket in ([5.0, 4.0], [5.0, 4.0], [3.0, 3.0]):
+        o, loads = _C.balance_owners(bucket, 4, loads)
+        owners += o
+    assert set(owners) == {0, 1, 2, 3}
+    assert max(loads) - min(loads) <= 5.0
 
 
 def test_balance_owners_bad_input():
@@ -133,3 +148,5 @@ def test_balance_owners_bad_input():
         _C.balance_owners([1.0, -2.0], 2)
     with pytest.raises(ValueError, match="world_size"):
         _C.balance_owners([1.0], 0)
+    with pytest.raises(ValueError, match="loads has 1 entries for world_size 2"):
+        _C.balance_owners([1.0], 2, [0.0])
