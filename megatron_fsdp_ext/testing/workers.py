@@ -813,3 +813,109 @@ def layerwise_parity(rank: int, world: int, opts: Dict) -> Dict:
     owners = {n: b.layout.owner(i) for b in lopt.buckets for i, n in enumerate(b.names)}
     return {"worst": errs[worst], "owners": owners, "buckets": len(lopt.buckets),
             "max_frac_of_update": max(errs[n] / moved[n] for n in errs if moved[n] > 0)}
+
+
+def sgd_and_adamw(params):
+    params = list(params)
+    two_d = [p for p in params if p.dim() == 2]
+    rest = [p for p in params if p.dim() != 2]
+    out = []
+    if two_d:
+        out.append(torch.optim.SGD(two_d, lr=0.05, momentum=0.9))
+    if rest:
+        out.append(torch.optim.AdamW(rest, lr=1e-4, weight_decay=0.1))
+    return out
+
+
+def layerwise_checkpoint(rank: int, world: int, mode: str, path: str, save_world: int = 2) -> float:
+    """Optimizer state saved by name at one world size resumes at another: training
+    continued from the checkpoint matches uninterrupted single-process training."""
+    from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
+
+    device = device_for_backend()
+    cfg, model, ref = _layerwise_model(device, {})
+    rows_total, save_at, steps = 8, 3, 5
+    batches = list(global_batches(cfg, steps, rows_total, 16, device))
+
+    def train(m, opt, tokens, targets, w, r):
+        per = rows_total // w
+        opt.zero_grad()
+        m.loss(tokens[r * per:(r + 1) * per], targets[r * per:(r + 1) * per]).backward()
+        opt.step()
+
+    if mode == "save":
+        lopt = LayerwiseDistributedOptimizer(model, sgd_and_adamw, bucket_size=3000)
+        for tokens, targets in batches[:save_at]:
+            train(model, lopt, tokens, targets, world, rank)
+        lopt.finish_all()
+        state = lopt.state_dict()  # collective
+        if rank == 0:
+            torch.save({"model": {k: v.cpu() for k, v in model.state_dict().items()}, "opt": state}, path)
+        return 0.0
+    ckpt = torch.load(path, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    lopt = LayerwiseDistributedOptimizer(model, sgd_and_adamw, bucket_size=3000)
+    lopt.load_state_dict(ckpt["opt"])
+    for tokens, targets in batches[save_at:]:
+        train(model, lopt, tokens, targets, world, rank)
+    lopt.finish_all()
+    # Reference: the same global batches, uninterrupted, the mean of the slices' losses
+    # in the order each phase's ranks would sum them.
+    ref_opts = sgd_and_adamw(ref.parameters())
+    for k, (tokens, targets) in enumerate(batches):
+        w = save_world if k < save_at else world
+        per = rows_total // w
+        for o in ref_opts:
+            o.zero_grad()
+        (sum(ref.loss(tokens[r * per:(r + 1) * per], targets[r * per:(r + 1) * per]) for r in range(w)) / w).backward()
+        for o in ref_opts:
+            o.step()
+    worst = max(rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert worst <= 1e-5, f"resumed at world {world} from a world-{save_world} checkpoint: rel err {worst:.2e}"
+    # Bad checkpoints name the key.
+    names = dict(zip(map(id, model.parameters()), (n for n, _ in model.named_parameters())))
+    mine = [names[id(p)] for p in lopt.owned_params]
+    if mine:  # drop a parameter this rank owns
+        bad = {"state": {k: v for k, v in ckpt["opt"]["state"].items() if k != mine[0]}}
+        expect_error(lambda: lopt.load_state_dict(bad), KeyError, f"missing parameter '{mine[0]}'")
+    extra = {"state": dict(ckpt["opt"]["state"], **{"nope.weight": {}})}
+    expect_error(lambda: lopt.load_state_dict(extra), KeyError, "nope.weight")
+    return worst
+
+
+def layerwise_gather_overlap(rank: int, world: int) -> Dict:
+    """After step(), bucket k's all-gather-v (NCCL broadcasts or all-gather) runs while
+    the forward of earlier layers computes: at least one gather kernel overlaps a
+    compute kernel on another stream."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=6, n_heads=16, ffn_hidden=2816)
+    model = LlamaModel(cfg).to(device)
+    lopt = LayerwiseDistributedOptimizer(model, sgd_and_adamw, bucket_size=8_000_000)
+    batches = list(global_batches(cfg, 3, 4, 1024, device))
+    for tokens, targets in batches[:2]:
+        lopt.zero_grad()
+        model.loss(tokens, targets).backward()
+        lopt.step()
+    lopt.zero_grad()
+    model.loss(*batches[2]).backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lopt.step()  # launches the gathers and returns
+        model.loss(*batches[2])  # forward pre-hooks finish each bucket just in time
+        torch.cuda.synchronize()
+    path = tempfile.mkdtemp() + f"/layerwise_rank{rank}.json"
+    prof.export_chrome_trace(path)
+    kernels = _kernel_intervals(path)
+    gathers = [k for k in kernels if "nccl" in k[0].lower() and ("broadcast" in k[0].lower() or "allgather" in k[0].lower())]
+    compute = [k for k in kernels if "nccl" not in k[0].lower()]
+    overlapping = sum(_overlapping(k, compute) for k in gathers)
+    assert len(lopt.buckets) >= 3, f"expected several buckets, got {len(lopt.buckets)}"
+    assert overlapping >= 1, f"no all-gather-v kernel overlapped compute ({len(gathers)} gathers)"
+    return {"gathers": len(gathers), "overlapping": overlapping, "buckets": len(lopt.buckets)}

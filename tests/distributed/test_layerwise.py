@@ -28,3 +28,13 @@ def test_layerwise_all_reduce_fallback_and_accumulation():
     # SGD: with micro-batches the sum order differs from the reference, which Muon would amplify.
     run_distributed(layerwise_parity, 2, {"grad_reduce": "all_reduce", "micro_batches": 2, "tie": True,
                                           "factory": "sgd"}, timeout=240)
+
+
+def test_layerwise_checkpoint_across_world_sizes(tmp_path):
+    from megatron_fsdp_ext.testing.workers import layerwise_checkpoint
+
+    path = str(tmp_path / "layerwise.pt")
+    run_distributed(layerwise_checkpoint, 2, "save", path, timeout=240)
+    for world in (4, 1, 2):
+        errs = run_distributed(layerwise_checkpoint, world, "resume", path, timeout=240)
+        assert max(errs) <= 1e-5
