@@ -186,6 +186,10 @@ class FSDPState:
         replaced = self.slots.install(unsharded)
         if replaced:
             self._adopt_replaced(replaced)
+            if unsharded:  # the gathered copy predates the new values: gather again
+                self.unit.reshard()
+                self.unit.unshard()
+                self.unit.wait_unshard()
             self.slots.install(unsharded)
 
     def _adopt_replaced(self, replaced) -> None:

@@ -299,8 +299,11 @@ def api_semantics(rank: int, world: int) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
     shape = tuple(ref.blocks[1].mlp.w_down.weight.shape)
     model.blocks[1].mlp.w_down.weight = nn.Parameter(torch.full(shape, 0.5, device=device))
+    other.blocks[1].mlp.w_down.weight = nn.Parameter(torch.full(shape, 0.5, device=device))
     with torch.no_grad():
-        model(tokens)
+        out = model(tokens)
+        expected = other(tokens)
+    assert rel_err(out, expected) < 1e-6, "the forward after a replacement used the old values"
     replaced = mfsdp.full_state_dict(model, rank0_only=False)["blocks.1.mlp.w_down.weight"]
     assert torch.all(replaced == 0.5), "same-shape replacement was not adopted"
     # ...and with a different shape: a clear error naming the parameter.
