@@ -155,8 +155,9 @@ void Unit::check_sharded_params_intact() {
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     auto& p = sharded_params_[i];
     const auto& s = slices_[i];
-    if (p.numel() == s.numel && p.data_ptr() == base + s.shard_offset * itemsize &&
-        p.scalar_type() == orig_dtype_)
+    // An empty tensor's data_ptr() is null: for an empty slice only shape and dtype matter.
+    if (p.numel() == s.numel && p.scalar_type() == orig_dtype_ &&
+        (s.numel == 0 || p.data_ptr() == base + s.shard_offset * itemsize))
       continue;
     MFSDP_CHECK(p.numel() == s.numel && p.dim() == 1,
                 "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
@@ -193,6 +194,7 @@ void Unit::free_unsharded() {
 void Unit::unshard() {
   if (state_ != UnitState::kSharded) return;
   check_sharded_params_intact();
+  gathered_version_ = sharded_flat_._version();
   allocate_unsharded();
   const int r = ag_comm_.rank();
   const int64_t seg = layout_.segment_numel(r);
@@ -218,9 +220,19 @@ void Unit::unshard() {
 }
 
 void Unit::wait_unshard() {
-  if (state_ != UnitState::kGathering) return;
-  all_gather_done_.block(current_stream(device_));
-  state_ = UnitState::kUnsharded;
+  if (state_ == UnitState::kSharded) return;
+  if (state_ == UnitState::kGathering) {
+    all_gather_done_.block(current_stream(device_));
+    state_ = UnitState::kUnsharded;
+  }
+  if (sharded_flat_._version() != gathered_version_) {
+    // The shard was written after the gather was issued (e.g. a second optimizer or an
+    // EMA after start_param_sync): the gathered copy may be stale or torn. Gather again.
+    free_unsharded();
+    state_ = UnitState::kSharded;
+    unshard();
+    wait_unshard();
+  }
 }
 
 void Unit::reshard() {
@@ -237,12 +249,14 @@ at::Tensor Unit::flat_grad_behind_views() const {
     if (!has_grad_[i]) continue;
     const auto& g = sharded_params_[i].grad();
     if (!g.defined() || g.scalar_type() != orig_dtype_ || g.numel() != slices_[i].numel) return {};
+    if (slices_[i].numel == 0) continue;  // an empty view may not share the storage object
     if (!storage) {
       storage = g.storage();
       if (storage.nbytes() != static_cast<size_t>(seg) * g.element_size()) return {};
     } else if (!g.storage().is_alias_of(storage)) {
       return {};
     }
+    if (slices_[i].numel == 0) continue;  // null data_ptr; nothing to alias
     auto* expect = static_cast<const char*>(storage.data()) + slices_[i].shard_offset * g.element_size();
     if (static_cast<const char*>(g.const_data_ptr()) != expect) return {};
   }

@@ -130,6 +130,7 @@ class Unit {
   at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
 
   UnitState state_ = UnitState::kSharded;
+  uint32_t gathered_version_ = 0;  // shard version the in-flight gather read
   std::shared_ptr<CommContext> ctx_;
   StreamEvent compute_ready_, all_gather_done_;
 };

@@ -41,6 +41,7 @@ def clip_grad_norm_(
     device = grads[0].device
 
     def local(gs):
+        gs = [g for g in gs if g.numel() > 0]  # empty shards (and inf-norm on empties raises)
         if not gs:
             return torch.zeros((), device=device, dtype=torch.float32)
         norms = torch._foreach_norm(gs, norm_type)

@@ -36,6 +36,7 @@ class RootContext:
         self.device = device
         self.comm = _C.CommContext(device, 2)
         self.final_callback_queued = False
+        self.in_backward = False  # between the first backward hook and the final callback
         self.prefetch_depth = prefetch_depth
         # Units in the order their forward ran in the first iteration (runtime order,
         # not construction order); frozen after the first backward.
@@ -64,6 +65,7 @@ class RootContext:
         if self.final_callback_queued:
             return
         self.final_callback_queued = True
+        self.in_backward = True
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
@@ -75,6 +77,7 @@ class RootContext:
         for state in self.states:
             state.end_backward()
         self.final_callback_queued = False
+        self.in_backward = False
         self.recording = False
 
 
@@ -89,7 +92,7 @@ class _RegisterPostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.post_backward()
+        ctx.state.post_backward_of_one_call()
         return (None,) + grads
 
 
@@ -117,6 +120,9 @@ class FSDPState:
         self._post_backward_done = False
         self.unsharded_installed = False
         self.all_gather_in_start_param_sync = False
+        # Forward calls of this unit whose backward has not finished yet (a unit may run
+        # several times before one backward: weight sharing, summed micro-batches).
+        self._pending_backward_calls = 0
 
         self.slots = _C.ParamSlots()
         for params_dict, name, index in slots:
@@ -247,7 +253,7 @@ class FSDPState:
         for t in targets:
             t.unshard()
         self.wait_unshard()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.ctx.in_backward:
             self._pre_backward_done = False
             self._post_backward_done = False
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -258,6 +264,7 @@ class FSDPState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
+        self._pending_backward_calls += 1
         outs = _RegisterPostBackward.apply(self, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
@@ -265,7 +272,9 @@ class FSDPState:
 
     def _post_forward(self, module, args, output):
         grad_enabled = torch.is_grad_enabled()
-        if self.reshard_after_forward or not grad_enabled:
+        # A forward re-run inside backward (activation checkpointing) keeps the unit
+        # gathered: its backward comes right after.
+        if (self.reshard_after_forward or not grad_enabled) and not self.ctx.in_backward:
             self.reshard()
         if self.is_root and not grad_enabled:
             # No backward follows: a prefetched unit that did not run must not stay gathered.
@@ -302,6 +311,14 @@ class FSDPState:
                 t.unshard()
         self.wait_unshard()
 
+    def post_backward_of_one_call(self) -> None:
+        """The backward of one forward call is done; reduce once all of them are."""
+        self._pending_backward_calls = max(0, self._pending_backward_calls - 1)
+        if self._pending_backward_calls == 0:
+            self.post_backward()
+        else:
+            self.ctx.queue_final_callback()
+
     def post_backward(self) -> None:
         if self._post_backward_done:
             return
@@ -315,3 +332,4 @@ class FSDPState:
     def end_backward(self) -> None:
         self._pre_backward_done = False
         self._post_backward_done = False
+        self._pending_backward_calls = 0

@@ -91,7 +91,8 @@ class LayerwiseDistributedOptimizer:
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.comm = _C.Communicator(self.process_group)
         self.rank, self.world = self.comm.rank, self.comm.size
-        self.overlap_param_gather = overlap_param_gather
+        # Overlap needs forward pre-hooks to finish the gathers, hence a model.
+        self.overlap_param_gather = overlap_param_gather and isinstance(params_or_model, nn.Module)
         self.grad_reduce = grad_reduce
         self.gather_algo = getattr(_C.VarAlgo, gather_algo)
         self.model = params_or_model if isinstance(params_or_model, nn.Module) else None
@@ -266,7 +267,7 @@ class LayerwiseDistributedOptimizer:
         """Optimizer state of every parameter keyed by parameter name (gathered from the
         owners; collective), independent of the owner assignment."""
         names = self._name_of()
-        local = {}
+        local = {names[id(p)]: {} for p in self.owned_params}  # stateless params too
         for opt in self.optimizers:
             for p, st in opt.state.items():
                 local[names[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
@@ -297,11 +298,15 @@ class LayerwiseDistributedOptimizer:
                     name = names[id(p)]
                     if name not in state:
                         raise KeyError(f"optimizer state is missing parameter '{name}'")
-                    index_state[index] = state[name]
+                    if state[name]:  # {}: the parameter had no state (e.g. plain SGD)
+                        index_state[index] = state[name]
                     index += 1
             opt.load_state_dict({"state": index_state, "param_groups": own["param_groups"]})
 
     def remove_hooks(self) -> None:
+        """Stop finishing gathers in forward hooks: from now on step() gathers itself."""
+        self.finish_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.overlap_param_gather = False

@@ -41,13 +41,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+class _ReusedBlock(LlamaModel):
+    """Runs block 1 twice (weight sharing): one unit, two forward calls, one backward."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
 def build_models(opts: Dict, device: torch.device):
     torch.manual_seed(1234)
     cfg = LlamaConfig(
         vocab_size=opts.get("vocab", 128), d_model=opts.get("d_model", 32), n_layers=opts.get("layers", 3),
         n_heads=4, ffn_hidden=opts.get("ffn", 88), tie_embeddings=opts.get("tie", False),
     )
-    model = LlamaModel(cfg)
+    model = (_ReusedBlock if opts.get("reuse_block") else LlamaModel)(cfg)
     if opts.get("unused"):
         # Registered in a block but never called: its grads must stay None.
         model.blocks[0].unused = nn.Linear(cfg.d_model, 7)
@@ -106,6 +118,7 @@ PARITY_SCENARIOS = {
     "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
     "clip_grad_norm": {"clip": 0.05},
     "no_reshard_after_forward": {"reshard_after_forward": False},
+    "block_called_twice": {"reuse_block": True},
     # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every
     # parameter's error a small fraction of how far it moved (lr 1e-3 so it moves).
     "bf16_mixed_precision": {
@@ -197,7 +210,7 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     if opts.get("tie"):
         assert full["head.weight"].equal(full["embed.weight"]), "tied weights diverged"
     # A fresh plain module loads the full state dict.
-    plain = LlamaModel(cfg)
+    plain = (_ReusedBlock if opts.get("reuse_block") else LlamaModel)(cfg)
     if opts.get("unused"):
         plain.blocks[0].unused = nn.Linear(cfg.d_model, 7)
     plain.load_state_dict(full)
@@ -554,6 +567,9 @@ def param_sync_modes(rank: int, world: int, on: bool) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
         gathered = [s for s in states if s.unit.state != s.unit.state.SHARDED]
+        with torch.no_grad():  # a write after the early gather (EMA, second optimizer, ...)
+            for p in list(model.parameters()) + list(ref.parameters()):
+                p.mul_(0.999)
         assert not any(s.unsharded_installed for s in states), "start_param_sync must not install params"
         if on:  # the order is known once the first backward is done
             # Root plus prefetch_depth (1) next units in the recorded order.
@@ -598,17 +614,23 @@ def _unsharded_bytes_probe(states):
     return peak, restore
 
 
-def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> Dict:
-    """The unsharded bytes held at once never exceed root + (2 + depth) blocks, for any
-    number of blocks: memory held for parameters does not grow with depth."""
-    device = device_for_backend()
+def _bf16_sharded_llama(cfg: LlamaConfig, device, depth: int = 1) -> LlamaModel:
+    """A seeded LlamaModel with every block and the root sharded in bf16 (fp32 reduce)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, d_model=128, n_layers=n_layers, n_heads=4, ffn_hidden=352)
     model = LlamaModel(cfg).to(device)
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
         mfsdp.fully_shard(b, mp_policy=mp, prefetch_depth=depth)
     mfsdp.fully_shard(model, mp_policy=mp, prefetch_depth=depth)
+    return model
+
+
+def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> Dict:
+    """The unsharded bytes held at once never exceed root + (2 + depth) blocks, for any
+    number of blocks: memory held for parameters does not grow with depth."""
+    device = device_for_backend()
+    cfg = LlamaConfig(vocab_size=256, d_model=128, n_layers=n_layers, n_heads=4, ffn_hidden=352)
+    model = _bf16_sharded_llama(cfg, device, depth)
     states = [model._fsdp_state] + [b._fsdp_state for b in model.blocks]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2, 32, device)):
@@ -652,13 +674,8 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
     from torch.profiler import ProfilerActivity, profile
 
     device = device_for_backend()
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=n_layers, n_heads=16, ffn_hidden=2816)
-    model = LlamaModel(cfg).to(device)
-    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        mfsdp.fully_shard(b, mp_policy=mp)
-    mfsdp.fully_shard(model, mp_policy=mp)
+    model = _bf16_sharded_llama(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batches = list(global_batches(cfg, 3, 4, 1024, device))
     for tokens, targets in batches[:2]:
