@@ -79,6 +79,15 @@ void Communicator::check_segments(const char* what, const at::Tensor& flat,
   }
 }
 
+// Views of every rank's segment of `flat`: the grouped algorithms read/write them directly.
+static std::vector<std::vector<at::Tensor>> segment_views(const at::Tensor& flat,
+                                                          const std::vector<int64_t>& starts,
+                                                          const std::vector<int64_t>& numels) {
+  std::vector<std::vector<at::Tensor>> views(1);
+  for (size_t r = 0; r < starts.size(); ++r) views[0].push_back(flat.narrow(0, starts[r], numels[r]));
+  return views;
+}
+
 VarAlgo Communicator::resolve(VarAlgo algo, const at::Tensor& t) {
   MFSDP_CHECK(algo != VarAlgo::kGrouped || t.is_cuda(),
               "the GROUPED uneven algorithm needs CUDA tensors (NCCL); use PADDED (or AUTO) on CPU");
@@ -103,8 +112,7 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
   if (longest == 0) return;
   switch (resolve(algo, out)) {
     case VarAlgo::kGrouped: {
-      std::vector<std::vector<at::Tensor>> outs(1);
-      for (int r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, starts[r], numels[r]));
+      auto outs = segment_views(out, starts, numels);
       std::vector<at::Tensor> ins{in.contiguous()};
       c10d::AllgatherOptions opts;
       opts.asyncOp = false;
@@ -140,8 +148,7 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
   if (longest == 0) return;
   switch (resolve(algo, in)) {
     case VarAlgo::kGrouped: {
-      std::vector<std::vector<at::Tensor>> ins(1);
-      for (int r = 0; r < size_; ++r) ins[0].push_back(in.narrow(0, starts[r], numels[r]));
+      auto ins = segment_views(in, starts, numels);
       std::vector<at::Tensor> outs{out};
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
