@@ -108,11 +108,7 @@ class FSDPModule:
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units ahead to all-gather (0: no prefetch). Read by the root at its
         first forward; on the root after that, applies to its whole tree."""
-        depth = _check_depth(depth)
-        state = self._fsdp_state
-        state.prefetch_depth = depth
-        if state.ctx is not None and state.ctx.root is state:
-            state.ctx.prefetch_depth = depth
+        self._fsdp_state.prefetch_depth = _check_depth(depth)
 
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
@@ -323,14 +319,14 @@ def fully_shard(
             unsharded.append(u)
         unit.bind_params(sharded, unsharded)
         if all_gather_group is None:
+            # new_group() is collective over the default group, so only a group spanning
+            # the whole job gets one automatically; per-rank subgroups (expert-parallel,
+            # ...) must pass all_gather_group explicitly.
+            spans_job = dist.get_world_size(pg) == dist.get_world_size()
             if create_all_gather_group is None:
-                create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower()
-                # Only for a group spanning the whole job: new_group() is collective
-                # over the default group, so per-rank subgroups (expert-parallel, ...)
-                # must pass all_gather_group explicitly.
-                create_all_gather_group = create_all_gather_group and dist.get_world_size(pg) == dist.get_world_size()
+                create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower() and spans_job
             if create_all_gather_group and dist.get_world_size(pg) > 1:
-                if dist.get_world_size(pg) != dist.get_world_size():
+                if not spans_job:
                     raise ValueError(
                         "create_all_gather_group=True needs a process group spanning all ranks "
                         "(new_group is collective over the default group); for a subgroup, create the "

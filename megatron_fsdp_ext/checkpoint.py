@@ -62,7 +62,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
     names = _names_by_param(module)
     sharded_ids = set()
-    expected = set(module.state_dict().keys())
+    own = module.state_dict()  # the replicated entries below are copied into these
+    expected = set(own)
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
@@ -95,7 +96,6 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
         state.unit.load_full_params(full)
     # Everything else (buffers, ignored/unsharded parameters) is replicated: copy it.
     sharded_keys = {k for pid in sharded_ids for k in names.get(pid, ())}
-    own = module.state_dict()
     with torch.no_grad():
         for key, value in state_dict.items():
             if key in sharded_keys or key not in own:

@@ -29,20 +29,22 @@ class RootContext:
     reductions), the forward order recorded in the first iteration (for prefetching)
     and the per-backward bookkeeping."""
 
-    def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device,
-                 prefetch_depth: int):
+    def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device):
         self.root = root
         self.states = states
         self.device = device
         self.comm = _C.CommContext(device, 2)
         self.final_callback_queued = False
         self.in_backward = False  # between the first backward hook and the final callback
-        self.prefetch_depth = prefetch_depth
         # Units in the order their forward ran in the first iteration (runtime order,
         # not construction order); frozen after the first backward.
         self.forward_order: List["FSDPState"] = []
         self._position: dict = {}
         self.recording = True
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.root.prefetch_depth  # the root's setting governs its tree
 
     def record_forward(self, state: "FSDPState") -> None:
         if self.recording and state.unit is not None and id(state) not in self._position:
@@ -155,7 +157,7 @@ class FSDPState:
             return
         states = list(iter_states(self.module))
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
-        ctx = RootContext(self, states, device, self.prefetch_depth)
+        ctx = RootContext(self, states, device)
         for s in states:
             if s.unit is not None and s.unit.device != device:
                 raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
@@ -213,11 +215,8 @@ class FSDPState:
                     f"but the sharded parameter has full shape {tuple(unsharded.shape)}; "
                     "a replacement must keep the shape (or build the model again before fully_shard)"
                 )
-            full = [None] * len(self.names)
-            gathered = self.unit.gather_full_params()
-            for i, t in enumerate(gathered):
-                full[i] = t
-            full[idx] = new.detach().to(device=gathered[idx].device, dtype=gathered[idx].dtype)
+            full = list(self.unit.gather_full_params())
+            full[idx] = new.detach().to(device=full[idx].device, dtype=full[idx].dtype)
             self.unit.load_full_params(full)
             params_dict[name] = self.sharded_params[idx]
 

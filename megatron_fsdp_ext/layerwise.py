@@ -112,10 +112,11 @@ class LayerwiseDistributedOptimizer:
         made = optimizer_factory(owned)
         self.optimizers: List[torch.optim.Optimizer] = (
             [] if made is None else list(made) if isinstance(made, (list, tuple)) else [made])
+        owned_ids = {id(p) for p in owned}
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
-                    if id(p) not in self._owner_of or self._owner_of[id(p)][0].layout.owner(self._owner_of[id(p)][1]) != self.rank:
+                    if id(p) not in owned_ids:
                         raise ValueError("optimizer_factory must only use the parameters it was given (this rank's)")
         self._device = self.buckets[0].flat.device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
