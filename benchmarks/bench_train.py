@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="benchmarks/out")
+    p.add_argument("--timeline", default="1b_comm_bound",
+                   help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
     return p.parse_args()
 
 
@@ -61,12 +63,15 @@ def build(system: str, cfg: LlamaConfig, device: torch.device):
         mfsdp.fully_shard(model, mp_policy=mp)
         return model, model, False
     if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
+        # An explicit mesh: FSDP2's default mesh is CUDA whenever a GPU exists, even for a CPU run.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return model, model, False
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -87,18 +92,23 @@ def run_one(system, name, device, args):
     data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
     tokens, targets = data[:, :-1], data[:, 1:]
     times = []
-    for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
+
+    def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = wrapped(tokens)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        loss = train_step()
         if device.type == "cuda":
             end.record()
             torch.cuda.synchronize()
@@ -107,6 +117,8 @@ def run_one(system, name, device, args):
             dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
+    if device.type == "cuda" and args.timeline == name:
+        profile_timeline(train_step, system, name, Path(args.out))
     # Slowest rank decides the step time.
     med = torch.tensor([statistics.median(times)], device=device, dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
@@ -120,11 +132,32 @@ def run_one(system, name, device, args):
         "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
         "peak_mem_gib": peak_t.item() / 2**30, "final_loss": loss.item(),
     }
-    del wrapped, model, opt, logits, loss
+    wrapped = model = opt = loss = None  # free before the next system builds
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile_timeline(train_step, system: str, name: str, out: Path) -> None:
+    """One more step under torch.profiler; rank 0 plots its kernels per stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_fsdp_ext.testing.trace import kernel_intervals, plot_timeline
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        trace = out / f"trace_{system}_{name}.json"
+        prof.export_chrome_trace(str(trace))
+        try:
+            plot_timeline(kernel_intervals(str(trace)), str(out / f"timeline_{system}_{name}.png"),
+                          f"{system} {name}: one step, rank 0 kernels per CUDA stream")
+        except ImportError:
+            pass
 
 
 def write_outputs(results, out: Path, meta):

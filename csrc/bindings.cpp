@@ -118,7 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<CommContext, std::shared_ptr<CommContext>>(m, "CommContext")
-      .def(py::init<c10::Device, int64_t>(), py::arg("device"), py::arg("max_inflight_reductions") = 2)
+      .def(py::init<c10::Device, int64_t>(), py::arg("device"), py::arg("max_inflight_reductions") = 1)
       .def_property_readonly("device", &CommContext::device)
       .def_property_readonly("has_side_streams", [](const CommContext& c) { return c.streams().enabled(); })
       .def_property_readonly("max_inflight_reductions", &CommContext::max_inflight_reductions)

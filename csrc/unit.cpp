@@ -33,6 +33,10 @@ void CommContext::add_inflight_reduction(std::vector<at::Tensor> buffers,
   while (static_cast<int64_t>(inflight_.size()) > max_inflight_) retire_oldest();
 }
 
+void CommContext::make_room_for_reduction() {
+  while (static_cast<int64_t>(inflight_.size()) >= max_inflight_) retire_oldest();
+}
+
 void CommContext::retire_oldest() {
   // The buffers were allocated on the current (compute) stream; once that stream has
   // waited for the collective, the allocator may hand the memory out again safely.
@@ -283,6 +287,7 @@ bool Unit::reduce_grads(bool sync) {
   if (!any && !accumulated_.defined()) return false;
 
   const bool accumulate = accumulated_.defined();
+  if (!accumulate && sync) ctx().make_room_for_reduction();
   at::Tensor flat = accumulate
       ? accumulated_
       : at::empty({layout_.total_numel()}, sharded_flat_.options().dtype(reduce_dtype_));

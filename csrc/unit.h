@@ -40,9 +40,12 @@ class CommContext {
   int64_t max_inflight_reductions() const { return max_inflight_; }
   int64_t num_inflight_reductions() const { return static_cast<int64_t>(inflight_.size()); }
 
-  // Keep `buffers` alive until the current stream has waited for `done`. Past the
-  // bound, the oldest reduction is retired (the current stream waits for it).
+  // Keep `buffers` alive until the current stream has waited for `done`.
   void add_inflight_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<StreamEvent> done);
+  // Called before allocating the next reduction's buffers: retires the oldest
+  // reductions (the current stream waits for them) until one more fits the bound, so
+  // their memory is reused instead of adding to the peak.
+  void make_room_for_reduction();
   // The current stream waits for every in-flight reduction; their buffers are released.
   void wait_reductions();
 

@@ -33,7 +33,9 @@ class RootContext:
         self.root = root
         self.states = states
         self.device = device
-        self.comm = _C.CommContext(device, 2)
+        # One reduce-scatter in flight while the next unit's backward computes: a second
+        # one adds a whole flat gradient buffer to the peak and buys no overlap.
+        self.comm = _C.CommContext(device, 1)
         self.final_callback_queued = False
         self.in_backward = False  # between the first backward hook and the final callback
         # Units in the order their forward ran in the first iteration (runtime order,

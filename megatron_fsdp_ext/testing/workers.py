@@ -647,23 +647,6 @@ def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> 
     return {"peak_unsharded_bytes": peak[0], "bound": bound}
 
 
-def _kernel_intervals(trace_path: str):
-    """(name, stream, start_us, end_us) of every GPU kernel in a chrome trace."""
-    import json
-
-    with open(trace_path) as f:
-        trace = json.load(f)
-    out = []
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "kernel" and "dur" in e:
-            out.append((e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    return out
-
-
-def _overlapping(a, others) -> bool:
-    return any(o[1] != a[1] and o[2] < a[3] and a[2] < o[3] for o in others)
-
-
 def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -> Dict:
     """torch.profiler on one steady-state step: forward all-gathers overlap compute
     kernels (>= N-1 of them), backward all-gathers and reduce-scatters overlap compute,
@@ -673,11 +656,16 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
 
     from torch.profiler import ProfilerActivity, profile
 
+    from .trace import kernel_intervals, overlapping
+
     device = device_for_backend()
-    cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=n_layers, n_heads=16, ffn_hidden=2816)
+    # Big enough that the GPU, not the CPU launching kernels, sets the pace (as in
+    # real training): on a launch-bound step a prefetched all-gather finishes before
+    # the next compute kernel is even issued, and nothing can overlap.
+    cfg = LlamaConfig(vocab_size=8192, d_model=2048, n_layers=n_layers, n_heads=16, ffn_hidden=5504)
     model = _bf16_sharded_llama(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = list(global_batches(cfg, 3, 4, 1024, device))
+    batches = list(global_batches(cfg, 3, 8, 2048, device))
     for tokens, targets in batches[:2]:
         model.loss(tokens, targets).backward()
         opt.step()
@@ -685,6 +673,9 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
     torch.cuda.synchronize()
     tokens, targets = batches[2]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # A long leading kernel puts the GPU behind the CPU, so the timeline shows what
+        # the engine's stream dependencies allow, not how fast Python launches kernels.
+        torch.cuda._sleep(10 * _sleep_cycles())
         loss = model.loss(tokens, targets)
         torch.cuda._sleep(1000)  # marker kernel between forward and backward
         loss.backward()
@@ -693,8 +684,17 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
         torch.cuda.synchronize()
     path = os.path.join(trace_dir or tempfile.mkdtemp(), f"overlap_trace_rank{rank}.json")
     prof.export_chrome_trace(path)
-    kernels = _kernel_intervals(path)
-    marker = min(k[2] for k in kernels if "spin" in k[0].lower())
+    kernels = kernel_intervals(path)
+    if trace_dir and rank == 0:
+        try:
+            from .trace import plot_timeline
+            plot_timeline(kernels, os.path.join(trace_dir, "overlap_timeline.png"),
+                          f"fully_shard, {n_layers} blocks: one step (after a leading sleep), rank 0")
+        except ImportError:
+            pass
+    spins = sorted((k for k in kernels if "spin" in k[0].lower()), key=lambda k: k[2])
+    assert len(spins) == 2, f"expected the two marker kernels, found {len(spins)}"
+    marker = spins[1][2]
     is_nccl = lambda k: "nccl" in k[0].lower()  # noqa: E731
     compute = [k for k in kernels if not is_nccl(k) and "spin" not in k[0].lower()]
     ag = [k for k in kernels if is_nccl(k) and "allgather" in k[0].lower()]
@@ -703,10 +703,13 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
     bwd_ag = [k for k in ag if k[2] >= marker]
     stats = {
         "fwd_all_gathers": len(fwd_ag),
-        "fwd_all_gathers_overlapping_compute": sum(_overlapping(k, compute) for k in fwd_ag),
-        "bwd_all_gathers_overlapping_compute": sum(_overlapping(k, compute) for k in bwd_ag),
-        "reduce_scatters_overlapping_compute": sum(_overlapping(k, compute) for k in rs),
-        "all_gathers_overlapping_reduce_scatters": sum(_overlapping(k, rs) for k in ag),
+        "fwd_all_gathers_overlapping_compute": sum(overlapping(k, compute) for k in fwd_ag),
+        "bwd_all_gathers_overlapping_compute": sum(overlapping(k, compute) for k in bwd_ag),
+        "reduce_scatters_overlapping_compute": sum(overlapping(k, compute) for k in rs),
+        "all_gathers_overlapping_reduce_scatters": sum(overlapping(k, rs) for k in ag),
+        # Per forward all-gather: (start ms after the first, duration ms, overlaps compute).
+        "fwd_timeline": [(round((k[2] - fwd_ag[0][2]) / 1e3, 3), round((k[3] - k[2]) / 1e3, 3), overlapping(k, compute))
+                         for k in fwd_ag],
         "trace": path,
     }
     assert stats["fwd_all_gathers_overlapping_compute"] >= n_layers - 1, stats
@@ -714,6 +717,63 @@ def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -
     assert stats["reduce_scatters_overlapping_compute"] >= 1, stats
     assert stats["all_gathers_overlapping_reduce_scatters"] >= 1, stats
     return stats
+
+
+def cuda_graph_training(rank: int, world: int, steps: int = 4) -> Dict:
+    """With all_gather_in_start_param_sync off (the default) nothing is launched outside
+    forward/backward, so a whole training step (forward, backward with its
+    reduce-scatters, optimizer step) is captured once in a CUDA graph and replayed.
+    The replayed model matches an identically sharded model trained eagerly."""
+    device = device_for_backend()
+    cfg, graphed, eager = build_models({"layers": 3, "d_model": 64, "ffn": 176}, device)
+    for m in (graphed, eager):  # two independent roots, each with its own context
+        shard(m, {})
+    initial = [p.detach().clone() for p in eager.parameters()]
+    # capturable: the step count lives on the GPU, so the captured step advances it.
+    opt = torch.optim.AdamW(graphed.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+    per = 2
+    batches = [(t[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+               for t, y in global_batches(cfg, 3 + steps, per * world, 16, device)]
+
+    def train_step(model, optimizer, tokens, targets):
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    # Warm-up on a side stream (lazy init, recorded forward order, NCCL and cuBLAS setup).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for tokens, targets in batches[:3]:
+            for model, optimizer in ((graphed, opt), (eager, eager_opt)):
+                optimizer.zero_grad(set_to_none=True)
+                train_step(model, optimizer, tokens, targets)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    static_tokens, static_targets = batches[3][0].clone(), batches[3][1].clone()
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_loss = train_step(graphed, opt, static_tokens, static_targets)
+    worst_loss = 0.0
+    for tokens, targets in batches[3:]:
+        static_tokens.copy_(tokens)
+        static_targets.copy_(targets)
+        graph.replay()
+        eager_opt.zero_grad(set_to_none=True)
+        eager_loss = train_step(eager, eager_opt, tokens, targets)
+        worst_loss = max(worst_loss, abs(static_loss.item() - eager_loss.item()))
+    torch.cuda.synchronize()
+    worst_param = max(rel_err(a.detach(), b.detach()) for a, b in zip(graphed.parameters(), eager.parameters()))
+    moved = max(rel_err(p, p0) for p, p0 in zip(eager.parameters(), initial))
+    # Same kernels in the same order; the margin only covers nondeterministic kernels.
+    assert worst_loss <= 1e-4, f"replayed losses differ from eager: {worst_loss}"
+    assert worst_param <= 1e-4, f"replayed parameters differ from eager: {worst_param}"
+    assert moved > 1e-3, "training did not move the parameters: the comparison proves nothing"
+    return {"worst_loss": worst_loss, "worst_param": worst_param}
 
 
 # ---------------------------------------------------------------- uneven collectives
@@ -913,6 +973,8 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
 
     from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
 
+    from .trace import kernel_intervals, overlapping
+
     device = device_for_backend()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=6, n_heads=16, ffn_hidden=2816)
@@ -932,10 +994,10 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
         torch.cuda.synchronize()
     path = tempfile.mkdtemp() + f"/layerwise_rank{rank}.json"
     prof.export_chrome_trace(path)
-    kernels = _kernel_intervals(path)
+    kernels = kernel_intervals(path)
     gathers = [k for k in kernels if "nccl" in k[0].lower() and ("broadcast" in k[0].lower() or "allgather" in k[0].lower())]
     compute = [k for k in kernels if "nccl" not in k[0].lower()]
-    overlapping = sum(_overlapping(k, compute) for k in gathers)
+    n_overlapping = sum(overlapping(k, compute) for k in gathers)
     assert len(lopt.buckets) >= 3, f"expected several buckets, got {len(lopt.buckets)}"
-    assert overlapping >= 1, f"no all-gather-v kernel overlapped compute ({len(gathers)} gathers)"
-    return {"gathers": len(gathers), "overlapping": overlapping, "buckets": len(lopt.buckets)}
+    assert n_overlapping >= 1, f"no all-gather-v kernel overlapped compute ({len(gathers)} gathers)"
+    return {"gathers": len(gathers), "overlapping": n_overlapping, "buckets": len(lopt.buckets)}

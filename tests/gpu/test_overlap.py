@@ -27,3 +27,8 @@ def test_nccl_prefetch_semantics_and_param_sync():
         run_distributed(W.prefetch_semantics, 2, depth, backend="nccl", timeout=300)
     for on in (False, True):
         run_distributed(W.param_sync_modes, 2, on, backend="nccl", timeout=300)
+
+
+def test_whole_training_step_in_a_cuda_graph():
+    stats = run_distributed(W.cuda_graph_training, 2, backend="nccl", timeout=300)[0]
+    print(stats)
