@@ -133,6 +133,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::cast(c.streams().reduce_scatter());
       });
 
+  py::enum_<ShardingStrategy>(m, "ShardingStrategy")
+      .value("NO_SHARD", ShardingStrategy::kNoShard)
+      .value("OPTIM", ShardingStrategy::kOptim)
+      .value("OPTIM_GRADS", ShardingStrategy::kOptimGrads)
+      .value("OPTIM_GRADS_PARAMS", ShardingStrategy::kOptimGradsParams);
+
   py::enum_<UnitState>(m, "UnitState")
       .value("SHARDED", UnitState::kSharded)
       .value("GATHERING", UnitState::kGathering)
@@ -142,9 +148,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // thread finishing an earlier Python-issued collective needs it to free tensors.
   py::class_<Unit, std::shared_ptr<Unit>>(m, "Unit")
       .def(py::init<const std::vector<at::Tensor>&, std::vector<std::string>, ProcessGroupPtr,
-                    int64_t, std::optional<at::ScalarType>, std::optional<at::ScalarType>>(),
+                    int64_t, std::optional<at::ScalarType>, std::optional<at::ScalarType>, ShardingStrategy>(),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = 16,
-           py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none())
+           py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
+           py::arg("strategy") = ShardingStrategy::kOptimGradsParams)
+      .def_property_readonly("strategy", &Unit::strategy)
+      .def_property_readonly("shard_index", &Unit::shard_index)
       .def_property_readonly("layout", &Unit::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("rank", &Unit::rank)
       .def_property_readonly("world_size", &Unit::world_size)

@@ -52,8 +52,12 @@ void CommContext::wait_reductions() {
 
 Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names,
            ProcessGroupPtr pg, int64_t alignment, std::optional<at::ScalarType> param_dtype,
-           std::optional<at::ScalarType> reduce_dtype)
-    : layout_(FlatLayout::even(numels_of(params), pg ? pg->getSize() : 1, alignment)),
+           std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy)
+    : strategy_(strategy),
+      // Replicated: one segment holding everything, kept by every rank.
+      layout_(FlatLayout::even(numels_of(params),
+                               strategy == ShardingStrategy::kNoShard ? 1 : (pg ? pg->getSize() : 1),
+                               alignment)),
       names_(std::move(names)),
       ag_comm_(pg),
       rs_comm_(pg),
@@ -81,9 +85,9 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
   MFSDP_CHECK(is_floating(param_dtype_), "param_dtype must be floating point, got ", param_dtype_);
   MFSDP_CHECK(is_floating(reduce_dtype_), "reduce_dtype must be floating point, got ", reduce_dtype_);
 
-  slices_ = layout_.shard_slices(rank());
+  slices_ = layout_.shard_slices(shard_index());
   const auto opts = params.front().options().requires_grad(false);
-  sharded_flat_ = at::zeros({layout_.segment_numel(rank())}, opts);
+  sharded_flat_ = at::zeros({layout_.segment_numel(shard_index())}, opts);
   {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
@@ -93,13 +97,20 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
           .copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));
     }
   }
+  has_grad_.assign(params.size(), false);
+  if (aliases_shard()) {
+    unsharded_flat_ = sharded_flat_;  // nothing to gather, ever
+    unsharded_nbytes_ = 0;
+    state_ = UnitState::kUnsharded;
+    return;
+  }
   unsharded_flat_ = at::empty({layout_.total_numel()}, opts.dtype(param_dtype_));
   unsharded_nbytes_ = unsharded_flat_.storage().nbytes();
   free_unsharded();
-  has_grad_.assign(params.size(), false);
 }
 
 int64_t Unit::unsharded_storage_bytes() const {
+  if (aliases_shard()) return 0;  // the shard's own storage: nothing extra
   return static_cast<int64_t>(unsharded_flat_.storage().nbytes());
 }
 
@@ -179,6 +190,7 @@ void Unit::check_sharded_params_intact() {
 }
 
 void Unit::allocate_unsharded() {
+  if (aliases_shard()) return;
   // Allocated on the current (compute) stream: the memory is then only ever reused in
   // that stream's order, so freeing it needs no record_stream.
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
@@ -190,16 +202,23 @@ void Unit::allocate_unsharded() {
 }
 
 void Unit::free_unsharded() {
+  if (aliases_shard()) return;
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
   impl->set_nbytes(0);
 }
 
 void Unit::unshard() {
-  if (state_ != UnitState::kSharded) return;
+  if (state_ == UnitState::kGathering) return;
+  if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
   check_sharded_params_intact();
   gathered_version_ = sharded_flat_._version();
-  allocate_unsharded();
+  allocate_unsharded();  // a no-op when the stale copy's storage is still there
+  if (replicated()) {  // a cast, no communication
+    unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
+    state_ = UnitState::kUnsharded;
+    return;
+  }
   const int r = ag_comm_.rank();
   const int64_t seg = layout_.segment_numel(r);
   const auto& streams = ctx().streams();
@@ -229,25 +248,24 @@ void Unit::wait_unshard() {
     all_gather_done_.block(current_stream(device_));
     state_ = UnitState::kUnsharded;
   }
-  if (sharded_flat_._version() != gathered_version_) {
+  if (unsharded_is_stale()) {
     // The shard was written after the gather was issued (e.g. a second optimizer or an
-    // EMA after start_param_sync): the gathered copy may be stale or torn. Gather again.
-    free_unsharded();
-    state_ = UnitState::kSharded;
+    // EMA after start_param_sync), or since (a strategy that keeps params unsharded):
+    // the gathered copy may be stale or torn. Gather again into the same storage.
     unshard();
     wait_unshard();
   }
 }
 
 void Unit::reshard() {
-  if (state_ == UnitState::kSharded) return;
+  if (state_ == UnitState::kSharded || aliases_shard()) return;
   wait_unshard();  // never free memory a collective may still write
   free_unsharded();
   state_ = UnitState::kSharded;
 }
 
 at::Tensor Unit::flat_grad_behind_views() const {
-  const int64_t seg = layout_.segment_numel(rank());
+  const int64_t seg = layout_.segment_numel(shard_index());
   c10::Storage storage;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (!has_grad_[i]) continue;
@@ -312,25 +330,41 @@ bool Unit::reduce_grads(bool sync) {
   at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
   enum class Mode { kFresh, kAccumulate, kMixed };
   const Mode mode = all_none ? Mode::kFresh : (existing.defined() ? Mode::kAccumulate : Mode::kMixed);
-  const int64_t seg = layout_.segment_numel(rank());
-  at::Tensor target = mode == Mode::kAccumulate ? existing : at::empty({seg}, sharded_flat_.options());
-  at::Tensor rs_out = (mode == Mode::kFresh && reduce_dtype_ == orig_dtype_)
-      ? target
-      : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+  const int64_t seg = layout_.segment_numel(shard_index());
+  // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
+  // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
+  // .grad views alias it, keeping the full buffer alive: ZeRO-1's full-gradient memory.
+  const bool full_grads = strategy_ == ShardingStrategy::kNoShard || strategy_ == ShardingStrategy::kOptim;
+  const bool reduce_into_target = mode == Mode::kFresh && reduce_dtype_ == orig_dtype_;
+  at::Tensor reduced, target;
+  if (mode == Mode::kAccumulate) target = existing;
+  if (full_grads) {
+    reduced = flat.narrow(0, layout_.segment_start(shard_index()), seg);
+    if (mode != Mode::kAccumulate) target = reduce_into_target ? reduced : at::empty({seg}, sharded_flat_.options());
+  } else {
+    if (mode != Mode::kAccumulate) target = at::empty({seg}, sharded_flat_.options());
+    reduced = reduce_into_target ? target : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+  }
   const double scale = 1.0 / static_cast<double>(world_size());
 
+  auto reduce = [&]() {
+    if (full_grads) {
+      rs_comm_.all_reduce(flat, c10d::ReduceOp::SUM);
+    } else {
+      rs_comm_.reduce_scatter_flat(reduced, flat);
+    }
+    cast_scale_into(target, reduced, scale, mode == Mode::kAccumulate);
+  };
   auto done = std::make_shared<StreamEvent>(device_);
   const auto& streams = ctx().streams();
   if (streams.enabled()) {
     compute_ready_.record(current_stream(device_));
     c10::StreamGuard guard(streams.reduce_scatter());
     compute_ready_.block(streams.reduce_scatter());
-    rs_comm_.reduce_scatter_flat(rs_out, flat);
-    cast_scale_into(target, rs_out, scale, mode == Mode::kAccumulate);
+    reduce();
     done->record(streams.reduce_scatter());
   } else {
-    rs_comm_.reduce_scatter_flat(rs_out, flat);
-    cast_scale_into(target, rs_out, scale, mode == Mode::kAccumulate);
+    reduce();
   }
 
   if (mode == Mode::kMixed) {
@@ -350,7 +384,7 @@ bool Unit::reduce_grads(bool sync) {
       sharded_params_[i].mutable_grad() = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
     }
   }
-  ctx().add_inflight_reduction({flat, rs_out, target}, std::move(done));
+  ctx().add_inflight_reduction({flat, reduced, target}, std::move(done));
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   return true;
 }
@@ -358,7 +392,8 @@ bool Unit::reduce_grads(bool sync) {
 std::vector<at::Tensor> Unit::gather_full_params() {
   check_sharded_params_intact();
   auto full = at::empty({layout_.total_numel()}, sharded_flat_.options());
-  ag_comm_.all_gather_flat(full, sharded_flat_);
+  if (replicated()) full.copy_(sharded_flat_);
+  else ag_comm_.all_gather_flat(full, sharded_flat_);
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));

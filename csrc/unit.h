@@ -31,6 +31,14 @@ namespace mfsdp {
 
 enum class UnitState { kSharded = 0, kGathering = 1, kUnsharded = 2 };
 
+// What is sharded across the group (Megatron-FSDP's names). Optimizer state is always
+// sharded except under kNoShard, where every rank holds and updates everything.
+//   kNoShard          params and grads replicated; grads all-reduced; no gather at all
+//   kOptim            ZeRO-1: full grads (all-reduced); params stay unsharded between steps
+//   kOptimGrads       ZeRO-2: grads reduce-scattered; params stay unsharded between steps
+//   kOptimGradsParams ZeRO-3: grads reduce-scattered; params gathered per use, then freed
+enum class ShardingStrategy { kNoShard = 0, kOptim = 1, kOptimGrads = 2, kOptimGradsParams = 3 };
+
 class CommContext {
  public:
   CommContext(c10::Device device, int64_t max_inflight_reductions);
@@ -66,12 +74,16 @@ class Unit {
  public:
   Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names, ProcessGroupPtr pg,
        int64_t alignment, std::optional<at::ScalarType> param_dtype,
-       std::optional<at::ScalarType> reduce_dtype);
+       std::optional<at::ScalarType> reduce_dtype,
+       ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams);
 
   const FlatLayout& layout() const { return layout_; }
   int rank() const { return rs_comm_.rank(); }
   int world_size() const { return rs_comm_.size(); }
   UnitState state() const { return state_; }
+  ShardingStrategy strategy() const { return strategy_; }
+  // Which layout segment this rank holds: its rank, or 0 when nothing is sharded.
+  int shard_index() const { return replicated() ? 0 : rank(); }
   at::ScalarType orig_dtype() const { return orig_dtype_; }
   at::ScalarType param_dtype() const { return param_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
@@ -87,7 +99,9 @@ class Unit {
   void set_context(std::shared_ptr<CommContext> ctx);
   void set_all_gather_group(ProcessGroupPtr pg);
 
-  // Issue the all-gather (on the all-gather stream for CUDA). No-op unless SHARDED.
+  // Issue the all-gather (on the all-gather stream for CUDA). No-op while GATHERING or
+  // while UNSHARDED with an up-to-date copy; an UNSHARDED copy older than the shard
+  // (optimizer step under a strategy that keeps params unsharded) is gathered again.
   void unshard();
   // Make the current stream wait for the all-gather. No-op unless GATHERING.
   void wait_unshard();
@@ -107,6 +121,10 @@ class Unit {
   void load_full_params(const std::vector<at::Tensor>& full);
 
  private:
+  bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }
+  // No-shard without a cast: the unsharded params are the shards themselves.
+  bool aliases_shard() const { return replicated() && param_dtype_ == orig_dtype_; }
+  bool unsharded_is_stale() const { return !aliases_shard() && sharded_flat_._version() != gathered_version_; }
   void check_sharded_params_intact();
   void allocate_unsharded();
   void free_unsharded();
@@ -117,6 +135,7 @@ class Unit {
   at::Tensor flat_grad_behind_views() const;
   CommContext& ctx();
 
+  ShardingStrategy strategy_;
   FlatLayout layout_;
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;

@@ -23,6 +23,8 @@ from .api import (
 )
 from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
+from .config import FSDPConfig, fully_shard_model
+from .dcp import load_checkpoint, save_checkpoint, sharded_state_dict
 
 
 def build_info() -> dict:
@@ -45,6 +47,7 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "FSDPConfig",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "UnshardHandle",
@@ -53,5 +56,9 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
+    "fully_shard_model",
+    "load_checkpoint",
     "load_full_state_dict",
+    "save_checkpoint",
+    "sharded_state_dict",
 ]

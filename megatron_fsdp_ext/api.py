@@ -14,6 +14,22 @@ from .hooks import FSDPState, iter_states
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+# Megatron-FSDP's names for what is sharded (see csrc/unit.h, ShardingStrategy).
+SHARDING_STRATEGIES = {
+    "no_shard": _C.ShardingStrategy.NO_SHARD,
+    "optim": _C.ShardingStrategy.OPTIM,
+    "optim_grads": _C.ShardingStrategy.OPTIM_GRADS,
+    "optim_grads_params": _C.ShardingStrategy.OPTIM_GRADS_PARAMS,
+}
+
+
+def _check_strategy(name) -> "_C.ShardingStrategy":
+    if name not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"unknown sharding_strategy {name!r}; choose from {', '.join(repr(k) for k in SHARDING_STRATEGIES)}"
+        )
+    return SHARDING_STRATEGIES[name]
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -248,7 +264,8 @@ def fully_shard(
     module: nn.Module,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
-    reshard_after_forward: bool = True,
+    sharding_strategy: str = "optim_grads_params",
+    reshard_after_forward: Optional[bool] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     alignment: int = 16,
@@ -258,14 +275,24 @@ def fully_shard(
     all_gather_in_start_param_sync: bool = False,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
-    call) across `process_group` (ZeRO-3) and install the hooks that all-gather them
-    for forward/backward and reduce-scatter their gradients.
+    call) across `process_group` and install the hooks that all-gather them for
+    forward/backward and reduce their gradients.
 
     Call it bottom-up: each transformer block first, then the root. Returns `module`,
-    whose class now also derives from FSDPModule.
+    whose class now also derives from FSDPModule. `module.parameters()` then yields
+    this rank's shards (1-D), which is what the optimizer updates.
 
     process_group:   the group parameters are sharded over; gradients are
                      reduce-scattered on it (the reduce-scatter group).
+    sharding_strategy: "optim_grads_params" (ZeRO-3, default): params gathered per use
+                     and freed after; "optim_grads" (ZeRO-2) and "optim" (ZeRO-1, full
+                     all-reduced gradients): params stay unsharded between steps and
+                     are gathered again only after the optimizer changed the shards;
+                     "no_shard": everything replicated, gradients all-reduced, no
+                     gather at all. Optimizer state is sharded except under no_shard.
+    reshard_after_forward: free a unit's params after its forward and gather them
+                     again for backward (default: True for optim_grads_params; the
+                     other strategies keep them, and True is an error there).
     prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
                      the first iteration (0: off). The root's value governs its tree.
     all_gather_group: an explicit group (same ranks, same order) for all-gathers.
@@ -290,6 +317,15 @@ def fully_shard(
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    strategy = _check_strategy(sharding_strategy)
+    zero3 = strategy == _C.ShardingStrategy.OPTIM_GRADS_PARAMS
+    if reshard_after_forward is None:
+        reshard_after_forward = zero3
+    elif reshard_after_forward and not zero3:
+        raise ValueError(
+            f"reshard_after_forward=True contradicts sharding_strategy={sharding_strategy!r}, which keeps "
+            "parameters unsharded between uses; use 'optim_grads_params' to free them after forward"
+        )
     prefetch_depth = _check_depth(prefetch_depth)
     if all_gather_group is not None and create_all_gather_group:
         raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
@@ -305,7 +341,7 @@ def fully_shard(
                 raise ValueError(f"fully_shard: parameter '{n}' has non-floating dtype {p.dtype}")
         unit = _C.Unit(
             [p.detach() for p in params], names, pg, alignment,
-            mp_policy.param_dtype, mp_policy.reduce_dtype,
+            mp_policy.param_dtype, mp_policy.reduce_dtype, strategy,
         )
         for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
             s = nn.Parameter(sview, requires_grad=p.requires_grad)
@@ -325,6 +361,8 @@ def fully_shard(
             spans_job = dist.get_world_size(pg) == dist.get_world_size()
             if create_all_gather_group is None:
                 create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower() and spans_job
+            if strategy == _C.ShardingStrategy.NO_SHARD:
+                create_all_gather_group = False  # never gathers
             if create_all_gather_group and dist.get_world_size(pg) > 1:
                 if not spans_job:
                     raise ValueError(
@@ -338,8 +376,9 @@ def fully_shard(
 
     state = FSDPState(
         module, unit, names, sharded, unsharded, slots, pg,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, prefetch_depth=prefetch_depth,
+        reshard_after_forward=bool(reshard_after_forward), mp_policy=mp_policy, prefetch_depth=prefetch_depth,
     )
+    state.sharding_strategy = sharding_strategy
     state.all_gather_in_start_param_sync = bool(all_gather_in_start_param_sync)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again

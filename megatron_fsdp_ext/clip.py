@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _C
+
 
 def clip_grad_norm_(
     parameters: Union[nn.Module, Iterable[torch.Tensor]],
@@ -24,8 +26,10 @@ def clip_grad_norm_(
         if p.grad is None:
             continue
         owner = getattr(p, "_mfsdp_owner", None)
-        if owner is not None:
-            state = owner()
+        state = owner() if owner is not None else None
+        if state is not None and state.unit is not None and state.unit.strategy == _C.ShardingStrategy.NO_SHARD:
+            replicated.append(p.grad)  # every rank holds the whole (all-reduced) gradient
+        elif state is not None:
             groups[id(state.process_group)] = state.process_group
             sharded.append(p.grad)
         else:

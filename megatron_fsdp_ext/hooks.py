@@ -124,6 +124,8 @@ class FSDPState:
         self._post_backward_done = False
         self.unsharded_installed = False
         self.all_gather_in_start_param_sync = False
+        self.sharding_strategy = "optim_grads_params"
+        self.overlap_grad_reduce = True  # False: backward waits for each reduction (FSDPConfig)
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
@@ -170,6 +172,11 @@ class FSDPState:
                 s.unit.set_context(ctx.comm)
 
     def set_reshard_after_forward(self, value: bool) -> None:
+        if value and self.keeps_params_unsharded:
+            raise ValueError(
+                f"set_reshard_after_forward(True): {self} uses sharding_strategy={self.sharding_strategy!r}, "
+                "which keeps parameters unsharded between uses"
+            )
         self._user_reshard_after_forward = value
         self.reshard_after_forward = value and not self.is_root
 
@@ -190,6 +197,23 @@ class FSDPState:
             return
         self.unit.reshard()
         self._install(unsharded=False)
+
+    @property
+    def keeps_params_unsharded(self) -> bool:
+        """Strategies other than optim_grads_params keep the unsharded copy between uses."""
+        return self.unit is not None and self.unit.strategy != _C.ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    def release(self) -> None:
+        """Done with the unsharded parameters for now: the module's slots get the sharded
+        ones back; the memory is freed unless the strategy keeps it (the next use then
+        gathers again only if the shards changed)."""
+        if self.unit is None:
+            return
+        if self.keeps_params_unsharded:
+            if self.unsharded_installed:
+                self._install(unsharded=False)
+        else:
+            self.reshard()
 
     def _install(self, unsharded: bool) -> None:
         self.unsharded_installed = unsharded
@@ -232,7 +256,10 @@ class FSDPState:
         self.lazy_init()
         ctx = self.ctx
         first = ctx.forward_order[: 1 + ctx.prefetch_depth] if not ctx.recording else [self]
-        for state in first:
+        # Strategies that keep params unsharded hold memory for every unit anyway: all
+        # of them are refreshed now, in forward order.
+        persistent = [s for s in (ctx.forward_order or ctx.states) if s.keeps_params_unsharded]
+        for state in dict.fromkeys(first + persistent):
             state.unshard()
 
     # ------------------------------------------------------------ forward hooks
@@ -276,11 +303,11 @@ class FSDPState:
         # A forward re-run inside backward (activation checkpointing) keeps the unit
         # gathered: its backward comes right after.
         if (self.reshard_after_forward or not grad_enabled) and not self.ctx.in_backward:
-            self.reshard()
+            self.release()
         if self.is_root and not grad_enabled:
             # No backward follows: a prefetched unit that did not run must not stay gathered.
             for s in self.ctx.states:
-                s.reshard()
+                s.release()
         if self.mp_policy.output_dtype is not None:
             dtype = self.mp_policy.output_dtype
             output = tree_map(
@@ -328,7 +355,9 @@ class FSDPState:
         if self.unit is None:
             return
         self.unit.reduce_grads(self.requires_gradient_sync)
-        self.reshard()
+        if not self.overlap_grad_reduce:
+            self.ctx.comm.wait_reductions()
+        self.release()
 
     def end_backward(self) -> None:
         self._pre_backward_done = False

@@ -77,7 +77,8 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
     )
     kw = dict(
         mp_policy=mp,
-        reshard_after_forward=opts.get("reshard_after_forward", True),
+        reshard_after_forward=opts.get("reshard_after_forward"),
+        sharding_strategy=opts.get("strategy", "optim_grads_params"),
         prefetch_depth=opts.get("prefetch_depth", 1),
         create_all_gather_group=opts.get("create_all_gather_group"),
     )

@@ -1,0 +1,141 @@
+"""A Megatron-style configuration and entry point, so that a Megatron training script
+switches to megatron_fsdp_ext in a few lines:
+
+    config = FSDPConfig(data_parallel_sharding_strategy="optim_grads_params",
+                        grad_reduce_in_fp32=True, bf16=True)
+    model = fully_shard_model(model, config, fsdp_unit_modules=[TransformerLayer])
+    optimizer = torch.optim.AdamW(model.parameters(), ...)
+    attach_param_sync(optimizer, model)   # fsdp_all_gather_in_start_param_sync
+
+Field names follow Megatron-LM's DistributedDataParallelConfig / Megatron-FSDP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Type
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, fully_shard
+
+
+@dataclass
+class FSDPConfig:
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    """"no_shard", "optim" (ZeRO-1), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)."""
+
+    overlap_grad_reduce: bool = True
+    """Reduce each unit's gradients on the reduce-scatter stream while earlier units'
+    backward computes. False: backward waits for every reduction as it is issued."""
+
+    overlap_param_gather: bool = True
+    """All-gather the next unit's parameters while the current one computes (prefetch
+    depth 1). False: each unit gathers when it is reached."""
+
+    fsdp_all_gather_in_start_param_sync: bool = True
+    """start_param_sync() (e.g. attach_param_sync(optimizer, model)) launches the first
+    all-gathers right after the optimizer step. Turn off to keep every collective inside
+    forward/backward (CUDA-graph capture of a whole step)."""
+
+    create_all_gather_group: Optional[bool] = None
+    """Give all-gathers their own communicator so they overlap reduce-scatters
+    (None: on for NCCL)."""
+
+    bucket_size: Optional[int] = None
+    """Only used when no fsdp_unit_modules are given: modules are grouped into units of
+    at least this many parameter elements (a size-based wrap, bottom-up). None: one unit
+    for the whole model."""
+
+    grad_reduce_in_fp32: bool = False
+    """Reduce gradients in fp32 even when parameters are gathered in bf16/fp16."""
+
+    bf16: bool = False
+    """Gather parameters and compute in bfloat16 (fp32 shards stay the master copy)."""
+
+    fp16: bool = False
+    """Gather parameters and compute in float16."""
+
+    def __post_init__(self):
+        _check_strategy(self.data_parallel_sharding_strategy)
+        if self.bf16 and self.fp16:
+            raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
+        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
+            raise ValueError(f"FSDPConfig.bucket_size must be a positive int (elements) or None, got {self.bucket_size!r}")
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        param_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        reduce_dtype = torch.float32 if (self.grad_reduce_in_fp32 and param_dtype is not None) else None
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _size_based_units(module: nn.Module, min_numel: int) -> list:
+    """Bottom-up: a child becomes a unit once the parameters it holds that no unit
+    below it took reach min_numel."""
+    units = []
+
+    def visit(mod: nn.Module) -> int:
+        left = sum(visit(child) for child in mod.children())
+        left += sum(p.numel() for p in mod.parameters(recurse=False))
+        if mod is not module and left >= min_numel:
+            units.append(mod)
+            return 0
+        return left
+
+    visit(module)
+    return units
+
+
+def fully_shard_model(
+    module: nn.Module,
+    config: FSDPConfig,
+    fsdp_unit_modules: Optional[Sequence[Type[nn.Module]]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+) -> nn.Module:
+    """Apply fully_shard to every submodule whose type is in `fsdp_unit_modules`
+    (innermost first), then to `module` itself (the root, holding the rest).
+    Returns `module`; its parameters() are then this rank's shards."""
+    if not isinstance(config, FSDPConfig):
+        raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
+    kinds = tuple(fsdp_unit_modules or ())
+    for k in kinds:
+        if not (isinstance(k, type) and issubclass(k, nn.Module)):
+            raise TypeError(f"fsdp_unit_modules must hold nn.Module classes, got {k!r}")
+    kwargs = dict(
+        process_group=process_group,
+        sharding_strategy=config.data_parallel_sharding_strategy,
+        mp_policy=config.mp_policy,
+        ignored_params=ignored_params,
+        prefetch_depth=1 if config.overlap_param_gather else 0,
+        create_all_gather_group=config.create_all_gather_group,
+        all_gather_in_start_param_sync=config.fsdp_all_gather_in_start_param_sync,
+    )
+    if kinds:
+        units = [m for m in module.modules() if m is not module and isinstance(m, kinds)]
+        if not units:
+            raise ValueError(
+                f"fully_shard_model: no submodule of {type(module).__name__} is one of "
+                f"{[k.__name__ for k in kinds]} (fsdp_unit_modules)"
+            )
+        units = units[::-1]  # reversed pre-order: every descendant before its ancestors
+    elif config.bucket_size is not None:
+        units = _size_based_units(module, config.bucket_size)
+    else:
+        units = []
+    for m in units:
+        fully_shard(m, **kwargs)
+    fully_shard(module, **kwargs)
+    for state in _states(module):
+        state.overlap_grad_reduce = config.overlap_grad_reduce
+    return module
+
+
+def _states(module: nn.Module):
+    from .hooks import iter_states
+    return list(iter_states(module))
+
+
+__all__ = ["FSDPConfig", "fully_shard_model", "SHARDING_STRATEGIES"]

@@ -1,0 +1,288 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), reshardable across
+world sizes and sharding strategies.
+
+Every parameter of a fully_shard unit is stored under its module name as one 1-D
+tensor of its full numel; each rank writes only its contiguous range of it. The
+ranges come from the unit's FlatLayout (every rank can compute every rank's slice), so
+saving needs no collective per parameter. Loading reads whatever ranges the current
+layout needs, whatever layout wrote them: world 2 -> 4 -> 1, ZeRO-3 -> no_shard -> ZeRO-3.
+Optimizer state tensors shaped like a shard are stored the same way; scalar state
+(Adam's step) and hyper-parameters are replicated. Keys:
+
+    model.<name>                  parameters (flattened) and buffers
+    optim.state.<name>.<key>      per-parameter optimizer state
+    optim.param_groups            hyper-parameters, parameters listed by name
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from . import _C
+from .hooks import iter_states
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every ShardedTensor that the type is deprecated in favour of DTensor;
+    DTensor cannot describe our uneven, layout-given ranges, so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
+
+
+def _sharded_tensor(local: torch.Tensor, full_numel: int, ranges: List[Tuple[int, int, int]]):
+    """A 1-D ShardedTensor of `full_numel` elements; `ranges` lists (rank, offset, numel)
+    of every rank's piece, this rank's piece being `local`."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = "cpu" if local.device.type == "cpu" else f"cuda:{local.device.index}"
+    rank = dist.get_rank()
+    metas, local_shards = [], []
+    for r, offset, numel in ranges:
+        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[numel], placement=f"rank:{r}/{device}")
+        metas.append(meta)
+        if r == rank:
+            local_shards.append(Shard(tensor=local, metadata=meta))
+    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    global_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([full_numel]), tensor_properties=props)
+    with warnings.catch_warnings():  # ShardedTensor is DCP's type for arbitrary chunks
+        warnings.simplefilter("ignore")
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_meta)
+
+
+class _ParamInfo:
+    """Where one sharded parameter's piece sits in the full (flattened) parameter."""
+
+    def __init__(self, state, index: int, names: List[str]):
+        unit = state.unit
+        self.name = names[0]
+        self.names = names  # tied parameters have several
+        self.param = state.sharded_params[index]
+        self.full_shape = tuple(state.unsharded_params[index].shape)
+        self.full_numel = unit.layout.numels[index]
+        self.replicated = unit.strategy == _C.ShardingStrategy.NO_SHARD
+        group = state.process_group
+        self.ranges = []  # (global rank, offset, numel) of every non-empty piece
+        if not self.replicated:
+            for r in range(unit.world_size):
+                piece = unit.layout.shard_slice(index, r)
+                if piece.numel > 0:
+                    self.ranges.append((dist.get_global_rank(group, r), piece.param_offset, piece.numel))
+
+    def wrap(self, local: torch.Tensor):
+        """What DCP sees for `local` (the param or a state tensor shaped like it)."""
+        if self.replicated:
+            return local  # every rank holds all of it: DCP writes it once
+        return _sharded_tensor(local, self.full_numel, self.ranges)
+
+
+def _sharded_params(module: nn.Module) -> Dict[int, _ParamInfo]:
+    names: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    infos = {}
+    for state in iter_states(module):
+        if state.unit is None:
+            continue
+        if state.unsharded_installed:
+            raise RuntimeError(
+                f"sharded checkpoint: {state} has its unsharded parameters installed (inside forward/backward "
+                "or after unshard()); save or load between training steps, or reshard() first"
+            )
+        for i, p in enumerate(state.sharded_params):
+            if id(p) in names:
+                infos[id(p)] = _ParamInfo(state, i, names[id(p)])
+    return infos
+
+
+def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
+    entries = {}
+    by_name = {n: info for info in infos.values() for n in info.names}
+    for key, value in module.state_dict(keep_vars=True).items():
+        info = by_name.get(key)
+        entries[f"model.{key}"] = info.wrap(value.detach()) if info is not None else value.detach()
+    return entries
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[List[str]]:
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    groups = []
+    for g in optimizer.param_groups:
+        missing = [p for p in g["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                "sharded checkpoint: the optimizer holds a parameter that is not in the module "
+                f"(shape {tuple(missing[0].shape)}); build the optimizer from module.parameters()"
+            )
+        groups.append([names[id(p)] for p in g["params"]])
+    return groups
+
+
+def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """The state dict to hand to torch.distributed.checkpoint.save (collective-free)."""
+    infos = _sharded_params(module)
+    sd = _model_entries(module, infos)
+    if optimizer is None:
+        return sd
+    group_names = _optimizer_params(optimizer, module)
+    info_by_id = infos
+    groups_meta = []
+    for g, names in zip(optimizer.param_groups, group_names):
+        groups_meta.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        for p, name in zip(g["params"], names):
+            info = info_by_id.get(id(p))
+            for key, value in optimizer.state.get(p, {}).items():
+                entry = f"optim.state.{name}.{key}"
+                if isinstance(value, torch.Tensor) and info is not None and value.shape == p.shape and value.dim() == 1:
+                    sd[entry] = info.wrap(value)
+                else:
+                    sd[entry] = value
+    # Pickled: DCP would otherwise flatten the list of dicts into many keys.
+    sd["optim.param_groups"] = pickle.dumps(groups_meta)
+    return sd
+
+
+def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Save model (and optimizer) state to directory `path`. Collective: call on all ranks."""
+    with _quiet():
+        dcp.save(sharded_state_dict(module, optimizer), checkpoint_id=path)
+
+
+def _fmt_shape(info: _ParamInfo) -> str:
+    return f"shape {info.full_shape} ({info.full_numel} elements)"
+
+
+def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Load a checkpoint written by save_checkpoint, under any world size and sharding
+    strategy, into `module` (and `optimizer`, whose state is replaced). Keys must match
+    exactly: a missing or extra key, or a shape mismatch, is an error naming the key.
+    Collective: call on all ranks."""
+    for state in iter_states(module):
+        if state.unit is not None:
+            state.reshard()  # any gathered copy would be stale after the load
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    infos = _sharded_params(module)
+    target = _model_entries(module, infos)
+    stored_model = {k for k in meta if k.startswith("model.")}
+    _check_keys("model", set(target), stored_model, path)
+    by_name = {f"model.{n}": info for info in infos.values() for n in info.names}
+    for key, value in target.items():
+        size = list(getattr(meta[key], "size", []))
+        if key in by_name:
+            info = by_name[key]
+            if size != [info.full_numel]:
+                raise ValueError(
+                    f"load_checkpoint: '{key}' holds {size[0] if len(size) == 1 else size} elements in {path}, "
+                    f"but the model's parameter has {_fmt_shape(info)}"
+                )
+        elif size != list(value.shape):
+            raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(size)} in {path}, "
+                             f"the model's has {tuple(value.shape)}")
+    if optimizer is None:
+        _load(target, path)
+        return
+
+    group_names = _optimizer_params(optimizer, module)
+    if "optim.param_groups" not in meta:
+        raise KeyError(f"load_checkpoint: {path} has no optimizer state ('optim.param_groups' is missing); "
+                       "load without an optimizer or pick a checkpoint saved with one")
+    groups_only = {"optim.param_groups": b""}
+    _load(groups_only, path)
+    _check_groups(pickle.loads(groups_only["optim.param_groups"]), group_names, path)
+    known = {n for names in group_names for n in names}
+    prefix = "optim.state."
+    stored_states: Dict[str, Dict[str, object]] = {}
+    for key, m in meta.items():
+        if not key.startswith(prefix):
+            continue
+        name, state_key = _split_state_key(key[len(prefix):], known)
+        if name is None:
+            raise KeyError(f"load_checkpoint: optimizer state '{key}' in {path} belongs to no parameter of "
+                           "this optimizer")
+        stored_states.setdefault(name, {})[state_key] = (key, m)
+    params_by_name = {n: p for g, names in zip(optimizer.param_groups, group_names) for p, n in zip(g["params"], names)}
+    info_by_name = {info.name: info for info in infos.values()}
+    local: Dict[str, object] = {}  # what each state key lands in on this rank
+    for name, entries in stored_states.items():
+        p, info = params_by_name[name], info_by_name.get(name)
+        for state_key, (key, m) in entries.items():
+            if not hasattr(m, "size"):
+                target[key] = None  # a non-tensor value: DCP fills it in
+                continue
+            size, dtype = list(m.size), m.properties.dtype
+            if info is not None and len(size) == 1 and size[0] == info.full_numel:
+                local[key] = torch.empty(p.shape, dtype=dtype, device=p.device)
+                target[key] = info.wrap(local[key])
+            elif info is not None and len(size) == 1 and size[0] > 1:
+                raise ValueError(f"load_checkpoint: '{key}' holds {size[0]} elements in {path}, but the "
+                                 f"parameter '{name}' has {_fmt_shape(info)}")
+            else:  # scalar state (Adam's step) or state of a parameter outside any unit
+                local[key] = target[key] = torch.empty(size, dtype=dtype, device=p.device)
+    target["optim.param_groups"] = b""
+    _load(target, path)
+
+    saved_groups = pickle.loads(target["optim.param_groups"])
+    index = {}
+    for names in group_names:
+        for n in names:
+            index[n] = len(index)
+    osd_state = {}
+    for name, entries in stored_states.items():
+        osd_state[index[name]] = {state_key: local.get(key, target[key]) for state_key, (key, _) in entries.items()}
+    osd_groups = []
+    for saved, names in zip(saved_groups, group_names):
+        g = {k: v for k, v in saved.items() if k != "params"}
+        g["params"] = [index[n] for n in names]
+        osd_groups.append(g)
+    optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
+
+
+def _load(target: dict, path: str) -> None:
+    with _quiet():
+        dcp.load(target, checkpoint_id=path)
+
+
+def _split_state_key(rest: str, known: set):
+    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'); the parameter
+    name is the longest known prefix (state keys have no dots in torch.optim)."""
+    name, _, key = rest.rpartition(".")
+    return (name, key) if name in known else (None, None)
+
+
+def _check_groups(saved_groups, group_names, path: str) -> None:
+    saved = [s["params"] for s in saved_groups]
+    for i, (old, new) in enumerate(zip(saved, group_names)):
+        extra, missing = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+        if extra:
+            raise KeyError(f"load_checkpoint({path}): optimizer group {i} in the checkpoint has parameter "
+                           f"'{extra[0]}', which is not in this optimizer's group {i}")
+        if missing:
+            raise KeyError(f"load_checkpoint({path}): this optimizer's group {i} has parameter '{missing[0]}', "
+                           f"which is not in the checkpoint's group {i}")
+    if len(saved) != len(group_names):
+        raise ValueError(f"load_checkpoint({path}): the checkpoint's optimizer has {len(saved)} parameter groups, "
+                         f"this optimizer has {len(group_names)}; build the optimizer the same way")
+
+
+def _check_keys(what: str, expected: set, stored: set, path: str) -> None:
+    missing, extra = sorted(expected - stored), sorted(stored - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"in the checkpoint but not in the {what}: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise KeyError(f"load_checkpoint({path}): {what} keys differ; " + "; ".join(parts))
