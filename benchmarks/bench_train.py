@@ -225,8 +225,9 @@ def main():
                 print(f"{name:>14} {system:>6}: {r['step_s'] * 1e3:8.1f} ms/step  "
                       f"{r['tokens_per_s_per_gpu']:>10,.0f} tok/s/GPU  {r['tflops_per_gpu']:6.1f} TFLOP/s  "
                       f"peak {r['peak_mem_gib']:.2f} GiB", flush=True)
+        if rank == 0:  # after every config: a run cut short still leaves its results
+            write_outputs(results, Path(args.out), meta)
     if rank == 0:
-        write_outputs(results, Path(args.out), meta)
         print((Path(args.out) / "results.md").read_text())
     dist.barrier()
     dist.destroy_process_group()

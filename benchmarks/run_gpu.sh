@@ -2,7 +2,8 @@
 # All GPU benchmarks in one device call: build from source (unless already built),
 # then bench_train (mfsdp vs FSDP2 vs DDP), bench_layerwise and bench_comm.
 # Usage (GPU machine, repo root): bash benchmarks/run_gpu.sh   (results under $OUT/bench)
-# NPROC (default: all GPUs), STEPS/WARMUP, CONFIGS and BENCH_TIMEOUT override the defaults.
+# NPROC (default: all GPUs), STEPS/WARMUP, CONFIGS, BENCHES (train,layerwise,comm) and
+# BENCH_TIMEOUT override the defaults.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mfsdp_out}
@@ -23,8 +24,9 @@ run() {  # name, timeout, command...
   tail -12 "$BENCH/$name.log"
 }
 TR="$PY -m torch.distributed.run --nproc_per_node=$NPROC"
-run bench_train "${BENCH_TIMEOUT:-330}" $TR benchmarks/bench_train.py --configs "${CONFIGS:-1b,1b_comm_bound,small_many,8b_ish}" \
+BENCHES=${BENCHES:-train,layerwise,comm}
+[[ $BENCHES == *train* ]] && run bench_train "${BENCH_TIMEOUT:-330}" $TR benchmarks/bench_train.py --configs "${CONFIGS:-1b,1b_comm_bound,small_many,8b_ish}" \
   --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" --out "$BENCH"
-run bench_layerwise 120 $TR benchmarks/bench_layerwise.py --config 1b --steps 8 --warmup 3 --out "$BENCH"
-run bench_comm 90 $TR benchmarks/bench_comm.py --sizes-mib 16,64,256 --iters 10 --out "$BENCH"
+[[ $BENCHES == *layerwise* ]] && run bench_layerwise 120 $TR benchmarks/bench_layerwise.py --config 1b --steps 8 --warmup 3 --out "$BENCH"
+[[ $BENCHES == *comm* ]] && run bench_comm 90 $TR benchmarks/bench_comm.py --sizes-mib 16,64,256 --iters 10 --out "$BENCH"
 exit $status

@@ -233,3 +233,27 @@ def megatron_config_errors(rank: int, world: int) -> None:
     expect_error(lambda: mfsdp.fully_shard_model(lin, mfsdp.FSDPConfig(), fsdp_unit_modules=[Block]),
                  ValueError, "fsdp_unit_modules", "Block")
     expect_error(lambda: mfsdp.fully_shard_model(lin, {"bf16": True}), TypeError, "FSDPConfig")
+
+
+def strategy_peak_memory(rank: int, world: int, strategy: str) -> Dict:
+    """Peak GPU memory of one training step (fp32 params, fused AdamW) under a strategy,
+    on a model whose parameters dwarf its activations, so the strategies' gaps show."""
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+    device = device_for_backend()
+    cfg = LlamaConfig(vocab_size=4096, d_model=1024, n_layers=8, n_heads=16, ffn_hidden=2816)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(device)
+    for b in model.blocks:
+        mfsdp.fully_shard(b, sharding_strategy=strategy)
+    mfsdp.fully_shard(model, sharding_strategy=strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batches = list(global_batches(cfg, 3, 2 * world, 128, device))
+    per = 2
+    _train(model, opt, cfg, batches[:2], rank, world, per)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _train(model, opt, cfg, batches[2:], rank, world, per)
+    torch.cuda.synchronize()
+    n_params = sum(p.numel() for p in LlamaModel(cfg).parameters())
+    return {"peak": torch.cuda.max_memory_allocated(), "param_bytes": 4 * n_params}

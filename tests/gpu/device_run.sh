@@ -11,6 +11,6 @@ status=0
 bash tests/gpu/run_all.sh || status=1
 if [ -z "${SKIP_BENCH:-}" ]; then bash benchmarks/run_gpu.sh || status=1; fi
 tar czf "$FINAL_OUT/logs.tgz" --exclude='*.pt' -C "$OUT" .
-for f in env.txt pytest_gpu.log pytest_cpu.log example.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL_OUT/"; done
+for f in env.txt pytest_gpu.log pytest_cpu.log example.log megatron_style.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL_OUT/"; done
 find "$OUT/bench" -name results.md -exec cp {} "$FINAL_OUT/bench_results.md" \; 2>/dev/null
 exit $status

@@ -38,14 +38,21 @@ if [ -z "${SKIP_CPU_TESTS:-}" ]; then
 fi
 echo "== GPU tests"
 export MFSDP_TRACE_DIR=$OUT/traces; mkdir -p "$MFSDP_TRACE_DIR"
-$PY -m pytest tests/gpu tests/unit/test_pack.py -q -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" ${PYTEST_ARGS:-} 2>&1 \
+timeout "${GPU_TESTS_TIMEOUT:-900}" \
+  $PY -m pytest tests/gpu tests/unit/test_pack.py -q -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/pytest_gpu.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${SKIP_EXAMPLE:-}" ]; then
-  echo "== example on 2 GPUs"
-  torchrun --nproc_per_node=2 examples/train_gpt.py --out-dir "$OUT/train_gpt" > "$OUT/example.log" 2>&1 \
-    || status=1
-  tail -4 "$OUT/example.log"
+  echo "== examples on 2 GPUs"
+  torchrun --nproc_per_node=2 examples/train_gpt.py --steps "${EXAMPLE_STEPS:-200}" --out-dir "$OUT/train_gpt" \
+    > "$OUT/example.log" 2>&1 || status=1
+  tail -3 "$OUT/example.log"
+  # Megatron-style script: save under ZeRO-3 on 2 GPUs, resume under no_shard on 1.
+  { torchrun --nproc_per_node=2 examples/megatron_style.py --train-iters 20 --save "$OUT/megatron_ckpt" &&
+    torchrun --nproc_per_node=1 examples/megatron_style.py --train-iters 40 --load "$OUT/megatron_ckpt" \
+      --data-parallel-sharding-strategy no_shard; } > "$OUT/megatron_style.log" 2>&1 || status=1
+  rm -rf "$OUT/megatron_ckpt"
+  tail -3 "$OUT/megatron_style.log"
 fi
 exit $status
