@@ -5,7 +5,10 @@
 Measures all-gather and reduce-scatter bus bandwidth over buffer sizes, and an
 all-gather + reduce-scatter pair issued together on two streams with one shared
 communicator vs two communicators (the reason units get a separate all-gather group).
-Bus bandwidth follows nccl-tests: bytes * (world - 1) / world / time.
+Bus bandwidth follows nccl-tests: bytes * (world - 1) / world / time. Also times the
+uneven collectives (all_gather_v, reduce_scatter_v) per algorithm: GROUPED (NCCL
+grouped per-rank collectives into views), PADDED (pad to the longest segment, even
+collective, compact) and, for reduce_scatter_v, ALL_REDUCE.
 """
 from __future__ import annotations
 
@@ -37,10 +40,42 @@ def timed(fn, iters, warmup=3):
     return statistics.median(times)
 
 
+def uneven_rows(comm, sizes_mib, iters, world, rank):
+    """all_gather_v / reduce_scatter_v with owner-style uneven segments (rank r holds
+    (r + 1) parts of the total, the last rank's segment empty for world > 2): each
+    algorithm the C++ Communicator offers, so AUTO can be chosen by size."""
+    rows = []
+    weights = [r + 1 for r in range(world)]
+    if world > 2:
+        weights[-1] = 0
+    for mib in sizes_mib:
+        total = int(mib * 2**20) // 4  # fp32 elements, like the layer-wise buckets
+        numels = [total * w // sum(weights) for w in weights]
+        starts = [sum(numels[:r]) for r in range(world)]
+        full = torch.empty(sum(numels), device="cuda")
+        mine = torch.randn(numels[rank], device="cuda")
+        grads = torch.randn(sum(numels), device="cuda")
+        red = torch.empty(numels[rank], device="cuda")
+        row = {"mib": mib}
+        for algo in ("GROUPED", "PADDED"):
+            a = getattr(_C.VarAlgo, algo)
+            row[f"ag_v_{algo.lower()}_ms"] = 1e3 * timed(lambda: comm.all_gather_v(full, mine, starts, numels, a), iters)
+        for algo in ("GROUPED", "PADDED", "ALL_REDUCE"):
+            a = getattr(_C.VarAlgo, algo)
+            row[f"rs_v_{algo.lower()}_ms"] = 1e3 * timed(lambda: comm.reduce_scatter_v(red, grads, starts, numels, a), iters)
+        rows.append(row)
+        if rank == 0:
+            print(f"{mib:7.0f} MiB uneven  " + "  ".join(f"{k[:-3]} {v:.3f} ms" for k, v in row.items() if k != "mib"),
+                  flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", default="4,16,64,256,1024")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--uneven-mib", default="1,16,64,256",
+                   help="total sizes for all_gather_v / reduce_scatter_v (GROUPED vs PADDED vs ALL_REDUCE)")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -92,12 +127,13 @@ def main():
                   f"RS {row['rs_ms']:7.3f} ms ({row['rs_busbw_gbs']:6.1f} GB/s)  "
                   f"AG||RS one comm {t_one * 1e3:7.3f} ms, two comms {t_two * 1e3:7.3f} ms "
                   f"({row['two_vs_one']:.2f}x)", flush=True)
+    uneven = uneven_rows(comm_a, [float(x) for x in args.uneven_mib.split(",") if x], args.iters, world, rank)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"date": datetime.date.today().isoformat(), "world": world, "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
-        (out / "comm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (out / "comm.json").write_text(json.dumps({"meta": meta, "rows": rows, "uneven": uneven}, indent=2))
     dist.barrier()
     dist.destroy_process_group()
 

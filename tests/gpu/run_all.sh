@@ -39,7 +39,7 @@ fi
 echo "== GPU tests"
 export MFSDP_TRACE_DIR=$OUT/traces; mkdir -p "$MFSDP_TRACE_DIR"
 timeout "${GPU_TESTS_TIMEOUT:-900}" \
-  $PY -m pytest tests/gpu tests/unit/test_pack.py -q -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" ${PYTEST_ARGS:-} 2>&1 \
+  $PY -m pytest tests/gpu tests/unit/test_pack.py -v -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/pytest_gpu.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
