@@ -170,6 +170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_params", &Unit::bind_params)
       .def("set_context", &Unit::set_context)
       .def("set_all_gather_group", &Unit::set_all_gather_group)
+      .def("set_reduce_scatter_group", &Unit::set_reduce_scatter_group)
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())

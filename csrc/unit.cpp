@@ -148,13 +148,22 @@ void Unit::set_context(std::shared_ptr<CommContext> ctx) {
   ctx_ = std::move(ctx);
 }
 
-void Unit::set_all_gather_group(ProcessGroupPtr pg) {
+namespace {
+Communicator same_ranks_or_throw(ProcessGroupPtr pg, const Communicator& unit_comm, const char* what) {
   Communicator c(std::move(pg));
-  MFSDP_CHECK(c.size() == rs_comm_.size() && c.rank() == rs_comm_.rank(),
-              "all-gather group has rank ", c.rank(), " of ", c.size(),
-              " but the reduce-scatter group has rank ", rs_comm_.rank(), " of ", rs_comm_.size(),
-              "; both must span the same ranks in the same order");
-  ag_comm_ = std::move(c);
+  MFSDP_CHECK(c.size() == unit_comm.size() && c.rank() == unit_comm.rank(), what, " group has rank ", c.rank(),
+              " of ", c.size(), " but the unit's process group has rank ", unit_comm.rank(), " of ",
+              unit_comm.size(), "; both must span the same ranks in the same order");
+  return c;
+}
+}  // namespace
+
+void Unit::set_all_gather_group(ProcessGroupPtr pg) {
+  ag_comm_ = same_ranks_or_throw(std::move(pg), rs_comm_, "all-gather");
+}
+
+void Unit::set_reduce_scatter_group(ProcessGroupPtr pg) {
+  rs_comm_ = same_ranks_or_throw(std::move(pg), ag_comm_, "reduce-scatter");
 }
 
 CommContext& Unit::ctx() {

@@ -97,7 +97,10 @@ class Unit {
   // The tensors the user sees (nn.Parameter objects made from the views above).
   void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params);
   void set_context(std::shared_ptr<CommContext> ctx);
+  // Separate communicators (same ranks, same order as the unit's group), so that
+  // all-gathers and reduce-scatters can run at the same time.
   void set_all_gather_group(ProcessGroupPtr pg);
+  void set_reduce_scatter_group(ProcessGroupPtr pg);
 
   // Issue the all-gather (on the all-gather stream for CUDA). No-op while GATHERING or
   // while UNSHARDED with an up-to-date copy; an UNSHARDED copy older than the shard

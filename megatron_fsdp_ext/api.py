@@ -271,6 +271,7 @@ def fully_shard(
     alignment: int = 16,
     prefetch_depth: int = 1,
     all_gather_group: Optional[dist.ProcessGroup] = None,
+    reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
     all_gather_in_start_param_sync: bool = False,
 ) -> nn.Module:
@@ -296,6 +297,8 @@ def fully_shard(
     prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
                      the first iteration (0: off). The root's value governs its tree.
     all_gather_group: an explicit group (same ranks, same order) for all-gathers.
+    reduce_scatter_group: an explicit group (same ranks, same order) for gradient
+                     reductions (default: process_group), e.g. one per expert-parallel group.
     create_all_gather_group: give all-gathers their own communicator, created once per
                      group and cached, so they overlap reduce-scatters. Default: on for
                      NCCL, off otherwise (Megatron-FSDP's `create_all_gather_group`).
@@ -327,6 +330,12 @@ def fully_shard(
             "parameters unsharded between uses; use 'optim_grads_params' to free them after forward"
         )
     prefetch_depth = _check_depth(prefetch_depth)
+    for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):
+        if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(pg):
+            raise ValueError(
+                f"{what} spans ranks {dist.get_process_group_ranks(group)} but the process group parameters are "
+                f"sharded over spans {dist.get_process_group_ranks(pg)}; it must hold the same ranks in the same order"
+            )
     if all_gather_group is not None and create_all_gather_group:
         raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
 
@@ -373,6 +382,8 @@ def fully_shard(
                 all_gather_group = _all_gather_group_for(pg)
         if all_gather_group is not None:
             unit.set_all_gather_group(all_gather_group)
+        if reduce_scatter_group is not None:
+            unit.set_reduce_scatter_group(reduce_scatter_group)
 
     state = FSDPState(
         module, unit, names, sharded, unsharded, slots, pg,

@@ -75,7 +75,12 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
     mp = mfsdp.MixedPrecisionPolicy(
         param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype")
     )
+    groups = {}
+    if opts.get("explicit_groups"):  # collective: every rank shards the same modules in order
+        world_ranks = list(range(dist.get_world_size()))
+        groups = {"all_gather_group": dist.new_group(world_ranks), "reduce_scatter_group": dist.new_group(world_ranks)}
     kw = dict(
+        **groups,
         mp_policy=mp,
         reshard_after_forward=opts.get("reshard_after_forward"),
         sharding_strategy=opts.get("strategy", "optim_grads_params"),
@@ -119,6 +124,7 @@ PARITY_SCENARIOS = {
     "grads_accumulate_across_synced_backwards": {"micro_batches": 2, "sync_every_micro": True},
     "clip_grad_norm": {"clip": 0.05},
     "no_reshard_after_forward": {"reshard_after_forward": False},
+    "explicit_all_gather_and_reduce_scatter_groups": {"explicit_groups": True},
     "block_called_twice": {"reuse_block": True},
     # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every
     # parameter's error a small fraction of how far it moved (lr 1e-3 so it moves).
@@ -344,6 +350,17 @@ def world_one_and_eval(rank: int, world: int) -> None:
         state = m.__dict__.get("_mfsdp_state")
         if state is not None and state.unit is not None:
             assert state.unit.unsharded_storage_bytes == 0, f"{state} still unsharded after eval forward"
+
+
+def mismatched_group_errors(rank: int, world: int) -> None:
+    """An all-gather or reduce-scatter group over other ranks than the sharding group is
+    refused with both rank lists in the message."""
+    device = device_for_backend()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: all ranks create both
+    mine = halves[rank // 2]
+    for what in ("all_gather_group", "reduce_scatter_group"):
+        expect_error(lambda: mfsdp.fully_shard(nn.Linear(4, 4).to(device), **{what: mine}),
+                     ValueError, what, "[0, 1, 2, 3]", "same ranks")
 
 
 # ---------------------------------------------------------------- GPU-only workers

@@ -72,3 +72,8 @@ def _bad_inputs(rank, world):
 
 def test_bad_inputs_world2():
     run_distributed(_bad_inputs, 2, timeout=120)
+
+
+def test_groups_over_other_ranks_are_refused():
+    from megatron_fsdp_ext.testing.workers import mismatched_group_errors
+    run_distributed(mismatched_group_errors, 4, timeout=120)
