@@ -174,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
+      .def("mark_stale", &Unit::mark_stale)
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
       .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>())
       .def("load_full_params", &Unit::load_full_params, py::call_guard<py::gil_scoped_release>());

@@ -171,17 +171,21 @@ CommContext& Unit::ctx() {
   return *ctx_;
 }
 
-void Unit::check_sharded_params_intact() {
+bool Unit::check_sharded_params_intact() {
   // Optimizers update shards in place through the views; a user who assigned
   // `param.data = ...` broke the link. Re-link a same-size replacement, refuse others.
+  bool relinked = false;
   const auto itemsize = sharded_flat_.element_size();
   auto* base = static_cast<char*>(sharded_flat_.data_ptr());
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     auto& p = sharded_params_[i];
     const auto& s = slices_[i];
-    // An empty tensor's data_ptr() is null: for an empty slice only shape and dtype matter.
+    // An empty tensor's data_ptr() is null: an empty slice is intact while it still
+    // shares the flat shard's storage. Checking that too keeps the answer the same on
+    // every rank when all of them assign `p.data`, so a kept copy is re-gathered by all.
     if (p.numel() == s.numel && p.scalar_type() == orig_dtype_ &&
-        (s.numel == 0 || p.data_ptr() == base + s.shard_offset * itemsize))
+        (s.numel == 0 ? p.storage().is_alias_of(sharded_flat_.storage())
+                      : p.data_ptr() == base + s.shard_offset * itemsize))
       continue;
     MFSDP_CHECK(p.numel() == s.numel && p.dim() == 1,
                 "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
@@ -195,7 +199,9 @@ void Unit::check_sharded_params_intact() {
       slot.copy_(p.detach());
     }
     p.set_data(slot);
+    relinked = true;
   }
+  return relinked;
 }
 
 void Unit::allocate_unsharded() {
@@ -219,9 +225,12 @@ void Unit::free_unsharded() {
 
 void Unit::unshard() {
   if (state_ == UnitState::kGathering) return;
+  // Cheap (a pointer compare per parameter), and needed even for a kept copy: a
+  // re-linked `p.data = x` wrote the shard without moving its version counter.
+  if (check_sharded_params_intact()) stale_ = !aliases_shard();
   if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
-  check_sharded_params_intact();
   gathered_version_ = sharded_flat_._version();
+  stale_ = false;
   allocate_unsharded();  // a no-op when the stale copy's storage is still there
   if (replicated()) {  // a cast, no communication
     unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
@@ -273,8 +282,17 @@ void Unit::reshard() {
   state_ = UnitState::kSharded;
 }
 
+void Unit::mark_stale() {
+  if (!aliases_shard()) stale_ = true;
+}
+
 at::Tensor Unit::flat_grad_behind_views() const {
+  // Reduce-scatter strategies: the grads view a segment-sized buffer from offset 0.
+  // Full-gradient strategies (no_shard, optim): they view this rank's segment of the
+  // whole all-reduced flat buffer.
   const int64_t seg = layout_.segment_numel(shard_index());
+  const int64_t base = full_grads() ? layout_.segment_start(shard_index()) : 0;
+  const int64_t storage_numel = full_grads() ? layout_.total_numel() : seg;
   c10::Storage storage;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (!has_grad_[i]) continue;
@@ -283,16 +301,15 @@ at::Tensor Unit::flat_grad_behind_views() const {
     if (slices_[i].numel == 0) continue;  // an empty view may not share the storage object
     if (!storage) {
       storage = g.storage();
-      if (storage.nbytes() != static_cast<size_t>(seg) * g.element_size()) return {};
+      if (storage.nbytes() != static_cast<size_t>(storage_numel) * g.element_size()) return {};
     } else if (!g.storage().is_alias_of(storage)) {
       return {};
     }
-    if (slices_[i].numel == 0) continue;  // null data_ptr; nothing to alias
-    auto* expect = static_cast<const char*>(storage.data()) + slices_[i].shard_offset * g.element_size();
+    auto* expect = static_cast<const char*>(storage.data()) + (base + slices_[i].shard_offset) * g.element_size();
     if (static_cast<const char*>(g.const_data_ptr()) != expect) return {};
   }
   if (!storage) return {};
-  return at::empty({0}, sharded_flat_.options()).set_(storage, 0, {seg}, {1});
+  return at::empty({0}, sharded_flat_.options()).set_(storage, base, {seg}, {1});
 }
 
 bool Unit::reduce_grads(bool sync) {
@@ -343,11 +360,10 @@ bool Unit::reduce_grads(bool sync) {
   // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
   // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
   // .grad views alias it, keeping the full buffer alive: ZeRO-1's full-gradient memory.
-  const bool full_grads = strategy_ == ShardingStrategy::kNoShard || strategy_ == ShardingStrategy::kOptim;
   const bool reduce_into_target = mode == Mode::kFresh && reduce_dtype_ == orig_dtype_;
   at::Tensor reduced, target;
   if (mode == Mode::kAccumulate) target = existing;
-  if (full_grads) {
+  if (full_grads()) {
     reduced = flat.narrow(0, layout_.segment_start(shard_index()), seg);
     if (mode != Mode::kAccumulate) target = reduce_into_target ? reduced : at::empty({seg}, sharded_flat_.options());
   } else {
@@ -357,7 +373,7 @@ bool Unit::reduce_grads(bool sync) {
   const double scale = 1.0 / static_cast<double>(world_size());
 
   auto reduce = [&]() {
-    if (full_grads) {
+    if (full_grads()) {
       rs_comm_.all_reduce(flat, c10d::ReduceOp::SUM);
     } else {
       rs_comm_.reduce_scatter_flat(reduced, flat);

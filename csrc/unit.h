@@ -110,6 +110,10 @@ class Unit {
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).
   void reshard();
+  // The shards changed (an optimizer step follows a synced backward): a kept unsharded
+  // copy must be gathered again before its next use. The shard's version counter is
+  // only a backstop: fused optimizers and `.data` writes do not move it.
+  void mark_stale();
 
   // Move the gradients sitting on the unsharded params into this unit. With `sync`,
   // reduce-scatter them (plus anything accumulated earlier) into the sharded .grad;
@@ -127,8 +131,14 @@ class Unit {
   bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && param_dtype_ == orig_dtype_; }
-  bool unsharded_is_stale() const { return !aliases_shard() && sharded_flat_._version() != gathered_version_; }
-  void check_sharded_params_intact();
+  bool unsharded_is_stale() const {
+    return !aliases_shard() && (stale_ || sharded_flat_._version() != gathered_version_);
+  }
+  // True if a replaced parameter was re-linked (its values copied into the shard).
+  bool check_sharded_params_intact();
+  bool full_grads() const {
+    return strategy_ == ShardingStrategy::kNoShard || strategy_ == ShardingStrategy::kOptim;
+  }
   void allocate_unsharded();
   void free_unsharded();
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
@@ -156,6 +166,7 @@ class Unit {
 
   UnitState state_ = UnitState::kSharded;
   uint32_t gathered_version_ = 0;  // shard version the in-flight gather read
+  bool stale_ = false;             // mark_stale() or a re-link since the last gather
   std::shared_ptr<CommContext> ctx_;
   StreamEvent compute_ready_, all_gather_done_;
 };

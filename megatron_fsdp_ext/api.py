@@ -102,7 +102,12 @@ class FSDPModule:
             state.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        for state in self._states(recurse):
+        states = self._states(recurse)
+        if reshard_after_forward:  # check every unit before changing any
+            for state in states:
+                if state.keeps_params_unsharded:
+                    state.set_reshard_after_forward(True)  # raises, naming the strategy
+        for state in states:
             state.set_reshard_after_forward(bool(reshard_after_forward))
 
     def start_param_sync(self) -> None:

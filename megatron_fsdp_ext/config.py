@@ -67,18 +67,22 @@ class FSDPConfig:
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         param_dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
-        reduce_dtype = torch.float32 if (self.grad_reduce_in_fp32 and param_dtype is not None) else None
+        # fp32 reduction whenever asked: also for a model whose parameters are bf16 already.
+        reduce_dtype = torch.float32 if self.grad_reduce_in_fp32 else None
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def _size_based_units(module: nn.Module, min_numel: int) -> list:
+def _size_based_units(module: nn.Module, min_numel: int, ignored: set) -> list:
     """Bottom-up: a child becomes a unit once the parameters it holds that no unit
-    below it took reach min_numel."""
-    units = []
+    below it took reach min_numel (tied parameters counted once, ignored ones not)."""
+    units, seen = [], set(ignored)
 
     def visit(mod: nn.Module) -> int:
         left = sum(visit(child) for child in mod.children())
-        left += sum(p.numel() for p in mod.parameters(recurse=False))
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                left += p.numel()
         if mod is not module and left >= min_numel:
             units.append(mod)
             return 0
@@ -100,6 +104,7 @@ def fully_shard_model(
     Returns `module`; its parameters() are then this rank's shards."""
     if not isinstance(config, FSDPConfig):
         raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
+    ignored_params = list(ignored_params or ())
     kinds = tuple(fsdp_unit_modules or ())
     for k in kinds:
         if not (isinstance(k, type) and issubclass(k, nn.Module)):
@@ -122,7 +127,7 @@ def fully_shard_model(
             )
         units = units[::-1]  # reversed pre-order: every descendant before its ancestors
     elif config.bucket_size is not None:
-        units = _size_based_units(module, config.bucket_size)
+        units = _size_based_units(module, config.bucket_size, {id(p) for p in ignored_params})
     else:
         units = []
     for m in units:

@@ -10,6 +10,7 @@ Optimizer state tensors shaped like a shard are stored the same way; scalar stat
 (Adam's step) and hyper-parameters are replicated. Keys:
 
     model.<name>                  parameters (flattened) and buffers
+    meta.param_shapes             the parameters' full shapes (checked on load)
     optim.state.<name>.<key>      per-parameter optimizer state
     optim.param_groups            hyper-parameters, parameters listed by name
 """
@@ -73,6 +74,14 @@ class _ParamInfo:
         self.full_numel = unit.layout.numels[index]
         self.replicated = unit.strategy == _C.ShardingStrategy.NO_SHARD
         group = state.process_group
+        if dist.get_world_size(group) != dist.get_world_size():
+            # Units of different data-parallel groups (tensor/expert parallelism) would
+            # write different values under the same keys and offsets; DCP keeps one.
+            raise NotImplementedError(
+                f"sharded checkpoint: {state} is sharded over {dist.get_world_size(group)} of "
+                f"{dist.get_world_size()} ranks; sharded checkpoints need units sharded over the whole job "
+                "(use full_state_dict for other layouts)"
+            )
         self.ranges = []  # (global rank, offset, numel) of every non-empty piece
         if not self.replicated:
             for r in range(unit.world_size):
@@ -82,8 +91,8 @@ class _ParamInfo:
 
     def wrap(self, local: torch.Tensor):
         """What DCP sees for `local` (the param or a state tensor shaped like it)."""
-        if self.replicated:
-            return local  # every rank holds all of it: DCP writes it once
+        if self.replicated or not self.ranges:
+            return local  # every rank holds all of it (or it is empty): DCP writes it once
         return _sharded_tensor(local, self.full_numel, self.ranges)
 
 
@@ -111,8 +120,15 @@ def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
     by_name = {n: info for info in infos.values() for n in info.names}
     for key, value in module.state_dict(keep_vars=True).items():
         info = by_name.get(key)
-        entries[f"model.{key}"] = info.wrap(value.detach()) if info is not None else value.detach()
+        if info is not None:
+            entries[f"model.{key}"] = info.wrap(value.detach())
+        else:  # buffers, parameters of no unit, non-tensor extra state: replicated
+            entries[f"model.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
     return entries
+
+
+def _param_shapes(infos: Dict[int, _ParamInfo]) -> Dict[str, tuple]:
+    return {n: info.full_shape for info in infos.values() for n in info.names}
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[List[str]]:
@@ -135,6 +151,9 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
     """The state dict to hand to torch.distributed.checkpoint.save (collective-free)."""
     infos = _sharded_params(module)
     sd = _model_entries(module, infos)
+    # Parameters are stored flattened: their full shapes travel beside them, so that a
+    # load can tell a [4, 2] weight from a [2, 4] one.
+    sd["meta.param_shapes"] = pickle.dumps(_param_shapes(infos))
     if optimizer is None:
         return sd
     group_names = _optimizer_params(optimizer, module)
@@ -156,7 +175,9 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
 
 
 def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Save model (and optimizer) state to directory `path`. Collective: call on all ranks."""
+    """Save model (and optimizer) state to directory `path` (a filesystem path; for other
+    storage, pass sharded_state_dict() to torch.distributed.checkpoint.save yourself).
+    Collective: call on all ranks."""
     with _quiet():
         dcp.save(sharded_state_dict(module, optimizer), checkpoint_id=path)
 
@@ -178,8 +199,21 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     target = _model_entries(module, infos)
     stored_model = {k for k in meta if k.startswith("model.")}
     _check_keys("model", set(target), stored_model, path)
+    if "meta.param_shapes" in meta:
+        shapes = {"meta.param_shapes": b""}
+        _load(shapes, path)
+        saved_shapes = pickle.loads(shapes["meta.param_shapes"])
+        for name, shape in _param_shapes(infos).items():
+            if name in saved_shapes and tuple(saved_shapes[name]) != shape:
+                raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
+                                 f"the model's parameter has shape {shape}")
     by_name = {f"model.{n}": info for info in infos.values() for n in info.names}
+    objects = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
+    for key in objects:
+        target[key] = None  # non-tensor extra state: DCP fills it in, load_state_dict applies it
     for key, value in target.items():
+        if key in objects:
+            continue
         size = list(getattr(meta[key], "size", []))
         if key in by_name:
             info = by_name[key]
@@ -193,6 +227,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                              f"the model's has {tuple(value.shape)}")
     if optimizer is None:
         _load(target, path)
+        _apply_objects(module, target, objects)
         return
 
     group_names = _optimizer_params(optimizer, module)
@@ -233,6 +268,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 local[key] = target[key] = torch.empty(size, dtype=dtype, device=p.device)
     target["optim.param_groups"] = b""
     _load(target, path)
+    _apply_objects(module, target, objects)
 
     saved_groups = pickle.loads(target["optim.param_groups"])
     index = {}
@@ -255,9 +291,14 @@ def _load(target: dict, path: str) -> None:
         dcp.load(target, checkpoint_id=path)
 
 
+def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
+    if keys:
+        module.load_state_dict({k[len("model."):]: target[k] for k in keys}, strict=False)
+
+
 def _split_state_key(rest: str, known: set):
-    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'); the parameter
-    name is the longest known prefix (state keys have no dots in torch.optim)."""
+    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'): the last dot
+    separates them (torch.optim's state keys have no dots)."""
     name, _, key = rest.rpartition(".")
     return (name, key) if name in known else (None, None)
 

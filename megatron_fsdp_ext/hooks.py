@@ -257,7 +257,8 @@ class FSDPState:
         ctx = self.ctx
         first = ctx.forward_order[: 1 + ctx.prefetch_depth] if not ctx.recording else [self]
         # Strategies that keep params unsharded hold memory for every unit anyway: all
-        # of them are refreshed now, in forward order.
+        # stale ones are gathered again now, in forward order (after a reshard() or a
+        # checkpoint load this allocates every unit's copy here, outside forward).
         persistent = [s for s in (ctx.forward_order or ctx.states) if s.keeps_params_unsharded]
         for state in dict.fromkeys(first + persistent):
             state.unshard()
@@ -355,6 +356,10 @@ class FSDPState:
         if self.unit is None:
             return
         self.unit.reduce_grads(self.requires_gradient_sync)
+        if self.requires_gradient_sync and self.keeps_params_unsharded:
+            # An optimizer step follows a synced backward and may change the shards
+            # without moving their version counter (fused optimizers): gather again.
+            self.unit.mark_stale()
         if not self.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
         self.release()

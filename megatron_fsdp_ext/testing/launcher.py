@@ -118,3 +118,17 @@ def run_distributed(
                 p.join(timeout=5)
         if os.path.exists(init_file):
             os.unlink(init_file)
+
+
+def run_script(nproc: int, script, *args: str, port: int, timeout: float = 300) -> str:
+    """Run `script` under torchrun with `nproc` CPU ranks (OMP_NUM_THREADS=1); assert it
+    exits 0 (showing the tail of its output if not) and return its stdout."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

@@ -1,26 +1,24 @@
 """The benchmark scripts run end to end (CPU + Gloo, tiny config). A functional check
 only: timings are measured on the GPU machine and recorded in benchmarks/RESULTS.md."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from megatron_fsdp_ext.testing.launcher import run_script
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name):
+    if not (BENCH / name).exists():
+        pytest.skip("benchmarks/ is not part of this checkout")
+    return BENCH / name
 
 
 def test_bench_train_tiny_cpu(tmp_path):
-    script = ROOT / "benchmarks" / "bench_train.py"
-    if not script.exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
-           str(script), "--device", "cpu", "--configs", "tiny", "--steps", "2", "--warmup", "1",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
+               "--warmup", "1", "--out", str(tmp_path), port=29571)
     data = json.loads((tmp_path / "results.json").read_text())
     systems = {r["system"] for r in data["results"]}
     assert systems == {"mfsdp", "fsdp2", "ddp"}
@@ -31,15 +29,8 @@ def test_bench_train_tiny_cpu(tmp_path):
 
 
 def test_bench_layerwise_tiny_cpu(tmp_path):
-    script = ROOT / "benchmarks" / "bench_layerwise.py"
-    if not script.exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29572",
-           str(script), "--device", "cpu", "--config", "tiny", "--steps", "2", "--warmup", "1",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(2, _script("bench_layerwise.py"), "--device", "cpu", "--config", "tiny", "--steps", "2",
+               "--warmup", "1", "--out", str(tmp_path), port=29572)
     data = json.loads((tmp_path / "layerwise.json").read_text())
     assert [r["system"] for r in data["results"]] == ["replicated", "layerwise_sync", "layerwise_overlap"]
     losses = [r["final_loss"] for r in data["results"]]

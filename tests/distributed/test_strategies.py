@@ -27,6 +27,22 @@ def test_strategy_parity_bf16(strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_parity_accumulating_across_synced_backwards(strategy):
+    opts = {"strategy": strategy, "micro_batches": 2, "sync_every_micro": True, "steps": 4}
+    run_distributed(train_parity, 2, opts, timeout=240)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kept_copies_follow_fused_steps_and_data_writes(strategy):
+    run_distributed(SW.kept_copies_follow_every_write, 2, strategy, timeout=180)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_checkpoint_odd_params_and_shape_check(tmp_path, strategy):
+    run_distributed(SW.checkpoint_odd_params, 2, str(tmp_path / "ckpt"), strategy, timeout=180)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_api_and_errors(strategy):
     run_distributed(SW.strategy_api, 2, strategy, timeout=180)
 

@@ -42,3 +42,13 @@ def test_nccl_checkpoints(tmp_path):
 def test_nccl_megatron_config():
     run_distributed(SW.megatron_config_parity, 2, {"bf16": False, "data_parallel_sharding_strategy": "optim_grads"},
                     backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_nccl_kept_copies_follow_fused_steps_and_data_writes(strategy):
+    run_distributed(SW.kept_copies_follow_every_write, 2, strategy, backend="nccl", timeout=300)
+
+
+def test_nccl_checkpoint_odd_params(tmp_path):
+    run_distributed(SW.checkpoint_odd_params, 2, str(tmp_path / "ckpt"), "optim_grads_params", backend="nccl",
+                    timeout=300)
