@@ -47,6 +47,14 @@ def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, re
         results.put((rank, False, traceback.format_exc()))
 
 
+def gpu_world() -> int:
+    """World size of the NCCL test suite: MFSDP_GPU_WORLD (default 2), one GPU per rank."""
+    value = os.environ.get("MFSDP_GPU_WORLD", "2")
+    if not value.isdigit() or int(value) < 2:
+        raise ValueError(f"MFSDP_GPU_WORLD must be an integer >= 2, got {value!r}")
+    return int(value)
+
+
 def run_distributed(
     fn: Callable,
     world_size: int,

@@ -1,16 +1,20 @@
 """Layer-wise optimizer on NCCL: parity and gather/forward overlap."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing import gpu_world, run_distributed
 from megatron_fsdp_ext.testing import workers as W
 
 pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_nccl_layerwise_muon_parity(overlap):
-    run_distributed(W.layerwise_parity, 2, {"overlap": overlap}, backend="nccl", timeout=300)
+    # Beyond 2 ranks the reduction order differs from the reference's and Muon's bf16
+    # orthogonalisation amplifies it: bound the error by the update, as on Gloo.
+    opts = {"overlap": overlap} if WORLD == 2 else {"overlap": overlap, "tol_of_update": 0.05}
+    run_distributed(W.layerwise_parity, WORLD, opts, backend="nccl", timeout=300)
 
 
 def test_nccl_layerwise_gather_overlaps_forward():
-    run_distributed(W.layerwise_gather_overlap, 2, backend="nccl", timeout=300)
+    run_distributed(W.layerwise_gather_overlap, WORLD, backend="nccl", timeout=300)

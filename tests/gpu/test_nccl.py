@@ -1,10 +1,11 @@
 """The distributed suite on NCCL (2 GPUs), plus stream-race and device checks."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing import gpu_world, run_distributed
 from megatron_fsdp_ext.testing import workers as W
 
 pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
 
 # The Gloo scenarios, with unused and frozen parameters combined, plus fused AdamW.
 NCCL_SCENARIOS = {k: v for k, v in W.PARITY_SCENARIOS.items() if k not in ("unused_params", "frozen_params")}
@@ -15,38 +16,38 @@ NCCL_SCENARIOS["fused_adamw"] = {"fused": True}
 @pytest.mark.parametrize("name", list(NCCL_SCENARIOS))
 def test_nccl_parity(name):
     opts = dict(NCCL_SCENARIOS[name], steps=5)
-    results = run_distributed(W.train_parity, 2, opts, backend="nccl", timeout=300)
+    results = run_distributed(W.train_parity, WORLD, opts, backend="nccl", timeout=300)
     assert results[0]["losses"] == results[1]["losses"]
 
 
 @pytest.mark.parametrize("name", ["adamw", "bf16_mixed_precision", "grad_accumulation"])
 def test_nccl_parity_under_stream_chaos(name):
     opts = dict(NCCL_SCENARIOS[name], steps=5)
-    run_distributed(W.train_parity_with_stream_chaos, 2, opts, backend="nccl", timeout=300)
+    run_distributed(W.train_parity_with_stream_chaos, WORLD, opts, backend="nccl", timeout=300)
 
 
 def test_nccl_tiny_odd_params():
-    errs = run_distributed(W.train_tiny_parity, 2, {}, backend="nccl", timeout=300)
+    errs = run_distributed(W.train_tiny_parity, WORLD, {}, backend="nccl", timeout=300)
     assert max(errs) <= 1e-6
 
 
 def test_nccl_api_semantics():
-    run_distributed(W.api_semantics, 2, backend="nccl", timeout=300)
+    run_distributed(W.api_semantics, WORLD, backend="nccl", timeout=300)
 
 
 def test_nccl_eval_forward_reshards():
-    run_distributed(W.world_one_and_eval, 2, backend="nccl", timeout=300)
+    run_distributed(W.world_one_and_eval, WORLD, backend="nccl", timeout=300)
 
 
 def test_cuda_device_errors():
-    run_distributed(W.cuda_device_errors, 2, backend="nccl", timeout=300)
+    run_distributed(W.cuda_device_errors, WORLD, backend="nccl", timeout=300)
 
 
 def test_memory_released_after_step():
-    run_distributed(W.unsharded_memory_released, 2, backend="nccl", timeout=300)
+    run_distributed(W.unsharded_memory_released, WORLD, backend="nccl", timeout=300)
 
 
 def test_nccl_uneven_collectives():
-    checked = run_distributed(W.uneven_collectives, 2, ["AUTO", "GROUPED", "PADDED", "ALL_REDUCE"],
+    checked = run_distributed(W.uneven_collectives, WORLD, ["AUTO", "GROUPED", "PADDED", "ALL_REDUCE"],
                               backend="nccl", timeout=300)
     assert all(c == 24 for c in checked)

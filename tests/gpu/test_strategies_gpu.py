@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing import gpu_world, run_distributed
 from megatron_fsdp_ext.testing import strategy_workers as SW
 from megatron_fsdp_ext.testing.workers import train_parity
 
 pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
 
 EVERYTHING = {"tie": True, "unused": True, "frozen": True, "micro_batches": 2, "clip": 0.05, "steps": 4}
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "lr": 1e-3, "loss_tol": 1e-2,
@@ -15,13 +16,13 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "lr": 1e-3
 
 @pytest.mark.parametrize("strategy", SW.STRATEGIES)
 def test_nccl_strategy_parity(strategy):
-    run_distributed(train_parity, 2, dict(EVERYTHING, strategy=strategy), backend="nccl", timeout=300)
-    run_distributed(train_parity, 2, dict(BF16, strategy=strategy), backend="nccl", timeout=300)
-    run_distributed(SW.strategy_api, 2, strategy, backend="nccl", timeout=300)
+    run_distributed(train_parity, WORLD, dict(EVERYTHING, strategy=strategy), backend="nccl", timeout=300)
+    run_distributed(train_parity, WORLD, dict(BF16, strategy=strategy), backend="nccl", timeout=300)
+    run_distributed(SW.strategy_api, WORLD, strategy, backend="nccl", timeout=300)
 
 
 def test_nccl_peak_memory_orders_with_strategy():
-    peaks = {s: run_distributed(SW.strategy_peak_memory, 2, s, backend="nccl", timeout=300)[0] for s in SW.STRATEGIES}
+    peaks = {s: run_distributed(SW.strategy_peak_memory, WORLD, s, backend="nccl", timeout=300)[0] for s in SW.STRATEGIES}
     p = {s: r["peak"] for s, r in peaks.items()}
     gap = 0.25 * peaks["no_shard"]["param_bytes"]  # each step down sheds ~half the params' bytes
     print({s: f"{v / 2**20:.0f} MiB" for s, v in p.items()})
@@ -32,23 +33,24 @@ def test_nccl_peak_memory_orders_with_strategy():
 
 def test_nccl_checkpoints(tmp_path):
     path = str(tmp_path / "zero3")
-    run_distributed(SW.checkpoint_save, 2, "optim_grads_params", path, backend="nccl", timeout=300)
-    for world, strategy in ((2, "no_shard"), (1, "optim_grads_params"), (2, "optim_grads")):
-        run_distributed(SW.checkpoint_resume, world, strategy, path, backend="nccl", timeout=300)
-    run_distributed(SW.checkpoint_bitwise_resume, 2, "optim_grads_params", str(tmp_path / "bitwise"),
+    run_distributed(SW.checkpoint_save, WORLD, "optim_grads_params", path, backend="nccl", timeout=300)
+    # Another strategy at the same world, another world (1 rank), another ZeRO stage.
+    for world, strategy in ((WORLD, "no_shard"), (1, "optim_grads_params"), (WORLD, "optim_grads")):
+        run_distributed(SW.checkpoint_resume, world, strategy, path, saved_world=WORLD, backend="nccl", timeout=300)
+    run_distributed(SW.checkpoint_bitwise_resume, WORLD, "optim_grads_params", str(tmp_path / "bitwise"),
                     backend="nccl", timeout=300)
 
 
 def test_nccl_megatron_config():
-    run_distributed(SW.megatron_config_parity, 2, {"bf16": False, "data_parallel_sharding_strategy": "optim_grads"},
+    run_distributed(SW.megatron_config_parity, WORLD, {"bf16": False, "data_parallel_sharding_strategy": "optim_grads"},
                     backend="nccl", timeout=300)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_nccl_kept_copies_follow_fused_steps_and_data_writes(strategy):
-    run_distributed(SW.kept_copies_follow_every_write, 2, strategy, backend="nccl", timeout=300)
+    run_distributed(SW.kept_copies_follow_every_write, WORLD, strategy, backend="nccl", timeout=300)
 
 
 def test_nccl_checkpoint_odd_params(tmp_path):
-    run_distributed(SW.checkpoint_odd_params, 2, str(tmp_path / "ckpt"), "optim_grads_params", backend="nccl",
+    run_distributed(SW.checkpoint_odd_params, WORLD, str(tmp_path / "ckpt"), "optim_grads_params", backend="nccl",
                     timeout=300)
