@@ -224,9 +224,9 @@ void Unit::free_unsharded() {
 }
 
 void Unit::unshard() {
-  if (state_ == UnitState::kGathering) return;
-  // Cheap (a pointer compare per parameter), and needed even for a kept copy: a
-  // re-linked `p.data = x` wrote the shard without moving its version counter.
+  if (state_ == UnitState::kGathering) return;  // wait_unshard() checks for re-links
+  // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
+  // `p.data = x` the gathered copy no longer matches the parameter.
   if (check_sharded_params_intact()) stale_ = !aliases_shard();
   if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
   gathered_version_ = sharded_flat_._version();
@@ -265,6 +265,9 @@ void Unit::wait_unshard() {
   if (state_ == UnitState::kGathering) {
     all_gather_done_.block(current_stream(device_));
     state_ = UnitState::kUnsharded;
+    // A `p.data = x` while the gather was in flight (e.g. an EMA swap after
+    // start_param_sync) makes the gathered copy stale.
+    if (check_sharded_params_intact()) stale_ = !aliases_shard();
   }
   if (unsharded_is_stale()) {
     // The shard was written after the gather was issued (e.g. a second optimizer or an
@@ -287,12 +290,11 @@ void Unit::mark_stale() {
 }
 
 at::Tensor Unit::flat_grad_behind_views() const {
-  // Reduce-scatter strategies: the grads view a segment-sized buffer from offset 0.
-  // Full-gradient strategies (no_shard, optim): they view this rank's segment of the
-  // whole all-reduced flat buffer.
+  // The grads view either a segment-sized buffer from offset 0 (reduce-scatter, or a
+  // cast after an all-reduce) or, for full-gradient strategies (no_shard, optim)
+  // without a cast, this rank's segment of the whole all-reduced flat buffer.
   const int64_t seg = layout_.segment_numel(shard_index());
-  const int64_t base = full_grads() ? layout_.segment_start(shard_index()) : 0;
-  const int64_t storage_numel = full_grads() ? layout_.total_numel() : seg;
+  int64_t base = 0;
   c10::Storage storage;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (!has_grad_[i]) continue;
@@ -301,7 +303,14 @@ at::Tensor Unit::flat_grad_behind_views() const {
     if (slices_[i].numel == 0) continue;  // an empty view may not share the storage object
     if (!storage) {
       storage = g.storage();
-      if (storage.nbytes() != static_cast<size_t>(storage_numel) * g.element_size()) return {};
+      const auto numel = static_cast<int64_t>(storage.nbytes() / g.element_size());
+      if (numel == seg) {
+        base = 0;  // a segment-sized buffer (reduce-scatter, or a cast after the all-reduce)
+      } else if (full_grads() && numel == layout_.total_numel()) {
+        base = layout_.segment_start(shard_index());  // this rank's segment of the all-reduced buffer
+      } else {
+        return {};
+      }
     } else if (!g.storage().is_alias_of(storage)) {
       return {};
     }

@@ -110,9 +110,9 @@ class Unit {
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).
   void reshard();
-  // The shards changed (an optimizer step follows a synced backward): a kept unsharded
-  // copy must be gathered again before its next use. The shard's version counter is
-  // only a backstop: fused optimizers and `.data` writes do not move it.
+  // The shards changed (an optimizer stepped them): a kept unsharded copy must be
+  // gathered again before its next use. The shard's version counter is only a
+  // backstop: fused optimizers and `.data` writes do not move it.
   void mark_stale();
 
   // Move the gradients sitting on the unsharded params into this unit. With `sync`,

@@ -140,7 +140,14 @@ def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
     handle (remove() to detach)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"attach_param_sync needs a fully_shard module, got {type(module).__name__}")
-    return optimizer.register_step_post_hook(lambda *_: module.start_param_sync())
+    from .hooks import mark_stepped
+
+    def after_step(opt, *_):
+        mark_stepped(opt)  # before the global hook would: see hooks._global_step_post_hook
+        opt.__dict__["_mfsdp_marked"] = True
+        module.start_param_sync()
+
+    return optimizer.register_step_post_hook(after_step)
 
 
 def _states_of(modules, what: str):

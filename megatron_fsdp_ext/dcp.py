@@ -122,9 +122,18 @@ def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
         info = by_name.get(key)
         if info is not None:
             entries[f"model.{key}"] = info.wrap(value.detach())
-        else:  # buffers, parameters of no unit, non-tensor extra state: replicated
-            entries[f"model.{key}"] = value.detach() if isinstance(value, torch.Tensor) else value
+        elif _is_extra_state(key, value):
+            # Opaque to us (dicts, tensors, bytes): one pickled object, handed back to the
+            # module's set_extra_state by load_state_dict. DCP would otherwise flatten a
+            # dict into many keys or load a tensor into a temporary.
+            entries[f"model.{key}"] = pickle.dumps(value)
+        else:  # buffers and parameters of no unit: replicated
+            entries[f"model.{key}"] = value.detach()
     return entries
+
+
+def _is_extra_state(key: str, value) -> bool:
+    return key.endswith("_extra_state") or not isinstance(value, torch.Tensor)
 
 
 def _param_shapes(infos: Dict[int, _ParamInfo]) -> Dict[str, tuple]:
@@ -208,9 +217,9 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
                                  f"the model's parameter has shape {shape}")
     by_name = {f"model.{n}": info for info in infos.values() for n in info.names}
-    objects = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
+    objects = [k for k, v in target.items() if isinstance(v, bytes)]
     for key in objects:
-        target[key] = None  # non-tensor extra state: DCP fills it in, load_state_dict applies it
+        target[key] = b""  # pickled extra state: DCP fills it in, load_state_dict applies it
     for key, value in target.items():
         if key in objects:
             continue
@@ -293,7 +302,7 @@ def _load(target: dict, path: str) -> None:
 
 def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
     if keys:
-        module.load_state_dict({k[len("model."):]: target[k] for k in keys}, strict=False)
+        module.load_state_dict({k[len("model."):]: pickle.loads(target[k]) for k in keys}, strict=False)
 
 
 def _split_state_key(rest: str, known: set):

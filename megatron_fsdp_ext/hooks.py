@@ -11,9 +11,40 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _C
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """After optimizer.step(): any gathered copy of the units whose parameters it
+    updated (those with a gradient) is stale: kept copies (optim, optim_grads,
+    no_shard with a cast) and anything gathered before the step. Needed because fused
+    optimizers change the shards without moving their version counters."""
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is None or p.grad is None:
+                continue
+            state = owner()
+            if state is not None and state.unit is not None and id(state) not in seen:
+                seen.add(id(state))
+                state.unit.mark_stale()
+
+
+def _global_step_post_hook(optimizer, args, kwargs) -> None:
+    # attach_param_sync's per-optimizer hook runs first: it marks, then launches the
+    # gathers; marking again here would throw those fresh gathers away.
+    if optimizer.__dict__.pop("_mfsdp_marked", False):
+        return
+    mark_stepped(optimizer)
+
+
+# Every optimizer in the process: cheap (one attribute lookup per parameter), and it is
+# what keeps `optim` / `optim_grads` / `no_shard`-with-cast copies current.
+register_optimizer_step_post_hook(_global_step_post_hook)
 
 
 def iter_states(module: nn.Module):
@@ -277,10 +308,12 @@ class FSDPState:
         self.ctx.record_forward(self)
         self.unshard()
         # Issue the next units' all-gathers before waiting on ours: they run on the
-        # all-gather stream while this unit computes.
-        targets = self.forward_prefetch if self.forward_prefetch is not None else self.ctx.next_in_forward(self)
-        for t in targets:
-            t.unshard()
+        # all-gather stream while this unit computes. Not in a forward re-run inside
+        # backward (activation checkpointing): the next units are done there.
+        if not self.ctx.in_backward:
+            targets = self.forward_prefetch if self.forward_prefetch is not None else self.ctx.next_in_forward(self)
+            for t in targets:
+                t.unshard()
         self.wait_unshard()
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self._pre_backward_done = False
@@ -356,10 +389,6 @@ class FSDPState:
         if self.unit is None:
             return
         self.unit.reduce_grads(self.requires_gradient_sync)
-        if self.requires_gradient_sync and self.keeps_params_unsharded:
-            # An optimizer step follows a synced backward and may change the shards
-            # without moving their version counter (fused optimizers): gather again.
-            self.unit.mark_stale()
         if not self.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
         self.release()

@@ -260,6 +260,20 @@ def strategy_peak_memory(rank: int, world: int, strategy: str) -> Dict:
     return {"peak": torch.cuda.max_memory_allocated(), "param_bytes": 4 * n_params}
 
 
+class _ExtraState(torch.nn.Module):
+    """A module with extra state: a dict holding a counter and a tensor."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.step, self.scale = seed, torch.tensor([float(seed)])
+
+    def get_extra_state(self):
+        return {"step": self.step, "scale": self.scale}
+
+    def set_extra_state(self, state):
+        self.step, self.scale = state["step"], state["scale"]
+
+
 def checkpoint_odd_params(rank: int, world: int, path: str, strategy: str) -> None:
     """Parameters smaller than the world, of zero size and of odd sizes save and load;
     a parameter of the same numel but another shape is refused on load."""
@@ -270,6 +284,7 @@ def checkpoint_odd_params(rank: int, world: int, path: str, strategy: str) -> No
     def build(seed):
         torch.manual_seed(seed)
         m = TinyOddModel().to(device)
+        m.meta = _ExtraState(seed)  # non-parameter state (as Transformer Engine keeps FP8 metadata)
         mfsdp.fully_shard(m.inner, sharding_strategy=strategy)
         mfsdp.fully_shard(m, sharding_strategy=strategy)
         return m
@@ -286,23 +301,43 @@ def checkpoint_odd_params(rank: int, world: int, path: str, strategy: str) -> No
     load_checkpoint(path, fresh, fresh_opt)
     a, b = mfsdp.full_state_dict(model, rank0_only=False), mfsdp.full_state_dict(fresh, rank0_only=False)
     for k in a:
-        assert torch.equal(a[k], b[k]), f"'{k}' differs after the round trip"
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"'{k}' differs after the round trip"
+    assert fresh.meta.step == 0 and fresh.meta.scale.item() == 0.0, "extra state was not restored"
 
     torch.manual_seed(2)
     other = TinyOddModel().to(device)
     other.odd.weight = torch.nn.Parameter(torch.zeros(3, 1, device=device))  # saved: [1, 3]
+    other.meta = _ExtraState(2)
     mfsdp.fully_shard(other.inner, sharding_strategy=strategy)
     mfsdp.fully_shard(other, sharding_strategy=strategy)
     expect_error(lambda: load_checkpoint(path, other), ValueError, "model.odd.weight", "(1, 3)", "(3, 1)")
 
 
-def kept_copies_follow_every_write(rank: int, world: int, strategy: str) -> None:
+def _checkpoint_every_block(model) -> None:
+    """Activation checkpointing around each (fully_shard) block call: its forward
+    hooks, prefetch included, run again during backward."""
+    import torch.utils.checkpoint as cp
+
+    def forward(tokens):
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = cp.checkpoint(block, x, use_reentrant=False)
+        return model.head(model.norm(x))
+
+    model.forward = forward
+
+
+def kept_copies_follow_every_write(rank: int, world: int, strategy: str, recompute: bool = False) -> None:
     """A kept unsharded copy (optim, optim_grads; no_shard's alias) never serves stale
-    values: after a fused optimizer step (which does not move version counters) and
-    after `p.data = x` on a sharded parameter."""
+    values: after a fused optimizer step (which does not move version counters), also
+    when activation checkpointing re-gathers units during backward (before the step),
+    and after `p.data = x` on a sharded parameter."""
     device = device_for_backend()
-    cfg, model, ref = build_models({"layers": 2}, device)
+    cfg, model, ref = build_models({"layers": 3}, device)
     shard(model, {"strategy": strategy})
+    if recompute:
+        _checkpoint_every_block(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     per = 2

@@ -32,9 +32,10 @@ def test_strategy_parity_accumulating_across_synced_backwards(strategy):
     run_distributed(train_parity, 2, opts, timeout=240)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_kept_copies_follow_fused_steps_and_data_writes(strategy):
-    run_distributed(SW.kept_copies_follow_every_write, 2, strategy, timeout=180)
+def test_kept_copies_follow_fused_steps_and_data_writes(strategy, recompute):
+    run_distributed(SW.kept_copies_follow_every_write, 2, strategy, recompute, timeout=180)
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])

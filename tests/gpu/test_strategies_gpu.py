@@ -48,7 +48,8 @@ def test_nccl_megatron_config():
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_nccl_kept_copies_follow_fused_steps_and_data_writes(strategy):
-    run_distributed(SW.kept_copies_follow_every_write, WORLD, strategy, backend="nccl", timeout=300)
+    for recompute in (False, True):
+        run_distributed(SW.kept_copies_follow_every_write, WORLD, strategy, recompute, backend="nccl", timeout=300)
 
 
 def test_nccl_checkpoint_odd_params(tmp_path):
