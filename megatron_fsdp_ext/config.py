@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, fully_shard
+from .hooks import iter_states
 
 
 @dataclass
@@ -133,14 +134,9 @@ def fully_shard_model(
     for m in units:
         fully_shard(m, **kwargs)
     fully_shard(module, **kwargs)
-    for state in _states(module):
+    for state in iter_states(module):
         state.overlap_grad_reduce = config.overlap_grad_reduce
     return module
-
-
-def _states(module: nn.Module):
-    from .hooks import iter_states
-    return list(iter_states(module))
 
 
 __all__ = ["FSDPConfig", "fully_shard_model", "SHARDING_STRATEGIES"]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
+from megatron_fsdp_ext.hooks import iter_states
 
 from .workers import build_models, device_for_backend, expect_error, global_batches, rel_err, shard
 
@@ -209,7 +210,7 @@ def megatron_config_parity(rank: int, world: int, config_kwargs: Dict, unit_modu
     cfg, model, ref = build_models({"layers": 3}, device)
     config = mfsdp.FSDPConfig(**config_kwargs)
     mfsdp.fully_shard_model(model, config, fsdp_unit_modules=[Block] if unit_modules else None)
-    states = [m._fsdp_state for m in model.modules() if "_mfsdp_state" in m.__dict__]
+    states = list(iter_states(model))
     opt = _adamw(model.parameters())
     mfsdp.attach_param_sync(opt, model)
     per = 2
