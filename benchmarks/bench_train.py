@@ -48,12 +48,16 @@ def parse_args():
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--timeline", default="1b_comm_bound",
                    help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
+    p.add_argument("--memory-snapshot", default="",
+                   help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
+                        "for torch.cuda.memory / benchmarks/peak_memory.py")
     return p.parse_args()
 
 
 def build(system: str, cfg: LlamaConfig, device: torch.device):
     torch.manual_seed(0)
-    model = LlamaModel(cfg).to(device)
+    with torch.device(device):  # initialised on the GPU: an 8B model takes minutes on one CPU thread
+        model = LlamaModel(cfg)
     bf16 = device.type == "cuda"
     if system == "mfsdp":
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
@@ -80,18 +84,38 @@ def build(system: str, cfg: LlamaConfig, device: torch.device):
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
+def settle_previous_system() -> None:
+    """Let the previous system's memory go before this one is measured: right after a
+    DDP run up to 1.7 GiB was still allocated (2xH200) and counted in the next system's
+    peak. Waits up to 5 s for it; what is left is reported as the baseline."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    deadline = time.monotonic() + 5.0
+    while True:
+        gc.collect()
+        torch.cuda.empty_cache()
+        if torch.cuda.memory_allocated() < 2**28 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    torch.cuda.reset_peak_memory_stats()
+
+
 def run_one(system, name, device, args):
     vocab, d, layers, heads, ffn, mb, seq = CONFIGS[name]
     cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+    snapshot = device.type == "cuda" and args.memory_snapshot == name
     if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        settle_previous_system()
+        if snapshot:
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
+    # Left over from an earlier system would inflate this one's peak: reported, not hidden.
+    baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     wrapped, model, autocast = build(system, cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     g = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
     tokens, targets = data[:, :-1], data[:, 1:]
-    times = []
+    times, step_peaks = [], []
 
     def train_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -113,24 +137,36 @@ def run_one(system, name, device, args):
             end.record()
             torch.cuda.synchronize()
             dt = start.elapsed_time(end) / 1e3
+            # Peak of this step alone: separates lazy-init/first-step effects from the steady state.
+            step_peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
         else:
             dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
+    if snapshot:
+        if dist.get_rank() == 0:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(Path(args.out) / f"memory_{system}_{name}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
     if device.type == "cuda" and args.timeline == name:
         profile_timeline(train_step, system, name, Path(args.out))
-    # Slowest rank decides the step time.
+    # Slowest rank decides the step time; the largest rank the memory.
     med = torch.tensor([statistics.median(times)], device=device, dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    peak_t = torch.tensor([peak], device=device, dtype=torch.float64)
-    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    first_peak = step_peaks[0] if step_peaks else 0
+    steady_peak = max(step_peaks[1:], default=first_peak)
+    mem_t = torch.tensor([max(first_peak, steady_peak), first_peak, steady_peak, baseline],
+                         device=device, dtype=torch.float64)
+    dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
+    peak, first_peak, steady_peak, baseline = (v / 2**30 for v in mem_t.tolist())
     step_s = med.item()
     tokens_per_gpu = mb * seq / step_s
     result = {
         "system": system, "config": name, "step_s": step_s, "tokens_per_s_per_gpu": tokens_per_gpu,
         "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
-        "peak_mem_gib": peak_t.item() / 2**30, "final_loss": loss.item(),
+        "peak_mem_gib": peak, "first_step_peak_gib": first_peak, "steady_peak_gib": steady_peak,
+        "baseline_gib": baseline, "final_loss": loss.item(),
     }
     wrapped = model = opt = loss = None  # free before the next system builds
     gc.collect()
@@ -224,7 +260,8 @@ def main():
             if rank == 0:
                 print(f"{name:>14} {system:>6}: {r['step_s'] * 1e3:8.1f} ms/step  "
                       f"{r['tokens_per_s_per_gpu']:>10,.0f} tok/s/GPU  {r['tflops_per_gpu']:6.1f} TFLOP/s  "
-                      f"peak {r['peak_mem_gib']:.2f} GiB", flush=True)
+                      f"peak {r['peak_mem_gib']:.2f} GiB (first step {r['first_step_peak_gib']:.2f}, "
+                      f"steady {r['steady_peak_gib']:.2f}, before build {r['baseline_gib']:.2f})", flush=True)
         if rank == 0:  # after every config: a run cut short still leaves its results
             write_outputs(results, Path(args.out), meta)
     if rank == 0:

@@ -1,0 +1,51 @@
+"""The peak-memory reader used on benchmark snapshots: a synthetic trace with a known peak."""
+import pickle
+
+import pytest
+
+from megatron_fsdp_ext.testing.memory import live_at_peak, main
+
+
+def frame(name, line):
+    return {"filename": f"/src/{name}.py", "line": line, "name": name}
+
+
+def ev(action, addr, size, origin=None):
+    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    if origin:
+        frames.append(frame(*origin))
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+SNAPSHOT = {"segments": [], "device_traces": [[
+    ev("alloc", 1, 100, ("model", 10)),
+    ev("alloc", 2, 50, ("grads", 20)),
+    ev("free_requested", 2, 50),
+    ev("free_completed", 2, 50),
+    ev("alloc", 3, 70, ("grads", 20)),
+    ev("alloc", 4, 30, ("grads", 20)),   # peak here: 100 + 70 + 30
+    ev("free_requested", 3, 70),
+    ev("alloc", 5, 60, ("model", 11)),   # 190 < 200
+]]}
+
+
+def test_peak_and_live_blocks_by_origin():
+    peak, at, rows = live_at_peak(SNAPSHOT)
+    assert peak == 200 and at == 5
+    # Grouped by the first frame outside torch, largest first.
+    assert rows == [("grads.py:20 grads", 2, 100), ("model.py:10 model", 1, 100)] or \
+        rows == [("model.py:10 model", 1, 100), ("grads.py:20 grads", 2, 100)]
+
+
+def test_missing_device_is_an_error():
+    with pytest.raises(ValueError, match="1 devices, asked for device 3"):
+        live_at_peak(SNAPSHOT, device=3)
+
+
+def test_cli_prints_peak(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(SNAPSHOT))
+    monkeypatch.setattr("sys.argv", ["memory", str(path)])
+    main()
+    out = capsys.readouterr().out
+    assert "peak 0.000 GiB" in out and "grads.py:20 grads" in out
