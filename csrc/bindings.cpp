@@ -91,6 +91,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("GROUPED", VarAlgo::kGrouped)
       .value("PADDED", VarAlgo::kPadded)
       .value("ALL_REDUCE", VarAlgo::kAllReduce);
+  m.def("auto_var_algo", &auto_var_algo, py::arg("all_gather"), py::arg("cuda"), py::arg("total_numel"),
+        py::arg("longest_numel"), py::arg("world"), py::arg("element_size"),
+        "What VarAlgo.AUTO resolves to for an uneven collective of this shape.");
+  m.attr("PADDED_ALL_GATHER_MIN_BYTES") = kPaddedAllGatherMinBytes;
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))

@@ -88,11 +88,27 @@ static std::vector<std::vector<at::Tensor>> segment_views(const at::Tensor& flat
   return views;
 }
 
-VarAlgo Communicator::resolve(VarAlgo algo, const at::Tensor& t) {
+VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
+                      int world, int64_t element_size) {
+  if (!cuda) return VarAlgo::kPadded;
+  if (!all_gather) return VarAlgo::kGrouped;
+  const int64_t padded_numel = longest_numel * world;
+  const bool large = total_numel * element_size >= kPaddedAllGatherMinBytes;
+  const bool balanced = 3 * padded_numel <= 4 * total_numel;
+  return large && balanced ? VarAlgo::kPadded : VarAlgo::kGrouped;
+}
+
+VarAlgo Communicator::resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
+                              const std::vector<int64_t>& numels) const {
   MFSDP_CHECK(algo != VarAlgo::kGrouped || t.is_cuda(),
               "the GROUPED uneven algorithm needs CUDA tensors (NCCL); use PADDED (or AUTO) on CPU");
   if (algo != VarAlgo::kAuto) return algo;
-  return t.is_cuda() ? VarAlgo::kGrouped : VarAlgo::kPadded;
+  int64_t total = 0, longest = 0;
+  for (auto n : numels) {
+    total += n;
+    longest = std::max(longest, n);
+  }
+  return auto_var_algo(all_gather, t.is_cuda(), total, longest, size_, t.element_size());
 }
 
 void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
@@ -110,7 +126,7 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
   }
   const int64_t longest = *std::max_element(numels.begin(), numels.end());
   if (longest == 0) return;
-  switch (resolve(algo, out)) {
+  switch (resolve(algo, /*all_gather=*/true, out, numels)) {
     case VarAlgo::kGrouped: {
       auto outs = segment_views(out, starts, numels);
       std::vector<at::Tensor> ins{in.contiguous()};
@@ -146,7 +162,7 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
   }
   const int64_t longest = *std::max_element(numels.begin(), numels.end());
   if (longest == 0) return;
-  switch (resolve(algo, in)) {
+  switch (resolve(algo, /*all_gather=*/false, in, numels)) {
     case VarAlgo::kGrouped: {
       auto ins = segment_views(in, starts, numels);
       std::vector<at::Tensor> outs{out};

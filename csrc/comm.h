@@ -22,8 +22,18 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 //  kPadded:  pad every segment to the longest, run the even collective, compact.
 //            Works on every backend; costs a copy and (max - mean) extra bytes.
 //  kAllReduce: (reduce_scatter_v only) all-reduce the whole buffer, keep our segment.
-//  kAuto:    kGrouped for CUDA tensors, kPadded otherwise.
+//  kAuto:    auto_var_algo() below: chosen by backend, collective, size and imbalance.
 enum class VarAlgo { kAuto = 0, kGrouped = 1, kPadded = 2, kAllReduce = 3 };
+
+// What kAuto means. Measured on 2xH200 (NCCL 2.28, fp32, segments 1:2, benchmarks/RESULTS.md):
+// all_gather_v GROUPED vs PADDED 0.07 vs 0.13 ms at 1 MiB, equal at 64 MiB, 1.40 vs 1.37 ms
+// at 256 MiB; reduce_scatter_v GROUPED beat PADDED and ALL_REDUCE from 16 MiB up (0.56 vs
+// 1.17 ms at 256 MiB). So: GROUPED, except PADDED for an all-gather of at least
+// kPaddedAllGatherMinBytes whose padding adds at most a third (ties go to GROUPED, which
+// allocates nothing); PADDED on CPU (Gloo has no grouped uneven collectives).
+constexpr int64_t kPaddedAllGatherMinBytes = int64_t{256} << 20;
+VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
+                      int world, int64_t element_size);
 
 class Communicator {
  public:
@@ -56,7 +66,8 @@ class Communicator {
   static void finish(const c10::intrusive_ptr<c10d::Work>& work);
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& numels) const;
-  static VarAlgo resolve(VarAlgo algo, const at::Tensor& t);
+  VarAlgo resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
+                  const std::vector<int64_t>& numels) const;
 
   ProcessGroupPtr pg_;
   int rank_ = 0;

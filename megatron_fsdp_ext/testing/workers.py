@@ -833,6 +833,25 @@ def uneven_collectives(rank: int, world: int, algos) -> int:
     return checked
 
 
+def large_all_gather_v_auto(rank: int, world: int) -> str:
+    """An all_gather_v large and balanced enough for AUTO to pick PADDED (the path a
+    small test never takes): int32 ramps, so every misplaced element shows."""
+    from megatron_fsdp_ext import _C
+
+    device = device_for_backend()
+    comm = _C.Communicator(dist.distributed_c10d._get_default_group())
+    per_rank = _C.PADDED_ALL_GATHER_MIN_BYTES // 4 // world
+    numels = [per_rank + 1000 * r for r in range(world)]  # uneven, padding well under a third
+    starts = [sum(numels[:r]) for r in range(world)]
+    total = sum(numels)
+    chosen = _C.auto_var_algo(True, device.type == "cuda", total, max(numels), world, 4)
+    mine = torch.arange(starts[rank], starts[rank] + numels[rank], dtype=torch.int32, device=device)
+    out = torch.full((total,), -1, dtype=torch.int32, device=device)
+    comm.all_gather_v(out, mine, starts, numels, _C.VarAlgo.AUTO)
+    assert torch.equal(out, torch.arange(total, dtype=torch.int32, device=device)), "all_gather_v AUTO"
+    return chosen.name
+
+
 # ---------------------------------------------------------------- layer-wise optimizer
 
 def muon_and_adamw(params, lr_scale: float = 1.0):

@@ -51,3 +51,8 @@ def test_nccl_uneven_collectives():
     checked = run_distributed(W.uneven_collectives, WORLD, ["AUTO", "GROUPED", "PADDED", "ALL_REDUCE"],
                               backend="nccl", timeout=300)
     assert all(c == 24 for c in checked)
+
+
+def test_nccl_large_all_gather_v_takes_the_padded_path():
+    chosen = run_distributed(W.large_all_gather_v_auto, WORLD, backend="nccl", timeout=300)
+    assert chosen == ["PADDED"] * WORLD
