@@ -60,7 +60,8 @@ def run_one(system: str, name: str, device: torch.device, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    model = LlamaModel(cfg).to(device)
+    with torch.device(device):  # GPU initialisation: a 1B model takes minutes on one CPU thread
+        model = LlamaModel(cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     if system == "replicated":
         from torch.nn.parallel import DistributedDataParallel as DDP
