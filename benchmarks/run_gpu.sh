@@ -26,7 +26,12 @@ run() {  # name, timeout, command...
 TR="$PY -m torch.distributed.run --nproc_per_node=$NPROC"
 BENCHES=${BENCHES:-train,layerwise,comm}
 [[ $BENCHES == *train* ]] && run bench_train "${BENCH_TIMEOUT:-330}" $TR benchmarks/bench_train.py --configs "${CONFIGS:-1b,1b_comm_bound,small_many,8b_ish}" \
-  --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" --out "$BENCH"
+  --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --out "$BENCH"
+# Weak scaling against the recorded 2-GPU run (issue 6): tokens/s/GPU ratios per system.
+if [[ $BENCHES == *train* && $NPROC != 2 && -f "$BENCH/results.json" ]]; then
+  $PY benchmarks/scaling.py benchmarks/data/train_world2_h200_runE.json "$BENCH/results.json" \
+    | tee "$BENCH/scaling.md" || status=1
+fi
 [[ $BENCHES == *layerwise* ]] && run bench_layerwise 120 $TR benchmarks/bench_layerwise.py --config 1b --steps 8 --warmup 3 --out "$BENCH"
 [[ $BENCHES == *comm* ]] && run bench_comm 90 $TR benchmarks/bench_comm.py --sizes-mib 16,64,256 --iters 10 --out "$BENCH"
 exit $status

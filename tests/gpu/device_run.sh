@@ -13,4 +13,5 @@ if [ -z "${SKIP_BENCH:-}" ]; then bash benchmarks/run_gpu.sh || status=1; fi
 tar czf "$FINAL_OUT/logs.tgz" --exclude='*.pt' -C "$OUT" .
 for f in env.txt pytest_gpu.log pytest_cpu.log example.log megatron_style.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL_OUT/"; done
 find "$OUT/bench" -name results.md -exec cp {} "$FINAL_OUT/bench_results.md" \; 2>/dev/null
+find "$OUT/bench" -name scaling.md -exec cp {} "$FINAL_OUT/scaling.md" \; 2>/dev/null
 exit $status
