@@ -11,7 +11,8 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 from megatron_fsdp_ext.hooks import iter_states
 
-from .workers import build_models, device_for_backend, expect_error, global_batches, rel_err, shard
+from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard,
+                      step_with_reference)
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -344,12 +345,7 @@ def kept_copies_follow_every_write(rank: int, world: int, strategy: str, recompu
     per = 2
     for tokens, targets in global_batches(cfg, 3, per * world, 8, device):
         rows = slice(rank * per, (rank + 1) * per)
-        model.loss(tokens[rows], targets[rows]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.loss(tokens, targets).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows)
         # The next forward must see the new values: compare losses on a fixed batch.
         with torch.no_grad():
             got = model.loss(tokens[rows], targets[rows]).item()

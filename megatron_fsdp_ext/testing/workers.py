@@ -139,6 +139,17 @@ PARITY_SCENARIOS = {
 }
 
 
+def step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows) -> None:
+    """One distributed step on this rank's `rows` of the global batch, and the
+    single-process reference's step on the whole batch."""
+    model.loss(tokens[rows], targets[rows]).backward()
+    opt.step()
+    opt.zero_grad()
+    ref.loss(tokens, targets).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     """Train sharded vs reference for opts['steps'] steps; assert parity; return stats."""
     device = device_for_backend()
@@ -577,13 +588,7 @@ def param_sync_modes(rank: int, world: int, on: bool) -> None:
     states = [model._fsdp_state] + [b._fsdp_state for b in model.blocks]
     per = 2
     for step, (tokens, targets) in enumerate(global_batches(cfg, 4, per * world, 8, device)):
-        rows = slice(rank * per, (rank + 1) * per)
-        model.loss(tokens[rows], targets[rows]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.loss(tokens, targets).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_with_reference(model, opt, ref, ref_opt, tokens, targets, slice(rank * per, (rank + 1) * per))
         gathered = [s for s in states if s.unit.state != s.unit.state.SHARDED]
         with torch.no_grad():  # a write after the early gather (EMA, second optimizer, ...)
             for p in list(model.parameters()) + list(ref.parameters()):
