@@ -46,7 +46,9 @@ def test_nccl_megatron_config():
                     backend="nccl", timeout=300)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+# ZeRO-3 too: an activation-checkpoint recompute in backward must not prefetch units
+# whose gradients are already reduced (they would serve pre-step weights next step).
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_nccl_kept_copies_follow_fused_steps_and_data_writes(strategy):
     for recompute in (False, True):
         run_distributed(SW.kept_copies_follow_every_write, WORLD, strategy, recompute, backend="nccl", timeout=300)
