@@ -50,7 +50,7 @@ def parse_args():
                    help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
-                        "for torch.cuda.memory / benchmarks/peak_memory.py")
+                        "for python -m megatron_fsdp_ext.testing.memory")
     return p.parse_args()
 
 

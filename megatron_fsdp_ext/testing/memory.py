@@ -27,7 +27,8 @@ def _origin(frames: List[dict]) -> str:
 
 def live_at_peak(snapshot: dict, device: int = 0) -> Tuple[int, int, List[Tuple[str, int, int]]]:
     """Replays the trace of `device`. Returns (peak bytes, trace index of the peak, and the
-    live allocations at the peak grouped by origin: (origin, count, bytes), largest first).
+    live allocations at the peak grouped by origin: (origin, count, bytes), largest first,
+    then by origin).
     Memory counts as freed when the program frees it (`free_requested`), as the
     allocator's allocated-bytes statistic does."""
     traces = snapshot.get("device_traces", [])
@@ -49,7 +50,7 @@ def live_at_peak(snapshot: dict, device: int = 0) -> Tuple[int, int, List[Tuple[
     for size, origin in peak_live.values():
         groups[origin][0] += 1
         groups[origin][1] += size
-    rows = sorted(((o, c, b) for o, (c, b) in groups.items()), key=lambda r: -r[2])
+    rows = sorted(((o, c, b) for o, (c, b) in groups.items()), key=lambda r: (-r[2], r[0]))
     return peak, peak_at, rows
 
 
