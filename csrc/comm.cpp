@@ -88,6 +88,16 @@ static std::vector<std::vector<at::Tensor>> segment_views(const at::Tensor& flat
   return views;
 }
 
+// One pass over the segment sizes: both the early exit and AUTO's size rule need them.
+static SegmentExtent segment_extent(const std::vector<int64_t>& numels) {
+  SegmentExtent extent;
+  for (auto n : numels) {
+    extent.total += n;
+    extent.longest = std::max(extent.longest, n);
+  }
+  return extent;
+}
+
 VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
                       int world, int64_t element_size) {
   if (!cuda) return VarAlgo::kPadded;
@@ -99,16 +109,11 @@ VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t l
 }
 
 VarAlgo Communicator::resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
-                              const std::vector<int64_t>& numels) const {
+                              const SegmentExtent& extent) const {
   MFSDP_CHECK(algo != VarAlgo::kGrouped || t.is_cuda(),
               "the GROUPED uneven algorithm needs CUDA tensors (NCCL); use PADDED (or AUTO) on CPU");
   if (algo != VarAlgo::kAuto) return algo;
-  int64_t total = 0, longest = 0;
-  for (auto n : numels) {
-    total += n;
-    longest = std::max(longest, n);
-  }
-  return auto_var_algo(all_gather, t.is_cuda(), total, longest, size_, t.element_size());
+  return auto_var_algo(all_gather, t.is_cuda(), extent.total, extent.longest, size_, t.element_size());
 }
 
 void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
@@ -124,9 +129,10 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
     if (mine.data_ptr() != in.data_ptr()) mine.copy_(in);
     return;
   }
-  const int64_t longest = *std::max_element(numels.begin(), numels.end());
-  if (longest == 0) return;
-  switch (resolve(algo, /*all_gather=*/true, out, numels)) {
+  const SegmentExtent extent = segment_extent(numels);
+  if (extent.longest == 0) return;
+  const int64_t longest = extent.longest;
+  switch (resolve(algo, /*all_gather=*/true, out, extent)) {
     case VarAlgo::kGrouped: {
       auto outs = segment_views(out, starts, numels);
       std::vector<at::Tensor> ins{in.contiguous()};
@@ -160,9 +166,10 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
     out.copy_(in.narrow(0, starts[0], numels[0]));
     return;
   }
-  const int64_t longest = *std::max_element(numels.begin(), numels.end());
-  if (longest == 0) return;
-  switch (resolve(algo, /*all_gather=*/false, in, numels)) {
+  const SegmentExtent extent = segment_extent(numels);
+  if (extent.longest == 0) return;
+  const int64_t longest = extent.longest;
+  switch (resolve(algo, /*all_gather=*/false, in, extent)) {
     case VarAlgo::kGrouped: {
       auto ins = segment_views(in, starts, numels);
       std::vector<at::Tensor> outs{out};

@@ -35,6 +35,12 @@ constexpr int64_t kPaddedAllGatherMinBytes = int64_t{256} << 20;
 VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
                       int world, int64_t element_size);
 
+// Sum and maximum of an uneven collective's segment sizes.
+struct SegmentExtent {
+  int64_t total = 0;
+  int64_t longest = 0;
+};
+
 class Communicator {
  public:
   Communicator() = default;
@@ -67,7 +73,7 @@ class Communicator {
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& numels) const;
   VarAlgo resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
-                  const std::vector<int64_t>& numels) const;
+                  const SegmentExtent& extent) const;
 
   ProcessGroupPtr pg_;
   int rank_ = 0;
