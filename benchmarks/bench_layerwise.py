@@ -11,9 +11,12 @@ Systems, in one run on the same model and data:
                     and step() all-gathers the parameters (all_gather_v) before it returns
   layerwise_overlap the same, but step() returns after launching the first bucket's
                     gather; forward pre-hooks finish each bucket and launch the next
-Reports the median full step time and the median optimizer phase (step() call to its
-return, incl. the synchronous gather), tokens/s/GPU, peak memory; writes
-layerwise.json and layerwise.md under --out.
+Each timed iteration ends only when everything it launched has finished, including
+the all-gather-v that layerwise_overlap's step() leaves running on its side stream.
+Reports, per iteration the slowest rank, the median full step time and the median
+optimizer phase (from the step() call until its work, that gather included, is done),
+tokens/s/GPU, peak memory; writes layerwise.json (every iteration's times) and
+layerwise.md under --out.
 """
 from __future__ import annotations
 
@@ -23,15 +26,18 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer, newton_schulz_cost
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_meta import run_meta  # noqa: E402
 
 CONFIGS = {  # name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
     "1b": (32000, 2048, 24, 16, 5504, 4, 2048),
@@ -99,21 +105,31 @@ def run_one(system: str, name: str, device: torch.device, args) -> dict:
         loss.backward()
         t1 = now()
         step_fn()
-        t2 = now()
-        zero_fn()
+        # Stop the clock only once everything step() launched has finished. layerwise_overlap's
+        # step() returns while the first bucket's all-gather-v still runs on the optimizer's
+        # side stream; synchronize() waits for every stream, that one included, so the event
+        # recorded after it is later than the gather's completion (the few microseconds of host
+        # latency in between are counted too). The other buckets' gathers are finished by
+        # forward pre-hooks, inside the next iteration's clock.
         if device.type == "cuda":
             torch.cuda.synchronize()
+        t2 = now()
+        zero_fn()
         if step >= args.warmup:
             step_times.append(elapsed(t0, t2))
             opt_times.append(elapsed(t1, t2))
-    stats = torch.tensor([statistics.median(step_times), statistics.median(opt_times),
-                          torch.cuda.max_memory_allocated() if device.type == "cuda" else 0.0],
-                         device=device, dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank decides
-    step_s, opt_s, peak = stats.tolist()
+    # Per iteration the slowest rank decides (element-wise MAX over ranks), then the median.
+    slowest = torch.tensor([step_times, opt_times], device=device, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step_times, opt_times = slowest.tolist()
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if device.type == "cuda" else 0.0],
+                        device=device, dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s, opt_s = statistics.median(step_times), statistics.median(opt_times)
     result = {"system": system, "config": name, "step_s": step_s, "opt_phase_s": opt_s,
-              "tokens_per_s_per_gpu": mb * seq / step_s, "peak_mem_gib": peak / 2**30,
-              "final_loss": loss.item()}
+              "step_spread_s": [min(step_times), max(step_times)],
+              "tokens_per_s_per_gpu": mb * seq / step_s, "peak_mem_gib": peak.item() / 2**30,
+              "final_loss": loss.item(), "step_times_s": step_times, "opt_phase_times_s": opt_times}
     wrapped = model = logits = loss = step_fn = zero_fn = None
     gc.collect()
     if device.type == "cuda":
@@ -125,11 +141,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="1b", choices=sorted(CONFIGS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29562")
@@ -151,9 +169,9 @@ def main():
     if dist.get_rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"date": datetime.date.today().isoformat(), "world": dist.get_world_size(), "torch": torch.__version__,
-                "device_name": torch.cuda.get_device_name() if use_cuda else "cpu", "config": args.config,
-                "steps": args.steps, "warmup": args.warmup, "build": mfsdp.build_info()}
+        meta = dict(run_meta(device), config=args.config, steps=args.steps, warmup=args.warmup,
+                    timing="per iteration the slowest rank (all-reduce MAX), clock stopped after "
+                           "torch.cuda.synchronize(); step_s / opt_phase_s = medians")
         (out / "layerwise.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         base = results[0]["step_s"] if results[0]["system"] == "replicated" else None
         lines = ["| system | step ms | optimizer phase ms | tokens/s/GPU | peak GiB | step vs replicated |",

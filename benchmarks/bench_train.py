@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,9 @@ import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_meta import run_meta  # noqa: E402
 
 # name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
@@ -151,22 +155,23 @@ def run_one(system, name, device, args):
         torch.cuda.memory._record_memory_history(enabled=None)
     if device.type == "cuda" and args.timeline == name:
         profile_timeline(train_step, system, name, Path(args.out))
-    # Slowest rank decides the step time; the largest rank the memory.
-    med = torch.tensor([statistics.median(times)], device=device, dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    # Per step the slowest rank decides (element-wise MAX), then the median; the largest rank the memory.
+    slowest = torch.tensor(times, device=device, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    times = slowest.tolist()
     first_peak = step_peaks[0] if step_peaks else 0
     steady_peak = max(step_peaks[1:], default=first_peak)
     mem_t = torch.tensor([max(first_peak, steady_peak), first_peak, steady_peak, baseline],
                          device=device, dtype=torch.float64)
     dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
     peak, first_peak, steady_peak, baseline = (v / 2**30 for v in mem_t.tolist())
-    step_s = med.item()
+    step_s = statistics.median(times)
     tokens_per_gpu = mb * seq / step_s
     result = {
         "system": system, "config": name, "step_s": step_s, "tokens_per_s_per_gpu": tokens_per_gpu,
         "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
         "peak_mem_gib": peak, "first_step_peak_gib": first_peak, "steady_peak_gib": steady_peak,
-        "baseline_gib": baseline, "final_loss": loss.item(),
+        "baseline_gib": baseline, "final_loss": loss.item(), "step_times_s": times,
     }
     wrapped = model = opt = loss = None  # free before the next system builds
     gc.collect()
@@ -244,12 +249,9 @@ def main():
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    meta = {
-        "date": datetime.date.today().isoformat(), "world": world, "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name() if use_cuda else "cpu",
-        "steps": args.steps, "warmup": args.warmup, "build": mfsdp.build_info(),
-    }
+    rank = dist.get_rank()
+    meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup,
+                timing="per step the slowest rank (all-reduce MAX); step_s = median over steps")
     results = []
     for name in args.configs.split(","):
         if name not in CONFIGS:

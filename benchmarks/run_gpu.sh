@@ -2,14 +2,21 @@
 # All GPU benchmarks in one device call: build from source (unless already built),
 # then bench_train (mfsdp vs FSDP2 vs DDP), bench_layerwise and bench_comm.
 # Usage (GPU machine, repo root): bash benchmarks/run_gpu.sh   (results under $OUT/bench)
-# NPROC (default: all GPUs), STEPS/WARMUP, CONFIGS, BENCHES (train,layerwise,comm) and
-# BENCH_TIMEOUT override the defaults.
+# NPROC (default: all GPUs), STEPS/WARMUP, CONFIGS, BENCHES (train,layerwise,comm),
+# COMM_ITERS and BENCH_TIMEOUT override the defaults. Every bench writes its raw JSON
+# (results.json, layerwise.json, comm.json) under $OUT/bench/world$NPROC, with the run's
+# date, machine, versions, command and commit: set MFSDP_COMMIT where the tree has no .git.
+# Copy those files to benchmarks/data/ to keep the run.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mfsdp_out}
 PY=${PYTHON:-python3}
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 BENCH=$OUT/bench/world$NPROC
+if [[ -z ${MFSDP_COMMIT:-} ]] && git rev-parse HEAD >/dev/null 2>&1; then
+  MFSDP_COMMIT=$(git rev-parse HEAD)$(git diff --quiet HEAD 2>/dev/null || echo -dirty)
+fi
+export MFSDP_COMMIT=${MFSDP_COMMIT:-}
 mkdir -p "$BENCH"
 if ! $PY -c "import megatron_fsdp_ext" 2>/dev/null; then
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
@@ -33,5 +40,6 @@ if [[ $BENCHES == *train* && $NPROC != 2 && -f "$BENCH/results.json" ]]; then
     | tee "$BENCH/scaling.md" || status=1
 fi
 [[ $BENCHES == *layerwise* ]] && run bench_layerwise 120 $TR benchmarks/bench_layerwise.py --config 1b --steps 8 --warmup 3 --out "$BENCH"
-[[ $BENCHES == *comm* ]] && run bench_comm 90 $TR benchmarks/bench_comm.py --sizes-mib 16,64,256 --iters 10 --out "$BENCH"
+[[ $BENCHES == *comm* ]] && run bench_comm 120 $TR benchmarks/bench_comm.py --sizes-mib 16,64,256 --iters "${COMM_ITERS:-50}" \
+  --warmup 5 --out "$BENCH"
 exit $status

@@ -6,6 +6,10 @@ sharding strategy or world size.
     torchrun --nproc_per_node=2 examples/megatron_style.py --train-iters 60 --load runs/ckpt \\
         --data-parallel-sharding-strategy no_shard
 
+Checkpoints are laid out as Megatron's: `<save>/iter_0000030/` plus
+`<save>/latest_checkpointed_iteration.txt`; `--load` resumes the latest one, or the
+iteration `--ckpt-step` names.
+
 Switching a Megatron script over is the block marked "the switch" below. Trains on the
 same embedded corpus as train_gpt.py (CPU + Gloo without a GPU, NCCL + bf16 with GPUs).
 """
@@ -41,14 +45,51 @@ def parse_args():
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--save", default=None, help="directory for a sharded checkpoint at the end")
-    p.add_argument("--load", default=None, help="sharded checkpoint to resume from")
+    p.add_argument("--save", default=None, help="directory for sharded checkpoints (at the end, and every --save-interval)")
+    p.add_argument("--save-interval", type=int, default=None, help="also save after every this many iterations")
+    p.add_argument("--load", default=None, help="checkpoint directory to resume from (its latest iteration)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="resume from this saved iteration instead of the latest")
+    p.add_argument("--metrics-json", default=None,
+                   help="rank 0 writes the starting iteration, each iteration's loss and the saved iterations here")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     return p.parse_args()
 
 
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def save(root: str, iteration: int, model, optimizer, rank: int) -> None:
+    """Sharded checkpoint of `iteration` (iterations done), then the tracker (rank 0)."""
+    mfsdp.save_checkpoint(str(iteration_dir(root, iteration)), model, optimizer)
+    dist.barrier()  # every rank has written its part before the tracker names it
+    if rank == 0:
+        (Path(root) / TRACKER).write_text(f"{iteration}\n")
+        print(f"saved a sharded checkpoint of iteration {iteration} to {iteration_dir(root, iteration)}", flush=True)
+
+
+def resume_iteration(root: str, ckpt_step) -> int:
+    if ckpt_step is not None:
+        iteration = ckpt_step
+    else:
+        tracker = Path(root) / TRACKER
+        if not tracker.is_file():
+            raise SystemExit(f"--load {root}: no {TRACKER} (not a checkpoint directory written with --save)")
+        iteration = int(tracker.read_text().strip())
+    if not iteration_dir(root, iteration).is_dir():
+        raise SystemExit(f"--load {root}: no checkpoint of iteration {iteration} ({iteration_dir(root, iteration)})")
+    return iteration
+
+
 def main():
     args = parse_args()
+    if args.save_interval is not None and args.save_interval < 1:
+        raise SystemExit(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        raise SystemExit("--save-interval needs --save")
     device = setup_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -73,8 +114,8 @@ def main():
 
     start = 0
     if args.load:
-        mfsdp.load_checkpoint(args.load, model, optimizer)
-        start = json.loads((Path(args.load) / "progress.json").read_text())["iteration"]
+        start = resume_iteration(args.load, args.ckpt_step)
+        mfsdp.load_checkpoint(str(iteration_dir(args.load, start)), model, optimizer)
     corpus = load_corpus(4 << 20)
     if rank == 0:
         print(f"{config.data_parallel_sharding_strategy} on {world} rank(s), {device.type}; "
@@ -84,6 +125,7 @@ def main():
     # Same global batches at any world size: a resumed run continues the same stream.
     data = batches(corpus, args.train_iters, args.global_batch_size, args.seq_length, rank, world, device)
     loss_first = loss_last = None
+    losses, saved = [], []
     for it, (tokens, targets) in enumerate(data):
         if it < start:  # the data stream is deterministic: skip what the loaded run consumed
             continue
@@ -96,15 +138,22 @@ def main():
         dist.all_reduce(avg)
         loss_last = avg.item() / world
         loss_first = loss_first if loss_first is not None else loss_last
+        losses.append((it, loss_last))
         if rank == 0 and (it % 10 == 0 or it == args.train_iters - 1):
             print(f"iteration {it:4d} | loss {loss_last:.4f}", flush=True)
+        done = it + 1
+        if args.save_interval and done % args.save_interval == 0 and done < args.train_iters:
+            save(args.save, done, model, optimizer, rank)
+            saved.append(done)
     if args.save:
-        mfsdp.save_checkpoint(args.save, model, optimizer)
-        if rank == 0:
-            (Path(args.save) / "progress.json").write_text(json.dumps({"iteration": args.train_iters}))
-            print(f"saved a sharded checkpoint to {args.save}")
+        save(args.save, args.train_iters, model, optimizer, rank)
+        saved.append(args.train_iters)
     if rank == 0 and loss_first is not None:
         print(f"loss {loss_first:.4f} -> {loss_last:.4f}")
+    if rank == 0 and args.metrics_json:
+        Path(args.metrics_json).write_text(json.dumps({
+            "world": world, "strategy": config.data_parallel_sharding_strategy, "start_iteration": start,
+            "losses": losses, "saved_iterations": saved}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import sys
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.models import Block, LlamaConfig, LlamaModel
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 
 def parse_args():
@@ -38,6 +39,8 @@ def parse_args():
     p.add_argument("--corpus-mb", type=float, default=8.0, help="MiB of stdlib source to read")
     p.add_argument("--out-dir", default="runs/train_gpt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--metrics-json", default=None,
+                   help="rank 0 writes per-step losses, the held-out loss and the checkpoint path here")
     return p.parse_args()
 
 
@@ -88,6 +91,16 @@ def batches(corpus, steps, global_batch, seq_len, rank, world, device):
         idx = mine[:, None] + torch.arange(seq_len + 1)[None, :]
         window = corpus[idx]
         yield window[:, :-1].to(device, non_blocking=True), window[:, 1:].to(device, non_blocking=True)
+
+
+def held_out_batch(corpus, seq_len, max_rows=16):
+    """Up to `max_rows` consecutive windows from the last 5% of the corpus, which
+    training never samples: (tokens, targets) on the CPU."""
+    held = corpus[-(corpus.numel() // 20):]
+    n = (held.numel() - 1) // seq_len
+    rows = torch.arange(min(n, max_rows)) * seq_len
+    window = held[rows[:, None] + torch.arange(seq_len + 1)[None, :]]
+    return window[:, :-1], window[:, 1:]
 
 
 def main():
@@ -149,13 +162,9 @@ def main():
 
     # Held-out loss, then the artefacts.
     model.eval()
+    held_tokens, held_targets = held_out_batch(corpus, args.seq_len)
     with torch.no_grad():
-        held = corpus[-corpus.numel() // 20:]
-        n = (held.numel() - 1) // args.seq_len
-        rows = torch.arange(min(n, 16)) * args.seq_len
-        idx = rows[:, None] + torch.arange(args.seq_len + 1)[None, :]
-        window = held[idx].to(device)
-        val = model.loss(window[:, :-1], window[:, 1:]).item()
+        val = model.loss(held_tokens.to(device), held_targets.to(device)).item()
     state = mfsdp.full_state_dict(model)  # collective: every rank calls it
     if rank == 0:
         out = Path(args.out_dir)
@@ -164,13 +173,18 @@ def main():
         torch.save({"config": cfg.__dict__, "model": state, "losses": losses}, ckpt)
         # The checkpoint loads into the plain module and reproduces the held-out loss.
         plain = LlamaModel(cfg)
-        plain.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
+        plain.load_state_dict(torch.load(ckpt, weights_only=False)["model"], strict=True)
         with torch.no_grad():
-            plain_val = plain.loss(window[:, :-1].cpu(), window[:, 1:].cpu()).item()
+            plain_val = plain.loss(held_tokens, held_targets).item()
         png = write_loss_curve(losses, out / "loss_curve.png", world, device.type)
         print(f"final train loss {losses[-1]:.4f} (first {losses[0]:.4f}) | held-out loss {val:.4f} "
               f"(plain module from checkpoint: {plain_val:.4f})")
         print(f"wrote {ckpt} and {png}")
+        if args.metrics_json:
+            Path(args.metrics_json).write_text(json.dumps({
+                "world": world, "device": device.type, "steps": args.steps, "seq_len": args.seq_len,
+                "corpus_bytes": corpus.numel(), "losses": losses, "held_out_loss": val,
+                "held_out_loss_plain_module": plain_val, "checkpoint": str(ckpt)}, indent=1))
         if not losses[-1] < losses[0]:
             raise SystemExit("training did not reduce the loss")
     dist.barrier()

@@ -1,10 +1,17 @@
-"""The benchmark scripts run end to end (CPU + Gloo, tiny config). A functional check
-only: timings are measured on the GPU machine and recorded in benchmarks/RESULTS.md."""
+"""The benchmark scripts run end to end (CPU + Gloo, tiny config) and their JSON holds
+what a committed run needs: per-iteration times of the slowest rank, medians that follow
+from them, and the run's metadata. Timings themselves are measured on the GPU machine
+(benchmarks/RESULTS.md, raw files in benchmarks/data/)."""
+import importlib.util
 import json
+import statistics
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron_fsdp_ext.testing import run_distributed
 from megatron_fsdp_ext.testing.launcher import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -16,6 +23,12 @@ def _script(name):
     return BENCH / name
 
 
+def check_meta(meta, script, world=2):
+    assert meta["world"] == world and meta["torch"] and meta["date"] and meta["device_name"]
+    assert script in meta["command"] and meta["command"].startswith(f"torchrun --nproc_per_node={world} ")
+    assert "commit" in meta and "build" in meta
+
+
 def test_bench_train_tiny_cpu(tmp_path):
     run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
                "--warmup", "1", "--out", str(tmp_path), port=29571)
@@ -25,6 +38,10 @@ def test_bench_train_tiny_cpu(tmp_path):
     losses = {r["system"]: r["final_loss"] for r in data["results"]}
     # Same model, seed and data: the three systems train alike (fp32 on CPU).
     assert max(losses.values()) - min(losses.values()) < 1e-3, losses
+    check_meta(data["meta"], "bench_train.py")
+    for r in data["results"]:
+        assert len(r["step_times_s"]) == 2 and min(r["step_times_s"]) > 0
+        assert r["step_s"] == pytest.approx(statistics.median(r["step_times_s"]))
     assert "| tiny | mfsdp |" in (tmp_path / "results.md").read_text()
 
 
@@ -36,3 +53,56 @@ def test_bench_layerwise_tiny_cpu(tmp_path):
     losses = [r["final_loss"] for r in data["results"]]
     # The same Muon + AdamW math, distributed three ways (fp32 on CPU).
     assert max(losses) - min(losses) < 1e-4, losses
+    check_meta(data["meta"], "bench_layerwise.py")
+    for r in data["results"]:
+        steps, opt = r["step_times_s"], r["opt_phase_times_s"]
+        assert len(steps) == len(opt) == 2
+        assert all(0 < o < s for o, s in zip(opt, steps))  # the optimizer phase is part of the step
+        assert r["step_s"] == pytest.approx(statistics.median(steps))
+        assert r["opt_phase_s"] == pytest.approx(statistics.median(opt))
+
+
+def test_bench_comm_tiny_cpu(tmp_path):
+    run_script(2, _script("bench_comm.py"), "--device", "cpu", "--sizes-mib", "0.0625", "--uneven-mib", "0.0625",
+               "--iters", "50", "--warmup", "1", "--out", str(tmp_path), port=29573, timeout=150)
+    data = json.loads((tmp_path / "comm.json").read_text())
+    check_meta(data["meta"], "bench_comm.py")
+    assert data["meta"]["iters"] == 50
+    raw = data["raw_ms"]
+    assert set(raw) == {"0.0625MiB_ag", "0.0625MiB_rs", "0.0625MiB_ag_v_padded", "0.0625MiB_rs_v_padded",
+                        "0.0625MiB_rs_v_all_reduce"}
+    assert all(len(times) == 50 and min(times) > 0 for times in raw.values())
+    (row,), (uneven,) = data["rows"], data["uneven"]
+    for key, name in [(row, "ag"), (row, "rs"), (uneven, "ag_v_padded"), (uneven, "rs_v_padded"),
+                      (uneven, "rs_v_all_reduce")]:
+        times = raw[f"0.0625MiB_{name}"]
+        assert key[f"{name}_ms"] == pytest.approx(statistics.median(times))
+        spread = key[f"{name}_spread_ms"]
+        assert spread["min"] == min(times) and spread["max"] == max(times)
+        assert spread["min"] <= spread["p10"] <= key[f"{name}_ms"] <= spread["p90"] <= spread["max"]
+    # Bus bandwidth as nccl-tests: 64 KiB of bf16, half of it crossing per rank at world 2.
+    assert row["ag_busbw_gbs"] == pytest.approx(2**16 / 2 / (row["ag_ms"] / 1e3) / 1e9)
+
+
+def _load_bench_comm():
+    spec = importlib.util.spec_from_file_location("bench_comm", _script("bench_comm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _slowest_rank_decides(rank, world):
+    bench_comm = _load_bench_comm()
+    timer = bench_comm.Timer(torch.device("cpu"), iters=6, warmup=1)
+    # Rank 1 takes 30 ms more per iteration: both ranks must report rank 1's times.
+    median_s = timer("slow_rank", lambda: time.sleep(0.03 if rank == 1 else 0.0))
+    return median_s, timer.raw_ms["slow_rank"], timer.spread("slow_rank")
+
+
+def test_bench_comm_reports_the_slowest_rank():
+    _script("bench_comm.py")
+    results = run_distributed(_slowest_rank_decides, 2, timeout=120)
+    (median0, raw0, spread0), (median1, raw1, spread1) = results
+    assert raw0 == raw1 and median0 == median1 and spread0 == spread1
+    assert len(raw0) == 6 and min(raw0) >= 30.0, raw0
+    assert median0 == pytest.approx(statistics.median(raw0) / 1e3)

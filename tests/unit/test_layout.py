@@ -116,31 +116,47 @@ def test_layout_bad_input(call, message):
         call()
 
 
+def reference_longest_first(costs, world, loads=None):
+    """Longest-processing-time greedy, written independently of the C++: costs in
+    decreasing order (ties by index), each to the least-loaded rank (ties to the lowest)."""
+    loads = list(loads) if loads else [0.0] * world
+    owners = [None] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        best = min(range(world), key=lambda r: (loads[r], r))
+        owners[i] = best
+        loads[best] += costs[i]
+    return owners, loads
+
+
 def test_balance_owners_is_balanced_and_deterministic():
     rng = random.Random(7)
     costs = [float(rng.randint(1, 1000)) for _ in range(50)]
+    costs[10] = costs[20] = costs[30]  # equal costs: the tie order must be stable too
     for world in (1, 2, 3, 4, 8):
         owners, loads = _C.balance_owners(costs, world)
-        assert owners == _C.balance_owners(costs, world)[0]
-        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
-        # Longest-first greedy: no rank exceeds the mean by more than the largest cost.
+        assert (owners, loads) == _C.balance_owners(costs, world)
+        assert (owners, loads) == reference_longest_first(costs, world)
+        # The returned loads are each rank's summed cost, and they balance: no rank
+        # exceeds the mean by more than the largest single cost (the greedy's bound).
+        assert loads == pytest.approx([sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)])
         assert max(loads) - sum(costs) / world <= max(costs)
-        assert set(owners) <= set(range(world))
-        assert loads == pytest.approx(loads_from(costs, owners, world))
-
-
-def loads_from(costs, owners, world):
-    return [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
 
 
 def test_balance_owners_carries_loads_across_buckets():
-    # Buckets of two parameters on four ranks: every rank still gets work.
-    loads, owners = [], []
+    # Buckets of two parameters on four ranks: every rank still gets work, and each
+    # bucket's returned loads are the previous loads plus that bucket's costs per owner.
+    loads, owners = [0.0] * 4, []
     for bucket in ([5.0, 4.0], [5.0, 4.0], [3.0, 3.0]):
+        previous = loads
         o, loads = _C.balance_owners(bucket, 4, loads)
+        assert (o, loads) == reference_longest_first(bucket, 4, previous)
+        added = [sum(c for c, r in zip(bucket, o) if r == rank) for rank in range(4)]
+        assert loads == pytest.approx([p + a for p, a in zip(previous, added)])
         owners += o
-    assert set(owners) == {0, 1, 2, 3}
-    assert max(loads) - min(loads) <= 5.0
+    # By hand: [5, 4] -> ranks 0, 1; [5, 4] -> the empty ranks 2, 3; [3, 3] -> the two
+    # ranks at load 4 (1, then 3).
+    assert owners == [0, 1, 2, 3, 1, 3]
+    assert loads == [5.0, 7.0, 5.0, 7.0]
 
 
 def test_balance_owners_bad_input():

@@ -42,9 +42,14 @@ def test_missing_device_is_an_error():
 
 
 def test_cli_prints_peak(tmp_path, capsys, monkeypatch):
+    # The same trace with every size in units of 1/8 GiB: peak 200/8 = 25 GiB at event 5,
+    # the grads rows 100/8 = 12.5 GiB.
+    scaled = {"segments": [], "device_traces": [[dict(e, size=e["size"] * 2**27) for e in SNAPSHOT["device_traces"][0]]]}
     path = tmp_path / "snap.pickle"
-    path.write_bytes(pickle.dumps(SNAPSHOT))
+    path.write_bytes(pickle.dumps(scaled))
     monkeypatch.setattr("sys.argv", ["memory", str(path)])
     main()
-    out = capsys.readouterr().out
-    assert "peak 0.000 GiB" in out and "grads.py:20 grads" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{path}: peak 25.000 GiB of traced allocations at event 5"
+    assert lines[1].split() == ["12.500", "GiB", "2x", "grads.py:20", "grads"]
+    assert lines[2].split() == ["12.500", "GiB", "1x", "model.py:10", "model"]
