@@ -3,7 +3,7 @@ tests and the benchmark's timeline plot."""
 from __future__ import annotations
 
 import json
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 Kernel = Tuple[str, object, float, float]  # (name, stream, start_us, end_us)
 
@@ -24,6 +24,33 @@ def overlapping(a: Kernel, others: List[Kernel]) -> bool:
     return any(o[1] != a[1] and o[2] < a[3] and a[2] < o[3] for o in others)
 
 
+def covered_fraction(a: Kernel, others: List[Kernel]) -> float:
+    """The fraction of kernel `a`'s duration during which at least one of `others` runs
+    on another stream (overlapping intervals of `others` are merged, not double-counted)."""
+    duration = a[3] - a[2]
+    if duration <= 0:
+        return 0.0
+    spans = sorted((max(o[2], a[2]), min(o[3], a[3])) for o in others if o[1] != a[1] and o[2] < a[3] and a[2] < o[3])
+    covered, reach = 0.0, a[2]
+    for start, end in spans:
+        start = max(start, reach)
+        if end > start:
+            covered += end - start
+            reach = end
+    return covered / duration
+
+
+def union_length(kernels: List[Kernel]) -> float:
+    """Microseconds during which at least one of `kernels` runs."""
+    total, reach = 0.0, float("-inf")
+    for _, _, start, end in sorted(kernels, key=lambda k: k[2]):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
 def kernel_kind(name: str) -> str:
     low = name.lower()
     if "nccl" in low:
@@ -33,6 +60,68 @@ def kernel_kind(name: str) -> str:
             return "reduce-scatter"
         return "other collective"
     return "compute"
+
+
+def is_marker(kernel: Kernel) -> bool:
+    """`torch.cuda._sleep` kernels, which the overlap tests use as phase markers."""
+    return "spin" in kernel[0].lower()
+
+
+def step_overlap(kernels: List[Kernel], min_fraction: float = 0.5) -> Dict:
+    """Per-kernel overlap of one training step delimited by three marker kernels on the
+    compute stream: begin (before forward), boundary (between forward and backward) and
+    end (after backward returned). Collectives count as overlapped when compute-stream
+    kernels run during at least `min_fraction` of their duration; non-NCCL kernels on the
+    side streams (casts, gradient scaling) are not compute. Returns counts, per-kernel
+    fractions and durations (ms)."""
+    markers = sorted((k for k in kernels if is_marker(k)), key=lambda k: k[2])
+    if len(markers) != 3:
+        raise ValueError(f"expected 3 marker kernels (begin, forward/backward boundary, end), found {len(markers)}")
+    if len({m[1] for m in markers}) != 1:
+        raise ValueError(f"the marker kernels ran on different streams {[m[1] for m in markers]}: "
+                         "launch them on the compute stream")
+    begin, boundary, end = markers
+    compute_stream = begin[1]
+    compute = [k for k in kernels if k[1] == compute_stream and not is_marker(k)]
+    collectives = [k for k in kernels if kernel_kind(k[0]) != "compute"]
+    step = [k for k in collectives if k[2] >= begin[3] and k[3] <= end[2]]
+    fwd = [k for k in step if k[3] <= boundary[2]]
+    bwd = [k for k in step if k[2] >= boundary[3]]
+    fwd_ag = [k for k in fwd if kernel_kind(k[0]) == "all-gather"]
+    bwd_ag = [k for k in bwd if kernel_kind(k[0]) == "all-gather"]
+    rs = [k for k in bwd if kernel_kind(k[0]) == "reduce-scatter"]
+    fwd_compute = [k for k in compute if begin[3] <= k[2] and k[3] <= boundary[2]]
+
+    def fractions(group, against):
+        return [round(covered_fraction(k, against), 3) for k in group]
+
+    def ms(group):
+        return [round((k[3] - k[2]) / 1e3, 3) for k in group]
+
+    stats = {
+        "fwd_all_gathers": len(fwd_ag),
+        "bwd_all_gathers": len(bwd_ag),
+        "reduce_scatters": len(rs),
+        # Collectives of the step that straddle the boundary marker, or of another kind.
+        "unclassified_collectives": len(step) - len(fwd_ag) - len(bwd_ag) - len(rs),
+        "fwd_compute_ms": round(union_length(fwd_compute) / 1e3, 3),
+        "fwd_all_gather_ms": ms(fwd_ag),
+        "bwd_all_gather_ms": ms(bwd_ag),
+        "reduce_scatter_ms": ms(rs),
+        "fwd_all_gather_covered_by_compute": fractions(fwd_ag, compute),
+        "bwd_all_gather_covered_by_compute": fractions(bwd_ag, compute),
+        "reduce_scatter_covered_by_compute": fractions(rs, compute),
+        "bwd_all_gather_covered_by_reduce_scatter": fractions(bwd_ag, rs),
+    }
+    counted = {
+        "fwd_all_gathers_overlapped": "fwd_all_gather_covered_by_compute",
+        "bwd_all_gathers_overlapped": "bwd_all_gather_covered_by_compute",
+        "reduce_scatters_overlapped": "reduce_scatter_covered_by_compute",
+        "bwd_all_gathers_beside_reduce_scatters": "bwd_all_gather_covered_by_reduce_scatter",
+    }
+    for name, key in counted.items():
+        stats[name] = sum(f >= min_fraction for f in stats[key])
+    return stats
 
 
 def plot_timeline(kernels: List[Kernel], path: str, title: str) -> None:

@@ -2,6 +2,7 @@
 import pytest
 
 from megatron_fsdp_ext.testing import gpu_world, run_distributed
+from megatron_fsdp_ext.testing import gpu_workers as GW
 from megatron_fsdp_ext.testing import workers as W
 
 pytestmark = pytest.mark.gpu
@@ -17,13 +18,14 @@ NCCL_SCENARIOS["fused_adamw"] = {"fused": True}
 def test_nccl_parity(name):
     opts = dict(NCCL_SCENARIOS[name], steps=5)
     results = run_distributed(W.train_parity, WORLD, opts, backend="nccl", timeout=300)
-    assert results[0]["losses"] == results[1]["losses"]
+    W.check_parity_results(results, steps=5)
 
 
 @pytest.mark.parametrize("name", ["adamw", "bf16_mixed_precision", "grad_accumulation"])
 def test_nccl_parity_under_stream_chaos(name):
     opts = dict(NCCL_SCENARIOS[name], steps=5)
-    run_distributed(W.train_parity_with_stream_chaos, WORLD, opts, backend="nccl", timeout=300)
+    results = run_distributed(GW.train_parity_with_stream_chaos, WORLD, opts, backend="nccl", timeout=300)
+    W.check_parity_results(results, steps=5)
 
 
 def test_nccl_tiny_odd_params():
@@ -40,11 +42,11 @@ def test_nccl_eval_forward_reshards():
 
 
 def test_cuda_device_errors():
-    run_distributed(W.cuda_device_errors, WORLD, backend="nccl", timeout=300)
+    run_distributed(GW.cuda_device_errors, WORLD, backend="nccl", timeout=300)
 
 
 def test_memory_released_after_step():
-    run_distributed(W.unsharded_memory_released, WORLD, backend="nccl", timeout=300)
+    run_distributed(GW.unsharded_memory_released, WORLD, backend="nccl", timeout=300)
 
 
 def test_nccl_uneven_collectives():

@@ -1,0 +1,109 @@
+"""A GPU run cannot pass empty: tests/conftest.py turns a skipped `gpu` test into a
+failure under MFSDP_REQUIRE_GPU=1, tests/gpu/run_all.sh stops at once when it sees fewer
+GPUs than MFSDP_GPU_WORLD, and tests/gpu/summarize_run.py fails a run with a skipped,
+failed or missing GPU test. Run here with every GPU hidden (CUDA_VISIBLE_DEVICES="")."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_TEST = "tests/gpu/test_nccl.py::test_cuda_device_errors"
+
+
+def load_summarizer():
+    spec = importlib.util.spec_from_file_location("summarize_run", REPO / "tests/gpu/summarize_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def without_gpus(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_COMMIT")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def run_pytest(tmp_path, env):
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", GPU_TEST, "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"--junitxml={junit}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return proc, load_summarizer().read_junit(junit)
+
+
+def test_skipped_gpu_test_fails_when_gpus_are_required(tmp_path):
+    # (Without MFSDP_REQUIRE_GPU the same test is skipped: every CPU run of the suite shows it.)
+    proc, counts = run_pytest(tmp_path, without_gpus(MFSDP_REQUIRE_GPU="1"))
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    # The skip happens in setup, so junit records the failure as an error.
+    assert counts["failed"] + counts["errors"] == ["tests.gpu.test_nccl::test_cuda_device_errors"], counts
+    assert not counts["skipped"] and counts["passed"] == 0
+    assert "MFSDP_REQUIRE_GPU=1: this gpu test did not run (needs 2 CUDA GPUs with NCCL, found 0)" in proc.stdout
+
+
+def test_run_all_stops_before_building_when_gpus_are_missing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "tests/gpu/run_all.sh"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=without_gpus(OUT=str(out), PYTHON=sys.executable, MFSDP_COMMIT="abc1234"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MFSDP_GPU_WORLD=2 but torch sees 0 CUDA GPUs" in proc.stderr
+    assert not (out / "build.log").exists(), "run_all.sh built before checking the GPUs"
+    summary = (out / "summary.md").read_text()
+    for fragment in ("**FAIL**", "torch sees 0 CUDA GPUs", "GPU tests (parallel): no junit file", "`abc1234`"):
+        assert fragment in summary, summary
+
+
+def junit(cases):
+    """A pytest-style junit file: cases are (name, outcome, seconds)."""
+    body = "".join(
+        f'<testcase classname="tests.gpu.test_x" name="{name}" time="{seconds}">'
+        + {"passed": "", "failed": '<failure message="boom"/>', "error": '<error message="boom"/>',
+           "skipped": '<skipped message="no GPU"/>'}[outcome] + "</testcase>"
+        for name, outcome, seconds in cases)
+    return f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>'
+
+
+def test_summary_fails_a_gpu_run_with_a_skip_a_failure_or_no_tests(tmp_path):
+    summarizer = load_summarizer()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pytest_gpu.log").write_text("...\n===== 2 passed, 1 skipped in 12.5s =====\n")
+    (out / "junit_gpu_exclusive.xml").write_text(junit([("test_overlap", "passed", 30.0)]))
+    (out / "junit_gpu.xml").write_text(junit([("test_a", "passed", 1.5), ("test_b", "passed", 20.0),
+                                              ("test_c", "skipped", 0.0)]))
+    args = [str(out), "--commit", "abc1234", "--expect-gpu-tests", "--stage", "build=0"]
+    assert summarizer.main(args) == 1
+    summary = (out / "summary.md").read_text()
+    for fragment in ("**FAIL**", "GPU tests (parallel): 1 skipped", "- `tests.gpu.test_x::test_c`",
+                     "| GPU tests (parallel) | 3 | 2 | 0 | 0 | 1 | 22 |", "`===== 2 passed, 1 skipped in 12.5s =====`",
+                     "- 20.0 s `tests.gpu.test_x::test_b`", "- commit: `abc1234`"):
+        assert fragment in summary, summary
+
+    (out / "junit_gpu.xml").write_text(junit([("test_a", "passed", 1.5), ("test_b", "passed", 20.0)]))
+    assert summarizer.main(args) == 0
+    assert "**PASS**" in (out / "summary.md").read_text()
+    assert summarizer.main(args + ["--stage", "gpu_exclusive_tests=1"]) == 1
+    (out / "junit_gpu.xml").write_text(junit([("test_a", "failed", 1.0), ("test_b", "error", 1.0)]))
+    assert summarizer.main(args) == 1
+    assert "GPU tests (parallel): 1 failed, 1 errors" in (out / "summary.md").read_text()
+    (out / "junit_gpu.xml").write_text(junit([]))
+    assert summarizer.main(args) == 1
+    assert "GPU tests (parallel): no test ran" in (out / "summary.md").read_text()
+    (out / "junit_gpu.xml").unlink()
+    assert summarizer.main(args) == 1
+    assert summarizer.main([str(out), "--commit", "abc1234"]) == 0  # GPU tests not asked for: CPU-only record
+
+
+def test_source_digest_follows_sources_only(tmp_path):
+    summarizer = load_summarizer()
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "unit.cpp").write_text("int x;")
+    (tmp_path / "megatron_fsdp_ext" / "__pycache__").mkdir(parents=True)
+    first = summarizer.source_digest(tmp_path)
+    (tmp_path / "megatron_fsdp_ext" / "__pycache__" / "a.py").write_text("generated")
+    (tmp_path / "megatron_fsdp_ext" / "_build_info.py").write_text("generated at build time")
+    (tmp_path / "megatron_fsdp_ext" / "_C.so").write_text("binary")
+    assert summarizer.source_digest(tmp_path) == first
+    (tmp_path / "csrc" / "unit.cpp").write_text("int y;")
+    assert summarizer.source_digest(tmp_path) != first
