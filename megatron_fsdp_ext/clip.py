@@ -11,7 +11,7 @@ from . import _C
 
 
 def clip_grad_norm_(
-    parameters: Union[nn.Module, Iterable[torch.Tensor]],
+    parameters: Union[nn.Module, Iterable[torch.Tensor], torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -19,7 +19,12 @@ def clip_grad_norm_(
     """Clip gradients by their global norm, like torch.nn.utils.clip_grad_norm_, where
     the norm of sharded gradients is combined across the shards' process group and
     replicated (unsharded) parameters are counted once. Returns the total norm."""
-    params = list(parameters.parameters()) if isinstance(parameters, nn.Module) else list(parameters)
+    if isinstance(parameters, nn.Module):
+        params = list(parameters.parameters())
+    elif isinstance(parameters, torch.Tensor):  # one tensor, as torch's accepts (not its rows)
+        params = [parameters]
+    else:
+        params = list(parameters)
     norm_type = float(norm_type)
     sharded, replicated, groups = [], [], {}
     for p in params:

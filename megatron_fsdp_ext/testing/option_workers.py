@@ -1,0 +1,800 @@
+"""Distributed test bodies for the public options and methods of fully_shard,
+FSDPModule, clip_grad_norm_, the full state dict and FSDPConfig: each checks the
+option's effect against an independent reference (plain PyTorch on one process, a
+layout computed here, or the dtypes the documentation names), not only that it runs.
+
+Workers run under run_distributed on Gloo (CPU) and NCCL (GPU) alike.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import hooks
+from megatron_fsdp_ext.hooks import iter_states
+from megatron_fsdp_ext.models import Block, LlamaModel
+
+from .workers import build_models, device_for_backend, expect_error, global_batches, rel_err, step_with_reference
+
+
+# ---------------------------------------------------------------- helpers
+
+def expected_shard(full: torch.Tensor, sharded_param: torch.Tensor) -> torch.Tensor:
+    """The part of a full (reference) tensor that `sharded_param`, a 1-D shard, holds."""
+    state = sharded_param._mfsdp_owner()
+    index = next(i for i, q in enumerate(state.sharded_params) if q is sharded_param)
+    piece = state.unit.layout.shard_slices(state.unit.shard_index)[index]
+    return full.detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
+
+
+def worst_grad_error(model: nn.Module, ref: nn.Module) -> float:
+    """Largest relative error of the sharded gradients against the reference's."""
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        expected = expected_shard(ref_params[name].grad, p)
+        assert p.grad is not None, f"'{name}' got no gradient"
+        if expected.numel():
+            worst = max(worst, rel_err(p.grad, expected))
+    return worst
+
+
+def worst_param_error(model: nn.Module, ref: nn.Module) -> float:
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    return max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+
+
+def rows_of(rank: int, per_rank: int) -> slice:
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def shard_llama(model: LlamaModel, **kwargs) -> LlamaModel:
+    for block in model.blocks:
+        mfsdp.fully_shard(block, **kwargs)
+    mfsdp.fully_shard(model, **kwargs)
+    return model
+
+
+def expected_even_layout(numels: List[int], world: int, alignment: int):
+    """FlatLayout.even computed independently: every parameter starts on a multiple of
+    `alignment`; the padded total splits into `world` equal segments that are whole
+    numbers of alignment units."""
+    offsets, cursor = [], 0
+    for n in numels:
+        cursor = -(-cursor // alignment) * alignment
+        offsets.append(cursor)
+        cursor += n
+    segment = -(-(-(-cursor // world)) // alignment) * alignment
+    return offsets, segment
+
+
+class _DtypeProbe(nn.Module):
+    """Records the dtype of the input its forward receives; computes in the weight's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.seen: List[torch.dtype] = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+class _TwoOutputs(nn.Module):
+    """Returns a floating tensor and an integer one (output_dtype casts only the first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.argmax(-1)
+
+
+# ---------------------------------------------------------------- precision and layout
+
+def precision_and_layout_options(rank: int, world: int) -> Dict:
+    """alignment (1, 64), output_dtype, cast_forward_inputs=False, FSDPConfig's
+    bf16 / fp16 / grad_reduce_in_fp32, and a model whose parameters are fp16."""
+    device = device_for_backend()
+    report = {}
+    per = 2
+
+    # alignment: offsets and segments follow it exactly (1 means no padding between
+    # parameters), and training matches the reference.
+    for alignment in (1, 64):
+        # d_model 40: the norm weights' 40 elements leave every default (16) alignment gap.
+        cfg, model, ref = build_models({"layers": 2, "d_model": 40}, device)
+        shard_llama(model, alignment=alignment)
+        for state in iter_states(model):
+            layout = state.unit.layout
+            numels = list(layout.numels)
+            offsets, segment = expected_even_layout(numels, world, alignment)
+            assert layout.alignment == alignment, f"{state}: layout alignment {layout.alignment} != {alignment}"
+            assert list(layout.offsets) == offsets, (
+                f"{state} alignment {alignment}: offsets {list(layout.offsets)} != {offsets}")
+            assert list(layout.segment_numels) == [segment] * world, (
+                f"{state} alignment {alignment}: segments {list(layout.segment_numels)}, expected {segment} each")
+            assert state.unit.sharded_flat.numel() == segment
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        for tokens, targets in global_batches(cfg, 3, per * world, 8, device):
+            step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows_of(rank, per))
+        report[f"alignment_{alignment}"] = worst_param_error(model, ref)
+        assert report[f"alignment_{alignment}"] <= 1e-5, f"alignment {alignment}: parity error {report}"
+
+    # output_dtype: floating outputs come out in it (integer ones untouched), values and
+    # gradients are those of the plain module's output cast to it.
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, device=device)
+    for param_dtype, output_dtype in ((None, torch.float64), (torch.bfloat16, torch.float32)):
+        torch.manual_seed(1)
+        module = _TwoOutputs().to(device)
+        ref = copy.deepcopy(module)
+        if param_dtype is not None:
+            ref.to(param_dtype)
+        policy = mfsdp.MixedPrecisionPolicy(param_dtype=param_dtype, output_dtype=output_dtype)
+        mfsdp.fully_shard(module, mp_policy=policy)
+        y, idx = module(x)
+        y_ref, idx_ref = ref(x.to(param_dtype or x.dtype))
+        assert y.dtype == output_dtype, f"output_dtype={output_dtype}: output came out in {y.dtype}"
+        assert idx.dtype == torch.int64, f"output_dtype cast an integer output to {idx.dtype}"
+        assert torch.equal(y, y_ref.to(output_dtype)), f"output_dtype={output_dtype}: values differ"
+        (y * y).sum().backward()
+        (y_ref.to(output_dtype) ** 2).sum().backward()
+        # The sharded gradients are fp32 master gradients; the reference's are in its
+        # compute dtype, so compare at that dtype's precision.
+        tol = 1e-6 if param_dtype is None else 1e-2
+        assert worst_grad_error(module, ref) <= tol, f"output_dtype={output_dtype}: gradients differ"
+
+    # cast_forward_inputs: on (default), the module's forward sees param_dtype inputs;
+    # off, it sees the caller's dtype.
+    for cast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        probe = _DtypeProbe().to(device)
+        policy = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=cast)
+        mfsdp.fully_shard(probe, mp_policy=policy)
+        probe(x)
+        assert probe.seen == [expected], f"cast_forward_inputs={cast}: forward saw {probe.seen}"
+
+    # FSDPConfig: the unit dtypes its fields stand for; shards stay in the model's dtype.
+    cases = [
+        ({}, torch.float32, torch.float32, torch.float32),
+        ({"bf16": True}, torch.float32, torch.bfloat16, torch.bfloat16),
+        ({"fp16": True}, torch.float32, torch.float16, torch.float16),
+        ({"bf16": True, "grad_reduce_in_fp32": True}, torch.float32, torch.bfloat16, torch.float32),
+        ({"fp16": True, "grad_reduce_in_fp32": True}, torch.float32, torch.float16, torch.float32),
+        ({"grad_reduce_in_fp32": True}, torch.bfloat16, torch.bfloat16, torch.float32),
+    ]
+    for fields, model_dtype, param_dtype, reduce_dtype in cases:
+        cfg, model, _ = build_models({"layers": 1}, device)
+        model.to(model_dtype)
+        mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(**fields), fsdp_unit_modules=[Block])
+        seen = []
+        model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(m.attn.wqkv.weight.dtype))
+        tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+        model.loss(tokens, tokens).backward()
+        for state in iter_states(model):
+            unit = state.unit
+            got = (unit.orig_dtype, unit.param_dtype, unit.reduce_dtype)
+            assert got == (model_dtype, param_dtype, reduce_dtype), (
+                f"FSDPConfig({fields}): unit dtypes (orig, param, reduce) {got}, "
+                f"expected {(model_dtype, param_dtype, reduce_dtype)}")
+        assert seen == [param_dtype], f"FSDPConfig({fields}): block computed with {seen}"
+        assert all(p.dtype == model_dtype and p.grad.dtype == model_dtype for p in model.parameters())
+
+    report["fp16"] = _fp16_parameters_parity(rank, world, device)
+    return report
+
+
+def _fp16_parameters_parity(rank: int, world: int, device) -> Dict:
+    """A model whose parameters are fp16 (no policy: gathered, computed and reduced in
+    fp16) trains like the same fp16 model on one process."""
+    cfg, model, ref = build_models({"layers": 2}, device)
+    model.half()
+    ref.half()
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    shard_llama(model)
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    per = 2
+    loss_errs = []
+    for tokens, targets in global_batches(cfg, 4, per * world, 8, device):
+        loss = model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)])
+        loss.backward()
+        assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref.loss(tokens, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().double().reshape(1)
+        dist.all_reduce(mean)
+        loss_errs.append(abs(mean.item() / world - ref_loss.item()) / ref_loss.item())
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    ref_sd = ref.state_dict()
+    # Each step the sharded gradient is rounded to fp16 a few more times than the
+    # reference's (per-rank partial sums, the fp16 reduce-scatter, the 1/world scale):
+    # a few units of fp16's 2^-11 relative rounding per step. Measured after 4 steps:
+    # at most 0.6% of a parameter's update, losses within 4e-6; the bounds leave 3x and 8x.
+    # Norm weights whose updates round away in fp16 (1 + u == 1) must not move at all.
+    errs = {k: rel_err(full[k], ref_sd[k]) for k in ref_sd}
+    moved = {k: rel_err(ref_sd[k], init[k]) for k in ref_sd}
+    frac = {k: errs[k] / moved[k] for k in ref_sd if moved[k] > 0}
+    worst = max(frac, key=frac.get)
+    assert frac[worst] <= 0.02, f"fp16: '{worst}' error is {frac[worst]:.3f} of its update"
+    still = [k for k in ref_sd if moved[k] == 0 and errs[k] > 0]
+    assert not still, f"fp16: {still} moved although the reference's did not"
+    assert max(loss_errs) <= 3e-5, f"fp16: losses differ by {loss_errs}"
+    return {"worst_frac_of_update": frac[worst], "loss_errs": loss_errs}
+
+
+# ---------------------------------------------------------------- ignored params, clip, state dicts
+
+def ignored_params_clip_and_state_dicts(rank: int, world: int) -> Dict:
+    """ignored_params; clip_grad_norm_ with norm types 1 / inf / 3, an iterable and
+    error_if_nonfinite; full_state_dict(cpu_offload=False); load_full_state_dict(strict=False)."""
+    device = device_for_backend()
+    per = 2
+    report = {}
+
+    # ignored_params (as in PyTorch FSDP2): not sharded, left as the module's own full
+    # parameters, and their gradients are not reduced: each rank keeps its local gradient.
+    cfg, model, ref_global = build_models({"layers": 2}, device)
+    ref_local = copy.deepcopy(ref_global)
+    ignored = {"blocks.0.attn.wo.weight": model.blocks[0].attn.wo.weight, "head.weight": model.head.weight}
+    for block in model.blocks:
+        mfsdp.fully_shard(block, ignored_params=ignored.values())
+    mfsdp.fully_shard(model, ignored_params=ignored.values())
+    params = dict(model.named_parameters())
+    for name, p in ignored.items():
+        assert params[name] is p, f"ignored '{name}' was replaced"
+        assert p.shape == ref_global.get_parameter(name).shape, f"ignored '{name}' lost its full shape"
+        assert getattr(p, "_mfsdp_owner", None) is None, f"ignored '{name}' belongs to a unit"
+    sharded_numel = torch.tensor([sum(p.numel() for n, p in params.items() if n not in ignored)], device=device)
+    dist.all_reduce(sharded_numel)
+    expected_numel = sum(p.numel() for n, p in ref_global.named_parameters() if n not in ignored)
+    assert sharded_numel.item() == expected_numel, "the other parameters must be sharded exactly once"
+    tokens, targets = next(global_batches(cfg, 1, per * world, 8, device))
+    rows = rows_of(rank, per)
+    model.loss(tokens[rows], targets[rows]).backward()
+    ref_global.loss(tokens, targets).backward()
+    ref_local.loss(tokens[rows], targets[rows]).backward()
+    for name, p in ignored.items():
+        local = ref_local.get_parameter(name).grad
+        assert rel_err(p.grad, local) <= 1e-5, f"ignored '{name}': gradient is not this rank's local one"
+        norms = [torch.zeros(1, device=device) for _ in range(world)]
+        dist.all_gather(norms, p.grad.norm().reshape(1))
+        assert len({n.item() for n in norms}) == world, f"ignored '{name}': ranks hold the same (reduced) gradient"
+    ref_params = dict(ref_global.named_parameters())
+    for name, p in params.items():
+        if name not in ignored:
+            expected = expected_shard(ref_params[name].grad, p)
+            assert rel_err(p.grad, expected) <= 1e-5, f"'{name}': sharded gradient differs from the reference"
+    # The state dicts carry ignored parameters as they are, and load them back.
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    for name, p in ignored.items():
+        assert torch.equal(full[name].to(device), p.detach()), f"full_state_dict lost ignored '{name}'"
+    torch.manual_seed(5)
+    other = LlamaModel(cfg).to(device)
+    mfsdp.load_full_state_dict(model, other.state_dict())
+    for name, p in ignored.items():
+        assert torch.equal(p.detach(), other.get_parameter(name).detach()), f"load_full_state_dict skipped '{name}'"
+
+    report["clip"] = _clip_options(rank, world, device)
+    report["state_dicts"] = _state_dict_options(rank, world, device)
+    return report
+
+
+def _clip_options(rank: int, world: int, device) -> Dict:
+    cfg, model, ref = build_models({"layers": 2}, device)
+    shard_llama(model)
+    per = 2
+    tokens, targets = next(global_batches(cfg, 1, per * world, 8, device))
+    model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)]).backward()
+    ref.loss(tokens, targets).backward()
+    saved = [p.grad.clone() for p in model.parameters()]
+    ref_saved = [p.grad.clone() for p in ref.parameters()]
+
+    def restore():
+        for p, g in zip(model.parameters(), saved):
+            p.grad.copy_(g)
+        for p, g in zip(ref.parameters(), ref_saved):
+            p.grad.copy_(g)
+
+    max_norm = 1e-3  # far below every norm: clipping scales every gradient
+    norms = {}
+    for norm_type in (1.0, float("inf"), 3.0, 2.0):
+        restore()
+        total = mfsdp.clip_grad_norm_(model, max_norm, norm_type=norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type)
+        assert ref_total.item() > 10 * max_norm, "the reference norm must exceed max_norm for clipping to act"
+        assert rel_err(total, ref_total) <= 1e-5, f"norm_type={norm_type}: total norm {total} vs {ref_total}"
+        assert worst_grad_error(model, ref) <= 1e-5, f"norm_type={norm_type}: clipped gradients differ"
+        norms[norm_type] = total.item()
+
+    # An iterable (a generator) of some parameters: only those count and get clipped.
+    restore()
+    subset = {id(p) for p in model.blocks[1].parameters()}
+    total = mfsdp.clip_grad_norm_((p for p in model.blocks[1].parameters()), max_norm, norm_type=2.0)
+    ref_total = torch.nn.utils.clip_grad_norm_(list(ref.blocks[1].parameters()), max_norm, norm_type=2.0)
+    assert rel_err(total, ref_total) <= 1e-5, f"iterable of parameters: total norm {total} vs {ref_total}"
+    assert worst_grad_error(model, ref) <= 1e-5, "iterable of parameters: clipped gradients differ"
+    for p, g in zip(model.parameters(), saved):
+        if id(p) not in subset:
+            assert torch.equal(p.grad, g), "a parameter outside the iterable was clipped"
+
+    # A single tensor counts as one parameter (as for torch), not as an iterable of rows.
+    restore()
+    total = mfsdp.clip_grad_norm_(model.blocks[0].attn.wo.weight, max_norm, norm_type=1.0)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.blocks[0].attn.wo.weight, max_norm, norm_type=1.0)
+    assert rel_err(total, ref_total) <= 1e-5, f"a single tensor: total norm {total} vs {ref_total}"
+    got, want = model.blocks[0].attn.wo.weight, ref.blocks[0].attn.wo.weight
+    assert rel_err(got.grad, expected_shard(want.grad, got)) <= 1e-5, "a single tensor: clipped gradient differs"
+
+    # A non-finite gradient on one rank makes the global norm non-finite on every rank.
+    for bad in (float("inf"), float("nan")):
+        restore()
+        if rank == 0:
+            next(p for p in model.parameters() if p.grad.numel()).grad[0] = bad
+        expect_error(lambda: mfsdp.clip_grad_norm_(model, max_norm, error_if_nonfinite=True),
+                     RuntimeError, "non-finite")
+        total = mfsdp.clip_grad_norm_(model, max_norm, error_if_nonfinite=False)
+        assert not torch.isfinite(total), f"a {bad} gradient on rank 0 gave a finite norm {total} on rank {rank}"
+    return norms
+
+
+def _state_dict_options(rank: int, world: int, device) -> Dict:
+    cfg, model, _ = build_models({"layers": 2}, device)
+    model.register_buffer("scale", torch.arange(3.0, device=device))  # a replicated entry
+    shard_llama(model)
+    unit_device = model._fsdp_state.unit.device
+
+    # cpu_offload=False: every tensor stays on the parameters' device, same values, and
+    # owns its memory (writing to it leaves the model alone).
+    on_device = mfsdp.full_state_dict(model, rank0_only=False, cpu_offload=False)
+    offloaded = mfsdp.full_state_dict(model, rank0_only=False)
+    assert set(on_device) == set(offloaded)
+    for key, value in on_device.items():
+        assert value.device == unit_device, f"cpu_offload=False: '{key}' on {value.device}, expected {unit_device}"
+        assert offloaded[key].device.type == "cpu", f"cpu_offload=True: '{key}' on {offloaded[key].device}"
+        assert torch.equal(value.cpu(), offloaded[key]), f"'{key}' differs between cpu_offload=False and True"
+    on_device["blocks.0.attn.wo.weight"].zero_()
+    again = mfsdp.full_state_dict(model, rank0_only=False)
+    assert torch.equal(again["blocks.0.attn.wo.weight"], offloaded["blocks.0.attn.wo.weight"]), (
+        "writing to a cpu_offload=False state dict changed the model")
+    rank0_only = mfsdp.full_state_dict(model, cpu_offload=False)  # collective: every rank calls it
+    assert (rank0_only == {}) == (rank != 0), "rank0_only: only rank 0 gets the state dict"
+
+    # strict=False, like nn.Module.load_state_dict(strict=False): missing keys keep their
+    # values (a whole unit, part of a unit, a buffer), unexpected keys are ignored, the
+    # rest is loaded.
+    plain = LlamaModel(cfg).to(device)
+    plain.register_buffer("scale", torch.zeros(3, device=device))
+    plain.load_state_dict(offloaded)
+    torch.manual_seed(21)
+    donor = LlamaModel(cfg).to(device)
+    donor.register_buffer("scale", torch.full((3,), 7.0, device=device))
+    partial = {k: v for k, v in donor.state_dict().items()
+               if not k.startswith("blocks.0.") and k not in ("blocks.1.mlp.w_down.weight", "scale")}
+    partial["not.a.key"] = torch.zeros(2, device=device)
+    result = plain.load_state_dict(partial, strict=False)
+    assert result.missing_keys and result.unexpected_keys == ["not.a.key"]
+    mfsdp.load_full_state_dict(model, partial, strict=False)
+    loaded = mfsdp.full_state_dict(model, rank0_only=False)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(loaded[key].to(device), value), f"strict=False: '{key}' differs from nn.Module's result"
+    expect_error(lambda: mfsdp.load_full_state_dict(model, partial), KeyError, "missing keys", "not.a.key")
+    wrong = dict(partial, **{"blocks.1.attn.wo.weight": torch.zeros(2, 2)})
+    expect_error(lambda: mfsdp.load_full_state_dict(model, wrong, strict=False), ValueError,
+                 "'blocks.1.attn.wo.weight' has shape (2, 2)")
+    return {"keys": len(on_device), "missing": len(result.missing_keys)}
+
+
+# ---------------------------------------------------------------- resharding and prefetch controls
+
+class _GatherSpy:
+    """Records every real all-gather issued (a unit leaving SHARDED) with the phase it
+    happened in, and the most non-root units unsharded at once per phase."""
+
+    def __init__(self, root_state):
+        self.root = root_state
+        self.phase = "fwd"
+        self.gathers: List = []
+        self.max_live = {"fwd": 0, "bwd": 0}
+        self._orig = hooks.FSDPState.unshard
+        spy = self
+
+        def unshard(state):
+            if state.unit is not None and state.unit.state == state.unit.state.SHARDED:
+                spy.gathers.append((spy.phase, state))
+            spy._orig(state)
+            live = [s for s in state.ctx.states if s is not spy.root and s.unit.state != s.unit.state.SHARDED]
+            spy.max_live[spy.phase] = max(spy.max_live[spy.phase], len(live))
+
+        hooks.FSDPState.unshard = unshard
+
+    def reset(self):
+        self.phase = "fwd"
+        self.gathers.clear()
+        self.max_live = {"fwd": 0, "bwd": 0}
+
+    def of(self, phase):
+        return [s for ph, s in self.gathers if ph == phase]
+
+    def close(self):
+        hooks.FSDPState.unshard = self._orig
+
+
+def _is_sharded(state) -> bool:
+    return state.unit.state == state.unit.state.SHARDED
+
+
+def reshard_and_prefetch_controls(rank: int, world: int) -> Dict:
+    """set_prefetch_depth, set_modules_to_backward_prefetch, set_reshard_after_forward(False)
+    under ZeRO-3, and recurse=False on set_reshard_after_forward / set_requires_gradient_sync."""
+    device = device_for_backend()
+    per = 2
+    report = {}
+    cfg, model, ref = build_models({"layers": 3}, device)
+    shard_llama(model)
+    root = model._fsdp_state
+    blocks = [b._fsdp_state for b in model.blocks]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    batches = list(global_batches(cfg, 8, per * world, 8, device))
+    spy = _GatherSpy(root)
+    index = {s: i for i, s in enumerate(blocks)}
+    order = lambda phase: [index.get(s, "root") for s in spy.of(phase)]  # noqa: E731
+    after_forward = []
+    try:
+        def step(tokens, targets):
+            spy.reset()
+            loss = model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)])
+            after_forward[:] = [_is_sharded(s) for s in blocks]
+            spy.phase = "bwd"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref.loss(tokens, targets).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+        step(*batches[0])  # records the forward order
+        assert after_forward == [True] * 3, "ZeRO-3 default must reshard blocks after forward"
+
+        # set_prefetch_depth on the root: 1 + depth blocks unsharded at once in forward.
+        for i, depth in enumerate((0, 2)):
+            model.set_prefetch_depth(depth)
+            step(*batches[1 + i])
+            assert spy.max_live["fwd"] == 1 + depth, (
+                f"set_prefetch_depth({depth}): {spy.max_live['fwd']} blocks unsharded at once in forward")
+            report[f"depth_{depth}"] = dict(spy.max_live)
+
+        # set_modules_to_backward_prefetch: without prefetch, backward gathers each block
+        # when it is reached (last first); block 2 told to prefetch block 0 gathers it
+        # right after itself, before block 1.
+        model.set_prefetch_depth(0)
+        step(*batches[3])
+        assert spy.of("bwd") == blocks[::-1], f"backward gathers blocks {order('bwd')}"
+        model.blocks[2].set_modules_to_backward_prefetch([model.blocks[0]])
+        step(*batches[4])
+        assert spy.of("bwd") == [blocks[2], blocks[0], blocks[1]], (
+            f"set_modules_to_backward_prefetch: backward gathers blocks {order('bwd')}, expected [2, 0, 1]")
+        model.blocks[2].set_modules_to_backward_prefetch([])
+
+        # set_reshard_after_forward(False) under ZeRO-3: blocks stay unsharded from
+        # forward to backward, so backward gathers nothing; True restores the default.
+        model.set_reshard_after_forward(False)
+        step(*batches[5])
+        assert after_forward == [False] * 3, f"reshard_after_forward=False: blocks sharded after forward {after_forward}"
+        assert spy.of("bwd") == [], f"reshard_after_forward=False: backward gathered blocks {order('bwd')}"
+        assert all(_is_sharded(s) and s.unit.unsharded_storage_bytes == 0 for s in blocks + [root]), (
+            "every unit must be resharded after backward")
+        model.set_reshard_after_forward(True)
+        step(*batches[6])
+        assert after_forward == [True] * 3 and len(spy.of("bwd")) == 3
+    finally:
+        spy.close()
+    report["parity"] = worst_param_error(model, ref)
+    assert report["parity"] <= 1e-5, f"parity across the control changes: {report['parity']}"
+    report["recurse"] = _recurse_false(rank, world, device)
+    return report
+
+
+def _nested_llama(device):
+    """Every block's MLP is a unit inside its block's unit."""
+    cfg, model, ref = build_models({"layers": 3}, device)
+    for block in model.blocks:
+        mfsdp.fully_shard(block.mlp)
+        mfsdp.fully_shard(block)
+    mfsdp.fully_shard(model)
+    return cfg, model, ref
+
+
+def _recurse_false(rank: int, world: int, device) -> Dict:
+    per = 2
+    cfg, model, ref = _nested_llama(device)
+    batches = list(global_batches(cfg, 4, per * world, 8, device))
+    outer = [b._fsdp_state for b in model.blocks]
+    inner = [b.mlp._fsdp_state for b in model.blocks]
+
+    def sharded_after_forward(tokens, targets):
+        loss = model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)])
+        states = [_is_sharded(s) for s in outer], [_is_sharded(s) for s in inner]
+        loss.backward()
+        return states
+
+    sharded_after_forward(*batches[0])
+    model.blocks[1].set_reshard_after_forward(False, recurse=False)
+    got = sharded_after_forward(*batches[1])
+    assert got == ([True, False, True], [True, True, True]), (
+        f"set_reshard_after_forward(False, recurse=False) on block 1: (blocks, mlps) sharded after forward {got}")
+    model.blocks[1].set_reshard_after_forward(False)
+    got = sharded_after_forward(*batches[1])
+    assert got == ([True, False, True], [True, False, True]), f"recurse=True on block 1: {got}"
+    model.set_reshard_after_forward(True)
+
+    # set_requires_gradient_sync(False, recurse=False) on block 1: its own parameters
+    # accumulate locally (no .grad yet), its MLP and every other unit reduce; the next
+    # synced backward completes every gradient, equal to the reference's accumulation.
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    model.blocks[1].set_requires_gradient_sync(False, recurse=False)
+    for i, (tokens, targets) in enumerate(batches[2:4]):
+        (model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)]) / 2).backward()
+        (ref.loss(tokens, targets) / 2).backward()
+        if i == 0:
+            no_grad = {n for n, p in model.named_parameters() if p.grad is None}
+            own = {f"blocks.1.{n}" for n, _ in model.blocks[1].named_parameters() if not n.startswith("mlp.")}
+            assert no_grad == own, f"recurse=False: parameters without a reduced gradient {sorted(no_grad)}"
+            assert outer[1].unit.has_accumulated_grads and not inner[1].unit.has_accumulated_grads
+            model.set_requires_gradient_sync(True)
+    worst = worst_grad_error(model, ref)
+    assert worst <= 1e-5, f"gradients after unsynced + synced backward differ from the reference: {worst}"
+    return {"grad_err": worst}
+
+
+# ---------------------------------------------------------------- subgroup process group (world 4)
+
+def subgroup_process_group(rank: int, world: int) -> Dict:
+    """Two groups of two ranks shard the same model independently on different data:
+    each group matches a single-process reference trained on its own data (clipping
+    included), and the two end apart. Also the errors only a subgroup can reach."""
+    from megatron_fsdp_ext.dcp import save_checkpoint
+
+    assert world == 4
+    device = device_for_backend()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: every rank creates both
+    color = rank // 2
+    group = groups[color]
+    cfg, model, ref = build_models({"layers": 2}, device)
+    shard_llama(model, process_group=group)
+    for state in iter_states(model):
+        assert (state.unit.world_size, state.unit.shard_index) == (2, rank % 2), (
+            f"{state}: sharded over {state.unit.world_size} ranks as index {state.unit.shard_index}, "
+            f"expected 2 ranks, index {rank % 2}")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    per = 2
+    clip = 0.05
+    batches = list(global_batches(cfg, 6, per * 2, 8, device))[color::2]  # each group its own data
+    norms = []
+    for tokens, targets in batches:
+        model.loss(tokens[rows_of(rank % 2, per)], targets[rows_of(rank % 2, per)]).backward()
+        ref.loss(tokens, targets).backward()
+        norm = mfsdp.clip_grad_norm_(model, clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        norms.append(rel_err(norm, ref_norm))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert max(norms) <= 1e-5, f"group {color}: gradient norms differ from its reference: {norms}"
+    worst = worst_param_error(model, ref)
+    assert worst <= 1e-5, f"group {color}: parameters differ from its reference by {worst}"
+    # The groups trained apart: their results differ (the reference proves each is right).
+    probe = mfsdp.full_state_dict(model, rank0_only=False)["blocks.0.attn.wo.weight"].to(device).reshape(1, -1)
+    everyone = [torch.zeros_like(probe) for _ in range(world)]
+    dist.all_gather(everyone, probe)
+    assert torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])
+    assert rel_err(everyone[0], everyone[2]) > 1e-3, "the two groups' models should have diverged"
+
+    # Errors only reachable with a group not spanning the job.
+    expect_error(lambda: mfsdp.fully_shard(nn.Linear(4, 4).to(device), process_group=group,
+                                           create_all_gather_group=True),
+                 ValueError, "create_all_gather_group=True needs a process group spanning all ranks")
+    expect_error(lambda: save_checkpoint("/nonexistent/unused", model), NotImplementedError,
+                 "sharded over 2 of 4 ranks", "full_state_dict")
+    return {"worst": worst, "norm_errs": norms}
+
+
+# ---------------------------------------------------------------- error paths (world 2)
+
+def error_paths(rank: int, world: int, path: str) -> None:
+    """Every user-reachable raise of api.py, config.py, checkpoint.py, dcp.py,
+    layerwise.py and clip.py that no other test reaches: the exception type and the
+    words of its message that name the problem."""
+    device = device_for_backend()
+    _api_and_config_errors(device)
+    _full_state_dict_errors(device)
+    _sharded_checkpoint_errors(rank, world, device, path)
+    _layerwise_errors(device)
+    _clip_errors(device)
+
+
+def _api_and_config_errors(device) -> None:
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
+    lin = lambda: nn.Linear(4, 4).to(device)  # noqa: E731
+    for depth in (-1, True, 1.5):
+        expect_error(lambda: mfsdp.fully_shard(lin(), prefetch_depth=depth), ValueError,
+                     f"prefetch_depth must be an int >= 0, got {depth!r}")
+    for alignment in (0, -16, 2.5):
+        expect_error(lambda: mfsdp.fully_shard(lin(), alignment=alignment), ValueError,
+                     f"alignment must be a positive int, got {alignment!r}")
+    expect_error(lambda: mfsdp.fully_shard(lin(), sharding_strategy="zero3"), ValueError,
+                 "unknown sharding_strategy 'zero3'", "'optim_grads_params'")
+    expect_error(lambda: mfsdp.fully_shard(lin(), sharding_strategy="optim", reshard_after_forward=True),
+                 ValueError, "reshard_after_forward=True contradicts sharding_strategy='optim'")
+    same_ranks = dist.new_group(list(range(dist.get_world_size())))  # collective
+    expect_error(lambda: mfsdp.fully_shard(lin(), all_gather_group=same_ranks, create_all_gather_group=True),
+                 ValueError, "either all_gather_group or create_all_gather_group=True, not both")
+    fake = dist.new_group(list(range(dist.get_world_size())), backend="fake")  # collective
+    expect_error(lambda: mfsdp.fully_shard(lin(), process_group=fake), ValueError,
+                 "supports NCCL and Gloo process groups, got backend 'fake'")
+
+    model = mfsdp.fully_shard(nn.Sequential(mfsdp.fully_shard(lin()), lin()))
+    plain = lin()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    expect_error(lambda: mfsdp.attach_param_sync(opt, plain), TypeError,
+                 "attach_param_sync needs a fully_shard module, got Linear")
+    expect_error(lambda: model.set_modules_to_forward_prefetch([model[0], plain]), ValueError,
+                 "set_modules_to_forward_prefetch: Linear is not a fully_shard module")
+    expect_error(lambda: model.set_modules_to_backward_prefetch(["block"]), ValueError,
+                 "set_modules_to_backward_prefetch: str is not a fully_shard module")
+    expect_error(lambda: model.set_prefetch_depth(-2), ValueError, "prefetch_depth must be an int >= 0, got -2")
+    kept = mfsdp.fully_shard(lin(), sharding_strategy="optim_grads")
+    expect_error(lambda: kept.set_reshard_after_forward(True), ValueError,
+                 "set_reshard_after_forward(True)", "sharding_strategy='optim_grads'")
+
+    expect_error(lambda: mfsdp.fully_shard_model(nn.Sequential(lin()), mfsdp.FSDPConfig(),
+                                                 fsdp_unit_modules=[nn.Linear(2, 2)]),
+                 TypeError, "fsdp_unit_modules must hold nn.Module classes, got Linear(")
+
+
+def _sharded_llama_with_buffer(device, scale_numel: int = 3, **build_opts):
+    cfg, model, _ = build_models(dict({"layers": 2}, **build_opts), device)
+    model.register_buffer("scale", torch.ones(scale_numel, device=device))  # replicated state
+    return cfg, shard_llama(model)
+
+
+def _full_state_dict_errors(device) -> None:
+    cfg, model = _sharded_llama_with_buffer(device)
+    good = mfsdp.full_state_dict(model, rank0_only=False)
+    model.blocks[0].unshard()
+    for call in (lambda: mfsdp.full_state_dict(model), lambda: mfsdp.load_full_state_dict(model, good)):
+        expect_error(call, RuntimeError, "has its unsharded parameters installed", "reshard() first")
+    model.blocks[0].reshard()
+    expect_error(lambda: mfsdp.load_full_state_dict(model, dict(good, bogus=torch.zeros(1))), KeyError,
+                 "unexpected keys ['bogus']")
+    missing = {k: v for k, v in good.items() if k != "norm.weight"}
+    missing["bogus"] = torch.zeros(1)
+    expect_error(lambda: mfsdp.load_full_state_dict(model, missing), KeyError,
+                 "missing keys ['norm.weight']; unexpected keys ['bogus']")
+    expect_error(lambda: mfsdp.load_full_state_dict(model, dict(good, **{"blocks.1.attn.wo.weight": torch.zeros(4, 8)})),
+                 ValueError, "'blocks.1.attn.wo.weight' has shape (4, 8), expected (32, 32)")
+    expect_error(lambda: mfsdp.load_full_state_dict(model, dict(good, scale=torch.zeros(4))), ValueError,
+                 "'scale' has shape (4,), expected (3,)")
+
+
+def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None:
+    """Checkpoints that save_checkpoint itself never writes are made with dcp.save from
+    an edited sharded_state_dict()."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint, sharded_state_dict
+
+    cfg, model = _sharded_llama_with_buffer(device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+    model.loss(tokens, tokens).backward()
+    opt.step()
+
+    model.blocks[0].unshard()
+    for call in (lambda: save_checkpoint(path + "/never", model), lambda: sharded_state_dict(model)):
+        expect_error(call, RuntimeError, "has its unsharded parameters installed", "reshard() first")
+    model.blocks[0].reshard()
+    stranger = torch.optim.AdamW(params + [nn.Parameter(torch.zeros(2, 5, device=device))], lr=1e-3)
+    expect_error(lambda: save_checkpoint(path + "/never", model, stranger), ValueError,
+                 "the optimizer holds a parameter that is not in the module (shape (2, 5))")
+
+    # Without the stored shapes, a parameter of another numel is caught by its size.
+    no_shapes = sharded_state_dict(model)
+    del no_shapes["meta.param_shapes"]
+    with warnings_silenced():
+        dcp.save(no_shapes, checkpoint_id=path + "/no_shapes")
+    _, wider = _sharded_llama_with_buffer(device, ffn=96)
+    expect_error(lambda: load_checkpoint(path + "/no_shapes", wider), ValueError,
+                 "'model.blocks.0.mlp.w_gate_up.weight' holds 5632 elements", "shape (192, 32) (6144 elements)")
+    # A replicated entry (buffer) of another shape.
+    save_checkpoint(path + "/full", model, opt)
+    _, longer = _sharded_llama_with_buffer(device, scale_numel=4)
+    expect_error(lambda: load_checkpoint(path + "/full", longer), ValueError,
+                 "'model.scale' has shape (3,)", "the model's has (4,)")
+
+    # Optimizer state that names no parameter, or has another numel than its parameter.
+    stray = sharded_state_dict(model, opt)
+    stray["optim.state.nope.exp_avg"] = torch.zeros(3, device=device)
+    with warnings_silenced():
+        dcp.save(stray, checkpoint_id=path + "/stray")
+    expect_error(lambda: load_checkpoint(path + "/stray", model, opt), KeyError,
+                 "'optim.state.nope.exp_avg'", "belongs to no parameter")
+    resized = sharded_state_dict(model, opt)
+    resized["optim.state.blocks.0.attn.wo.weight.exp_avg"] = torch.zeros(5, device=device)
+    with warnings_silenced():
+        dcp.save(resized, checkpoint_id=path + "/resized")
+    expect_error(lambda: load_checkpoint(path + "/resized", model, opt), ValueError,
+                 "'optim.state.blocks.0.attn.wo.weight.exp_avg' holds 5 elements",
+                 "parameter 'blocks.0.attn.wo.weight' has shape (32, 32)")
+
+    # Optimizer groups that differ from the checkpoint's.
+    half = len(params) // 2
+    two_groups = torch.optim.AdamW([{"params": params[:half]}, {"params": params[half:]}], lr=1e-3)
+    first_extra = sorted([n for n, _ in model.named_parameters()][half:])[0]  # the error names the first, sorted
+    expect_error(lambda: load_checkpoint(path + "/full", model, two_groups), KeyError,
+                 f"optimizer group 0 in the checkpoint has parameter '{first_extra}'", "not in this optimizer's group 0")
+    save_checkpoint(path + "/two_groups", model, two_groups)
+    first_group_only = torch.optim.AdamW(params[:half], lr=1e-3)
+    expect_error(lambda: load_checkpoint(path + "/two_groups", model, first_group_only), ValueError,
+                 "the checkpoint's optimizer has 2 parameter groups, this optimizer has 1")
+
+
+def warnings_silenced():
+    """DCP warns that ShardedTensor is deprecated (see dcp._quiet)."""
+    from megatron_fsdp_ext.dcp import _quiet
+
+    return _quiet()
+
+
+def _layerwise_errors(device) -> None:
+    from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
+
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1) if ps else None  # noqa: E731
+    lin = lambda: nn.Linear(4, 4).to(device)  # noqa: E731
+    expect_error(lambda: LayerwiseDistributedOptimizer(lin(), sgd, grad_reduce="allreduce"), ValueError,
+                 "grad_reduce must be 'reduce_scatter' or 'all_reduce', got 'allreduce'")
+    for size in (0, 2.5):
+        expect_error(lambda: LayerwiseDistributedOptimizer(lin(), sgd, bucket_size=size), ValueError,
+                     f"bucket_size must be a positive int (elements), got {size!r}")
+    expect_error(lambda: LayerwiseDistributedOptimizer(lin(), sgd, gather_algo="FAST"), ValueError,
+                 "gather_algo must be one of AUTO, GROUPED, PADDED; got 'FAST'")
+    frozen = lin().requires_grad_(False)
+    expect_error(lambda: LayerwiseDistributedOptimizer(frozen, sgd), ValueError, "got no parameters that require grad")
+    foreign = nn.Parameter(torch.zeros(3, device=device))
+    expect_error(lambda: LayerwiseDistributedOptimizer(lin(), lambda ps: torch.optim.SGD(list(ps) + [foreign], lr=0.1)),
+                 ValueError, "optimizer_factory must only use the parameters it was given")
+    sharded = nn.Sequential(mfsdp.fully_shard(lin()))
+    expect_error(lambda: LayerwiseDistributedOptimizer(sharded, sgd), ValueError,
+                 "parameter '0.weight' is sharded by fully_shard")
+    lopt = LayerwiseDistributedOptimizer(lin(), sgd)
+    expect_error(lambda: lopt.step(closure=lambda: 0.0), NotImplementedError, "does not take a closure")
+    expect_error(lambda: lopt.load_state_dict({}), KeyError, "needs a 'state' entry")
+
+
+def _clip_errors(device) -> None:
+    # Units over two different process groups (same ranks): one norm cannot combine them.
+    other = dist.new_group(list(range(dist.get_world_size())))  # collective
+    model = nn.Sequential(mfsdp.fully_shard(nn.Linear(4, 4).to(device), process_group=other), nn.Linear(4, 4).to(device))
+    mfsdp.fully_shard(model)
+    model(torch.randn(2, 4, device=device)).sum().backward()
+    expect_error(lambda: mfsdp.clip_grad_norm_(model, 1.0), ValueError,
+                 "parameters are sharded over different process groups")
