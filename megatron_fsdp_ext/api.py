@@ -329,7 +329,7 @@ def fully_shard(
         raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(alignment, int) or alignment < 1:
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     strategy = _check_strategy(sharding_strategy)

@@ -33,8 +33,9 @@ def _names_by_param(module: nn.Module) -> Dict[int, list]:
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict:
     """Gather every sharded parameter in full precision. Collective: call on all ranks.
 
-    Returns the full state dict (same keys as the unwrapped module's) on rank 0, or on
-    every rank with rank0_only=False; other ranks get {}.
+    Returns the full state dict (same keys as the unwrapped module's) on global rank 0
+    (also for a model sharded over a subgroup), or on every rank with rank0_only=False;
+    other ranks get {}.
     """
     states = _unit_states(module)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -306,10 +306,15 @@ def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
 
 
 def _split_state_key(rest: str, known: set):
-    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'): the last dot
-    separates them (torch.optim's state keys have no dots)."""
-    name, _, key = rest.rpartition(".")
-    return (name, key) if name in known else (None, None)
+    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'). State keys may
+    contain dots themselves ('ema.decay'), so the longest known parameter name that
+    prefixes `rest` wins."""
+    parts = rest.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:cut])
+        if name in known:
+            return name, ".".join(parts[cut:])
+    return None, None
 
 
 def _check_groups(saved_groups, group_names, path: str) -> None:

@@ -637,7 +637,7 @@ def _api_and_config_errors(device) -> None:
     for depth in (-1, True, 1.5):
         expect_error(lambda: mfsdp.fully_shard(lin(), prefetch_depth=depth), ValueError,
                      f"prefetch_depth must be an int >= 0, got {depth!r}")
-    for alignment in (0, -16, 2.5):
+    for alignment in (0, -16, 2.5, True):
         expect_error(lambda: mfsdp.fully_shard(lin(), alignment=alignment), ValueError,
                      f"alignment must be a positive int, got {alignment!r}")
     expect_error(lambda: mfsdp.fully_shard(lin(), sharding_strategy="zero3"), ValueError,
