@@ -11,7 +11,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 from megatron_fsdp_ext.hooks import iter_states
 
-from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard,
+from .workers import (build_models, check_grads, device_for_backend, expect_error, global_batches, rel_err, shard,
                       step_with_reference)
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -204,7 +204,9 @@ def checkpoint_bad_input(rank: int, world: int, path: str) -> None:
 
 
 def megatron_config_parity(rank: int, world: int, config_kwargs: Dict, unit_modules: bool = True) -> Dict:
-    """fully_shard_model + FSDPConfig (+ attach_param_sync) trains like the reference."""
+    """fully_shard_model + FSDPConfig (+ attach_param_sync) trains like the reference:
+    every parameter's full gradient at every step (AdamW's update barely changes when
+    all gradients are scaled), and the parameters at the end."""
     from megatron_fsdp_ext.models import Block
 
     device = device_for_backend()
@@ -214,10 +216,16 @@ def megatron_config_parity(rank: int, world: int, config_kwargs: Dict, unit_modu
     states = list(iter_states(model))
     opt = _adamw(model.parameters())
     mfsdp.attach_param_sync(opt, model)
+    ref_opt = _adamw(ref.parameters())
+    replicated = config.data_parallel_sharding_strategy == "no_shard"
     per = 2
-    batches = list(global_batches(cfg, 4, per * world, 8, device))
-    _train(model, opt, cfg, batches, rank, world, per)
-    _reference(cfg, ref, batches)
+    for step, (tokens, targets) in enumerate(global_batches(cfg, 4, per * world, 8, device)):
+        model.loss(tokens[rank * per: (rank + 1) * per], targets[rank * per: (rank + 1) * per]).backward()
+        ref.loss(tokens, targets).backward()
+        check_grads(step, model, ref, replicated, tol=1e-5)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
     full = mfsdp.full_state_dict(model, rank0_only=False)
     worst = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
     assert worst <= 1e-5, f"{config}: parameters differ from the reference by {worst}"

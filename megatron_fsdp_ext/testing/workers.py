@@ -114,6 +114,10 @@ def global_batches(cfg, steps: int, batch: int, seq: int, device):
 
 
 # Option sets for train_parity, shared by the Gloo and NCCL suites.
+# A bf16 param_dtype makes the reference FSDP2 under the same policy (see train_parity).
+# AdamW's update does not change when every gradient is scaled, SGD's does: the bf16
+# scenarios also train with SGD (momentum) and clipping, in the same processes.
+_SGD_CLIP = {"optimizer": "sgd", "clip": 0.05}
 PARITY_SCENARIOS = {
     "adamw": {},
     "sgd": {"optimizer": "sgd"},
@@ -126,15 +130,11 @@ PARITY_SCENARIOS = {
     "no_reshard_after_forward": {"reshard_after_forward": False},
     "explicit_all_gather_and_reduce_scatter_groups": {"explicit_groups": True},
     "block_called_twice": {"reuse_block": True},
-    # bf16 compute vs an fp32 reference: losses within bf16 tolerance, and every
-    # parameter's error a small fraction of how far it moved (lr 1e-3 so it moves).
     "bf16_mixed_precision": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "lr": 1e-3, "extra_runs": [_SGD_CLIP],
     },
     "bf16_reduce": {
-        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16,
-        "lr": 1e-3, "loss_tol": 1e-2, "param_tol_of_update": 0.15,
+        "param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "lr": 1e-3, "extra_runs": [_SGD_CLIP],
     },
 }
 
@@ -150,81 +150,212 @@ def step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows) -> None
     ref_opt.zero_grad()
 
 
+def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
+    """The same units as shard(), built by PyTorch's FSDP2 under the same mixed-precision
+    policy: the reference for low-precision parity. FSDP2 has no ZeRO-1/2 or no_shard
+    mode of its own; the gradient and update math of every strategy is the same."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2 parameter, gradient or norm) as one full tensor (collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gather_full_grads(model: nn.Module, replicated: bool) -> Dict[str, torch.Tensor]:
+    """Every parameter's full gradient, flattened, on CPU (None where it is None), from
+    the sharded `.grad`s of all ranks placed by their units' layouts. Checks the pieces
+    on the way: a gradient is None on every rank or on none; sharded pieces tile the
+    parameter exactly once; replicated (no_shard) gradients are whole on every rank,
+    and this rank's own copy is returned (each rank checks its own)."""
+    local = {}
+    for name, p in model.named_parameters():
+        owner = getattr(p, "_mfsdp_owner", None)
+        assert owner is not None, f"'{name}' is not a parameter of any fully_shard unit"
+        state = owner()
+        idx = next(i for i, q in enumerate(state.sharded_params) if q is p)
+        layout = state.unit.layout
+        offset = layout.shard_slices(state.unit.shard_index)[idx].param_offset
+        grad = None if p.grad is None else p.grad.detach().reshape(-1).cpu().clone()
+        local[name] = (offset, layout.numels[idx], grad)
+    pieces_by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces_by_rank, local)
+    full = {}
+    for name, (_, numel, own_grad) in local.items():
+        pieces = [by_rank[name] for by_rank in pieces_by_rank]
+        none_on = [r for r, (_, _, g) in enumerate(pieces) if g is None]
+        assert not none_on or len(none_on) == len(pieces), f"'{name}': gradient None on ranks {none_on} only"
+        if none_on:
+            full[name] = None
+        elif replicated:
+            for r, (offset, _, g) in enumerate(pieces):
+                assert offset == 0 and g.numel() == numel, (
+                    f"'{name}': rank {r} holds {g.numel()} of {numel} gradient elements from offset {offset}")
+            full[name] = own_grad
+        else:
+            grad = torch.zeros(numel, dtype=own_grad.dtype)
+            covered = torch.zeros(numel, dtype=torch.int32)
+            for offset, _, g in pieces:
+                grad[offset: offset + g.numel()] = g
+                covered[offset: offset + g.numel()] += 1
+            assert bool((covered == 1).all()), (
+                f"'{name}': the ranks' gradient pieces cover elements {covered.min().item()} to "
+                f"{covered.max().item()} times, not exactly once")
+            full[name] = grad
+    return full
+
+
+def check_grads(step: int, model: nn.Module, ref: nn.Module, replicated: bool, tol: float) -> float:
+    """After the last backward of a step, before clipping and the optimizer: every
+    parameter's full gradient equals the reference's. Returns the largest rel. error."""
+    ours = gather_full_grads(model, replicated)
+    theirs = {}
+    for name, p in ref.named_parameters():
+        theirs[name] = None if p.grad is None else _full(p.grad).detach().reshape(-1).cpu()
+    assert set(ours) == set(theirs), f"parameter names differ: {sorted(set(ours) ^ set(theirs))}"
+    worst = 0.0
+    for name, want in theirs.items():
+        got = ours[name]
+        assert (got is None) == (want is None), (
+            f"step {step}: gradient of '{name}' is {'None' if got is None else 'set'} but the reference's is "
+            f"{'None' if want is None else 'set'}")
+        if want is None:
+            continue
+        assert got.numel() == want.numel(), f"'{name}': {got.numel()} gradient elements vs {want.numel()}"
+        assert want.norm() > 0, f"step {step}: the reference gradient of '{name}' is zero; the check is vacuous"
+        err = rel_err(got, want)
+        assert err <= tol, f"step {step}: gradient of '{name}' rel err {err:.3e} > {tol}"
+        worst = max(worst, err)
+    return worst
+
+
+def parity_tolerances(opts: Dict, world: int) -> Dict[str, float]:
+    """Relative-error bounds of train_parity, from what differs from its reference.
+
+    - fp32 (plain reference), or bf16 params with fp32 reduction (FSDP2 reference): only
+      the order of fp32 sums differs (the ranks' partial gradients, the clip norm's
+      pieces); measured <= 2e-9 for gradients, 1e-8 for parameters.
+    - bf16 reduction, world 2: a + b rounds alike in either order, and FSDP2's average
+      and our sum-then-halve are exact scalings: bitwise-equal gradients (measured).
+    - bf16 reduction, world > 2: Gloo sums each element in an order set by its position
+      in the flat buffer, which differs between our layout and FSDP2's, so each bf16 sum
+      may round apart by an ulp (2^-8): measured 3.9e-3 at step 0, 1.4e-2 by step 5 as
+      parameters drift. A gradient scaled by 2, or left unreduced, errs by ~1. AdamW
+      turns such differences into sign flips of near-zero updates (parameters 6e-3 apart
+      after 5 steps), so parameters are bounded by a fraction of how far they moved.
+    """
+    reduce_dtype = opts.get("reduce_dtype") or opts.get("param_dtype") or torch.float32
+    if reduce_dtype == torch.float32 or world <= 2:
+        return {"grad": 1e-5, "param": 1e-5, "loss": 1e-5, "norm": 1e-5}
+    return {"grad": 5e-2, "param_of_update": 0.15, "loss": 1e-3, "norm": 5e-2}
+
+
 def train_parity(rank: int, world: int, opts: Dict) -> Dict:
-    """Train sharded vs reference for opts['steps'] steps; assert parity; return stats."""
+    """Train the sharded model and a reference side by side for opts['steps'] steps on
+    the same data and check: at every step each rank's local loss and every parameter's
+    full gradient (after the last backward, before clipping and the step), the gradient
+    norm when clipping; at the end every parameter.
+
+    fp32: the reference is the plain model on the whole global batch (the gradient of
+    the mean loss is the mean of the ranks' gradients). A low-precision param_dtype:
+    FSDP2 under the same policy, ranks and per-rank data; a plain fp32 model would differ
+    by bf16 rounding (~1e-2), enough to hide a wrongly scaled gradient of that size.
+    opts['extra_runs']: more option overrides trained and checked in the same processes."""
+    extra_runs = opts.get("extra_runs", ())
+    if extra_runs:
+        base = {k: v for k, v in opts.items() if k != "extra_runs"}
+        result = train_parity(rank, world, base)
+        result["extra_runs"] = [train_parity(rank, world, dict(base, **extra)) for extra in extra_runs]
+        return result
+
     device = device_for_backend()
     cfg, model, ref = build_models(opts, device)
     init_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     shard(model, opts)
+    fsdp2_reference = opts.get("param_dtype") is not None
+    if fsdp2_reference:
+        shard_with_fsdp2(ref, opts)
+    replicated = opts.get("strategy") == "no_shard"
     opt = make_optimizer(model.parameters(), opts)
     ref_opt = make_optimizer(ref.parameters(), opts)
     micro = opts.get("micro_batches", 1)
-    batch = opts.get("batch", 4) * world
+    per_rank = opts.get("batch", 4)
+    batch = per_rank * world
     seq = opts.get("seq", 16)
     clip = opts.get("clip")
-    losses, ref_losses, norms, ref_norms = [], [], [], []
+    tol = parity_tolerances(opts, world)
+    local_losses, ref_local_losses, losses, ref_losses, norms, ref_norms = [], [], [], [], [], []
+    grad_errs = []  # per step: the largest gradient rel. error over the parameters
     for tokens, targets in global_batches(cfg, opts.get("steps", 5), batch * micro, seq, device):
-        # Reference: full global batch, split into the same micro-batches.
         ref_opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for m in range(micro):
-            rows = slice(m * batch, (m + 1) * batch)
-            loss = ref.loss(tokens[rows], targets[rows]) / micro
-            loss.backward()
-            total += loss.item()
-        ref_losses.append(total)
-        if clip:
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
-        ref_opt.step()
-
-        # Sharded: this rank's rows of every micro-batch; sync only on the last.
         opt.zero_grad(set_to_none=True)
-        per_rank = batch // world
-        total = 0.0
+        local = ref_local = ref_total = 0.0
         for m in range(micro):
             start = m * batch + rank * per_rank
-            rows = slice(start, start + per_rank)
+            rows = slice(start, start + per_rank)  # this rank's rows of micro-batch m
             # sync_every_micro: reduce every backward, accumulating into existing .grad.
-            model.set_requires_gradient_sync(opts.get("sync_every_micro", False) or m == micro - 1)
+            sync = opts.get("sync_every_micro", False) or m == micro - 1
+            if fsdp2_reference:
+                ref.set_requires_gradient_sync(sync)
+                ref_loss = ref.loss(tokens[rows], targets[rows]) / micro
+                ref_loss.backward()
+                ref_local += ref_loss.item()
+            else:
+                # The whole micro-batch, as one process would train; and the loss on our rows.
+                whole = slice(m * batch, (m + 1) * batch)
+                ref_loss = ref.loss(tokens[whole], targets[whole]) / micro
+                ref_loss.backward()
+                ref_total += ref_loss.item()
+                with torch.no_grad():
+                    ref_local += ref.loss(tokens[rows], targets[rows]).item() / micro
+            model.set_requires_gradient_sync(sync)
             loss = model.loss(tokens[rows], targets[rows]) / micro
             loss.backward()
-            total += loss.item()
-        t = torch.tensor([total], device=device, dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+            local += loss.item()
+        local_losses.append(local)
+        ref_local_losses.append(ref_local)
+        if not fsdp2_reference:
+            t = torch.tensor([local], device=device, dtype=torch.float64)
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            ref_losses.append(ref_total)
+        grad_errs.append(check_grads(len(grad_errs), model, ref, replicated, tol["grad"]))
         if clip:
+            ref_norms.append(_full(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)).item())
             norms.append(mfsdp.clip_grad_norm_(model, clip).item())
+        ref_opt.step()
         opt.step()
 
-    # Gradients: unused params have None on both sides; others exist on both.
-    ref_grad_none = {n for n, p in ref.named_parameters() if p.grad is None}
-    grad_none = {n for n, p in model.named_parameters() if p.grad is None}
-    assert ref_grad_none == grad_none, f"grad None mismatch: ref {sorted(ref_grad_none)} vs fsdp {sorted(grad_none)}"
-
     full = mfsdp.full_state_dict(model, rank0_only=False)
-    ref_sd = ref.state_dict()
+    ref_sd = {k: _full(v).detach() for k, v in ref.state_dict().items()}
     assert set(full) == set(ref_sd), f"state dict keys differ: {set(full) ^ set(ref_sd)}"
     errs = {k: rel_err(full[k], ref_sd[k]) for k in ref_sd}
     worst = max(errs, key=errs.get)
-    param_tol = opts.get("param_tol", 1e-5)
-    loss_tol = opts.get("loss_tol", 1e-5)
-    loss_errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
-    assert max(loss_errs) <= loss_tol, f"losses {losses} vs reference {ref_losses} (rel err {max(loss_errs):.2e} > {loss_tol})"
+    for name, ours, theirs in (("local", local_losses, ref_local_losses), ("global", losses, ref_losses)):
+        loss_errs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+        assert not loss_errs or max(loss_errs) <= tol["loss"], (
+            f"{name} losses {ours} vs reference {theirs} (rel err {max(loss_errs):.2e} > {tol['loss']})")
     moved = {k: rel_err(ref_sd[k], init_sd[k]) for k in ref_sd}
-    if "param_tol_of_update" in opts:
-        # Low precision: each parameter must end far closer to the reference than the
-        # reference is to the initial value (its error is a small part of its update).
+    if "param_of_update" in tol:
+        # Each parameter's error is a small part of how far it moved.
         frac = {k: errs[k] / moved[k] for k in ref_sd if moved[k] > 0}
         k = max(frac, key=frac.get)
-        assert frac[k] <= opts["param_tol_of_update"], (
+        assert frac[k] <= tol["param_of_update"], (
             f"parameter '{k}' error {errs[k]:.2e} is {frac[k]:.2f} of its update {moved[k]:.2e}")
     else:
-        assert errs[worst] <= param_tol, f"parameter '{worst}' rel err {errs[worst]:.3e} > {param_tol}"
-        assert max(moved.values()) > 100 * param_tol, (
+        assert errs[worst] <= tol["param"], f"parameter '{worst}' rel err {errs[worst]:.3e} > {tol['param']}"
+        assert max(moved.values()) > 100 * tol["param"], (
             f"reference parameters barely moved ({max(moved.values()):.2e}); the parity check would be vacuous")
     if clip:
         norm_errs = [abs(a - b) / b for a, b in zip(norms, ref_norms)]
-        assert max(norm_errs) <= opts.get("norm_tol", 1e-4), f"grad norms {norms} vs {ref_norms}"
+        assert max(norm_errs) <= tol["norm"], f"grad norms {norms} vs {ref_norms}"
+        assert min(ref_norms) > clip, f"grad norms {ref_norms} never exceed {clip}: clipping was not exercised"
     if opts.get("tie"):
         assert full["head.weight"].equal(full["embed.weight"]), "tied weights diverged"
     # A fresh plain module loads the full state dict.
@@ -232,8 +363,22 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     if opts.get("unused"):
         plain.blocks[0].unused = nn.Linear(cfg.d_model, 7)
     plain.load_state_dict(full)
-    return {"losses": losses, "ref_losses": ref_losses, "max_param_err": errs[worst], "worst": worst}
+    return {"local_losses": local_losses, "ref_local_losses": ref_local_losses, "losses": losses,
+            "grad_errs": grad_errs, "max_param_err": errs[worst], "worst": worst}
 
+
+def check_parity_results(results: List[Dict], steps: int) -> None:
+    """For the test process: train_parity checked each rank's local losses and full
+    gradients against the reference at every step; that it did so for every run and
+    step, and that ranks trained on different rows (identical rows on every rank would
+    let an unreduced gradient pass)."""
+    runs = [[r] + r.get("extra_runs", []) for r in results]
+    for per_rank in zip(*runs):
+        for r in per_rank:
+            assert len(r["grad_errs"]) == steps and len(r["local_losses"]) == steps, (
+                f"{len(r['grad_errs'])} gradient and {len(r['local_losses'])} loss checks for {steps} steps")
+        if len(per_rank) > 1:
+            assert per_rank[0]["local_losses"] != per_rank[1]["local_losses"], "ranks 0 and 1 trained on the same rows"
 
 class TinyOddModel(nn.Module):
     """Parameters smaller than the world size, of zero size, and of odd sizes."""
@@ -372,93 +517,6 @@ def mismatched_group_errors(rank: int, world: int) -> None:
     for what in ("all_gather_group", "reduce_scatter_group"):
         expect_error(lambda: mfsdp.fully_shard(nn.Linear(4, 4).to(device), **{what: mine}),
                      ValueError, what, "[0, 1, 2, 3]", "same ranks")
-
-
-# ---------------------------------------------------------------- GPU-only workers
-
-def _sleep_cycles() -> int:
-    return 20_000_000  # ~10 ms on an H200: long enough to expose a missing wait
-
-
-def install_stream_chaos() -> None:
-    """Delay the compute stream right before every unshard and gradient reduction,
-    and the side streams right before their collectives are issued, so that any
-    missing cross-stream wait produces wrong numbers instead of passing by luck."""
-    from megatron_fsdp_ext import hooks
-
-    def as_cuda_stream(s):
-        return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
-
-    orig_unshard = hooks.FSDPState.unshard
-    orig_post_backward = hooks.FSDPState.post_backward
-
-    def unshard(self):
-        if self.unit is not None and self.ctx is not None:
-            torch.cuda._sleep(_sleep_cycles())            # compute still busy when AG starts
-            with torch.cuda.stream(as_cuda_stream(self.ctx.comm.all_gather_stream())):
-                torch.cuda._sleep(_sleep_cycles())        # AG late: compute must wait for it
-        orig_unshard(self)
-
-    def post_backward(self):
-        if self.unit is not None and not self._post_backward_done:
-            torch.cuda._sleep(_sleep_cycles())            # grads packed late on compute
-            with torch.cuda.stream(as_cuda_stream(self.ctx.comm.reduce_scatter_stream())):
-                torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
-        orig_post_backward(self)
-
-    hooks.FSDPState.unshard = unshard
-    hooks.FSDPState.post_backward = post_backward
-
-
-def train_parity_with_stream_chaos(rank: int, world: int, opts: Dict) -> Dict:
-    install_stream_chaos()
-    return train_parity(rank, world, opts)
-
-
-def cuda_device_errors(rank: int, world: int) -> None:
-    """Parameters not on the process group's device are refused with a clear message."""
-    gloo = dist.new_group(backend="gloo")
-    m = nn.Linear(4, 4).cuda()
-    expect_error(lambda: mfsdp.fully_shard(m, process_group=gloo), ValueError, "backend 'gloo'", "cuda")
-    m = nn.Linear(4, 4)  # CPU params, default NCCL group
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "move the module to cuda")
-    other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
-    m = nn.Linear(4, 4).to(f"cuda:{other}")
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "current CUDA device")
-    m = nn.Sequential(nn.Linear(4, 4).cuda(), nn.Linear(4, 4))
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "different devices")
-
-
-def unsharded_memory_released(rank: int, world: int) -> Dict:
-    """After a training step every unit is resharded, no side buffer is in flight,
-    zero_grad(set_to_none=True) frees all gradient memory (the units keep no
-    reference), and allocated memory does not grow from step to step."""
-    device = device_for_backend()
-    cfg, model, _ = build_models({"layers": 4, "d_model": 256, "ffn": 688, "vocab": 512}, device)
-    shard(model, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    after, drops = [], []
-    for tokens, targets in global_batches(cfg, 4, 4, 64, device):
-        model.loss(tokens, targets).backward()
-        opt.step()
-        torch.cuda.synchronize()
-        grad_storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                         for p in model.parameters() if p.grad is not None}
-        before = torch.cuda.memory_allocated()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        after.append(torch.cuda.memory_allocated())
-        drops.append((before - after[-1], sum(grad_storages.values())))
-        for m in model.modules():
-            st = m.__dict__.get("_mfsdp_state")
-            if st is not None and st.unit is not None:
-                assert st.unit.unsharded_storage_bytes == 0, f"{st} still holds unsharded storage"
-                assert st.ctx.comm.num_inflight_reductions == 0
-    for freed, grad_bytes in drops:
-        assert freed >= grad_bytes, f"zero_grad freed {freed} bytes of {grad_bytes} gradient bytes: something keeps grads alive"
-    # No growth once the optimizer state exists (from the second step on).
-    assert max(after[1:]) <= after[1] + (256 << 10), f"allocated memory grows: {after}"
-    return {"allocated_after_step": after, "freed_by_zero_grad": drops}
 
 
 # ---------------------------------------------------------------- prefetch / overlap engine
@@ -668,135 +726,6 @@ def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> 
     bound = root_bytes + (2 + depth) * block_bytes
     assert peak[0] <= bound, f"{peak[0]} unsharded bytes held at once > bound {bound} ({n_layers} layers, depth {depth})"
     return {"peak_unsharded_bytes": peak[0], "bound": bound}
-
-
-def overlap_profile(rank: int, world: int, n_layers: int, trace_dir: str = "") -> Dict:
-    """torch.profiler on one steady-state step: forward all-gathers overlap compute
-    kernels (>= N-1 of them), backward all-gathers and reduce-scatters overlap compute,
-    and with separate communicators all-gather and reduce-scatter kernels overlap."""
-    import os
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from .trace import kernel_intervals, overlapping
-
-    device = device_for_backend()
-    # Big enough that the GPU, not the CPU launching kernels, sets the pace (as in
-    # real training): on a launch-bound step a prefetched all-gather finishes before
-    # the next compute kernel is even issued, and nothing can overlap.
-    cfg = LlamaConfig(vocab_size=8192, d_model=2048, n_layers=n_layers, n_heads=16, ffn_hidden=5504)
-    model = _bf16_sharded_llama(cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = list(global_batches(cfg, 3, 8, 2048, device))
-    for tokens, targets in batches[:2]:
-        model.loss(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
-    tokens, targets = batches[2]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        # A long leading kernel puts the GPU behind the CPU, so the timeline shows what
-        # the engine's stream dependencies allow, not how fast Python launches kernels.
-        torch.cuda._sleep(10 * _sleep_cycles())
-        loss = model.loss(tokens, targets)
-        torch.cuda._sleep(1000)  # marker kernel between forward and backward
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.synchronize()
-    path = os.path.join(trace_dir or tempfile.mkdtemp(), f"overlap_trace_rank{rank}.json")
-    prof.export_chrome_trace(path)
-    kernels = kernel_intervals(path)
-    if trace_dir and rank == 0:
-        try:
-            from .trace import plot_timeline
-            plot_timeline(kernels, os.path.join(trace_dir, "overlap_timeline.png"),
-                          f"fully_shard, {n_layers} blocks: one step (after a leading sleep), rank 0")
-        except ImportError:
-            pass
-    spins = sorted((k for k in kernels if "spin" in k[0].lower()), key=lambda k: k[2])
-    assert len(spins) == 2, f"expected the two marker kernels, found {len(spins)}"
-    marker = spins[1][2]
-    is_nccl = lambda k: "nccl" in k[0].lower()  # noqa: E731
-    compute = [k for k in kernels if not is_nccl(k) and "spin" not in k[0].lower()]
-    ag = [k for k in kernels if is_nccl(k) and "allgather" in k[0].lower()]
-    rs = [k for k in kernels if is_nccl(k) and "reducescatter" in k[0].lower()]
-    fwd_ag = [k for k in ag if k[3] <= marker]
-    bwd_ag = [k for k in ag if k[2] >= marker]
-    stats = {
-        "fwd_all_gathers": len(fwd_ag),
-        "fwd_all_gathers_overlapping_compute": sum(overlapping(k, compute) for k in fwd_ag),
-        "bwd_all_gathers_overlapping_compute": sum(overlapping(k, compute) for k in bwd_ag),
-        "reduce_scatters_overlapping_compute": sum(overlapping(k, compute) for k in rs),
-        "all_gathers_overlapping_reduce_scatters": sum(overlapping(k, rs) for k in ag),
-        # Per forward all-gather: (start ms after the first, duration ms, overlaps compute).
-        "fwd_timeline": [(round((k[2] - fwd_ag[0][2]) / 1e3, 3), round((k[3] - k[2]) / 1e3, 3), overlapping(k, compute))
-                         for k in fwd_ag],
-        "trace": path,
-    }
-    assert stats["fwd_all_gathers_overlapping_compute"] >= n_layers - 1, stats
-    assert stats["bwd_all_gathers_overlapping_compute"] >= 1, stats
-    assert stats["reduce_scatters_overlapping_compute"] >= 1, stats
-    assert stats["all_gathers_overlapping_reduce_scatters"] >= 1, stats
-    return stats
-
-
-def cuda_graph_training(rank: int, world: int, steps: int = 4) -> Dict:
-    """With all_gather_in_start_param_sync off (the default) nothing is launched outside
-    forward/backward, so a whole training step (forward, backward with its
-    reduce-scatters, optimizer step) is captured once in a CUDA graph and replayed.
-    The replayed model matches an identically sharded model trained eagerly."""
-    device = device_for_backend()
-    cfg, graphed, eager = build_models({"layers": 3, "d_model": 64, "ffn": 176}, device)
-    for m in (graphed, eager):  # two independent roots, each with its own context
-        shard(m, {})
-    initial = [p.detach().clone() for p in eager.parameters()]
-    # capturable: the step count lives on the GPU, so the captured step advances it.
-    opt = torch.optim.AdamW(graphed.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
-    per = 2
-    batches = [(t[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-               for t, y in global_batches(cfg, 3 + steps, per * world, 16, device)]
-
-    def train_step(model, optimizer, tokens, targets):
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    # Warm-up on a side stream (lazy init, recorded forward order, NCCL and cuBLAS setup).
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for tokens, targets in batches[:3]:
-            for model, optimizer in ((graphed, opt), (eager, eager_opt)):
-                optimizer.zero_grad(set_to_none=True)
-                train_step(model, optimizer, tokens, targets)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-    static_tokens, static_targets = batches[3][0].clone(), batches[3][1].clone()
-    opt.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        static_loss = train_step(graphed, opt, static_tokens, static_targets)
-    worst_loss = 0.0
-    for tokens, targets in batches[3:]:
-        static_tokens.copy_(tokens)
-        static_targets.copy_(targets)
-        graph.replay()
-        eager_opt.zero_grad(set_to_none=True)
-        eager_loss = train_step(eager, eager_opt, tokens, targets)
-        worst_loss = max(worst_loss, abs(static_loss.item() - eager_loss.item()))
-    torch.cuda.synchronize()
-    worst_param = max(rel_err(a.detach(), b.detach()) for a, b in zip(graphed.parameters(), eager.parameters()))
-    moved = max(rel_err(p, p0) for p, p0 in zip(eager.parameters(), initial))
-    # Same kernels in the same order; the margin only covers nondeterministic kernels.
-    assert worst_loss <= 1e-4, f"replayed losses differ from eager: {worst_loss}"
-    assert worst_param <= 1e-4, f"replayed parameters differ from eager: {worst_param}"
-    assert moved > 1e-3, "training did not move the parameters: the comparison proves nothing"
-    return {"worst_loss": worst_loss, "worst_param": worst_param}
 
 
 # ---------------------------------------------------------------- uneven collectives
