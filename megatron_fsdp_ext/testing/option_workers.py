@@ -732,17 +732,18 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
                  "'model.scale' has shape (3,)", "the model's has (4,)")
 
     # Optimizer state that names no parameter, or has another numel than its parameter.
-    stray = sharded_state_dict(model, opt)
-    stray["optim.state.nope.exp_avg"] = torch.zeros(3, device=device)
-    with warnings_silenced():
-        dcp.save(stray, checkpoint_id=path + "/stray")
-    expect_error(lambda: load_checkpoint(path + "/stray", model, opt), KeyError,
+    def save_with(key: str, numel: int, where: str) -> str:
+        edited = sharded_state_dict(model, opt)
+        edited[key] = torch.zeros(numel, device=device)
+        with warnings_silenced():
+            dcp.save(edited, checkpoint_id=path + where)
+        return path + where
+
+    stray = save_with("optim.state.nope.exp_avg", 3, "/stray")
+    expect_error(lambda: load_checkpoint(stray, model, opt), KeyError,
                  "'optim.state.nope.exp_avg'", "belongs to no parameter")
-    resized = sharded_state_dict(model, opt)
-    resized["optim.state.blocks.0.attn.wo.weight.exp_avg"] = torch.zeros(5, device=device)
-    with warnings_silenced():
-        dcp.save(resized, checkpoint_id=path + "/resized")
-    expect_error(lambda: load_checkpoint(path + "/resized", model, opt), ValueError,
+    resized = save_with("optim.state.blocks.0.attn.wo.weight.exp_avg", 5, "/resized")
+    expect_error(lambda: load_checkpoint(resized, model, opt), ValueError,
                  "'optim.state.blocks.0.attn.wo.weight.exp_avg' holds 5 elements",
                  "parameter 'blocks.0.attn.wo.weight' has shape (32, 32)")
 
