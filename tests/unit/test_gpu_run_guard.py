@@ -20,8 +20,13 @@ def load_summarizer():
 
 
 def without_gpus(**extra):
+    import megatron_fsdp_ext
+
+    # The child imports the package from where this process found it: the install (CI,
+    # where the source tree has no compiled _C) or a development checkout on PYTHONPATH.
+    package_root = str(Path(megatron_fsdp_ext.__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_COMMIT")}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), **extra)
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=package_root, **extra)
     return env
 
 
