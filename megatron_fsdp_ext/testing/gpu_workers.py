@@ -20,7 +20,8 @@ import torch.nn as nn
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
-from .workers import build_models, device_for_backend, expect_error, global_batches, rel_err, shard, train_parity
+from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard, shard_blocks_and_root,
+                      train_parity)
 
 
 def _sleep_cycles() -> int:
@@ -134,10 +135,7 @@ def _llama_on_device(cfg: LlamaConfig, device) -> LlamaModel:
 def _shard_bf16(model: LlamaModel, depth: int) -> LlamaModel:
     """Every block and the root sharded with bf16 parameters and fp32 gradient reduction."""
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        mfsdp.fully_shard(block, mp_policy=mp, prefetch_depth=depth)
-    mfsdp.fully_shard(model, mp_policy=mp, prefetch_depth=depth)
-    return model
+    return shard_blocks_and_root(model, mp_policy=mp, prefetch_depth=depth)
 
 
 def _plain_forward_bytes(cfg: LlamaConfig, tokens, targets, device) -> int:

@@ -19,16 +19,15 @@ from megatron_fsdp_ext import hooks
 from megatron_fsdp_ext.hooks import iter_states
 from megatron_fsdp_ext.models import Block, LlamaModel
 
-from .workers import build_models, device_for_backend, expect_error, global_batches, rel_err, step_with_reference
+from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard_blocks_and_root,
+                      shard_piece, step_with_reference)
 
 
 # ---------------------------------------------------------------- helpers
 
 def expected_shard(full: torch.Tensor, sharded_param: torch.Tensor) -> torch.Tensor:
     """The part of a full (reference) tensor that `sharded_param`, a 1-D shard, holds."""
-    state = sharded_param._mfsdp_owner()
-    index = next(i for i, q in enumerate(state.sharded_params) if q is sharded_param)
-    piece = state.unit.layout.shard_slices(state.unit.shard_index)[index]
+    _, _, piece = shard_piece(sharded_param)
     return full.detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
 
 
@@ -51,13 +50,6 @@ def worst_param_error(model: nn.Module, ref: nn.Module) -> float:
 
 def rows_of(rank: int, per_rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
-
-
-def shard_llama(model: LlamaModel, **kwargs) -> LlamaModel:
-    for block in model.blocks:
-        mfsdp.fully_shard(block, **kwargs)
-    mfsdp.fully_shard(model, **kwargs)
-    return model
 
 
 def expected_even_layout(numels: List[int], world: int, alignment: int):
@@ -112,7 +104,7 @@ def precision_and_layout_options(rank: int, world: int) -> Dict:
     for alignment in (1, 64):
         # d_model 40: the norm weights' 40 elements leave every default (16) alignment gap.
         cfg, model, ref = build_models({"layers": 2, "d_model": 40}, device)
-        shard_llama(model, alignment=alignment)
+        shard_blocks_and_root(model, alignment=alignment)
         for state in iter_states(model):
             layout = state.unit.layout
             numels = list(layout.numels)
@@ -200,7 +192,7 @@ def _fp16_parameters_parity(rank: int, world: int, device) -> Dict:
     model.half()
     ref.half()
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    shard_llama(model)
+    shard_blocks_and_root(model)
     assert all(p.dtype == torch.float16 for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -251,9 +243,7 @@ def ignored_params_clip_and_state_dicts(rank: int, world: int) -> Dict:
     cfg, model, ref_global = build_models({"layers": 2}, device)
     ref_local = copy.deepcopy(ref_global)
     ignored = {"blocks.0.attn.wo.weight": model.blocks[0].attn.wo.weight, "head.weight": model.head.weight}
-    for block in model.blocks:
-        mfsdp.fully_shard(block, ignored_params=ignored.values())
-    mfsdp.fully_shard(model, ignored_params=ignored.values())
+    shard_blocks_and_root(model, ignored_params=ignored.values())
     params = dict(model.named_parameters())
     for name, p in ignored.items():
         assert params[name] is p, f"ignored '{name}' was replaced"
@@ -296,7 +286,7 @@ def ignored_params_clip_and_state_dicts(rank: int, world: int) -> Dict:
 
 def _clip_options(rank: int, world: int, device) -> Dict:
     cfg, model, ref = build_models({"layers": 2}, device)
-    shard_llama(model)
+    shard_blocks_and_root(model)
     per = 2
     tokens, targets = next(global_batches(cfg, 1, per * world, 8, device))
     model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)]).backward()
@@ -355,7 +345,7 @@ def _clip_options(rank: int, world: int, device) -> Dict:
 def _state_dict_options(rank: int, world: int, device) -> Dict:
     cfg, model, _ = build_models({"layers": 2}, device)
     model.register_buffer("scale", torch.arange(3.0, device=device))  # a replicated entry
-    shard_llama(model)
+    shard_blocks_and_root(model)
     unit_device = model._fsdp_state.unit.device
 
     # cpu_offload=False: every tensor stays on the parameters' device, same values, and
@@ -445,7 +435,7 @@ def reshard_and_prefetch_controls(rank: int, world: int) -> Dict:
     per = 2
     report = {}
     cfg, model, ref = build_models({"layers": 3}, device)
-    shard_llama(model)
+    shard_blocks_and_root(model)
     root = model._fsdp_state
     blocks = [b._fsdp_state for b in model.blocks]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -577,7 +567,7 @@ def subgroup_process_group(rank: int, world: int) -> Dict:
     color = rank // 2
     group = groups[color]
     cfg, model, ref = build_models({"layers": 2}, device)
-    shard_llama(model, process_group=group)
+    shard_blocks_and_root(model, process_group=group)
     for state in iter_states(model):
         assert (state.unit.world_size, state.unit.shard_index) == (2, rank % 2), (
             f"{state}: sharded over {state.unit.world_size} ranks as index {state.unit.shard_index}, "
@@ -673,7 +663,7 @@ def _api_and_config_errors(device) -> None:
 def _sharded_llama_with_buffer(device, scale_numel: int = 3, **build_opts):
     cfg, model, _ = build_models(dict({"layers": 2}, **build_opts), device)
     model.register_buffer("scale", torch.ones(scale_numel, device=device))  # replicated state
-    return cfg, shard_llama(model)
+    return cfg, shard_blocks_and_root(model)
 
 
 def _full_state_dict_errors(device) -> None:

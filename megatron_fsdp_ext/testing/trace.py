@@ -30,14 +30,9 @@ def covered_fraction(a: Kernel, others: List[Kernel]) -> float:
     duration = a[3] - a[2]
     if duration <= 0:
         return 0.0
-    spans = sorted((max(o[2], a[2]), min(o[3], a[3])) for o in others if o[1] != a[1] and o[2] < a[3] and a[2] < o[3])
-    covered, reach = 0.0, a[2]
-    for start, end in spans:
-        start = max(start, reach)
-        if end > start:
-            covered += end - start
-            reach = end
-    return covered / duration
+    clipped = [(o[0], o[1], max(o[2], a[2]), min(o[3], a[3]))
+               for o in others if o[1] != a[1] and o[2] < a[3] and a[2] < o[3]]
+    return union_length(clipped) / duration
 
 
 def union_length(kernels: List[Kernel]) -> float:

@@ -71,6 +71,25 @@ def build_models(opts: Dict, device: torch.device):
     return cfg, model, ref
 
 
+def shard_blocks_and_root(model: LlamaModel, fully_shard=None, **kwargs) -> LlamaModel:
+    """`fully_shard` (ours by default; torch's FSDP2 for a reference) on every block,
+    then on the root, with the same keyword arguments."""
+    fully_shard = fully_shard or mfsdp.fully_shard
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def shard_piece(sharded_param: torch.Tensor):
+    """(unit state, parameter index, this rank's ShardSlice) of a sharded parameter."""
+    owner = getattr(sharded_param, "_mfsdp_owner", None)
+    assert owner is not None, "not a parameter of any fully_shard unit"
+    state = owner()
+    index = next(i for i, q in enumerate(state.sharded_params) if q is sharded_param)
+    return state, index, state.unit.layout.shard_slices(state.unit.shard_index)[index]
+
+
 def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
     mp = mfsdp.MixedPrecisionPolicy(
         param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype")
@@ -87,10 +106,7 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
         prefetch_depth=opts.get("prefetch_depth", 1),
         create_all_gather_group=opts.get("create_all_gather_group"),
     )
-    for block in model.blocks:
-        mfsdp.fully_shard(block, **kw)
-    mfsdp.fully_shard(model, **kw)
-    return model
+    return shard_blocks_and_root(model, **kw)
 
 
 def make_optimizer(params, opts: Dict):
@@ -157,10 +173,7 @@ def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    return shard_blocks_and_root(model, fully_shard=fully_shard, mp_policy=mp)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -176,14 +189,9 @@ def gather_full_grads(model: nn.Module, replicated: bool) -> Dict[str, torch.Ten
     and this rank's own copy is returned (each rank checks its own)."""
     local = {}
     for name, p in model.named_parameters():
-        owner = getattr(p, "_mfsdp_owner", None)
-        assert owner is not None, f"'{name}' is not a parameter of any fully_shard unit"
-        state = owner()
-        idx = next(i for i, q in enumerate(state.sharded_params) if q is p)
-        layout = state.unit.layout
-        offset = layout.shard_slices(state.unit.shard_index)[idx].param_offset
+        state, idx, piece = shard_piece(p)
         grad = None if p.grad is None else p.grad.detach().reshape(-1).cpu().clone()
-        local[name] = (offset, layout.numels[idx], grad)
+        local[name] = (piece.param_offset, state.unit.layout.numels[idx], grad)
     pieces_by_rank = [None] * dist.get_world_size()
     dist.all_gather_object(pieces_by_rank, local)
     full = {}
