@@ -22,6 +22,27 @@ bool compiled_with_cuda() {
 #endif
 }
 
+// Destroys an object that may hold the last reference to a c10d ProcessGroup (or to
+// in-flight Work) without the GIL. A Gloo worker thread that is still freeing a finished
+// collective's tensors needs the GIL to drop their Python objects, while the group's
+// destructor waits for that thread: destroying it with the GIL held can deadlock.
+template <typename T>
+struct DeleteWithoutGil {
+  void operator()(T* ptr) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete ptr;
+    } else {
+      delete ptr;
+    }
+  }
+};
+
+template <typename T, typename... Args>
+std::shared_ptr<T> make_shared_without_gil_delete(Args&&... args) {
+  return std::shared_ptr<T>(new T(std::forward<Args>(args)...), DeleteWithoutGil<T>{});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -96,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "What VarAlgo.AUTO resolves to for an uneven collective of this shape.");
   m.attr("PADDED_ALL_GATHER_MIN_BYTES") = kPaddedAllGatherMinBytes;
 
-  py::class_<Communicator>(m, "Communicator")
+  py::class_<Communicator, std::unique_ptr<Communicator, DeleteWithoutGil<Communicator>>>(m, "Communicator")
       .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
@@ -122,7 +143,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<CommContext, std::shared_ptr<CommContext>>(m, "CommContext")
-      .def(py::init<c10::Device, int64_t>(), py::arg("device"), py::arg("max_inflight_reductions") = 1)
+      .def(py::init([](c10::Device device, int64_t max_inflight_reductions) {
+             return make_shared_without_gil_delete<CommContext>(device, max_inflight_reductions);
+           }),
+           py::arg("device"), py::arg("max_inflight_reductions") = 1)
       .def_property_readonly("device", &CommContext::device)
       .def_property_readonly("has_side_streams", [](const CommContext& c) { return c.streams().enabled(); })
       .def_property_readonly("max_inflight_reductions", &CommContext::max_inflight_reductions)
@@ -151,8 +175,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every Unit method that may wait on a collective releases the GIL: a Gloo worker
   // thread finishing an earlier Python-issued collective needs it to free tensors.
   py::class_<Unit, std::shared_ptr<Unit>>(m, "Unit")
-      .def(py::init<const std::vector<at::Tensor>&, std::vector<std::string>, ProcessGroupPtr,
-                    int64_t, std::optional<at::ScalarType>, std::optional<at::ScalarType>, ShardingStrategy>(),
+      .def(py::init([](const std::vector<at::Tensor>& params, std::vector<std::string> names, ProcessGroupPtr pg,
+                       int64_t alignment, std::optional<at::ScalarType> param_dtype,
+                       std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy) {
+             return make_shared_without_gil_delete<Unit>(params, std::move(names), std::move(pg), alignment,
+                                                         param_dtype, reduce_dtype, strategy);
+           }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = 16,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
            py::arg("strategy") = ShardingStrategy::kOptimGradsParams)
@@ -173,8 +201,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unsharded_views", &Unit::unsharded_views)
       .def("bind_params", &Unit::bind_params)
       .def("set_context", &Unit::set_context)
-      .def("set_all_gather_group", &Unit::set_all_gather_group)
-      .def("set_reduce_scatter_group", &Unit::set_reduce_scatter_group)
+      // Replacing a group may drop the last reference to the previous one.
+      .def("set_all_gather_group", &Unit::set_all_gather_group, py::call_guard<py::gil_scoped_release>())
+      .def("set_reduce_scatter_group", &Unit::set_reduce_scatter_group,
+           py::call_guard<py::gil_scoped_release>())
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
