@@ -25,6 +25,7 @@ from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
 from .dcp import load_checkpoint, save_checkpoint, sharded_state_dict
+from .state_dict import local_state_dict
 
 
 def build_info() -> dict:
@@ -59,6 +60,7 @@ __all__ = [
     "fully_shard_model",
     "load_checkpoint",
     "load_full_state_dict",
+    "local_state_dict",
     "save_checkpoint",
     "sharded_state_dict",
 ]

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from . import _C
 from .hooks import FSDPState, iter_states
+from .state_dict import ModuleStateDictHooks
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -160,6 +161,50 @@ def _states_of(modules, what: str):
     return states
 
 
+def _own_mp_policy(policy) -> MixedPrecisionPolicy:
+    """Ours as is; torch's FSDP2 MixedPrecisionPolicy converted field by field."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                    output_dtype=policy.output_dtype,
+                                    cast_forward_inputs=policy.cast_forward_inputs)
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (ours or torch.distributed.fsdp's), "
+                    f"got {type(policy).__name__}")
+
+
+def _group_from_mesh(mesh, process_group):
+    if mesh is None:
+        return process_group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if process_group is not None:
+        raise ValueError("pass either mesh or process_group, not both")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard(mesh=...) takes a 1-D mesh; got {mesh.ndim}-D {mesh.mesh_dim_names or ''} "
+            "(hybrid sharding on a 2-D mesh is not supported yet)")
+    return mesh.get_group()
+
+
+def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
+    if offload_policy is not None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if isinstance(offload_policy, CPUOffloadPolicy) or not isinstance(offload_policy, OffloadPolicy):
+            raise NotImplementedError(
+                f"offload_policy={offload_policy!r}: CPU offloading of parameters is not supported; "
+                "pass None (or OffloadPolicy()) and keep parameters on the accelerator")
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "shard_placement_fn is not supported: a unit shards its parameters as one flat buffer "
+            "(contiguous ranges per rank), not parameter by parameter on a chosen dim")
+
+
 def _check_depth(depth) -> int:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
         raise ValueError(f"prefetch_depth must be an int >= 0, got {depth!r}")
@@ -242,6 +287,7 @@ def _collect(module: nn.Module, ignored: set):
     """
     params, names, index_of = [], [], {}
     slots = []  # (params_dict, name, index)
+    keys = []  # (state_dict key relative to `module`, index): every slot, tied ones included
 
     def visit(mod: nn.Module, prefix: str, is_top: bool):
         if not is_top and "_mfsdp_state" in mod.__dict__:
@@ -264,12 +310,13 @@ def _collect(module: nn.Module, ignored: set):
                 params.append(p)
                 names.append(prefix + name)
             slots.append((mod._parameters, name, index_of[id(p)]))
+            keys.append((prefix + name, index_of[id(p)]))
         for child_name, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{child_name}.", False)
 
     visit(module, "", True)
-    return params, names, slots
+    return params, names, slots, keys
 
 
 def fully_shard(
@@ -286,6 +333,9 @@ def fully_shard(
     reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
     all_gather_in_start_param_sync: bool = False,
+    mesh=None,
+    offload_policy=None,
+    shard_placement_fn=None,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
     call) across `process_group` and install the hooks that all-gather them for
@@ -317,7 +367,15 @@ def fully_shard(
     all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
                      all-gathers right after the optimizer step; off: nothing is ever
                      launched outside forward/backward.
+    mesh:            FSDP2's spelling of process_group: a 1-D DeviceMesh (its group is used).
+    offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
+    shard_placement_fn: FSDP2's; not supported (units shard one flat buffer, not per parameter).
+    mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard(list of modules): one unit spanning several sibling modules is not supported; "
+            "call fully_shard on their common parent, or on each module separately")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -327,8 +385,13 @@ def fully_shard(
         )
     if "_mfsdp_state" in module.__dict__:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = _own_mp_policy(mp_policy)
+    process_group = _group_from_mesh(mesh, process_group)
+    _check_fsdp2_only_options(offload_policy, shard_placement_fn)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
+            "(FSDP2's int form, resharding to a smaller group after forward, is not supported)")
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
@@ -352,7 +415,7 @@ def fully_shard(
         raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
 
     ignored = {id(p) for p in (ignored_params or ())}
-    params, names, slots = _collect(module, ignored)
+    params, names, slots, keys = _collect(module, ignored)
     unit = None
     sharded, unsharded = [], []
     if params:
@@ -407,5 +470,6 @@ def fully_shard(
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
     module.__dict__["_mfsdp_state"] = state
+    state.state_dict_hooks = ModuleStateDictHooks(state, keys)
     module.__class__ = _fsdp_class(type(module))
     return module

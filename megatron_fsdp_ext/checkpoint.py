@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .hooks import iter_states
+from .state_dict import local_state_dict
 
 
 def _unit_states(module: nn.Module):
@@ -41,7 +42,8 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = (not rank0_only) or rank == 0
     names = _names_by_param(module)
-    sd = module.state_dict()
+    with local_state_dict():  # sharded entries are replaced by the gathered values below
+        sd = module.state_dict()
     for state in states:
         full = state.unit.gather_full_params()
         for p, t in zip(state.sharded_params, full):
@@ -63,7 +65,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
     names = _names_by_param(module)
     sharded_ids = set()
-    own = module.state_dict()  # the replicated entries below are copied into these
+    with local_state_dict():
+        own = module.state_dict()  # the replicated entries below are copied into these
     expected = set(own)
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)

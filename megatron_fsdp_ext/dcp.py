@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from . import _C
 from .hooks import iter_states
+from .state_dict import local_state_dict
 
 
 @contextlib.contextmanager
@@ -118,7 +119,9 @@ def _sharded_params(module: nn.Module) -> Dict[int, _ParamInfo]:
 def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
     entries = {}
     by_name = {n: info for info in infos.values() for n in info.names}
-    for key, value in module.state_dict(keep_vars=True).items():
+    with local_state_dict():  # this rank's 1-D shards: wrapped below with their ranges
+        own = module.state_dict(keep_vars=True)
+    for key, value in own.items():
         info = by_name.get(key)
         if info is not None:
             entries[f"model.{key}"] = info.wrap(value.detach())
@@ -226,6 +229,13 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         size = list(getattr(meta[key], "size", []))
         if key in by_name:
             info = by_name[key]
+            if size == list(info.full_shape) and len(size) != 1:
+                raise ValueError(
+                    f"load_checkpoint: '{key}' in {path} is stored in its full shape {tuple(size)}, as torch's "
+                    "state-dict helpers and FSDP2 write it, not flattened as save_checkpoint writes it; load such "
+                    "a checkpoint with torch.distributed.checkpoint: dcp.load({'model': get_model_state_dict(model), "
+                    "...}) then set_model_state_dict / set_optimizer_state_dict"
+                )
             if size != [info.full_numel]:
                 raise ValueError(
                     f"load_checkpoint: '{key}' holds {size[0] if len(size) == 1 else size} elements in {path}, "
@@ -292,7 +302,8 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         g = {k: v for k, v in saved.items() if k != "params"}
         g["params"] = [index[n] for n in names]
         osd_groups.append(g)
-    optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
+    with local_state_dict():  # the entries are already this rank's pieces
+        optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
 
 
 def _load(target: dict, path: str) -> None:
@@ -302,7 +313,8 @@ def _load(target: dict, path: str) -> None:
 
 def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
     if keys:
-        module.load_state_dict({k[len("model."):]: pickle.loads(target[k]) for k in keys}, strict=False)
+        with local_state_dict():
+            module.load_state_dict({k[len("model."):]: pickle.loads(target[k]) for k in keys}, strict=False)
 
 
 def _split_state_key(rest: str, known: set):

@@ -11,10 +11,11 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _C
+from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
 
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
@@ -42,8 +43,17 @@ def _global_step_post_hook(optimizer, args, kwargs) -> None:
     mark_stepped(optimizer)
 
 
+def _global_step_pre_hook(optimizer, args, kwargs) -> None:
+    # Once per optimizer: its state_dict()/load_state_dict() speak full shapes from now
+    # on, and state loaded before (into a fresh optimizer) is cut to this rank's pieces.
+    if "_mfsdp_state_dict_hooks" not in optimizer.__dict__:
+        convert_loaded_optimizer_state(optimizer)
+        attach_optimizer(optimizer)
+
+
 # Every optimizer in the process: cheap (one attribute lookup per parameter), and it is
 # what keeps `optim` / `optim_grads` / `no_shard`-with-cast copies current.
+register_optimizer_step_pre_hook(_global_step_pre_hook)
 register_optimizer_step_post_hook(_global_step_post_hook)
 
 

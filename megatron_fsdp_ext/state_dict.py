@@ -1,0 +1,317 @@
+"""torch's state-dict protocol for sharded modules and their optimizers.
+
+`model.state_dict()` gives every sharded parameter as a DTensor of its full shape,
+sharded on dim 0 over the unit's process group exactly as FSDP2 shards it; the optimizer's
+`state_dict()` does the same for state shaped like a parameter (Adam's moments,
+momentum). torch.distributed.checkpoint, its state-dict helpers
+(get/set_model_state_dict, get/set_optimizer_state_dict, full_state_dict, cpu_offload,
+broadcast_from_rank0) and FSDP2 checkpoints therefore work unchanged, at any world size.
+`load_state_dict()` takes DTensors (any placement) or full tensors, and refuses a tensor
+of any other shape, so nothing loads into the wrong elements.
+
+Our shards are flat ranges of a unit's buffer, which no DTensor placement describes, so
+both directions gather: state_dict() is a collective over each unit's group (every rank
+calls it, as with FSDP1's state dicts), holding one unit unsharded at a time. The
+parameters the optimizer updates stay plain 1-D tensors. `local_state_dict()` turns the
+conversion off and gives this rank's 1-D shards as they are (no collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import _C
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def local_state_dict():
+    """Inside this context, state_dict() of sharded modules and their optimizers returns
+    each rank's 1-D shards (no collective, not loadable at another layout), and
+    load_state_dict() expects them back."""
+    depth = getattr(_mode, "local", 0)
+    _mode.local = depth + 1
+    try:
+        yield
+    finally:
+        _mode.local = depth
+
+
+def _local_mode() -> bool:
+    return getattr(_mode, "local", 0) > 0
+
+
+# ---------------------------------------------------------------- gathering and slicing
+
+def _mesh(state, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over the unit's group (kept on the state, made once)."""
+    cached = state.__dict__.get("_dtensor_mesh")
+    if cached is None or cached.device_type != device_type:
+        cached = DeviceMesh.from_group(state.process_group, device_type)
+        state.__dict__["_dtensor_mesh"] = cached
+    return cached
+
+
+def _replicated(state) -> bool:
+    return state.unit.strategy == _C.ShardingStrategy.NO_SHARD
+
+
+def _local_piece(state, index: int, full: torch.Tensor) -> torch.Tensor:
+    """This rank's 1-D piece of parameter `index` cut from its full value."""
+    if _replicated(state):
+        return full.reshape(-1)
+    piece = state.unit.layout.shard_slice(index, state.unit.shard_index)
+    return full.reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
+
+
+def _gather_full(state, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Full values of the unit's parameters from every rank's 1-D pieces (None: zeros).
+    Collective over the unit's group; the result lives on the unit's device."""
+    unit, device = state.unit, state.unit.device
+    shapes = [tuple(u.shape) for u in state.unsharded_params]
+    if _replicated(state):
+        return [torch.zeros(s, dtype=dtype, device=device) if t is None else t.detach().to(device, dtype).view(s)
+                for t, s in zip(pieces, shapes)]
+    layout, rank = unit.layout, unit.shard_index
+    segment = torch.zeros(layout.segment_numels[rank], dtype=dtype, device=device)
+    for i, t in enumerate(pieces):
+        if t is not None:
+            piece = layout.shard_slice(i, rank)
+            segment[piece.shard_offset: piece.shard_offset + piece.numel].copy_(t.detach().reshape(-1))
+    flat = torch.empty(layout.total_numel, dtype=dtype, device=device)
+    _C.Communicator(state.process_group).all_gather_v(
+        flat, segment, layout.segment_starts, layout.segment_numels)
+    return [flat[o: o + n].view(s) for o, n, s in zip(layout.offsets, layout.numels, shapes)]
+
+
+def _as_dtensor(state, full: torch.Tensor) -> DTensor:
+    """`full` as FSDP2 stores it: dim 0 chunked over the group (torch.chunk sizes)."""
+    mesh = _mesh(state, full.device.type)
+    if full.dim() == 0:
+        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = -(-full.shape[0] // world)
+    start = min(rank * rows, full.shape[0])
+    local = full[start: min(start + rows, full.shape[0])].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tensor:
+    """The full tensor behind a loaded value: a DTensor (gathered: a collective over its
+    mesh) or a plain tensor of the full shape. Anything else is refused."""
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{what}: the loaded DTensor has shape {tuple(value.shape)}, expected {shape}")
+        mesh, local = value.device_mesh, value.to_local()
+        if local.device.type != mesh.device_type:  # offloaded (cpu_offload=True): gather where the mesh lives
+            value = DTensor.from_local(local.to(mesh.device_type), mesh, value.placements, run_check=False,
+                                       shape=value.shape, stride=value.stride())
+        return value.full_tensor()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        hint = ""
+        if value.dim() == 1 and value.numel() == local_numel:
+            hint = (" (it has this rank's shard size: a 1-D shard from local_state_dict() loads only "
+                    "inside local_state_dict(), at the layout that wrote it)")
+        raise ValueError(
+            f"{what}: got a tensor of shape {tuple(value.shape)}, expected the full shape {shape} "
+            f"or a DTensor as state_dict() returns{hint}")
+    return value
+
+
+def _check_resharded(state, what: str) -> None:
+    if state.unsharded_installed:
+        raise RuntimeError(
+            f"{what}: {state} has its unsharded parameters installed (inside forward/backward or after "
+            "unshard()); call it between training steps, or reshard() first")
+
+
+# ---------------------------------------------------------------- module hooks
+
+class ModuleStateDictHooks:
+    """The state-dict hooks of one fully_shard module; `keys` maps each state_dict key
+    (relative to the module) of the unit's parameters to the parameter's index."""
+
+    def __init__(self, state, keys: List[Tuple[str, int]]):
+        self.state = state
+        self.keys = keys
+        module = state.module
+        # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
+        self._handles = [
+            module.register_state_dict_post_hook(lambda *a: self._post_state_dict(*a)),
+            module.register_load_state_dict_pre_hook(lambda *a: self._pre_load(*a)),
+        ]
+
+    def _post_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        state = self.state
+        if state.unit is None or _local_mode():
+            return
+        present = [(prefix + k, i) for k, i in self.keys if prefix + k in state_dict]
+        if not present:
+            return
+        _check_resharded(state, "state_dict()")
+        full = _gather_full(state, list(state.sharded_params), state.unit.orig_dtype)
+        converted: Dict[int, object] = {}
+        for key, i in present:
+            value = state_dict[key]
+            if i not in converted:
+                f = full[i].to(value.dtype)
+                converted[i] = f if _replicated(state) else _as_dtensor(state, f)
+            state_dict[key] = converted[i]
+
+    def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                  unexpected_keys, error_msgs) -> None:
+        state = self.state
+        if state.unit is None or _local_mode():
+            return
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise NotImplementedError(
+                f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
+                "cannot be replaced; load without assign=True")
+        _check_resharded(state, "load_state_dict()")
+        for key, i in self.keys:
+            if prefix + key not in state_dict:
+                continue  # strict loading reports it
+            shard = state.sharded_params[i]
+            full = _full_value(state_dict[prefix + key], tuple(state.unsharded_params[i].shape), shard.numel(),
+                               f"load_state_dict '{prefix + key}'")
+            state_dict[prefix + key] = _local_piece(state, i, full)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------- optimizer hooks
+
+def _owner(p):
+    ref = getattr(p, "_mfsdp_owner", None)
+    state = ref() if ref is not None else None
+    if state is None or state.unit is None:
+        return None, -1
+    for i, q in enumerate(state.sharded_params):
+        if q is p:
+            return state, i
+    return None, -1  # an original parameter fully_shard replaced
+
+
+def _units_in(optimizer, saved_groups) -> List[Tuple[object, Dict[int, object]]]:
+    """Units whose shards `optimizer` updates, in the order the optimizer lists them, each
+    with {parameter index in the unit: the key the state dict uses for it}."""
+    units: Dict[int, Tuple[object, Dict[int, object]]] = {}
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        for p, key in zip(group["params"], saved["params"]):
+            state, i = _owner(p)
+            if state is not None:
+                units.setdefault(id(state), (state, {}))[1][i] = key
+    return list(units.values())
+
+
+def _agree(state, signature: str, what: str) -> None:
+    """Every rank of the unit's group must gather the same state keys, or the gathers
+    below would pair different tensors."""
+    group = state.process_group
+    mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64, device=state.unit.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(int(t.item()) != int(mine.item()) for t in every):
+        raise RuntimeError(
+            f"{what}: ranks of {state} hold different optimizer state for its parameters "
+            f"(this rank: {signature}); every rank must step the same parameters")
+
+
+def _shard_shaped_keys(state, index_to_key, states) -> Dict[str, torch.dtype]:
+    keys: Dict[str, torch.dtype] = {}
+    for i, key in index_to_key.items():
+        shard = state.sharded_params[i]
+        for name, v in states.get(key, {}).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                if tuple(v.shape) != tuple(shard.shape):
+                    raise NotImplementedError(
+                        f"optimizer state '{name}' of '{state.names[i]}' has shape {tuple(v.shape)}, not the "
+                        f"shard's {tuple(shard.shape)}: state shaped unlike its parameter cannot be resharded")
+                keys.setdefault(name, v.dtype)
+    return keys
+
+
+def _optimizer_post_state_dict(optimizer, state_dict):
+    if _local_mode():
+        return None
+    states = state_dict["state"]
+    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+        keys = _shard_shaped_keys(state, index_to_key, states)
+        _agree(state, ",".join(f"{k}:{d}" for k, d in sorted(keys.items(), key=lambda kv: kv[0])),
+               "optimizer.state_dict()")
+        if not keys:
+            continue
+        _check_resharded(state, "optimizer.state_dict()")
+        for name in sorted(keys):
+            pieces: List[Optional[torch.Tensor]] = [None] * len(state.sharded_params)
+            for i, key in index_to_key.items():
+                pieces[i] = states.get(key, {}).get(name)
+            full = _gather_full(state, pieces, keys[name])
+            for i, key in index_to_key.items():
+                if key in states and name in states[key]:
+                    f = full[i].to(states[key][name].device)
+                    states[key] = dict(states[key])
+                    states[key][name] = f if _replicated(state) else _as_dtensor(state, f)
+    return state_dict
+
+
+def _optimizer_pre_load(optimizer, state_dict):
+    if _local_mode():
+        return None
+    state_dict = dict(state_dict)
+    states = dict(state_dict["state"])
+    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+        for i, key in index_to_key.items():
+            if key not in states:
+                continue
+            shard = state.sharded_params[i]
+            entry = dict(states[key])
+            for name, v in entry.items():
+                if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or v.dim() > 0):
+                    full = _full_value(v, tuple(state.unsharded_params[i].shape), shard.numel(),
+                                       f"optimizer.load_state_dict: state '{name}' of '{state.names[i]}'")
+                    entry[name] = _local_piece(state, i, full).clone()
+            states[key] = entry
+    state_dict["state"] = states
+    return state_dict
+
+
+def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Install the optimizer's state-dict hooks once (our global step hook calls this,
+    and so does torch's get/set_optimizer_state_dict through the step it takes to
+    initialize the state). Optimizers without sharded parameters are left alone."""
+    if optimizer.__dict__.get("_mfsdp_state_dict_hooks"):
+        return
+    optimizer.__dict__["_mfsdp_state_dict_hooks"] = True
+    optimizer.register_state_dict_post_hook(_optimizer_post_state_dict)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_pre_load)
+
+
+def convert_loaded_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """State loaded by optimizer.load_state_dict() before our hooks were attached (a
+    fresh optimizer that never stepped) holds full tensors or DTensors: cut this rank's
+    pieces now, before the first step uses them."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state, i = _owner(p)
+            entry = optimizer.state.get(p)
+            if state is None or not entry:
+                continue
+            for name, v in list(entry.items()):
+                if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or (v.dim() > 0 and v.shape != p.shape)):
+                    full = _full_value(v, tuple(state.unsharded_params[i].shape), p.numel(),
+                                       f"optimizer state '{name}' of '{state.names[i]}'")
+                    entry[name] = _local_piece(state, i, full).to(p.device).clone()

@@ -1,0 +1,331 @@
+"""torch's own state-dict tools on a sharded model: model.state_dict() / load_state_dict(),
+torch.distributed.checkpoint (dcp.save / dcp.load) and its state-dict helpers
+(get/set_model_state_dict, get/set_optimizer_state_dict with full_state_dict, cpu_offload,
+broadcast_from_rank0), at the same and at another world size, and checkpoints exchanged
+with FSDP2. Every value is compared with a plain single-process model trained on the same
+data (the reference), and resumed training must continue exactly as the reference does:
+AdamW moments that load into the wrong elements change the next step."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.testing import gpu_world, run_distributed
+
+STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
+VOCAB, DIM, ROWS = 13, 24, 4
+
+
+def _tol():
+    # The reference runs on the same device; on GPUs the half batches of the sharded run
+    # meet other matmul kernels than the whole batch of the reference.
+    return dict(rtol=1e-4, atol=1e-5) if _dev().type == "cuda" else dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    """Shapes whose flat pieces cross row boundaries at worlds 2 and 4, a norm, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM, bias=False)) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h) * self.scale)
+
+
+def _dev():
+    """Where the models live: this rank's GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return Net().to(_dev())
+
+
+def _shard(model, strategy):
+    for block in model.blocks:
+        mfsdp.fully_shard(block, sharding_strategy=strategy)
+    return mfsdp.fully_shard(model, sharding_strategy=strategy)
+
+
+def _fsdp2(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (ROWS, 6), generator=g), torch.randint(0, VOCAB, (ROWS, 6), generator=g)
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _train(model, opt, steps, first=0, rows=None):
+    """`rows`: this rank's slice of each batch (the sharded runs); None: the whole batch."""
+    for step in range(first, first + steps):
+        x, y = (t.to(next(model.parameters()).device) for t in _batch(step))
+        if rows is not None:
+            x, y = x[rows], y[rows]
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _my_rows():
+    per = ROWS // dist.get_world_size()
+    return slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+
+
+def _opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _reference(steps):
+    ref = _net()
+    opt = _opt(ref)
+    _train(ref, opt, steps)
+    return ref, opt
+
+
+def _ref_optim_by_name(ref, opt):
+    return {name: opt.state[p] for name, p in ref.named_parameters()}
+
+
+def _assert_model_equal(full_sd, ref):
+    expected = ref.state_dict()
+    assert set(full_sd) == set(expected), (sorted(full_sd), sorted(expected))
+    for k, v in expected.items():
+        got = full_sd[k]
+        assert not isinstance(got, DTensor) and tuple(got.shape) == tuple(v.shape), (k, type(got), got.shape)
+        torch.testing.assert_close(got.cpu(), v.cpu(), **_tol(), msg=k)
+
+
+def _assert_optim_equal(full_osd, ref, ref_opt):
+    expected = _ref_optim_by_name(ref, ref_opt)
+    assert set(full_osd["state"]) == set(expected)
+    for name, entry in expected.items():
+        for key, v in entry.items():
+            torch.testing.assert_close(full_osd["state"][name][key].cpu(), v.cpu(), **_tol(), msg=f"{name}.{key}")
+
+
+def _full(model):
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _state_dicts_and_dcp(rank, world, strategy, ckpt_dir):
+    ref, ref_opt = _reference(2)
+    model = _shard(_net(), strategy)
+    opt = _opt(model)
+    _train(model, opt, 2, rows=_my_rows())
+
+    # model.state_dict(): full shapes; DTensors sharded on dim 0 (plain for no_shard).
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        got = sd[k]
+        assert tuple(got.shape) == tuple(v.shape), k
+        if k != "scale" and strategy != "no_shard":
+            assert isinstance(got, DTensor), (k, type(got))
+        torch.testing.assert_close((got.full_tensor() if isinstance(got, DTensor) else got).cpu(), v.cpu(), **_tol())
+
+    # torch's helpers: full state dicts, on every rank or offloaded to rank 0's CPU.
+    _assert_model_equal(_full(model), ref)
+    offloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        _assert_model_equal(offloaded, ref)
+        assert all(v.device.type == "cpu" for v in offloaded.values())
+    else:
+        assert offloaded == {}
+    full_osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    _assert_optim_equal(full_osd, ref, ref_opt)
+
+    # DCP round trip (torchtitan's layout) into a fresh model and optimizer, then resume.
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt_dir)
+    fresh = _shard(_net(seed=7), strategy)
+    fresh_opt = _opt(fresh)
+    target = {"model": get_model_state_dict(fresh), "optimizer": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    set_model_state_dict(fresh, target["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, target["optimizer"])
+    _assert_model_equal(_full(fresh), ref)
+    _assert_optim_equal(get_optimizer_state_dict(fresh, fresh_opt, options=StateDictOptions(full_state_dict=True)),
+                        ref, ref_opt)
+    _train(ref, ref_opt, 1, first=2)
+    _train(fresh, fresh_opt, 1, first=2, rows=_my_rows())
+    _assert_model_equal(_full(fresh), ref)
+
+    # Full state dicts in: every rank holds it, or only rank 0 (broadcast_from_rank0).
+    ref_sd = ref.state_dict()
+    ref_full_osd = get_optimizer_state_dict(ref, ref_opt, options=StateDictOptions(full_state_dict=True))
+    for broadcast in (False, True):
+        other = _shard(_net(seed=11), strategy)
+        other_opt = _opt(other)
+        _train(other, other_opt, 1, rows=_my_rows())  # state exists and is wrong
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+        given = ref_sd if (rank == 0 or not broadcast) else {}
+        set_model_state_dict(other, copy.deepcopy(given), options=opts)
+        set_optimizer_state_dict(other, other_opt, copy.deepcopy(ref_full_osd if given else {}), options=opts)
+        _assert_model_equal(_full(other), ref)
+        _assert_optim_equal(get_optimizer_state_dict(other, other_opt, options=StateDictOptions(full_state_dict=True)),
+                            ref, ref_opt)
+        # plain load_state_dict of a full (unsharded) state dict
+        other.load_state_dict(_net(seed=3).state_dict())
+        _assert_model_equal(_full(other), _net(seed=3))
+    return True
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_state_dict_helpers_and_dcp_match_plain_pytorch(strategy, tmp_path):
+    assert run_distributed(_state_dicts_and_dcp, 2, strategy, str(tmp_path / "ckpt"), timeout=240) == [True, True]
+    # The checkpoint holds full shapes: a plain single-process model loads it.
+    ref, _ = _reference(2)
+    plain = _net(seed=5)
+    sd = {"model": plain.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    plain.load_state_dict(sd["model"])
+    _assert_model_equal(plain.state_dict(), ref)
+
+
+def _plain_dcp_even_split(rank, world, ckpt_dir):
+    """dcp.save(model.state_dict()) of a Linear(64, 64) split evenly: each rank's rows
+    must come back (this loaded rank 0's half everywhere when shards were plain tensors)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 64)
+    model = mfsdp.fully_shard(copy.deepcopy(ref))
+    dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
+    torch.manual_seed(1)
+    fresh = mfsdp.fully_shard(nn.Linear(64, 64))
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(sd)
+    _assert_model_equal(_full(fresh), ref)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fresh(x), ref(x), **_tol())
+    return True
+
+
+def test_plain_dcp_save_load_even_split(tmp_path):
+    assert run_distributed(_plain_dcp_even_split, 2, str(tmp_path / "ckpt"), timeout=120) == [True, True]
+
+
+def _save_then_check(rank, world, strategy, ckpt_dir):
+    model = _shard(_net(), strategy)
+    opt = _opt(model)
+    _train(model, opt, 2, rows=_my_rows())
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt_dir)
+    return True
+
+
+def _load_and_resume(rank, world, strategy, ckpt_dir, fsdp2):
+    ref, ref_opt = _reference(2)
+    model = _fsdp2(_net(seed=9)) if fsdp2 else _shard(_net(seed=9), strategy)
+    opt = _opt(model)
+    if not fsdp2:  # our own loader names the format it cannot read, and what reads it
+        with pytest.raises(ValueError, match="stored in its full shape.*set_model_state_dict"):
+            mfsdp.load_checkpoint(ckpt_dir, model, opt)
+    target = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    set_model_state_dict(model, target["model"])
+    set_optimizer_state_dict(model, opt, target["optimizer"])
+    _assert_model_equal(_full(model), ref)
+    _assert_optim_equal(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
+                        ref, ref_opt)
+    _train(ref, ref_opt, 1, first=2)
+    _train(model, opt, 1, first=2, rows=_my_rows())
+    _assert_model_equal(_full(model), ref)
+    return True
+
+
+def _fsdp2_save(rank, world, ckpt_dir):
+    model = _fsdp2(_net())
+    opt = _opt(model)
+    _train(model, opt, 2, rows=_my_rows())
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt_dir)
+    return True
+
+
+def test_checkpoint_resharded_across_world_sizes_and_strategies(tmp_path):
+    ckpt = str(tmp_path / "w4")
+    assert run_distributed(_save_then_check, 4, "optim_grads_params", ckpt, timeout=180) == [True] * 4
+    assert run_distributed(_load_and_resume, 2, "optim", ckpt, False, timeout=180) == [True] * 2
+
+
+def test_checkpoints_interchange_with_fsdp2(tmp_path):
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "fsdp2")
+    assert run_distributed(_save_then_check, 2, "optim_grads_params", ours, timeout=180) == [True] * 2
+    assert run_distributed(_load_and_resume, 2, None, ours, True, timeout=180) == [True] * 2  # FSDP2 loads ours
+    assert run_distributed(_fsdp2_save, 2, theirs, timeout=180) == [True] * 2
+    assert run_distributed(_load_and_resume, 4, "optim_grads_params", theirs, False, timeout=180) == [True] * 4
+
+
+def _plain_load_and_refusals(rank, world):
+    # An optimizer that never stepped has none of our hooks yet: its load_state_dict takes
+    # the DTensors as they are, and the first step cuts this rank's pieces before using them.
+    ref, ref_opt = _reference(2)
+    model = _shard(_net(), "optim_grads")
+    opt = _opt(model)
+    _train(model, opt, 2, rows=_my_rows())
+    fresh = _shard(_net(seed=4), "optim_grads")
+    fresh_opt = _opt(fresh)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt.load_state_dict(opt.state_dict())
+    _train(ref, ref_opt, 1, first=2)
+    _train(fresh, fresh_opt, 1, first=2, rows=_my_rows())
+    _assert_model_equal(_full(fresh), ref)
+
+    model = _shard(_net(), "optim_grads_params")
+    local = {k: v for k, v in model.named_parameters()}  # this rank's 1-D shards
+    with pytest.raises(ValueError, match=r"expected the full shape \(13, 24\).*shard size"):
+        model.load_state_dict({**model.state_dict(), "emb.weight": local["emb.weight"].detach()})
+    with pytest.raises(NotImplementedError, match="assign=True"):
+        model.load_state_dict(model.state_dict(), assign=True)
+    # local_state_dict(): this rank's shards as they are, loadable back in that mode only
+    with mfsdp.local_state_dict():
+        raw = model.state_dict()
+        assert raw["emb.weight"].dim() == 1 and raw["emb.weight"].numel() == local["emb.weight"].numel()
+        model.load_state_dict(raw)
+    return True
+
+
+def test_plain_load_state_dict_and_refusals(tmp_path):
+    assert run_distributed(_plain_load_and_refusals, 2, timeout=120) == [True, True]
+
+
+@pytest.mark.gpu
+def test_state_dict_helpers_and_dcp_on_nccl(tmp_path):
+    """The same checks with NCCL and CUDA tensors (DeviceMesh on cuda, gathers on the GPU)."""
+    world = gpu_world()
+    assert run_distributed(_state_dicts_and_dcp, world, "optim_grads_params", str(tmp_path / "ckpt"),
+                           backend="nccl", timeout=300) == [True] * world
