@@ -20,6 +20,7 @@ from .api import (
     UnshardHandle,
     attach_param_sync,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
@@ -60,6 +61,7 @@ __all__ = [
     "fully_shard_model",
     "load_checkpoint",
     "load_full_state_dict",
+    "register_fsdp_forward_method",
     "local_state_dict",
     "save_checkpoint",
     "sharded_state_dict",

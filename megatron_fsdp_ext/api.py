@@ -1,6 +1,7 @@
 """Public API: fully_shard, FSDPModule methods and the mixed-precision policy."""
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -8,8 +9,9 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
-from . import _C
+from . import _C, hf
 from .hooks import FSDPState, iter_states
 from .state_dict import ModuleStateDictHooks
 
@@ -135,6 +137,88 @@ class FSDPModule:
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility: every backward here ends by waiting for its
+        reductions (the final callback), so each one behaves as FSDP2's last backward."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward expects a bool, got {is_last_backward!r}")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's HSDP switch; with a 1-D group there is no replicate all-reduce to skip."""
+        if not requires_all_reduce:
+            _unsupported("set_requires_all_reduce(False)", "there is no hybrid (HSDP) replication yet; "
+                         "use set_requires_gradient_sync(False) to skip gradient communication")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        _unsupported("set_reshard_after_backward", "sharding_strategy='optim_grads' (or 'optim') keeps "
+                     "parameters unsharded between forward and backward and across accumulation steps")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        _unsupported("set_unshard_in_backward", "give parameters unused in backward their own unit or ignored_params")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        _unsupported("set_gradient_divide_factor", "gradients are averaged over the group; scale the loss "
+                     "by world_size / factor for another divisor")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        _unsupported("set_force_sum_reduction_for_comms", "gradients are averaged over the group; scale the loss")
+
+    def set_post_optim_event(self, event) -> None:
+        _unsupported("set_post_optim_event", "the optimizer step is tracked by a step hook; nothing to wait on")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        _unsupported("set_all_reduce_hook", "reduce gradients yourself after backward with "
+                     "set_requires_gradient_sync(False), or use sharding_strategy='optim'")
+
+    def set_custom_all_gather(self, comm) -> None:
+        _unsupported("set_custom_all_gather", "pass all_gather_group= to fully_shard for a dedicated group")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        _unsupported("set_custom_reduce_scatter", "pass reduce_scatter_group= to fully_shard for a dedicated group")
+
+    def share_comm_ctx(self, modules) -> None:
+        _unsupported("share_comm_ctx", "all units under one root already share streams and events")
+
+
+def _unsupported(what: str, alternative: str):
+    raise NotImplementedError(f"FSDPModule.{what} is not supported by megatron_fsdp_ext: {alternative}")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>()` (e.g. Hugging Face's generate) gather the unit's
+    parameters for the whole call and release them after, as forward() does; forward
+    calls inside it find the unit gathered. torch's own register_fsdp_forward_method does
+    nothing for our modules (it only knows FSDP2's class): use this one."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"register_fsdp_forward_method needs a fully_shard module, got {type(module).__name__}")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(f"{type(module).__name__} has no method {method_name!r}")
+    if method_name == "forward":
+        raise ValueError("forward is already driven by fully_shard's hooks")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        if state.method_active:  # a registered method calling another one
+            return method(*args, **kwargs)
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        state.method_active = True
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            state.method_active = False
+        # No backward can follow an output without grad (generate runs under no_grad):
+        # post-forward then releases the unit, as after a no_grad forward.
+        needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+        with torch.set_grad_enabled(needs_backward):
+            return state._post_forward(module, args, output)
+
+    module.__dict__[method_name] = wrapped
+
 
 def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
     """Call module.start_param_sync() after every optimizer.step(). Returns the hook
@@ -229,7 +313,8 @@ _CLASS_CACHE: dict = {}
 
 def _fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                 {"__module__": cls.__module__, **hf.overrides_for(cls)})
     return _CLASS_CACHE[cls]
 
 

@@ -170,6 +170,9 @@ class FSDPState:
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
+        # Inside a method registered with register_fsdp_forward_method (e.g. generate):
+        # the unit stays gathered for the whole method; forward calls within it only cast.
+        self.method_active = False
 
         self.slots = _C.ParamSlots()
         for params_dict, name, index in slots:
@@ -315,6 +318,8 @@ class FSDPState:
                 lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                 (args, kwargs),
             )
+        if self.method_active:
+            return args, kwargs
         self.ctx.record_forward(self)
         self.unshard()
         # Issue the next units' all-gathers before waiting on ours: they run on the
@@ -343,6 +348,8 @@ class FSDPState:
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output):
+        if self.method_active:
+            return self._cast_output(output)
         grad_enabled = torch.is_grad_enabled()
         # A forward re-run inside backward (activation checkpointing) keeps the unit
         # gathered: its backward comes right after.
@@ -352,18 +359,19 @@ class FSDPState:
             # No backward follows: a prefetched unit that did not run must not stay gathered.
             for s in self.ctx.states:
                 s.release()
-        if self.mp_policy.output_dtype is not None:
-            dtype = self.mp_policy.output_dtype
-            output = tree_map(
-                lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                output,
-            )
+        output = self._cast_output(output)
         if grad_enabled:
             flat, _ = tree_flatten(output)
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output
+
+    def _cast_output(self, output):
+        if self.mp_policy.output_dtype is None:
+            return output
+        dtype = self.mp_policy.output_dtype
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
 
     # ------------------------------------------------------------ backward hooks
 

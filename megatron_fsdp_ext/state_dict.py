@@ -129,6 +129,11 @@ def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tenso
     return value
 
 
+def _is_the_shard(value, shard) -> bool:
+    return (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == shard.shape
+            and value.device == shard.device and value.data_ptr() == shard.data_ptr())
+
+
 def _check_resharded(state, what: str) -> None:
     if state.unsharded_installed:
         raise RuntimeError(
@@ -182,8 +187,10 @@ class ModuleStateDictHooks:
         for key, i in self.keys:
             if prefix + key not in state_dict:
                 continue  # strict loading reports it
-            shard = state.sharded_params[i]
-            full = _full_value(state_dict[prefix + key], tuple(state.unsharded_params[i].shape), shard.numel(),
+            shard, value = state.sharded_params[i], state_dict[prefix + key]
+            if _is_the_shard(value, shard):
+                continue  # the parameter itself (torch's helpers fill keys they were not given so)
+            full = _full_value(value, tuple(state.unsharded_params[i].shape), shard.numel(),
                                f"load_state_dict '{prefix + key}'")
             state_dict[prefix + key] = _local_piece(state, i, full)
 

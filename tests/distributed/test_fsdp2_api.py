@@ -82,3 +82,85 @@ def _fsdp2_arguments(rank, world):
 
 def test_fsdp2_arguments(tmp_path):
     assert run_distributed(_fsdp2_arguments, 2, timeout=120) == [True, True]
+
+
+class Generator(nn.Module):
+    """generate() reads a root parameter outside forward, around forward calls (as
+    Hugging Face's generate does with the tied embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h @ self.emb.weight.t()
+
+    def score(self, tokens):  # a training entry point other than forward
+        return self(tokens).pow(2).mean() + 1e-3 * self.emb.weight.pow(2).sum()
+
+    @torch.no_grad()
+    def generate(self, tokens, steps):
+        for _ in range(steps):
+            logits = self(tokens)[:, -1] + self.emb.weight.sum(1)
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+        return tokens
+
+
+def _sharded_generator(strategy):
+    model = Generator()
+    for block in model.blocks:
+        mfsdp.fully_shard(block, sharding_strategy=strategy)
+    return mfsdp.fully_shard(model, sharding_strategy=strategy)
+
+
+def _forward_methods(rank, world):
+    ref = Generator()
+    prompt = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    for strategy in ("optim_grads_params", "optim"):
+        model = _sharded_generator(strategy)
+        if strategy == "optim_grads_params":
+            with pytest.raises((IndexError, RuntimeError)):  # unregistered: the root's weight is a 1-D shard
+                model.generate(prompt, 2)
+            model.reshard()
+        mfsdp.register_fsdp_forward_method(model, "generate")
+        assert torch.equal(model.generate(prompt, 4), ref.generate(prompt, 4))
+        assert not model._fsdp_state.unsharded_installed and model.emb.weight.dim() == 1, (strategy, model._fsdp_state.unsharded_installed, model.emb.weight.shape)
+        # training goes on as in plain PyTorch after generating, also through a
+        # registered method with grad (its backward reduces like forward's)
+        mfsdp.register_fsdp_forward_method(model, "score")
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m.score(prompt).backward()
+            o.step()
+            o.zero_grad()
+        full = mfsdp.full_state_dict(model, rank0_only=False)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6)
+        ref = Generator()
+    with pytest.raises(ValueError, match="forward is already driven"):
+        mfsdp.register_fsdp_forward_method(model, "forward")
+    with pytest.raises(AttributeError, match="no method 'sample'"):
+        mfsdp.register_fsdp_forward_method(model, "sample")
+    with pytest.raises(TypeError, match="needs a fully_shard module"):
+        mfsdp.register_fsdp_forward_method(Generator(), "generate")
+
+    model.set_is_last_backward(True)
+    model.set_requires_all_reduce(True)
+    for call in (lambda: model.set_requires_all_reduce(False), lambda: model.set_reshard_after_backward(False),
+                 lambda: model.set_unshard_in_backward(False), lambda: model.set_gradient_divide_factor(2.0),
+                 lambda: model.set_reduce_scatter_divide_factor(2.0), lambda: model.set_post_optim_event(None),
+                 lambda: model.set_all_reduce_hook(lambda g: None), lambda: model.set_custom_all_gather(None),
+                 lambda: model.set_custom_reduce_scatter(None), lambda: model.share_comm_ctx([]),
+                 lambda: model.set_force_sum_reduction_for_comms(True)):
+        with pytest.raises(NotImplementedError, match="not supported by megatron_fsdp_ext: .+"):
+            call()
+    return True
+
+
+def test_register_fsdp_forward_method_and_fsdp2_module_methods():
+    assert run_distributed(_forward_methods, 2, timeout=120) == [True, True]
