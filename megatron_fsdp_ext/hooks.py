@@ -191,6 +191,18 @@ class FSDPState:
     def __str__(self) -> str:
         return f"{self._module_name} (unit of {len(self.names)} parameters)"
 
+    def disable_dynamo_in_hooks(self) -> None:
+        """Before the module is compiled: Dynamo runs the forward hooks eagerly, outside
+        the graph (they drive C++ units it cannot trace), so fullgraph=True holds. Swapped
+        in place, keeping the hooks' order; eager calls pay nothing until then."""
+        module = self.module
+        for handle, hooks in zip(self._handles, (module._forward_pre_hooks, module._forward_hooks)):
+            fn = hooks[handle.id]
+            if not getattr(fn, "_mfsdp_dynamo_disabled", False):
+                wrapped = torch._dynamo.disable(fn, recursive=True, reason="megatron_fsdp_ext unit hooks")
+                wrapped._mfsdp_dynamo_disabled = True
+                hooks[handle.id] = wrapped
+
     @property
     def module(self) -> nn.Module:
         return self._module_ref()
