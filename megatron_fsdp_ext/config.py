@@ -73,21 +73,39 @@ class FSDPConfig:
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
+def _runs_forward(mod: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict, ...) are never called: their hooks would not
+    run, so they cannot be units."""
+    return type(mod).forward is not nn.Module.forward
+
+
 def _size_based_units(module: nn.Module, min_numel: int, ignored: set) -> list:
     """Bottom-up: a child becomes a unit once the parameters it holds that no unit
-    below it took reach min_numel (tied parameters counted once, ignored ones not)."""
-    units, seen = [], set(ignored)
+    below it took reach min_numel (tied parameters counted once, ignored ones not).
+    Only modules that run forward qualify, and only if no parameter they hold is also
+    held outside them (a tie is never split across units)."""
+    slots: dict = {}  # id(param) -> how many (module, name) slots hold it in the tree
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                slots[id(p)] = slots.get(id(p), 0) + 1
+    units = []
 
-    def visit(mod: nn.Module) -> int:
-        left = sum(visit(child) for child in mod.children())
-        for p in mod.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                left += p.numel()
-        if mod is not module and left >= min_numel:
+    def visit(mod: nn.Module) -> dict:
+        """Parameters of mod's subtree that no unit took: id -> (param, slots inside)."""
+        free: dict = {}
+        for child in mod.children():
+            for key, (p, n) in visit(child).items():
+                free[key] = (p, free[key][1] + n) if key in free else (p, n)
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in ignored:
+                free[id(p)] = (p, free[id(p)][1] + 1) if id(p) in free else (p, 1)
+        numel = sum(p.numel() for p, _ in free.values())
+        closed = all(n == slots[key] for key, (_, n) in free.items())
+        if mod is not module and numel >= min_numel and closed and _runs_forward(mod):
             units.append(mod)
-            return 0
-        return left
+            return {}
+        return free
 
     visit(module)
     return units

@@ -133,3 +133,27 @@ def test_hf_model_sharded_matches_plain(arch, tmp_path):
     _train(ref, opt, 2)
     back = type(ref).from_pretrained(tmp_path / "saved")
     _assert_equal_to(back.state_dict(), ref)
+
+
+def _bucketed_worker(rank, world, arch):
+    """FSDPConfig(bucket_size=...) on a Hugging Face model: units are decoder layers (or
+    their attention/MLP), never the layers' ModuleList or one end of the tied embedding."""
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    ref = _build(arch)
+    model = copy.deepcopy(ref)
+    mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(bucket_size=2000))
+    units = [s.module for s in mfsdp.hooks.iter_states(model)]
+    assert len(units) > 2, [type(u).__name__ for u in units]
+    assert not any(isinstance(u, torch.nn.ModuleList) for u in units)
+    emb = model.get_input_embeddings()
+    assert emb not in units and model.get_output_embeddings() not in units
+    ref_opt, opt = _opt(ref), _opt(model)
+    _train(ref, ref_opt, 2)
+    _train(model, opt, 2, rows=rows)
+    _assert_equal_to(mfsdp.full_state_dict(model, rank0_only=False), ref)
+    return True
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_model_bucketed_units(arch):
+    assert run_distributed(_bucketed_worker, 2, arch, timeout=180) == [True, True]
