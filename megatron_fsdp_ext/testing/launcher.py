@@ -38,6 +38,9 @@ def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, re
         )
         try:
             out = fn(rank, world_size, *args, **kwargs)
+            # No rank tears down while another still sets up a connection with it (Gloo's
+            # connectFullMesh of a new group fails with "Connection closed by peer").
+            dist.barrier()
         finally:
             if backend == "nccl":
                 torch.cuda.synchronize()

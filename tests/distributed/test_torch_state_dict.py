@@ -308,7 +308,7 @@ def _plain_load_and_refusals(rank, world):
     model = _shard(_net(), "optim_grads_params")
     local = {k: v for k, v in model.named_parameters()}  # this rank's 1-D shards
     with pytest.raises(ValueError, match=r"expected the full shape \(13, 24\).*shard size"):
-        model.load_state_dict({**model.state_dict(), "emb.weight": local["emb.weight"].detach()})
+        model.load_state_dict({**model.state_dict(), "emb.weight": local["emb.weight"].detach().clone()})
     with pytest.raises(NotImplementedError, match="assign=True"):
         model.load_state_dict(model.state_dict(), assign=True)
     # local_state_dict(): this rank's shards as they are, loadable back in that mode only
