@@ -40,7 +40,7 @@ def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, re
             out = fn(rank, world_size, *args, **kwargs)
             # No rank tears down while another still sets up a connection with it (Gloo's
             # connectFullMesh of a new group fails with "Connection closed by peer").
-            dist.barrier()
+            dist.barrier(device_ids=[torch.cuda.current_device()] if backend == "nccl" else None)
         finally:
             if backend == "nccl":
                 torch.cuda.synchronize()
