@@ -142,6 +142,21 @@ def _full(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
+def _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt):
+    """Load torchtitan's {"model", "optimizer"} DCP checkpoint into `model`/`opt` through
+    torch's helpers; both must equal the reference, and one more step must too."""
+    target = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    set_model_state_dict(model, target["model"])
+    set_optimizer_state_dict(model, opt, target["optimizer"])
+    _assert_model_equal(_full(model), ref)
+    _assert_optim_equal(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
+                        ref, ref_opt)
+    _train(ref, ref_opt, 1, first=2)
+    _train(model, opt, 1, first=2, rows=_my_rows())
+    _assert_model_equal(_full(model), ref)
+
+
 def _state_dicts_and_dcp(rank, world, strategy, ckpt_dir):
     ref, ref_opt = _reference(2)
     model = _shard(_net(), strategy)
@@ -172,17 +187,7 @@ def _state_dicts_and_dcp(rank, world, strategy, ckpt_dir):
     dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
              checkpoint_id=ckpt_dir)
     fresh = _shard(_net(seed=7), strategy)
-    fresh_opt = _opt(fresh)
-    target = {"model": get_model_state_dict(fresh), "optimizer": get_optimizer_state_dict(fresh, fresh_opt)}
-    dcp.load(target, checkpoint_id=ckpt_dir)
-    set_model_state_dict(fresh, target["model"])
-    set_optimizer_state_dict(fresh, fresh_opt, target["optimizer"])
-    _assert_model_equal(_full(fresh), ref)
-    _assert_optim_equal(get_optimizer_state_dict(fresh, fresh_opt, options=StateDictOptions(full_state_dict=True)),
-                        ref, ref_opt)
-    _train(ref, ref_opt, 1, first=2)
-    _train(fresh, fresh_opt, 1, first=2, rows=_my_rows())
-    _assert_model_equal(_full(fresh), ref)
+    _load_check_and_resume(fresh, _opt(fresh), ckpt_dir, ref, ref_opt)
 
     # Full state dicts in: every rank holds it, or only rank 0 (broadcast_from_rank0).
     ref_sd = ref.state_dict()
@@ -254,16 +259,7 @@ def _load_and_resume(rank, world, strategy, ckpt_dir, fsdp2):
     if not fsdp2:  # our own loader names the format it cannot read, and what reads it
         with pytest.raises(ValueError, match="stored in its full shape.*set_model_state_dict"):
             mfsdp.load_checkpoint(ckpt_dir, model, opt)
-    target = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
-    dcp.load(target, checkpoint_id=ckpt_dir)
-    set_model_state_dict(model, target["model"])
-    set_optimizer_state_dict(model, opt, target["optimizer"])
-    _assert_model_equal(_full(model), ref)
-    _assert_optim_equal(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
-                        ref, ref_opt)
-    _train(ref, ref_opt, 1, first=2)
-    _train(model, opt, 1, first=2, rows=_my_rows())
-    _assert_model_equal(_full(model), ref)
+    _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt)
     return True
 
 
