@@ -94,12 +94,16 @@ def _size_based_units(module: nn.Module, min_numel: int, ignored: set) -> list:
     def visit(mod: nn.Module) -> dict:
         """Parameters of mod's subtree that no unit took: id -> (param, slots inside)."""
         free: dict = {}
+
+        def add(p, n):
+            free[id(p)] = (p, free.get(id(p), (p, 0))[1] + n)
+
         for child in mod.children():
-            for key, (p, n) in visit(child).items():
-                free[key] = (p, free[key][1] + n) if key in free else (p, n)
+            for p, n in visit(child).values():
+                add(p, n)
         for p in mod._parameters.values():
             if p is not None and id(p) not in ignored:
-                free[id(p)] = (p, free[id(p)][1] + 1) if id(p) in free else (p, 1)
+                add(p, 1)
         numel = sum(p.numel() for p, _ in free.values())
         closed = all(n == slots[key] for key, (_, n) in free.items())
         if mod is not module and numel >= min_numel and closed and _runs_forward(mod):

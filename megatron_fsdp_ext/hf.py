@@ -10,16 +10,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .checkpoint import full_state_dict
+from .state_dict import owner_of
 
 
 def _full_numel(p) -> int:
-    ref = getattr(p, "_mfsdp_owner", None)
-    state = ref() if ref is not None else None
-    if state is not None and state.unit is not None:
-        for sharded, unsharded in zip(state.sharded_params, state.unsharded_params):
-            if sharded is p:
-                return unsharded.numel()
-    return p.numel()
+    state, index = owner_of(p)
+    return p.numel() if state is None else state.unsharded_params[index].numel()
 
 
 def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs):

@@ -57,6 +57,11 @@ register_optimizer_step_pre_hook(_global_step_pre_hook)
 register_optimizer_step_post_hook(_global_step_post_hook)
 
 
+def _cast_floating(tree, dtype: torch.dtype):
+    """Every floating-point tensor in `tree` cast to `dtype`; everything else as it is."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 def iter_states(module: nn.Module):
     """FSDP states of `module` and its descendants, in module (pre-)order."""
     for m in module.modules():
@@ -325,11 +330,7 @@ class FSDPState:
         if self.ctx is None:
             self.lazy_init()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            dtype = self.mp_policy.param_dtype
-            args, kwargs = tree_map(
-                lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                (args, kwargs),
-            )
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.method_active:
             return args, kwargs
         self.ctx.record_forward(self)
@@ -382,8 +383,7 @@ class FSDPState:
     def _cast_output(self, output):
         if self.mp_policy.output_dtype is None:
             return output
-        dtype = self.mp_policy.output_dtype
-        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        return _cast_floating(output, self.mp_policy.output_dtype)
 
     # ------------------------------------------------------------ backward hooks
 

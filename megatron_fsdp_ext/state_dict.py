@@ -24,7 +24,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -153,10 +152,8 @@ class ModuleStateDictHooks:
         self.keys = keys
         module = state.module
         # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
-        self._handles = [
-            module.register_state_dict_post_hook(lambda *a: self._post_state_dict(*a)),
-            module.register_load_state_dict_pre_hook(lambda *a: self._pre_load(*a)),
-        ]
+        module.register_state_dict_post_hook(lambda *a: self._post_state_dict(*a))
+        module.register_load_state_dict_pre_hook(lambda *a: self._pre_load(*a))
 
     def _post_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         state = self.state
@@ -166,7 +163,7 @@ class ModuleStateDictHooks:
         if not present:
             return
         _check_resharded(state, "state_dict()")
-        full = _gather_full(state, list(state.sharded_params), state.unit.orig_dtype)
+        full = state.unit.gather_full_params()
         converted: Dict[int, object] = {}
         for key, i in present:
             value = state_dict[key]
@@ -195,14 +192,11 @@ class ModuleStateDictHooks:
                                f"load_state_dict '{prefix + key}'")
             state_dict[prefix + key] = _local_piece(state, i, full)
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
 
 # ---------------------------------------------------------------- optimizer hooks
 
-def _owner(p):
+def owner_of(p):
+    """(unit state, index in the unit) of a sharded parameter; (None, -1) otherwise."""
     ref = getattr(p, "_mfsdp_owner", None)
     state = ref() if ref is not None else None
     if state is None or state.unit is None:
@@ -219,7 +213,7 @@ def _units_in(optimizer, saved_groups) -> List[Tuple[object, Dict[int, object]]]
     units: Dict[int, Tuple[object, Dict[int, object]]] = {}
     for group, saved in zip(optimizer.param_groups, saved_groups):
         for p, key in zip(group["params"], saved["params"]):
-            state, i = _owner(p)
+            state, i = owner_of(p)
             if state is not None:
                 units.setdefault(id(state), (state, {}))[1][i] = key
     return list(units.values())
@@ -263,6 +257,9 @@ def _optimizer_post_state_dict(optimizer, state_dict):
         if not keys:
             continue
         _check_resharded(state, "optimizer.state_dict()")
+        for key in index_to_key.values():  # our copies: the live entries stay untouched
+            if key in states:
+                states[key] = dict(states[key])
         for name in sorted(keys):
             pieces: List[Optional[torch.Tensor]] = [None] * len(state.sharded_params)
             for i, key in index_to_key.items():
@@ -271,7 +268,6 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             for i, key in index_to_key.items():
                 if key in states and name in states[key]:
                     f = full[i].to(states[key][name].device)
-                    states[key] = dict(states[key])
                     states[key][name] = f if _replicated(state) else _as_dtensor(state, f)
     return state_dict
 
@@ -283,16 +279,8 @@ def _optimizer_pre_load(optimizer, state_dict):
     states = dict(state_dict["state"])
     for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
         for i, key in index_to_key.items():
-            if key not in states:
-                continue
-            shard = state.sharded_params[i]
-            entry = dict(states[key])
-            for name, v in entry.items():
-                if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or v.dim() > 0):
-                    full = _full_value(v, tuple(state.unsharded_params[i].shape), shard.numel(),
-                                       f"optimizer.load_state_dict: state '{name}' of '{state.names[i]}'")
-                    entry[name] = _local_piece(state, i, full).clone()
-            states[key] = entry
+            if key in states:
+                states[key] = _cut_entry(state, i, states[key], "optimizer.load_state_dict", keep_local=False)
     state_dict["state"] = states
     return state_dict
 
@@ -300,7 +288,7 @@ def _optimizer_pre_load(optimizer, state_dict):
 def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Install the optimizer's state-dict hooks once (our global step hook calls this,
     and so does torch's get/set_optimizer_state_dict through the step it takes to
-    initialize the state). Optimizers without sharded parameters are left alone."""
+    initialize the state). On an optimizer without sharded parameters they do nothing."""
     if optimizer.__dict__.get("_mfsdp_state_dict_hooks"):
         return
     optimizer.__dict__["_mfsdp_state_dict_hooks"] = True
@@ -314,12 +302,24 @@ def convert_loaded_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     pieces now, before the first step uses them."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state, i = _owner(p)
-            entry = optimizer.state.get(p)
-            if state is None or not entry:
-                continue
-            for name, v in list(entry.items()):
-                if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or (v.dim() > 0 and v.shape != p.shape)):
-                    full = _full_value(v, tuple(state.unsharded_params[i].shape), p.numel(),
-                                       f"optimizer state '{name}' of '{state.names[i]}'")
-                    entry[name] = _local_piece(state, i, full).to(p.device).clone()
+            state, i = owner_of(p)
+            if state is not None and optimizer.state.get(p):
+                optimizer.state[p] = _cut_entry(state, i, optimizer.state[p], "optimizer state", keep_local=True)
+
+
+def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> dict:
+    """A copy of one parameter's optimizer state with every DTensor or full-shape tensor
+    cut to this rank's piece (scalars such as Adam's step as they are). keep_local: a plain
+    tensor already shaped like the shard is kept (loaded in local_state_dict() mode);
+    otherwise it is refused like any other shape."""
+    shard = state.sharded_params[index]
+    out = dict(entry)
+    for name, v in entry.items():
+        if not isinstance(v, torch.Tensor) or (not isinstance(v, DTensor) and v.dim() == 0):
+            continue
+        if keep_local and not isinstance(v, DTensor) and v.shape == shard.shape:
+            continue
+        full = _full_value(v, tuple(state.unsharded_params[index].shape), shard.numel(),
+                           f"{what}: state '{name}' of '{state.names[index]}'")
+        out[name] = _local_piece(state, index, full).to(shard.device).clone()
+    return out

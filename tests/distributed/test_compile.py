@@ -4,12 +4,12 @@
 gradients included; compiling the whole model with torch.compile also trains with parity."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing.workers import gather_full_grads
 
 
 class Block(nn.Module):
@@ -52,13 +52,13 @@ def _compiled_training(rank, world, mode):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         ref(x).pow(2).mean().backward()
         run(x[rank * per:(rank + 1) * per]).pow(2).mean().backward()
-        # full gradients of the sharded model, gathered in the reference's layout
         full = mfsdp.full_state_dict(model, rank0_only=False)  # parameters, before the step
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6)
-        grads = _gathered_grads(model)
+        grads = gather_full_grads(model, replicated=False)  # flattened, placed by each unit's layout
         for name, g in _grads(ref).items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[name], g.reshape(-1), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
@@ -67,27 +67,6 @@ def _compiled_training(rank, world, mode):
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert counters["stats"]["unique_graphs"] >= 1
     return True
-
-
-def _gathered_grads(model):
-    """Full gradients from each unit's shards (each rank's piece placed by the layout)."""
-    out = {}
-    for state in mfsdp.hooks.iter_states(model):
-        if state.unit is None:
-            continue
-        pieces = [p.grad for p in state.sharded_params]
-        full = mfsdp.state_dict._gather_full(state, pieces, torch.float32)
-        prefix = _prefix_of(model, state.module)
-        for name, f in zip(state.names, full):
-            out[prefix + name] = f
-    return out
-
-
-def _prefix_of(root, module):
-    for name, m in root.named_modules():
-        if m is module:
-            return f"{name}." if name else ""
-    raise KeyError(module)
 
 
 @pytest.mark.parametrize("mode", ["blocks_fullgraph", "whole_model"])

@@ -2,7 +2,6 @@
 DeviceMesh behave exactly like our policy and process group (same losses, same
 parameters, bit for bit); what is not supported raises a clear error instead of being
 taken silently."""
-import copy
 
 import pytest
 import torch

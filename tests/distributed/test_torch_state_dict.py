@@ -6,7 +6,6 @@ with FSDP2. Every value is compared with a plain single-process model trained on
 data (the reference), and resumed training must continue exactly as the reference does:
 AdamW moments that load into the wrong elements change the next step."""
 import copy
-import os
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.testing import gpu_world, run_distributed
+from megatron_fsdp_ext.testing.workers import shard_blocks_and_root
 
 STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 VOCAB, DIM, ROWS = 13, 24, 4
@@ -68,17 +68,13 @@ def _net(seed=0):
 
 
 def _shard(model, strategy):
-    for block in model.blocks:
-        mfsdp.fully_shard(block, sharding_strategy=strategy)
-    return mfsdp.fully_shard(model, sharding_strategy=strategy)
+    return shard_blocks_and_root(model, sharding_strategy=strategy)
 
 
 def _fsdp2(model):
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_blocks_and_root(model, fully_shard)
 
 
 def _batch(step):
