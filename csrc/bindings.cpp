@@ -48,6 +48,9 @@ std::shared_ptr<T> make_shared_without_gil_delete(Args&&... args) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_fsdp_ext C++ core: flat layouts, packing kernels, collectives, units";
   m.def("compiled_with_cuda", &compiled_with_cuda);
+  m.def("freed_storage_guard", &freed_storage_guard,
+        "Whether reading a freed unsharded parameter raises (needs a torch whose StorageImpl can refuse and "
+        "re-allow data access); without it such a read touches freed memory.");
 
   py::class_<ShardSlice>(m, "ShardSlice")
       .def_readonly("param_offset", &ShardSlice::param_offset)
@@ -133,11 +136,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release no_gil;
         c.all_reduce(t, c10d::ReduceOp::MAX);
       })
+      // verify: first check with one small all-gather that every rank passed the same
+      // segment table (a mismatch would otherwise crash or corrupt silently).
       .def("all_gather_v", &Communicator::all_gather_v, py::arg("out"), py::arg("input"),
-           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
+           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto, py::arg("verify") = true,
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter_v", &Communicator::reduce_scatter_v, py::arg("out"), py::arg("input"),
-           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
+           py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto, py::arg("verify") = true,
            py::call_guard<py::gil_scoped_release>())
       .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"),
            py::call_guard<py::gil_scoped_release>());
@@ -184,6 +189,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = 16,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
            py::arg("strategy") = ShardingStrategy::kOptimGradsParams)
+      .def_property_readonly("label", &Unit::label)
+      .def("set_label", &Unit::set_label, py::arg("label"))
+      .def_property("check_collectives", &Unit::check_collectives, &Unit::set_check_collectives)
       .def_property_readonly("strategy", &Unit::strategy)
       .def_property_readonly("shard_index", &Unit::shard_index)
       .def_property_readonly("layout", &Unit::layout, py::return_value_policy::reference_internal)

@@ -16,11 +16,28 @@ void Communicator::finish(const c10::intrusive_ptr<c10d::Work>& work) {
   if (work) work->wait();
 }
 
+void Communicator::check_buffer(const char* what, const char* which, const at::Tensor& t) const {
+  MFSDP_CHECK(pg_, what, ": the communicator has no process group");
+  MFSDP_CHECK(t.defined(), what, ": ", which, " is undefined");
+  // Collectives read and write raw memory in element order: a strided, expanded or
+  // overlapping view would be read wrongly or written out of bounds.
+  MFSDP_CHECK(t.is_contiguous(), what, ": ", which, " must be contiguous (got sizes ", t.sizes(), ", strides ",
+              t.strides(), "); pass .contiguous() or a flat buffer");
+}
+
+void Communicator::check_pair(const char* what, const at::Tensor& out, const at::Tensor& in) const {
+  check_buffer(what, "output", out);
+  check_buffer(what, "input", in);
+  MFSDP_CHECK(out.device() == in.device(), what, ": output is on ", out.device(), " but input is on ",
+              in.device());
+  MFSDP_CHECK(out.scalar_type() == in.scalar_type(), what, ": dtype mismatch ", out.scalar_type(), " vs ",
+              in.scalar_type());
+}
+
 void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
+  check_pair("all_gather_flat", out, in);
   MFSDP_CHECK(out.numel() == in.numel() * size_, "all_gather_flat: output has ", out.numel(),
               " elements, expected ", in.numel(), " x ", size_);
-  MFSDP_CHECK(out.scalar_type() == in.scalar_type(), "all_gather_flat: dtype mismatch ",
-              out.scalar_type(), " vs ", in.scalar_type());
   if (size_ == 1) {
     if (!out.is_same(in) && out.data_ptr() != in.data_ptr()) out.copy_(in);
     return;
@@ -32,10 +49,9 @@ void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
 }
 
 void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
+  check_pair("reduce_scatter_flat", out, in);
   MFSDP_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat: input has ", in.numel(),
               " elements, expected ", out.numel(), " x ", size_);
-  MFSDP_CHECK(out.scalar_type() == in.scalar_type(), "reduce_scatter_flat: dtype mismatch ",
-              out.scalar_type(), " vs ", in.scalar_type());
   if (size_ == 1) {
     if (out.data_ptr() != in.data_ptr()) out.copy_(in);
     return;
@@ -48,6 +64,7 @@ void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
 }
 
 void Communicator::all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const {
+  check_buffer("all_reduce", "tensor", t);
   if (size_ == 1 || t.numel() == 0) return;
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions opts;
@@ -57,6 +74,8 @@ void Communicator::all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const
 }
 
 void Communicator::broadcast(at::Tensor& t, int root) const {
+  check_buffer("broadcast", "tensor", t);
+  MFSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of this group of ", size_);
   if (size_ == 1 || t.numel() == 0) return;
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions opts;
@@ -71,9 +90,13 @@ void Communicator::check_segments(const char* what, const at::Tensor& flat,
   MFSDP_CHECK(static_cast<int>(starts.size()) == size_ && static_cast<int>(numels.size()) == size_,
               what, ": expected ", size_, " segment starts and numels, got ", starts.size(), " and ",
               numels.size());
-  MFSDP_CHECK(flat.dim() == 1 && flat.is_contiguous(), what, ": flat buffer must be 1-D contiguous");
+  check_buffer(what, "flat buffer", flat);
+  MFSDP_CHECK(flat.dim() == 1, what, ": flat buffer must be 1-D, got sizes ", flat.sizes());
   for (int r = 0; r < size_; ++r) {
-    MFSDP_CHECK(numels[r] >= 0 && starts[r] >= 0 && starts[r] + numels[r] <= flat.numel(), what,
+    // Written so that no sum can overflow whatever the arguments.
+    MFSDP_CHECK(numels[r] >= 0 && starts[r] >= 0 && starts[r] <= flat.numel() &&
+                    numels[r] <= flat.numel() - starts[r],
+                what,
                 ": segment ", r, " [", starts[r], ", ", starts[r] + numels[r],
                 ") is outside the flat buffer of ", flat.numel(), " elements");
   }
@@ -116,14 +139,40 @@ VarAlgo Communicator::resolve(VarAlgo algo, bool all_gather, const at::Tensor& t
   return auto_var_algo(all_gather, t.is_cuda(), extent.total, extent.longest, size_, t.element_size());
 }
 
+void Communicator::check_segments_agree(const char* what, const at::Tensor& like,
+                                        const std::vector<int64_t>& starts,
+                                        const std::vector<int64_t>& numels) const {
+  if (size_ == 1) return;
+  // FNV-1a over the segment table: one int64 per rank, gathered and compared.
+  uint64_t h = 1469598103934665603ULL;
+  for (const auto* v : {&starts, &numels}) {
+    for (int64_t x : *v) {
+      h ^= static_cast<uint64_t>(x);
+      h *= 1099511628211ULL;
+    }
+  }
+  auto mine = at::full({1}, static_cast<int64_t>(h), like.options().dtype(at::kLong));
+  auto all = at::empty({size_}, mine.options());
+  c10d::AllgatherOptions opts;
+  opts.asyncOp = false;
+  finish(pg_->_allgather_base(all, mine, opts));
+  auto hashes = all.cpu();
+  const int64_t* hp = hashes.const_data_ptr<int64_t>();
+  for (int r = 0; r < size_; ++r) {
+    MFSDP_CHECK(hp[r] == hp[rank_], what, ": rank ", rank_, " and rank ", r,
+                " passed different segment starts/numels (this rank: starts ", starts, ", numels ", numels,
+                "); every rank must pass the same segment table");
+  }
+}
+
 void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
-                                const std::vector<int64_t>& numels, VarAlgo algo) const {
+                                const std::vector<int64_t>& numels, VarAlgo algo, bool verify) const {
   check_segments("all_gather_v", out, starts, numels);
+  check_pair("all_gather_v", out, in);
   MFSDP_CHECK(in.numel() == numels[rank_], "all_gather_v: rank ", rank_, " passes ", in.numel(),
               " elements but its segment has ", numels[rank_]);
-  MFSDP_CHECK(in.scalar_type() == out.scalar_type(), "all_gather_v: dtype mismatch ", in.scalar_type(),
-              " vs ", out.scalar_type());
   MFSDP_CHECK(algo != VarAlgo::kAllReduce, "all_gather_v: kAllReduce applies to reduce_scatter_v only");
+  if (verify) check_segments_agree("all_gather_v", out, starts, numels);
   auto mine = out.narrow(0, starts[rank_], numels[rank_]);
   if (size_ == 1) {
     if (mine.data_ptr() != in.data_ptr()) mine.copy_(in);
@@ -156,12 +205,12 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
 }
 
 void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
-                                    const std::vector<int64_t>& numels, VarAlgo algo) const {
+                                    const std::vector<int64_t>& numels, VarAlgo algo, bool verify) const {
   check_segments("reduce_scatter_v", in, starts, numels);
+  check_pair("reduce_scatter_v", out, in);
   MFSDP_CHECK(out.numel() == numels[rank_], "reduce_scatter_v: output has ", out.numel(),
               " elements but rank ", rank_, "'s segment has ", numels[rank_]);
-  MFSDP_CHECK(in.scalar_type() == out.scalar_type(), "reduce_scatter_v: dtype mismatch ", in.scalar_type(),
-              " vs ", out.scalar_type());
+  if (verify) check_segments_agree("reduce_scatter_v", in, starts, numels);
   if (size_ == 1) {
     out.copy_(in.narrow(0, starts[0], numels[0]));
     return;

@@ -59,17 +59,25 @@ class Communicator {
   void all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const;
 
   // Uneven all-gather: rank r contributes numels[r] elements (`in`), which land at
-  // out[starts[r], starts[r] + numels[r]). Segments may be empty.
+  // out[starts[r], starts[r] + numels[r]). Segments may be empty. Every rank must pass
+  // the same starts/numels; `verify` checks that first with one small all-gather
+  // (callers whose tables come from a layout already checked across ranks skip it).
   void all_gather_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
-                    const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto) const;
+                    const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto,
+                    bool verify = false) const;
   // Uneven reduce-scatter (SUM): out (numels[rank]) <- sum over ranks of
   // in[starts[rank], starts[rank] + numels[rank]).
   void reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& starts,
-                        const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto) const;
+                        const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto,
+                        bool verify = false) const;
   void broadcast(at::Tensor& t, int root) const;
 
  private:
   static void finish(const c10::intrusive_ptr<c10d::Work>& work);
+  void check_buffer(const char* what, const char* which, const at::Tensor& t) const;
+  void check_pair(const char* what, const at::Tensor& out, const at::Tensor& in) const;
+  void check_segments_agree(const char* what, const at::Tensor& like, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& numels) const;
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& numels) const;
   VarAlgo resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,

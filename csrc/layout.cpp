@@ -13,13 +13,30 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("FlatLayout: " + what);
 }
 
+// Bounds that keep every offset computation below far from int64 overflow (and a
+// layout's per-rank tables small): no real job comes near them.
+constexpr int64_t kMaxWorldSize = int64_t{1} << 24;
+constexpr int64_t kMaxAlignment = int64_t{1} << 20;
+constexpr int64_t kMaxTotalNumel = int64_t{1} << 56;
+
+void check_world_size(int64_t world_size) {
+  check(world_size >= 1 && world_size <= kMaxWorldSize,
+        "world_size must be in [1, " + std::to_string(kMaxWorldSize) + "], got " + std::to_string(world_size));
+}
+
 void check_common(const std::vector<int64_t>& numels, int64_t world_size,
                   int64_t alignment) {
-  check(world_size >= 1, "world_size must be >= 1, got " + std::to_string(world_size));
-  check(alignment >= 1, "alignment must be >= 1, got " + std::to_string(alignment));
+  check_world_size(world_size);
+  check(alignment >= 1 && alignment <= kMaxAlignment,
+        "alignment must be in [1, " + std::to_string(kMaxAlignment) + "], got " + std::to_string(alignment));
+  int64_t total = 0;
   for (size_t i = 0; i < numels.size(); ++i) {
     check(numels[i] >= 0, "parameter " + std::to_string(i) + " has negative numel " +
                               std::to_string(numels[i]));
+    // Each parameter may add up to alignment - 1 elements of padding before it.
+    check(numels[i] <= kMaxTotalNumel - total - alignment,
+          "parameters hold more than " + std::to_string(kMaxTotalNumel) + " elements in total");
+    total += numels[i] + alignment;
   }
 }
 
@@ -146,7 +163,7 @@ std::string FlatLayout::describe() const {
 
 std::vector<int64_t> balance_owners(const std::vector<double>& costs, int64_t world_size,
                                     std::vector<double>* loads) {
-  check(world_size >= 1, "world_size must be >= 1, got " + std::to_string(world_size));
+  check_world_size(world_size);
   for (size_t i = 0; i < costs.size(); ++i) {
     check(costs[i] >= 0 && costs[i] < std::numeric_limits<double>::infinity(),
           "cost of parameter " + std::to_string(i) + " must be finite and >= 0");

@@ -14,13 +14,15 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                     bool zero_fill_first) {
   MFSDP_CHECK(tensors.size() == offsets.size(), "pack_into_flat: ", tensors.size(),
               " tensors but ", offsets.size(), " offsets");
-  MFSDP_CHECK(flat.dim() == 1 && flat.is_contiguous(), "pack_into_flat: flat buffer must be 1-D contiguous");
+  MFSDP_CHECK(flat.defined() && flat.dim() == 1 && flat.is_contiguous(),
+              "pack_into_flat: flat buffer must be 1-D contiguous");
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.defined()) continue;
     MFSDP_CHECK(t.device() == flat.device(), "pack_into_flat: tensor ", i, " is on ", t.device(),
                 " but the flat buffer is on ", flat.device());
-    MFSDP_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(),
+    // Written so that no sum can overflow whatever the offset.
+    MFSDP_CHECK(offsets[i] >= 0 && offsets[i] <= flat.numel() && t.numel() <= flat.numel() - offsets[i],
                 "pack_into_flat: tensor ", i, " [", offsets[i], ", ", offsets[i] + t.numel(),
                 ") exceeds the flat buffer of ", flat.numel());
   }
@@ -66,6 +68,9 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
 }
 
 void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool accumulate) {
+  MFSDP_CHECK(dst.defined() && src.defined(), "cast_scale_into: tensors must be defined");
+  MFSDP_CHECK(dst.device() == src.device(), "cast_scale_into: dst is on ", dst.device(), " but src is on ",
+              src.device());
   MFSDP_CHECK(dst.numel() == src.numel(), "cast_scale_into: dst has ", dst.numel(),
               " elements, src has ", src.numel());
   MFSDP_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");

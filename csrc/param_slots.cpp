@@ -3,6 +3,9 @@
 namespace mfsdp {
 
 void ParamSlots::add(py::dict params_dict, py::str name, int64_t param_index) {
+  MFSDP_CHECK(param_index >= 0, "ParamSlots.add: parameter index ", param_index, " is negative");
+  MFSDP_CHECK(!objects_set_ || param_index < static_cast<int64_t>(sharded_.size()), "ParamSlots.add: parameter index ",
+              param_index, " is past the ", sharded_.size(), " parameters given to set_objects");
   slots_.push_back({std::move(params_dict), std::move(name), param_index});
 }
 
@@ -15,9 +18,11 @@ void ParamSlots::set_objects(std::vector<py::object> sharded, std::vector<py::ob
   }
   sharded_ = std::move(sharded);
   unsharded_ = std::move(unsharded);
+  objects_set_ = true;
 }
 
 std::vector<int64_t> ParamSlots::install(bool unsharded) {
+  MFSDP_CHECK(objects_set_, "ParamSlots.install: set_objects was not called");
   std::vector<int64_t> replaced;
   const auto& want = unsharded ? unsharded_ : sharded_;
   const auto& other = unsharded ? sharded_ : unsharded_;

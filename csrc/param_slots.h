@@ -32,6 +32,7 @@ class ParamSlots {
   };
   std::vector<Slot> slots_;
   std::vector<py::object> sharded_, unsharded_;
+  bool objects_set_ = false;
 };
 
 }  // namespace mfsdp

@@ -3,12 +3,74 @@
 #include "pack.h"
 
 #include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
 
+#include <mutex>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
 
 namespace mfsdp {
 namespace {
 
-bool is_floating(at::ScalarType t) { return at::isFloatingType(t); }
+// The dtypes parameters may be stored, gathered and reduced in (float8 and complex
+// are not: the reductions and casts here do not support them).
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
+}
+
+int64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h);
+}
+
+// Every label this process gave a unit, by hash: the collective check names the unit
+// another rank is at (all ranks built the same units, so the same labels).
+std::mutex& labels_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<int64_t, std::string>& labels_by_hash() {
+  static std::unordered_map<int64_t, std::string> labels;
+  return labels;
+}
+
+constexpr const char* kDesyncHint =
+    "\nEvery rank must run the same fully_shard units in the same order (same model and sharding strategy, "
+    "forward and backward on every rank). A rank that stalls, skips backward or runs an extra unit leaves the "
+    "others waiting until the collective timeout (fully_shard(timeout=...), else the process group's).";
+
+constexpr const char* kSupportedFloats = "float32, bfloat16, float16 or float64";
+
+// torch lets a storage refuse data access with a custom message (what CUDA-graph trees
+// use for freed memory). Detected rather than assumed, so the extension still builds
+// against a torch without it; freed storage then simply has a null pointer.
+template <typename S, typename = void>
+struct CanRefuseAccess : std::false_type {};
+template <typename S>
+struct CanRefuseAccess<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_()),
+                                      decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
+                                          std::optional<std::string>()))>> : std::true_type {};
+
+}  // namespace
+
+bool freed_storage_guard() { return CanRefuseAccess<c10::StorageImpl>::value; }
+
+namespace {
+
+template <typename S>
+void refuse_access(S* impl, const std::string& why) {
+  if constexpr (CanRefuseAccess<S>::value) impl->release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+}
+
+template <typename S>
+void allow_access(S* impl) {
+  if constexpr (CanRefuseAccess<S>::value) impl->clear_data_ptr_access_error_msg_();
+}
 
 std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   std::vector<int64_t> n;
@@ -67,6 +129,7 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
   MFSDP_CHECK(!params.empty(), "Unit needs at least one parameter");
   MFSDP_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
               params.size(), " parameters");
+  set_label(names_.size() == 1 ? names_[0] : names_[0] + ", ... (" + std::to_string(names_.size()) + " parameters)");
   orig_dtype_ = params.front().scalar_type();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
@@ -78,12 +141,13 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
                 "; one fully_shard unit needs a single parameter dtype");
     shapes_.emplace_back(p.sizes().vec());
   }
-  MFSDP_CHECK(is_floating(orig_dtype_), "fully_shard needs floating-point parameters, got ",
+  MFSDP_CHECK(is_supported_float(orig_dtype_), "fully_shard needs ", kSupportedFloats, " parameters, got ",
               orig_dtype_);
   param_dtype_ = param_dtype.value_or(orig_dtype_);
   reduce_dtype_ = reduce_dtype.value_or(param_dtype_);
-  MFSDP_CHECK(is_floating(param_dtype_), "param_dtype must be floating point, got ", param_dtype_);
-  MFSDP_CHECK(is_floating(reduce_dtype_), "reduce_dtype must be floating point, got ", reduce_dtype_);
+  MFSDP_CHECK(is_supported_float(param_dtype_), "param_dtype must be ", kSupportedFloats, ", got ", param_dtype_);
+  MFSDP_CHECK(is_supported_float(reduce_dtype_), "reduce_dtype must be ", kSupportedFloats, ", got ",
+              reduce_dtype_);
 
   slices_ = layout_.shard_slices(shard_index());
   const auto opts = params.front().options().requires_grad(false);
@@ -121,14 +185,18 @@ std::vector<at::Tensor> Unit::sharded_views() const {
 }
 
 std::vector<at::Tensor> Unit::unsharded_views() const {
+  // Each view is a fresh TensorImpl on the flat storage (not view(), not set_()):
+  //  - it has its own version counter, so writing the flat buffer (all-gather) does
+  //    not invalidate tensors autograd saved from it;
+  //  - nothing reads or resizes the storage, which may be freed (set_() would
+  //    re-allocate the whole buffer just to check the view fits).
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
-    // set_() instead of view(): the result has its own version counter, so writing the
-    // flat buffer (all-gather) does not invalidate tensors autograd saved from it.
-    auto v = at::empty({0}, unsharded_flat_.options());
-    v.set_(unsharded_flat_.storage(), layout_.param_offset(i), shapes_[i],
-           c10::contiguous_strides(shapes_[i]));
-    out.push_back(v);
+    auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
+                                                      unsharded_flat_.key_set(), unsharded_flat_.dtype());
+    v.unsafeGetTensorImpl()->set_sizes_and_strides(shapes_[i], c10::contiguous_strides(shapes_[i]),
+                                                   layout_.param_offset(i));
+    out.push_back(std::move(v));
   }
   return out;
 }
@@ -138,6 +206,16 @@ void Unit::bind_params(std::vector<at::Tensor> sharded_params,
   const size_t n = static_cast<size_t>(layout_.num_params());
   MFSDP_CHECK(sharded_params.size() == n && unsharded_params.size() == n,
               "bind_params: expected ", n, " sharded and unsharded parameters");
+  for (size_t i = 0; i < n; ++i) {
+    const auto& s = sharded_params[i];
+    const auto& u = unsharded_params[i];
+    MFSDP_CHECK(s.defined() && s.dim() == 1 && s.numel() == slices_[i].numel && s.scalar_type() == orig_dtype_,
+                "bind_params: sharded parameter '", names_[i], "' must be a 1-D ", orig_dtype_, " tensor of ",
+                slices_[i].numel, " elements (one of sharded_views())");
+    MFSDP_CHECK(u.defined() && u.sizes().vec() == shapes_[i] && u.scalar_type() == param_dtype_,
+                "bind_params: unsharded parameter '", names_[i], "' must be a ", param_dtype_, " tensor of shape ",
+                shapes_[i], " (one of unsharded_views())");
+  }
   sharded_params_ = std::move(sharded_params);
   unsharded_params_ = std::move(unsharded_params);
 }
@@ -164,6 +242,68 @@ void Unit::set_all_gather_group(ProcessGroupPtr pg) {
 
 void Unit::set_reduce_scatter_group(ProcessGroupPtr pg) {
   rs_comm_ = same_ranks_or_throw(std::move(pg), ag_comm_, "reduce-scatter");
+}
+
+void Unit::check_bound(const char* what) const {
+  MFSDP_CHECK(static_cast<int64_t>(sharded_params_.size()) == layout_.num_params(), what,
+              ": fully_shard unit '", label_, "' has no parameters bound yet (call bind_params first)");
+}
+
+const char* phase_name(CollectivePhase phase) {
+  switch (phase) {
+    case CollectivePhase::kAllGatherParams: return "all-gather of parameters";
+    case CollectivePhase::kReduceScatterGrads: return "reduce-scatter of gradients";
+    case CollectivePhase::kAllReduceGrads: return "all-reduce of gradients";
+    case CollectivePhase::kAllGatherFullParams: return "all-gather of full parameters";
+  }
+  return "collective";
+}
+
+void Unit::set_label(std::string label) {
+  label_ = std::move(label);
+  label_hash_ = fnv1a(label_);
+  std::lock_guard<std::mutex> lock(labels_mutex());
+  labels_by_hash()[label_hash_] = label_;
+}
+
+void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const {
+  const int n = comm.size();
+  std::vector<int64_t> mine_host{label_hash_, static_cast<int64_t>(phase), numel};
+  auto mine = at::tensor(mine_host, at::TensorOptions().dtype(at::kLong)).to(device_);
+  auto all = at::empty({3 * n}, mine.options());
+  comm.all_gather_flat(all, mine);
+  auto host = all.cpu();
+  const int64_t* v = host.const_data_ptr<int64_t>();
+  for (int r = 0; r < n; ++r) {
+    const int64_t* theirs = v + 3 * r;
+    if (theirs[0] == label_hash_ && theirs[1] == mine_host[1] && theirs[2] == numel) continue;
+    std::string their_label = "(a unit this rank does not have)";
+    {
+      std::lock_guard<std::mutex> lock(labels_mutex());
+      auto it = labels_by_hash().find(theirs[0]);
+      if (it != labels_by_hash().end()) their_label = it->second;
+    }
+    const auto their_phase = static_cast<CollectivePhase>(theirs[1]);
+    C10_THROW_ERROR(DistBackendError,
+                    msg("megatron_fsdp_ext: collectives out of step: rank ", comm.rank(), " is at the ",
+                        phase_name(phase), " of fully_shard unit '", label_, "' (", numel, " elements) but rank ", r,
+                        " is at the ", phase_name(their_phase), " of unit '", their_label, "' (", theirs[2],
+                        " elements).", kDesyncHint));
+  }
+}
+
+template <typename F>
+void Unit::run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue) {
+  if (check_collectives_) check_in_step(phase, comm, numel);
+  try {
+    issue();
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
+    C10_THROW_ERROR(DistBackendError, msg("megatron_fsdp_ext: ", phase_name(phase), " of fully_shard unit '", label_,
+                                          "' failed on rank ", rank(), " of ", world_size(), ": ", cause,
+                                          kDesyncHint));
+  }
 }
 
 CommContext& Unit::ctx() {
@@ -212,6 +352,7 @@ void Unit::allocate_unsharded() {
   if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
   c10::Allocator* alloc = impl->allocator();
   MFSDP_CHECK(alloc != nullptr, "unsharded storage has no allocator");
+  allow_access(impl);
   impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));
   impl->set_nbytes(unsharded_nbytes_);
 }
@@ -221,9 +362,20 @@ void Unit::free_unsharded() {
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
   impl->set_nbytes(0);
+  // A tensor kept from an unsharded parameter (or any view of one) keeps its full
+  // shape; reading it must raise, not dereference the freed (null) memory.
+  refuse_access(impl, freed_message());
+}
+
+std::string Unit::freed_message() const {
+  return msg("megatron_fsdp_ext: this tensor is an unsharded parameter (or a view of one) of fully_shard unit '",
+             label_, "', whose memory was freed by reshard(); it holds no data until the unit is unsharded "
+             "again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the sharded parameter "
+             "/ model.state_dict() instead.");
 }
 
 void Unit::unshard() {
+  check_bound("unshard");
   if (state_ == UnitState::kGathering) return;  // wait_unshard() checks for re-links
   // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
   // `p.data = x` the gathered copy no longer matches the parameter.
@@ -250,13 +402,15 @@ void Unit::unshard() {
       input = unsharded_flat_.narrow(0, layout_.segment_start(r), seg);
       input.copy_(sharded_flat_);
     }
-    ag_comm_.all_gather_flat(unsharded_flat_, input);
+    run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
+                   [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
     all_gather_done_.record(streams.all_gather());
     state_ = UnitState::kGathering;
     return;
   }
   at::Tensor input = param_dtype_ == orig_dtype_ ? sharded_flat_ : sharded_flat_.to(param_dtype_);
-  ag_comm_.all_gather_flat(unsharded_flat_, input);
+  run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
+                 [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
   state_ = UnitState::kUnsharded;
 }
 
@@ -322,6 +476,7 @@ at::Tensor Unit::flat_grad_behind_views() const {
 }
 
 bool Unit::reduce_grads(bool sync) {
+  check_bound("reduce_grads");
   const int64_t n = layout_.num_params();
   std::vector<at::Tensor> grads(n);
   bool any = false, all = true;
@@ -383,9 +538,11 @@ bool Unit::reduce_grads(bool sync) {
 
   auto reduce = [&]() {
     if (full_grads()) {
-      rs_comm_.all_reduce(flat, c10d::ReduceOp::SUM);
+      run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, flat.numel(),
+                     [&] { rs_comm_.all_reduce(flat, c10d::ReduceOp::SUM); });
     } else {
-      rs_comm_.reduce_scatter_flat(reduced, flat);
+      run_collective(CollectivePhase::kReduceScatterGrads, rs_comm_, flat.numel(),
+                     [&] { rs_comm_.reduce_scatter_flat(reduced, flat); });
     }
     cast_scale_into(target, reduced, scale, mode == Mode::kAccumulate);
   };
@@ -424,10 +581,12 @@ bool Unit::reduce_grads(bool sync) {
 }
 
 std::vector<at::Tensor> Unit::gather_full_params() {
+  check_bound("gather_full_params");
   check_sharded_params_intact();
   auto full = at::empty({layout_.total_numel()}, sharded_flat_.options());
   if (replicated()) full.copy_(sharded_flat_);
-  else ag_comm_.all_gather_flat(full, sharded_flat_);
+  else run_collective(CollectivePhase::kAllGatherFullParams, ag_comm_, full.numel(),
+                      [&] { ag_comm_.all_gather_flat(full, sharded_flat_); });
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));
@@ -436,12 +595,13 @@ std::vector<at::Tensor> Unit::gather_full_params() {
 }
 
 void Unit::load_full_params(const std::vector<at::Tensor>& full) {
+  check_bound("load_full_params");
   MFSDP_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
               full.size(), " tensors for ", layout_.num_params(), " parameters");
   check_sharded_params_intact();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < full.size(); ++i) {
-    MFSDP_CHECK(full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
+    MFSDP_CHECK(full[i].defined() && full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
                 "' has shape ", full[i].sizes(), ", expected ", shapes_[i]);
     const auto& s = slices_[i];
     if (s.numel == 0) continue;

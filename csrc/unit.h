@@ -3,9 +3,10 @@
 //
 // Storage:
 //  - sharded_flat (original dtype, this rank's segment): sharded params are 1-D views.
-//  - unsharded_flat (param dtype, padded total): unsharded params are views made with
-//    set_() so they own a version counter (writes by collectives never trip autograd);
-//    its storage is freed (0 bytes) while SHARDED and re-allocated by unshard().
+//  - unsharded_flat (param dtype, padded total): unsharded params are tensors of their
+//    own on its storage, so they own a version counter (writes by collectives never
+//    trip autograd); the storage is freed (0 bytes) while SHARDED and re-allocated by
+//    unshard(). While freed, any read of it raises (never a null dereference).
 //  - gradients: unsharded grads are packed into a flat reduce-dtype buffer, reduce-
 //    scattered, scaled by 1/world and land in a flat fp32 buffer whose 1-D views become
 //    the sharded params' .grad.
@@ -38,6 +39,21 @@ enum class UnitState { kSharded = 0, kGathering = 1, kUnsharded = 2 };
 //   kOptimGrads       ZeRO-2: grads reduce-scattered; params stay unsharded between steps
 //   kOptimGradsParams ZeRO-3: grads reduce-scattered; params gathered per use, then freed
 enum class ShardingStrategy { kNoShard = 0, kOptim = 1, kOptimGrads = 2, kOptimGradsParams = 3 };
+
+// What a unit's collective is for: named in errors, compared across ranks by the
+// collective check (set_check_collectives).
+enum class CollectivePhase {
+  kAllGatherParams = 0,
+  kReduceScatterGrads = 1,
+  kAllReduceGrads = 2,
+  kAllGatherFullParams = 3,
+};
+const char* phase_name(CollectivePhase phase);
+
+// Whether this build's torch lets freed unsharded storage refuse reads with our message
+// (StorageImpl's custom data-pointer error, with a way to clear it). Without it, a
+// tensor kept from an unsharded parameter past reshard() points at freed memory.
+bool freed_storage_guard();
 
 class CommContext {
  public:
@@ -78,6 +94,15 @@ class Unit {
        ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams);
 
   const FlatLayout& layout() const { return layout_; }
+  // How errors name this unit (the module's path once the root knows it).
+  const std::string& label() const { return label_; }
+  void set_label(std::string label);
+  // Debug mode: before each collective the ranks exchange (unit, phase, size); ranks
+  // out of step then get an error naming both sides, instead of a backend abort (Gloo:
+  // size mismatch) or two different units' collectives silently paired. Costs one
+  // small all-gather and a host sync per collective.
+  void set_check_collectives(bool on) { check_collectives_ = on; }
+  bool check_collectives() const { return check_collectives_; }
   int rank() const { return rs_comm_.rank(); }
   int world_size() const { return rs_comm_.size(); }
   UnitState state() const { return state_; }
@@ -129,6 +154,13 @@ class Unit {
 
  private:
   bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }
+  // Refuses `what` until bind_params() gave the unit its parameter objects.
+  void check_bound(const char* what) const;
+  // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)
+  // is rethrown naming this unit, the phase and the likely causes.
+  template <typename F>
+  void run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue);
+  void check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const;
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && param_dtype_ == orig_dtype_; }
   bool unsharded_is_stale() const {
@@ -141,6 +173,7 @@ class Unit {
   }
   void allocate_unsharded();
   void free_unsharded();
+  std::string freed_message() const;
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
   // got a gradient still has a view of one such buffer at its slot; else undefined.
   // Derived from the grads themselves: the unit keeps no reference, so
@@ -151,6 +184,9 @@ class Unit {
   ShardingStrategy strategy_;
   FlatLayout layout_;
   std::vector<std::string> names_;
+  std::string label_;
+  int64_t label_hash_ = 0;
+  bool check_collectives_ = false;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<ShardSlice> slices_;
   Communicator ag_comm_, rs_comm_;

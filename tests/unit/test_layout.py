@@ -104,8 +104,11 @@ def test_owner_layout_segments_are_contiguous_and_uneven(world):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: _C.FlatLayout.even([1], 0, 16), "world_size must be >= 1"),
-        (lambda: _C.FlatLayout.even([1], 2, 0), "alignment must be >= 1"),
+        (lambda: _C.FlatLayout.even([1], 0, 16), r"world_size must be in \[1, 16777216\], got 0"),
+        (lambda: _C.FlatLayout.even([1], 2**40, 16), r"world_size must be in \[1, 16777216\]"),
+        (lambda: _C.FlatLayout.even([1], 2, 0), r"alignment must be in \[1, 1048576\], got 0"),
+        (lambda: _C.FlatLayout.even([2**55, 2**55], 2, 16), "more than 72057594037927936 elements"),
+        (lambda: _C.balance_owners([1.0], 2**40), r"world_size must be in \[1, 16777216\]"),
         (lambda: _C.FlatLayout.even([4, -1], 2, 1), "parameter 1 has negative numel"),
         (lambda: _C.FlatLayout.by_owner([1, 2], [0], 2, 1), "owners has 1 entries for 2 parameters"),
         (lambda: _C.FlatLayout.by_owner([1], [2], 2, 1), "owner 2 outside"),
