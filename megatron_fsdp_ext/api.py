@@ -1,7 +1,9 @@
 """Public API: fully_shard, FSDPModule methods and the mixed-precision policy."""
 from __future__ import annotations
 
+import datetime
 import functools
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -57,7 +59,7 @@ class MixedPrecisionPolicy:
                 continue
             if not isinstance(value, torch.dtype):
                 raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype, got {value!r}")
-            if not value.is_floating_point:
+            if value not in _FLOAT_DTYPES:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{field} must be a floating-point dtype "
                     f"(one of {', '.join(str(d) for d in _FLOAT_DTYPES)}), got {value}"
@@ -305,15 +307,29 @@ def _check_depth(depth) -> int:
 
 # Second communicator per process group for all-gathers, created once and cached so
 # that all-gather and reduce-scatter can run concurrently (NCCL serialises the
-# collectives of one communicator).
-_ALL_GATHER_GROUPS: dict = {}
+# collectives of one communicator). Groups with a bounded timeout (fully_shard(timeout=))
+# are cached the same way, one per role: separate all-gather and reduce-scatter groups
+# also make a rank that skipped backward wait in the other collective instead of
+# pairing mismatched ones.
+_GROUPS: dict = {}
 
 
-def _all_gather_group_for(pg):
-    key = (dist.get_backend(pg), tuple(dist.get_process_group_ranks(pg)))
-    if key not in _ALL_GATHER_GROUPS:
-        _ALL_GATHER_GROUPS[key] = dist.new_group(ranks=list(key[1]), backend=key[0])
-    return _ALL_GATHER_GROUPS[key]
+def _group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None):
+    key = (dist.get_backend(pg), tuple(dist.get_process_group_ranks(pg)), role, timeout)
+    if key not in _GROUPS:
+        extra = {} if timeout is None else {"timeout": timeout}
+        _GROUPS[key] = dist.new_group(ranks=list(key[1]), backend=key[0], **extra)
+    return _GROUPS[key]
+
+
+def _check_timeout(timeout) -> Optional[datetime.timedelta]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {timeout!r}")
+    return timeout
 
 
 _CLASS_CACHE: dict = {}
@@ -429,6 +445,7 @@ def fully_shard(
     mesh=None,
     offload_policy=None,
     shard_placement_fn=None,
+    timeout=None,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
     call) across `process_group` and install the hooks that all-gather them for
@@ -463,6 +480,13 @@ def fully_shard(
     mesh:            FSDP2's spelling of process_group: a 1-D DeviceMesh (its group is used).
     offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
     shard_placement_fn: FSDP2's; not supported (units shard one flat buffer, not per parameter).
+    timeout:         a datetime.timedelta (or seconds): every collective of this unit
+                     fails after waiting this long, naming the unit and the phase,
+                     instead of blocking for the process group's timeout (torch's
+                     default is 30 minutes) when a rank stalls or desynchronizes. The
+                     unit's collectives then run on groups created with this timeout
+                     (cached; on NCCL that is one more communicator per role), so
+                     `process_group` must span all ranks. None: the group's own timeout.
     mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
     """
     if isinstance(module, (list, tuple)):
@@ -506,7 +530,16 @@ def fully_shard(
             )
     if all_gather_group is not None and create_all_gather_group:
         raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
-
+    timeout = _check_timeout(timeout)
+    if timeout is not None and (all_gather_group is not None or reduce_scatter_group is not None):
+        raise ValueError("pass either timeout= or explicit all_gather_group/reduce_scatter_group, not both "
+                         "(create your groups with torch.distributed.new_group(..., timeout=...) instead)")
+    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size():
+        raise ValueError("timeout= needs a process group spanning all ranks (new_group is collective over the "
+                         "default group); for a subgroup, create groups with new_group(..., timeout=...) on every "
+                         "rank and pass them as all_gather_group= and reduce_scatter_group=")
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
     ignored = {id(p) for p in (ignored_params or ())}
     params, names, slots, keys = _collect(module, ignored)
     unit = None
@@ -531,6 +564,13 @@ def fully_shard(
             sharded.append(s)
             unsharded.append(u)
         unit.bind_params(sharded, unsharded)
+        # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
+        # before every collective; see Unit::set_check_collectives.
+        unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
+        if timeout is not None and dist.get_world_size(pg) > 1:
+            reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout)
+            if strategy != _C.ShardingStrategy.NO_SHARD:
+                all_gather_group = _group_for(pg, "all_gather", timeout)
         if all_gather_group is None:
             # new_group() is collective over the default group, so only a group spanning
             # the whole job gets one automatically; per-rank subgroups (expert-parallel,
@@ -547,7 +587,7 @@ def fully_shard(
                         "(new_group is collective over the default group); for a subgroup, create the "
                         "all-gather group on every rank yourself and pass all_gather_group="
                     )
-                all_gather_group = _all_gather_group_for(pg)
+                all_gather_group = _group_for(pg, "all_gather")
         if all_gather_group is not None:
             unit.set_all_gather_group(all_gather_group)
         if reduce_scatter_group is not None:
@@ -559,9 +599,12 @@ def fully_shard(
     )
     state.sharding_strategy = sharding_strategy
     state.all_gather_in_start_param_sync = bool(all_gather_in_start_param_sync)
+    if reduce_scatter_group is not None:
+        state.check_group = reduce_scatter_group
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
+        p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
     module.__dict__["_mfsdp_state"] = state
     state.state_dict_hooks = ModuleStateDictHooks(state, keys)
     module.__class__ = _fsdp_class(type(module))

@@ -58,10 +58,19 @@ class FSDPConfig:
     fp16: bool = False
     """Gather parameters and compute in float16."""
 
+    collective_timeout: Optional[float] = None
+    """Seconds any FSDP collective may wait before failing with an error naming the
+    unit and phase (fully_shard(timeout=...)); None: the process group's timeout."""
+
     def __post_init__(self):
         _check_strategy(self.data_parallel_sharding_strategy)
         if self.bf16 and self.fp16:
             raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
+        if self.collective_timeout is not None and (
+                isinstance(self.collective_timeout, bool) or not isinstance(self.collective_timeout, (int, float))
+                or self.collective_timeout <= 0):
+            raise ValueError(f"FSDPConfig.collective_timeout must be a positive number of seconds or None, "
+                             f"got {self.collective_timeout!r}")
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
             raise ValueError(f"FSDPConfig.bucket_size must be a positive int (elements) or None, got {self.bucket_size!r}")
 
@@ -127,6 +136,8 @@ def fully_shard_model(
     Returns `module`; its parameters() are then this rank's shards."""
     if not isinstance(config, FSDPConfig):
         raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
     ignored_params = list(ignored_params or ())
     kinds = tuple(fsdp_unit_modules or ())
     for k in kinds:
@@ -140,6 +151,7 @@ def fully_shard_model(
         prefetch_depth=1 if config.overlap_param_gather else 0,
         create_all_gather_group=config.create_all_gather_group,
         all_gather_in_start_param_sync=config.fsdp_all_gather_in_start_param_sync,
+        timeout=config.collective_timeout,
     )
     if kinds:
         units = [m for m in module.modules() if m is not module and isinstance(m, kinds)]

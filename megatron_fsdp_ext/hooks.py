@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _C
+from .consistency import check_units_agree
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
 
@@ -47,8 +48,22 @@ def _global_step_pre_hook(optimizer, args, kwargs) -> None:
     # Once per optimizer: its state_dict()/load_state_dict() speak full shapes from now
     # on, and state loaded before (into a fresh optimizer) is cut to this rank's pieces.
     if "_mfsdp_state_dict_hooks" not in optimizer.__dict__:
+        _refuse_replaced_params(optimizer)
         convert_loaded_optimizer_state(optimizer)
         attach_optimizer(optimizer)
+
+
+def _refuse_replaced_params(optimizer) -> None:
+    """An optimizer built from model.parameters() before fully_shard holds the original
+    parameters, which fully_shard replaced: its steps would change nothing the model
+    uses (the loss stays flat). fully_shard marks those originals."""
+    replaced = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_mfsdp_replaced", False)]
+    if replaced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds {len(replaced)} parameter(s) that fully_shard replaced by sharded "
+            f"ones (the first has shape {tuple(replaced[0].shape)}): it was built before fully_shard, so its "
+            "steps would not change the model. Build the optimizer after fully_shard, from model.parameters()."
+        )
 
 
 # Every optimizer in the process: cheap (one attribute lookup per parameter), and it is
@@ -150,7 +165,10 @@ class FSDPState:
     def __init__(self, module, unit, names, sharded, unsharded, slots, pg, *,
                  reshard_after_forward: bool, mp_policy, prefetch_depth: int = 1):
         self._module_ref = weakref.ref(module)
-        self._module_name = type(module).__name__
+        self.module_kind = type(module).__name__
+        # The group this unit's collectives wait on longest (its reduce-scatter group):
+        # the cross-rank consistency check runs there, under the same timeout.
+        self.check_group = pg
         self.unit = unit
         self.names = names
         self.sharded_params = sharded
@@ -194,7 +212,7 @@ class FSDPState:
         ]
 
     def __str__(self) -> str:
-        return f"{self._module_name} (unit of {len(self.names)} parameters)"
+        return f"{self.module_kind} (unit of {len(self.names)} parameters)"
 
     def disable_dynamo_in_hooks(self) -> None:
         """Before the module is compiled: Dynamo runs the forward hooks eagerly, outside
@@ -220,12 +238,18 @@ class FSDPState:
         on it alone) is taken over."""
         if self.ctx is not None:
             return
-        states = list(iter_states(self.module))
+        named = [(name or f"{self.module_kind} (root)", m.__dict__["_mfsdp_state"])
+                 for name, m in self.module.named_modules() if "_mfsdp_state" in m.__dict__]
+        states = [s for _, s in named]
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
-        ctx = RootContext(self, states, device)
-        for s in states:
+        for name, s in named:
             if s.unit is not None and s.unit.device != device:
                 raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
+            if s.unit is not None:
+                s.unit.set_label(name)  # errors then name the unit by its path in the model
+        check_units_agree(named, device)
+        ctx = RootContext(self, states, device)
+        for s in states:
             s.ctx = ctx
             s.is_root = s is self
             s.reshard_after_forward = s._user_reshard_after_forward and not s.is_root

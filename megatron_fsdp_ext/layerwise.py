@@ -44,6 +44,9 @@ class _Bucket:
     started: bool = False
     done: bool = True
     event: Optional[torch.cuda.Event] = None
+    # Ranks build the layout from their own parameter list: the first collective checks
+    # that every rank's segment table agrees (one small all-gather); later ones skip it.
+    verified: bool = False
 
     def owned(self, rank: int) -> List[int]:
         return [i for i in range(len(self.params)) if self.layout.owner(i) == rank]
@@ -188,7 +191,9 @@ class LayerwiseDistributedOptimizer:
                 reduced = flat_grad.narrow(0, mine_start, mine_numel)
             else:
                 reduced = torch.empty(mine_numel, dtype=flat_grad.dtype, device=flat_grad.device)
-                self.comm.reduce_scatter_v(reduced, flat_grad, list(lay.segment_starts), list(lay.segment_numels))
+                self.comm.reduce_scatter_v(reduced, flat_grad, list(lay.segment_starts), list(lay.segment_numels),
+                                           verify=not b.verified)
+                b.verified = True
             reduced.mul_(scale)
             for i in b.owned(self.rank):
                 p = b.params[i]
@@ -232,12 +237,15 @@ class LayerwiseDistributedOptimizer:
         b.started = True
         lay = b.layout
         mine = b.flat.narrow(0, lay.segment_starts[self.rank], lay.segment_numels[self.rank])
+        verify, b.verified = not b.verified, True
         if self._stream is None:
-            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo)
+            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo,
+                                   verify=verify)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._device))  # owners' updates are done
         with torch.cuda.stream(self._stream):
-            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo)
+            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo,
+                                   verify=verify)
             b.event = torch.cuda.Event()
             b.event.record(self._stream)
 

@@ -87,8 +87,9 @@ def _gather_full(state, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype
             piece = layout.shard_slice(i, rank)
             segment[piece.shard_offset: piece.shard_offset + piece.numel].copy_(t.detach().reshape(-1))
     flat = torch.empty(layout.total_numel, dtype=dtype, device=device)
+    # Layouts are checked across ranks at lazy init; before it, check this one.
     _C.Communicator(state.process_group).all_gather_v(
-        flat, segment, layout.segment_starts, layout.segment_numels)
+        flat, segment, layout.segment_starts, layout.segment_numels, verify=state.ctx is None)
     return [flat[o: o + n].view(s) for o, n, s in zip(layout.offsets, layout.numels, shapes)]
 
 

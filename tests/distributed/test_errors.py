@@ -77,3 +77,38 @@ def test_bad_inputs_world2():
 def test_groups_over_other_ranks_are_refused():
     from megatron_fsdp_ext.testing.workers import mismatched_group_errors
     run_distributed(mismatched_group_errors, 4, timeout=120)
+
+
+def test_unsupported_float_dtypes_are_refused_at_the_policy():
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64):
+        with pytest.raises(ValueError, match="param_dtype must be a floating-point dtype"):
+            mfsdp.MixedPrecisionPolicy(param_dtype=dtype)
+
+
+def _misuse(rank, world):
+    # ignored_params given as one tensor instead of an iterable of them.
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    expect_error(lambda: mfsdp.fully_shard(m, ignored_params=m[0].bias), TypeError,
+                 "ignored_params must be an iterable")
+    expect_error(lambda: mfsdp.fully_shard_model(m, mfsdp.FSDPConfig(), ignored_params=m[0].bias), TypeError,
+                 "ignored_params must be an iterable")
+
+    # An optimizer built before fully_shard holds the replaced parameters: refused at its
+    # first step (it would train nothing), and again at the next; one built after works.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    early = torch.optim.AdamW(m.parameters(), lr=0.1)
+    mfsdp.fully_shard(m[0])
+    mfsdp.fully_shard(m)
+    m(torch.randn(3, 4)).sum().backward()
+    for _ in range(2):
+        expect_error(early.step, RuntimeError, "AdamW holds 4 parameter(s) that fully_shard replaced",
+                     "Build the optimizer after fully_shard")
+    late = torch.optim.AdamW(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    late.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters())), "the optimizer changed nothing"
+
+
+def test_misuse_is_refused_clearly():
+    run_distributed(_misuse, 2, timeout=120)

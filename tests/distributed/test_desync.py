@@ -1,0 +1,164 @@
+"""Ranks that disagree fail loudly and in bounded time: different models are refused at
+the first forward, and a stalled or desynchronized rank makes the others fail within
+fully_shard(timeout=...) with an error naming the unit and the phase."""
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.testing import run_distributed
+from megatron_fsdp_ext.testing.workers import expect_error
+
+TIMEOUT_S = 4
+
+
+class _Net(nn.Module):
+    def __init__(self, widths=(8, 8), hidden=8):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(hidden, w), nn.ReLU(), nn.Linear(w, hidden))
+                                     for w in widths])
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _shard(net, **kwargs):
+    for b in net.blocks:
+        mfsdp.fully_shard(b, **kwargs)
+    return mfsdp.fully_shard(net, **kwargs)
+
+
+def _first_forward_error(net) -> str:
+    try:
+        net(torch.randn(2, 8)).sum().backward()
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("ranks with different models trained without an error")
+
+
+def _different_models(rank, world, case):
+    torch.manual_seed(0)
+    if case == "shape":  # same flat size after padding, different shapes
+        net = _Net() if rank == 0 else _Net()
+        if rank == 1:
+            net.blocks[1][0] = nn.Linear(8, 8, bias=False)
+            net.blocks[1][0].register_parameter("extra", nn.Parameter(torch.zeros(8)))
+        _shard(net)
+    elif case == "order":  # the same parameters registered in another order
+        net = _Net()
+        if rank == 1:
+            lin = net.blocks[0][0]
+            w, b = lin._parameters.pop("weight"), lin._parameters.pop("bias")
+            lin._parameters["bias"], lin._parameters["weight"] = b, w
+        _shard(net)
+    elif case == "size":  # different sizes: previously an abort inside Gloo
+        net = _Net(widths=(8, 8) if rank == 0 else (8, 24))
+        _shard(net)
+    elif case == "strategy":
+        net = _Net()
+        _shard(net, sharding_strategy="optim_grads_params" if rank == 0 else "optim_grads")
+    elif case == "dtype":
+        net = _Net()
+        _shard(net, mp_policy=mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if rank == 1 else None))
+    else:
+        raise ValueError(case)
+    return _first_forward_error(net)
+
+
+@pytest.mark.parametrize("case,first,fragment", [
+    ("shape", "blocks.1", "0.extra"),
+    ("order", "blocks.0", "0.bias"),
+    ("size", "blocks.1", "(24, 8)"),
+    ("strategy", "_Net (root)", "strategy=optim_grads param_dtype"),
+    ("dtype", "_Net (root)", "param_dtype=torch.bfloat16"),
+])
+def test_different_models_are_refused(case, first, fragment):
+    messages = run_distributed(_different_models, 2, case, timeout=90)
+    for m in messages:
+        assert "ranks built different models" in m, m
+        assert f"unit '{first}'" in m, m
+    assert any(fragment in m for m in messages), messages
+
+
+def _trained_step(net, opt, x):
+    opt.zero_grad()
+    net(x).sum().backward()
+    opt.step()
+
+
+def _desync(rank, world, case):
+    if case != "stall":
+        # Units out of step: without the check, Gloo aborts the process on the size
+        # mismatch ("collective mismatch") and NCCL hangs until its watchdog fires.
+        os.environ["MFSDP_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    net = _shard(_Net(), timeout=TIMEOUT_S)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    _trained_step(net, opt, x)  # in step once: the failure below is mid-training
+    start = time.monotonic()
+    try:
+        if case == "stall":
+            if rank == 1:
+                time.sleep(3 * TIMEOUT_S)
+            _trained_step(net, opt, x)
+        elif case == "skipped_backward":
+            if rank == 1:
+                with torch.no_grad():
+                    net(x)
+            else:
+                _trained_step(net, opt, x)
+            _trained_step(net, opt, x)
+        elif case == "extra_unit":
+            if rank == 0:
+                net.blocks[1](x)  # an extra unit forward (with grad) that rank 1 does not run
+            _trained_step(net, opt, x)
+            _trained_step(net, opt, x)
+        else:
+            raise ValueError(case)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+@pytest.mark.parametrize("case", ["stall", "skipped_backward", "extra_unit"])
+def test_desynchronized_rank_fails_in_bounded_time(case):
+    start = time.monotonic()
+    results = run_distributed(_desync, 2, case, timeout=90)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"{case}: took {elapsed:.0f}s"
+    errors = [(t, m) for t, m in results if m is not None]
+    assert errors, f"{case}: no rank saw an error: {results}"
+    for t, m in errors:
+        if case == "stall":
+            assert "all-gather of parameters of fully_shard unit '" in m and "failed on rank" in m, m
+        else:
+            assert "collectives out of step" in m and "of fully_shard unit '" in m, m
+        assert t < 5 * TIMEOUT_S, f"{case}: the error came after {t:.1f}s with timeout {TIMEOUT_S}s"
+    if case == "stall":  # the waiting rank is the one that must fail, within the timeout
+        t, m = results[0]
+        assert m is not None and "all-gather of parameters" in m, results
+        assert TIMEOUT_S - 1 <= t < 2 * TIMEOUT_S, f"rank 0 failed after {t:.1f}s"
+
+
+def _bad_timeouts(rank, world):
+    for bad in (0, -1, "5", True, datetime.timedelta(seconds=-2)):
+        expect_error(lambda: mfsdp.fully_shard(nn.Linear(2, 2), timeout=bad), ValueError,
+                     "timeout must be a positive")
+    group = dist.new_group([0])
+    expect_error(lambda: mfsdp.fully_shard(nn.Linear(2, 2), timeout=3, reduce_scatter_group=group), ValueError,
+                 "either timeout= or explicit")
+
+
+def test_timeout_argument_checked():
+    run_distributed(_bad_timeouts, 1, timeout=60)
+    with pytest.raises(ValueError, match="collective_timeout"):
+        mfsdp.FSDPConfig(collective_timeout=0)
