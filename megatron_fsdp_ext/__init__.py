@@ -25,7 +25,7 @@ from .api import (
 from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
-from .dcp import load_checkpoint, save_checkpoint, sharded_state_dict
+from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
 from .state_dict import local_state_dict
 
 
@@ -45,10 +45,14 @@ def build_info() -> dict:
         "torch_runtime": torch.__version__,
         "cuda_compiled": bool(_C.compiled_with_cuda()),
         "cuda_version_built": cuda_built,
+        # Reading a tensor kept from an unsharded parameter after reshard() raises (True)
+        # or touches freed memory (False: this torch's StorageImpl cannot refuse access).
+        "freed_storage_guard": bool(_C.freed_storage_guard()),
     }
 
 
 __all__ = [
+    "CheckpointError",
     "FSDPConfig",
     "FSDPModule",
     "MixedPrecisionPolicy",

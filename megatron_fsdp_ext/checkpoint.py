@@ -1,7 +1,8 @@
 """Full (unsharded) state dicts that load into the plain, unwrapped nn.Module."""
 from __future__ import annotations
 
-from typing import Dict
+import hashlib
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,78 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
     return sd
 
 
+def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseException]) -> None:
+    """Every rank that shares a unit's process group must pass the same keys (so that all
+    issue the same all-gathers) and must have passed the local checks: one small
+    collective per process group (usually one) tells, and every rank raises alike."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if own is not None:
+            raise own
+        return
+    groups = []
+    for state in iter_states(module):
+        if state.unit is not None and state.process_group is not None and \
+                all(g is not state.process_group for g in groups):
+            groups.append(state.process_group)
+    if not groups:
+        if own is not None:
+            raise own
+        return
+    keys = sorted(state_dict)
+    digest = hashlib.sha256("\0".join(keys).encode()).hexdigest()
+    failure = None if own is None else f"{type(own).__name__}: {own}"
+    for group in groups:
+        size = dist.get_world_size(group)
+        ranks = [dist.get_global_rank(group, r) for r in range(size)]
+        seen = [None] * size
+        dist.all_gather_object(seen, (digest, failure), group=group)
+        if len({d for d, _ in seen}) > 1:
+            all_keys = [None] * size
+            dist.all_gather_object(all_keys, keys, group=group)  # only on this error path
+            sets = [set(k) for k in all_keys]
+            first = min(k for k in set().union(*sets) if not all(k in s for s in sets))
+            have = [r for r, s in zip(ranks, sets) if first in s]
+            lack = [r for r, s in zip(ranks, sets) if first not in s]
+            raise ValueError(
+                f"load_full_state_dict: the ranks passed different keys: '{first}' is in the state dict of "
+                f"rank(s) {have} but not of rank(s) {lack}; every rank must pass the same keys (nothing was loaded)"
+            )
+        failed = {r: f for r, (_, f) in zip(ranks, seen) if f is not None}
+        if failed:
+            if own is not None:
+                raise own
+            listing = "; ".join(f"rank {r}: {f}" for r, f in sorted(failed.items()))
+            raise RuntimeError(f"load_full_state_dict: failed on rank(s) {sorted(failed)} ({listing}); "
+                               "nothing was loaded")
+
+
 def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True) -> None:
     """Load a full (unsharded) state dict, as saved from the plain module or by
-    full_state_dict(), into a sharded module. Every rank passes the full dict."""
+    full_state_dict(), into a sharded module. Every rank passes the full dict, with the
+    same keys (an error on every rank otherwise, naming the first key that differs).
+    Everything is checked before anything is loaded; with strict=False, parameters
+    absent from the dict keep their values."""
+    plan, own = None, None
+    try:
+        plan = _plan_full_load(module, state_dict, strict)
+    except Exception as e:
+        own = e
+    _agree_on_keys(module, state_dict, own)
+    states, fulls, replicated = plan
+    # Every rank of a unit's group gathers the same units (the keys agree).
+    for state, full in zip(states, fulls):
+        if any(t is None for t in full):
+            current = state.unit.gather_full_params()
+            full = [c if t is None else t for c, t in zip(current, full)]
+        state.unit.load_full_params(full)
+    with torch.no_grad():
+        for target, value in replicated:
+            target.copy_(value)
+
+
+def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
+    """The local checks, no collective: returns the units, each one's full tensors (None
+    where the dict lacks a parameter) and the replicated (target, value) pairs."""
     states = _unit_states(module)
     for state in states:
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
@@ -77,6 +147,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
             + ("; " if missing and unexpected else "")
             + (f"unexpected keys {unexpected}" if unexpected else "")
         )
+    fulls = []
     for state in states:
         full = []
         for p, u, name in zip(state.sharded_params, state.unsharded_params, state.names):
@@ -94,19 +165,17 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
                     f"expected {tuple(u.shape)}"
                 )
             full.append(value.detach().to(device=state.unit.device, dtype=state.unit.orig_dtype))
-        if any(t is None for t in full):
-            current = state.unit.gather_full_params()
-            full = [c if t is None else t for c, t in zip(current, full)]
-        state.unit.load_full_params(full)
-    # Everything else (buffers, ignored/unsharded parameters) is replicated: copy it.
+        fulls.append(full)
+    # Everything else (buffers, ignored/unsharded parameters) is replicated: copied.
     sharded_keys = {k for pid in sharded_ids for k in names.get(pid, ())}
-    with torch.no_grad():
-        for key, value in state_dict.items():
-            if key in sharded_keys or key not in own:
-                continue
-            target = own[key]
-            if tuple(target.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
-                )
-            target.copy_(value)
+    replicated = []
+    for key, value in state_dict.items():
+        if key in sharded_keys or key not in own:
+            continue
+        target = own[key]
+        if tuple(target.shape) != tuple(value.shape):
+            raise ValueError(
+                f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+            )
+        replicated.append((target, value))
+    return states, fulls, replicated

@@ -13,11 +13,23 @@ Optimizer state tensors shaped like a shard are stored the same way; scalar stat
     meta.param_shapes             the parameters' full shapes (checked on load)
     optim.state.<name>.<key>      per-parameter optimizer state
     optim.param_groups            hyper-parameters, parameters listed by name
+    optim.class                   the optimizer's class (a checkpoint of SGD is no AdamW's)
+
+save_checkpoint publishes a checkpoint only once it is whole: all ranks agree on the
+directory, write into a fresh sibling directory, agree that every write succeeded, hash
+what they wrote, and rank 0 writes the manifest (mfsdp_manifest.json: every file with its
+sha256 and size), then swaps the directory into place with renames. load_checkpoint
+refuses a directory without the manifest and checks every file's hash (each file hashed
+once, by one rank) before it loads anything. Every failure is raised on every rank. The
+file handling (manifest, hashes, renames, rank agreement) lives in checkpoint_files.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
+import shutil
+import uuid
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -25,8 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _C
+from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
+    MANIFEST_NAME, WRITER, CheckpointError, all_gather, barrier, check_covered, check_replaceable, check_same_path,
+    describe, failures, file_digest, from_rank0, listing, merged, moved_aside, no_manifest_message, publish,
+    raise_agreed, rank_world, read_manifest, sibling, verify_share,
+)
 from .hooks import iter_states
 from .state_dict import local_state_dict
 
@@ -160,7 +178,10 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> Li
 
 
 def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-    """The state dict to hand to torch.distributed.checkpoint.save (collective-free)."""
+    """The state dict to hand to torch.distributed.checkpoint.save (collective-free), for
+    storage other than a filesystem directory. Such a checkpoint has no manifest: nothing
+    verifies it is whole or intact (load_checkpoint(..., verify=False) reads one from a
+    directory unverified)."""
     infos = _sharded_params(module)
     sd = _model_entries(module, infos)
     # Parameters are stored flattened: their full shapes travel beside them, so that a
@@ -183,48 +204,219 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
                     sd[entry] = value
     # Pickled: DCP would otherwise flatten the list of dicts into many keys.
     sd["optim.param_groups"] = pickle.dumps(groups_meta)
+    # Beside the hyper-parameters: load_checkpoint refuses another optimizer class.
+    sd["optim.class"] = pickle.dumps({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
     return sd
 
 
+# ----------------------------------------------------------------------------- save and load
+
 def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Save model (and optimizer) state to directory `path` (a filesystem path; for other
-    storage, pass sharded_state_dict() to torch.distributed.checkpoint.save yourself).
-    Collective: call on all ranks."""
-    with _quiet():
-        dcp.save(sharded_state_dict(module, optimizer), checkpoint_id=path)
+    """Save model (and optimizer) state to directory `path`, replacing the checkpoint
+    there only once the new one is complete. Collective: call on all ranks, with the
+    same path.
+
+    The ranks write into a fresh sibling directory; when every write succeeded, each rank
+    hashes its files, rank 0 writes the manifest (mfsdp_manifest.json: file -> sha256 and
+    size) and renames the directory into place. A failure on any rank (a full disk, a
+    crash in a write) raises CheckpointError on every rank naming the failing rank(s);
+    the previous checkpoint at `path` is left as it was. Different paths on different
+    ranks raise ValueError on every rank before anything is written. `path` must be new,
+    or a directory holding only a checkpoint. For storage other than a filesystem, pass
+    sharded_state_dict() to torch.distributed.checkpoint.save yourself (unverified)."""
+    rank, world = rank_world()
+    target = os.path.abspath(os.fspath(path))
+    what = f"save_checkpoint({path})"
+    sd, own = None, None
+    try:
+        sd = sharded_state_dict(module, optimizer)
+        if rank == 0:
+            check_replaceable(target)
+    except Exception as e:
+        own = e
+    token = uuid.uuid4().hex[:16] if rank == 0 else None
+    agreed = all_gather((target, token, failures(own, rank)))
+    check_same_path("save_checkpoint", [a[0] for a in agreed])
+    raise_agreed(what, own, [a[2] for a in agreed])
+    token = agreed[0][1]
+    tmp = sibling(target, "tmp", token)
+
+    def abort(failed: Dict[int, str], cause: Optional[BaseException], stage: str):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()  # the temporary directory is gone on return, on every rank
+        kept = (f"the previous checkpoint at {target} is unchanged" if os.path.isdir(target)
+                else f"nothing was written to {target}")
+        raise CheckpointError(f"{what}: {stage} failed on rank(s) {sorted(failed)} ({listing(failed)}); "
+                              f"{kept}") from cause
+
+    # 1. Write. DCP gathers a failed write into a CheckpointException on every rank.
+    own, files = None, None
+    try:
+        with _quiet():
+            dcp.save(sd, checkpoint_id=tmp)
+        if rank == 0:  # every rank's write has finished once dcp.save returns on rank 0
+            files = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
+    except (Exception, CheckpointException) as e:
+        own = e
+    agreed = all_gather((failures(own, rank), files))
+    failed = merged(a[0] for a in agreed)
+    if failed:
+        abort(failed, own, "writing the checkpoint")
+    files = agreed[0][1]
+
+    # 2. Hash: each rank the files it wrote (rank 0 also the metadata).
+    own, digests = None, {}
+    try:
+        for name in files:
+            m = WRITER.match(name)
+            writer = int(m.group(1)) if m and int(m.group(1)) < world else 0
+            if writer == rank:
+                digests[name] = file_digest(os.path.join(tmp, name))
+    except Exception as e:
+        own = e
+    agreed = all_gather((failures(own, rank), digests))
+    failed = merged(a[0] for a in agreed)
+    if failed:
+        abort(failed, own, "hashing the written files")
+
+    # 3. Publish (rank 0), then tell everyone how it went: this is also the final barrier.
+    outcome = None
+    if rank == 0:
+        try:
+            everything: Dict[str, Tuple[str, int]] = {}
+            for a in agreed:
+                everything.update(a[1])
+            publish(target, tmp, token, everything, world)
+        except Exception as e:
+            outcome = describe(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    outcome = from_rank0(outcome)
+    if outcome is not None:
+        kept = (f"the previous checkpoint at {target} is unchanged" if os.path.isdir(target)
+                else f"nothing was written to {target}{moved_aside(target)}")
+        raise CheckpointError(f"{what}: publishing the checkpoint failed on rank 0 ({outcome}); {kept}")
 
 
 def _fmt_shape(info: _ParamInfo) -> str:
     return f"shape {info.full_shape} ({info.full_numel} elements)"
 
 
-def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+
+def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    verify: bool = True) -> None:
     """Load a checkpoint written by save_checkpoint, under any world size and sharding
-    strategy, into `module` (and `optimizer`, whose state is replaced). Keys must match
-    exactly: a missing or extra key, or a shape mismatch, is an error naming the key.
-    Collective: call on all ranks."""
+    strategy, into `module` (and `optimizer`, whose state is replaced). Collective: call
+    on all ranks, with the same path.
+
+    Before anything is loaded: the ranks must agree on the path (ValueError otherwise);
+    the directory must hold the manifest save_checkpoint writes last, and every file must
+    match its sha256 there (each file is hashed by one rank; CheckpointError naming the
+    file otherwise); keys must match exactly (a missing or extra key, or a shape mismatch,
+    is an error naming the key); the optimizer must be of the class that was saved.
+    Every error is raised on every rank. verify=False skips the manifest and hashes (for
+    checkpoints written with dcp.save(sharded_state_dict(...)))."""
+    rank, world = rank_world()
+    target = os.path.abspath(os.fspath(path))
+    what = f"load_checkpoint({path})"
+    check_same_path("load_checkpoint", all_gather(target))
+
+    # Local checks: integrity (this rank's share of the hashes), then what the metadata
+    # alone tells. Agreed in one collective; a corrupted file outranks any other error.
+    own, bad, plan = None, [], None
+    try:
+        if not os.path.isdir(target):
+            raise FileNotFoundError(f"{what}: no checkpoint directory at {target}{moved_aside(target)}")
+        manifest = read_manifest(path, target) if verify else None
+        if manifest is not None:
+            bad = verify_share(target, manifest, rank, world)
+        if not bad:
+            plan = _plan(path, target, module, optimizer, manifest, verify)
+    except Exception as e:
+        own = e
+    agreed = all_gather((bad, failures(own, rank)))
+    bad = [line for a in agreed for line in a[0]]
+    if bad:
+        raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing was "
+                              f"loaded: {bad[0]}" + (f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""))
+    raise_agreed(what, own, [a[1] for a in agreed])
+
+    # Checks that read small objects (shapes, optimizer class and groups), agreed again:
+    # nothing has been loaded into the module or the optimizer before this passes.
+    own = None
+    try:
+        small = {k: b"" for k in ("meta.param_shapes", "optim.param_groups", "optim.class")
+                 if k in plan.meta and (optimizer is not None or k == "meta.param_shapes")}
+        if small:
+            _load(small, path, plan.reader_path)
+    except Exception as e:
+        own = e
+    if own is None:
+        try:
+            _check_plan(plan, small, module, optimizer, path)
+        except Exception as e:
+            own = e
+    raise_agreed(what, own, all_gather(failures(own, rank)))
+
+    # The load itself; its outcome is agreed too, so that no rank carries on alone.
+    own = None
+    try:
+        _load(plan.target, path, plan.reader_path)
+        _apply_objects(module, plan.target, plan.objects)
+        if optimizer is not None:
+            _apply_optimizer(plan, small, optimizer)
+    except Exception as e:
+        own = e
+    raise_agreed(what, own, all_gather(failures(own, rank)))
+
+
+class _Plan:
+    pass
+
+
+def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Optional[dict], verify: bool) -> _Plan:
+    """What the metadata alone tells (no data read): the keys match, the targets to load into."""
     for state in iter_states(module):
         if state.unit is not None:
             state.reshard()  # any gathered copy would be stale after the load
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    infos = _sharded_params(module)
-    target = _model_entries(module, infos)
+    has_metadata = os.path.isfile(os.path.join(target_dir, ".metadata"))
+    if verify and manifest is None and not has_metadata:
+        raise CheckpointError(no_manifest_message(path, target_dir, False))
+    meta = dcp.FileSystemReader(target_dir).read_metadata()
+    if manifest is not None:
+        check_covered(path, meta, manifest)
+    meta = meta.state_dict_metadata
+    plan = _Plan()
+    plan.meta, plan.reader_path = meta, target_dir
+    plan.unverified = verify and manifest is None  # refused once the compatibility checks ran
+    plan.infos = infos = _sharded_params(module)
+    plan.target = _model_entries(module, infos)
     stored_model = {k for k in meta if k.startswith("model.")}
-    _check_keys("model", set(target), stored_model, path)
-    if "meta.param_shapes" in meta:
-        shapes = {"meta.param_shapes": b""}
-        _load(shapes, path)
-        saved_shapes = pickle.loads(shapes["meta.param_shapes"])
+    try:
+        _check_keys("model", set(plan.target), stored_model, path)
+    except KeyError as e:
+        if plan.unverified:  # not ours at all: say what it is and how to load it
+            raise CheckpointError(no_manifest_message(path, target_dir, True) + f" (Its keys differ too: {e.args[0]})")
+        raise
+    plan.objects = [k for k, v in plan.target.items() if isinstance(v, bytes)]
+    for key in plan.objects:
+        plan.target[key] = b""  # pickled extra state: DCP fills it in, load_state_dict applies it
+    if optimizer is not None:
+        plan.group_names = _optimizer_params(optimizer, module)
+    return plan
+
+
+def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: str) -> None:
+    meta, infos, target = plan.meta, plan.infos, plan.target
+    if "meta.param_shapes" in small:
+        saved_shapes = pickle.loads(small["meta.param_shapes"])
         for name, shape in _param_shapes(infos).items():
             if name in saved_shapes and tuple(saved_shapes[name]) != shape:
                 raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
                                  f"the model's parameter has shape {shape}")
     by_name = {f"model.{n}": info for info in infos.values() for n in info.names}
-    objects = [k for k, v in target.items() if isinstance(v, bytes)]
-    for key in objects:
-        target[key] = b""  # pickled extra state: DCP fills it in, load_state_dict applies it
     for key, value in target.items():
-        if key in objects:
+        if key in plan.objects:
             continue
         size = list(getattr(meta[key], "size", []))
         if key in by_name:
@@ -244,18 +436,43 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         elif size != list(value.shape):
             raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(size)} in {path}, "
                              f"the model's has {tuple(value.shape)}")
-    if optimizer is None:
-        _load(target, path)
-        _apply_objects(module, target, objects)
-        return
+    if optimizer is not None:
+        _plan_optimizer(plan, small, optimizer, path)
+    if plan.unverified:
+        raise CheckpointError(no_manifest_message(path, plan.reader_path, True))
 
-    group_names = _optimizer_params(optimizer, module)
+
+def _check_optimizer_class(saved_class: Optional[dict], saved_groups: list, optimizer, path: str) -> None:
+    mine = type(optimizer)
+    if saved_class is not None:
+        if saved_class.get("name") != mine.__qualname__:
+            raise ValueError(
+                f"load_checkpoint({path}): the checkpoint was saved from {saved_class.get('name')} "
+                f"({saved_class.get('module')}); this optimizer is {mine.__qualname__} ({mine.__module__}): its state "
+                f"and hyper-parameters do not apply. Build a {saved_class.get('name')} to resume, or load the model "
+                "alone (load_checkpoint(path, model)); nothing was loaded")
+        return
+    # Older checkpoints do not name the class: hyper-parameters this optimizer does not
+    # have betray another one (SGD's momentum in AdamW, AdamW's betas in SGD).
+    saved_keys = {k for g in saved_groups for k in g if k != "params"}
+    my_keys = {k for g in optimizer.param_groups for k in g if k != "params"} | set(optimizer.defaults)
+    foreign = sorted(saved_keys - my_keys)
+    if foreign:
+        raise ValueError(
+            f"load_checkpoint({path}): the checkpoint's optimizer has hyper-parameters {foreign}, which this "
+            f"{mine.__qualname__} does not have: it was saved from another optimizer class (this checkpoint does "
+            f"not name it). Build the same optimizer to resume, or load the model alone; nothing was loaded")
+
+
+def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
+    meta, target, group_names = plan.meta, plan.target, plan.group_names
     if "optim.param_groups" not in meta:
         raise KeyError(f"load_checkpoint: {path} has no optimizer state ('optim.param_groups' is missing); "
                        "load without an optimizer or pick a checkpoint saved with one")
-    groups_only = {"optim.param_groups": b""}
-    _load(groups_only, path)
-    _check_groups(pickle.loads(groups_only["optim.param_groups"]), group_names, path)
+    saved_groups = pickle.loads(small["optim.param_groups"])
+    saved_class = pickle.loads(small["optim.class"]) if "optim.class" in small else None
+    _check_optimizer_class(saved_class, saved_groups, optimizer, path)
+    _check_groups(saved_groups, group_names, path)
     known = {n for names in group_names for n in names}
     prefix = "optim.state."
     stored_states: Dict[str, Dict[str, object]] = {}
@@ -268,7 +485,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                            "this optimizer")
         stored_states.setdefault(name, {})[state_key] = (key, m)
     params_by_name = {n: p for g, names in zip(optimizer.param_groups, group_names) for p, n in zip(g["params"], names)}
-    info_by_name = {info.name: info for info in infos.values()}
+    info_by_name = {info.name: info for info in plan.infos.values()}
     local: Dict[str, object] = {}  # what each state key lands in on this rank
     for name, entries in stored_states.items():
         p, info = params_by_name[name], info_by_name.get(name)
@@ -285,20 +502,20 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                                  f"parameter '{name}' has {_fmt_shape(info)}")
             else:  # scalar state (Adam's step) or state of a parameter outside any unit
                 local[key] = target[key] = torch.empty(size, dtype=dtype, device=p.device)
-    target["optim.param_groups"] = b""
-    _load(target, path)
-    _apply_objects(module, target, objects)
+    plan.stored_states, plan.local, plan.saved_groups = stored_states, local, saved_groups
 
-    saved_groups = pickle.loads(target["optim.param_groups"])
+
+def _apply_optimizer(plan: _Plan, small: dict, optimizer) -> None:
+    target, group_names = plan.target, plan.group_names
     index = {}
     for names in group_names:
         for n in names:
             index[n] = len(index)
     osd_state = {}
-    for name, entries in stored_states.items():
-        osd_state[index[name]] = {state_key: local.get(key, target[key]) for state_key, (key, _) in entries.items()}
+    for name, entries in plan.stored_states.items():
+        osd_state[index[name]] = {state_key: plan.local.get(key, target[key]) for state_key, (key, _) in entries.items()}
     osd_groups = []
-    for saved, names in zip(saved_groups, group_names):
+    for saved, names in zip(plan.saved_groups, group_names):
         g = {k: v for k, v in saved.items() if k != "params"}
         g["params"] = [index[n] for n in names]
         osd_groups.append(g)
@@ -306,9 +523,16 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
 
 
-def _load(target: dict, path: str) -> None:
-    with _quiet():
-        dcp.load(target, checkpoint_id=path)
+def _load(target: dict, path: str, directory: str) -> None:
+    """dcp.load, whose failures (gathered from every rank into a CheckpointException on
+    every rank) become a CheckpointError naming the failing ranks."""
+    try:
+        with _quiet():
+            dcp.load(target, checkpoint_id=directory)
+    except CheckpointException as e:
+        failed = failures(e, 0)
+        raise CheckpointError(f"load_checkpoint({path}): reading failed on rank(s) {sorted(failed)}: "
+                              f"{listing(failed)}") from e
 
 
 def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
