@@ -1,0 +1,82 @@
+"""The cross-rank checks on NCCL (CUDA tensors, one GPU per rank): different models are
+refused at the first forward, out-of-step ranks get a named error under
+MFSDP_CHECK_COLLECTIVES=1, an uneven collective with rank-dependent segment tables is
+refused, and fully_shard(timeout=...) builds working NCCL groups."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import _C
+from megatron_fsdp_ext.testing import gpu_world, run_distributed
+from megatron_fsdp_ext.testing.workers import expect_error
+
+pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
+
+
+class _Net(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, width), nn.Linear(width, 16)])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def _shard(net, **kwargs):
+    for b in net.blocks:
+        mfsdp.fully_shard(b, **kwargs)
+    return mfsdp.fully_shard(net, **kwargs)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _different_models(rank, world):
+    net = _shard(_Net(width=16 if rank == 0 else 48).to(_device()))
+    expect_error(lambda: net(torch.randn(2, 16, device=_device())), ValueError, "ranks built different models",
+                 "unit 'blocks.1'")
+
+
+def test_nccl_different_models_are_refused():
+    run_distributed(_different_models, WORLD, backend="nccl", timeout=180)
+
+
+def _out_of_step(rank, world):
+    os.environ["MFSDP_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    net = _shard(_Net().to(_device()), timeout=60)
+    x = torch.randn(4, 16, device=_device())
+    net(x).sum().backward()  # in step: the check passes on every collective
+    torch.cuda.synchronize()
+    if rank == 0:
+        expect_error(lambda: net(x).sum().backward(), RuntimeError, "collectives out of step")
+    else:
+        with torch.no_grad():
+            net.blocks[2](torch.relu(net.blocks[1](torch.relu(net.blocks[0](x)))))  # no root, no backward
+        expect_error(lambda: net(x).sum().backward(), RuntimeError, "collectives out of step")
+
+
+def test_nccl_out_of_step_ranks_get_a_named_error():
+    run_distributed(_out_of_step, WORLD, backend="nccl", timeout=240)
+
+
+def _uneven_tables(rank, world):
+    comm = _C.Communicator(dist.distributed_c10d._get_default_group())
+    numels = [3 + rank] + [4] * (world - 1)
+    starts = [sum(numels[:r]) for r in range(world)]
+    out = torch.zeros(sum(numels), device=_device())
+    expect_error(lambda: comm.all_gather_v(out, torch.ones(numels[rank], device=_device()), starts, numels),
+                 RuntimeError, "passed different segment starts/numels")
+
+
+def test_nccl_all_gather_v_refuses_rank_dependent_tables():
+    run_distributed(_uneven_tables, WORLD, backend="nccl", timeout=180)
