@@ -192,6 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("label", &Unit::label)
       .def("set_label", &Unit::set_label, py::arg("label"))
       .def_property("check_collectives", &Unit::check_collectives, &Unit::set_check_collectives)
+      .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
       .def_property_readonly("shard_index", &Unit::shard_index)
       .def_property_readonly("layout", &Unit::layout, py::return_value_policy::reference_internal)

@@ -5,6 +5,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <cmath>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
@@ -257,6 +258,12 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kAllGatherFullParams: return "all-gather of full parameters";
   }
   return "collective";
+}
+
+void Unit::set_gradient_divide_factor(double factor) {
+  MFSDP_CHECK(factor >= 0 && std::isfinite(factor), "gradient divide factor must be finite and > 0 (0 restores the "
+              "default, the group size), got ", factor);
+  grad_divide_factor_ = factor;
 }
 
 void Unit::set_label(std::string label) {
@@ -534,7 +541,7 @@ bool Unit::reduce_grads(bool sync) {
     if (mode != Mode::kAccumulate) target = at::empty({seg}, sharded_flat_.options());
     reduced = reduce_into_target ? target : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
   }
-  const double scale = 1.0 / static_cast<double>(world_size());
+  const double scale = 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : static_cast<double>(world_size()));
 
   auto reduce = [&]() {
     if (full_grads()) {

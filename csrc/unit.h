@@ -102,6 +102,10 @@ class Unit {
   // size mismatch) or two different units' collectives silently paired. Costs one
   // small all-gather and a host sync per collective.
   void set_check_collectives(bool on) { check_collectives_ = on; }
+  // Reduced gradients are the sum over ranks divided by this (FSDP2's
+  // set_gradient_divide_factor); 0: the group size, i.e. the mean.
+  void set_gradient_divide_factor(double factor);
+  double gradient_divide_factor() const { return grad_divide_factor_; }
   bool check_collectives() const { return check_collectives_; }
   int rank() const { return rs_comm_.rank(); }
   int world_size() const { return rs_comm_.size(); }
@@ -187,6 +191,7 @@ class Unit {
   std::string label_;
   int64_t label_hash_ = 0;
   bool check_collectives_ = false;
+  double grad_divide_factor_ = 0;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<ShardSlice> slices_;
   Communicator ag_comm_, rs_comm_;

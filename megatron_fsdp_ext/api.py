@@ -160,21 +160,41 @@ class FSDPModule:
                          "use set_requires_gradient_sync(False) to skip gradient communication")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        _unsupported("set_reshard_after_backward", "sharding_strategy='optim_grads' (or 'optim') keeps "
-                     "parameters unsharded between forward and backward and across accumulation steps")
+        """FSDP2's: with False, a unit keeps its gathered parameters after its backward
+        (memory for less communication, e.g. across gradient-accumulation steps); the
+        next use gathers again only if the optimizer changed the shards since."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"set_reshard_after_backward expects a bool, got {reshard_after_backward!r}")
+        for state in self._states(recurse):
+            state.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        _unsupported("set_unshard_in_backward", "give parameters unused in backward their own unit or ignored_params")
+        """FSDP2's: with False, this unit's parameters are not gathered for backward, for
+        modules whose backward does not read them (e.g. an embedding: its weight gradient
+        needs only the indices). A backward that does read them raises (torch refuses to
+        unpack a saved weight onto the freed storage) instead of computing garbage."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"set_unshard_in_backward expects a bool, got {unshard_in_backward!r}")
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        _unsupported("set_gradient_divide_factor", "gradients are averaged over the group; scale the loss "
-                     "by world_size / factor for another divisor")
+        """FSDP2's: this unit's reduced gradients are the sum over ranks divided by
+        `factor` instead of the group size (the mean)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}")
+        unit = self._fsdp_state.unit
+        if unit is not None:
+            unit.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of set_gradient_divide_factor."""
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        _unsupported("set_force_sum_reduction_for_comms", "gradients are averaged over the group; scale the loss")
+        """FSDP2's: use a SUM reduction in the collective. Ours always does (SUM, then one
+        scale by 1/divide factor after it), so either value gives the same gradients."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")
 
     def set_post_optim_event(self, event) -> None:
         _unsupported("set_post_optim_event", "the optimizer step is tracked by a step hook; nothing to wait on")

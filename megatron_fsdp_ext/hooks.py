@@ -190,6 +190,9 @@ class FSDPState:
         self.all_gather_in_start_param_sync = False
         self.sharding_strategy = "optim_grads_params"
         self.overlap_grad_reduce = True  # False: backward waits for each reduction (FSDPConfig)
+        # FSDP2's set_reshard_after_backward / set_unshard_in_backward.
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
@@ -420,12 +423,14 @@ class FSDPState:
             return
         self._pre_backward_done = True
         self.ctx.queue_final_callback()
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
         targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.previous_in_forward(self)
         for t in targets:
-            if not t._post_backward_done:  # never re-gather a unit already reduced
+            if not t._post_backward_done and t.unshard_in_backward:  # never re-gather a unit already reduced
                 t.unshard()
-        self.wait_unshard()
+        if self.unshard_in_backward:
+            self.wait_unshard()
 
     def post_backward_of_one_call(self) -> None:
         """The backward of one forward call is done; reduce once all of them are."""
@@ -445,7 +450,10 @@ class FSDPState:
         self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
-        self.release()
+        if self.reshard_after_backward:
+            self.release()
+        elif self.unsharded_installed:  # keep the gathered memory; slots get the shards back
+            self._install(unsharded=False)
 
     def end_backward(self) -> None:
         self._pre_backward_done = False

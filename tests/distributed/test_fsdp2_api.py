@@ -150,12 +150,9 @@ def _forward_methods(rank, world):
 
     model.set_is_last_backward(True)
     model.set_requires_all_reduce(True)
-    for call in (lambda: model.set_requires_all_reduce(False), lambda: model.set_reshard_after_backward(False),
-                 lambda: model.set_unshard_in_backward(False), lambda: model.set_gradient_divide_factor(2.0),
-                 lambda: model.set_reduce_scatter_divide_factor(2.0), lambda: model.set_post_optim_event(None),
+    for call in (lambda: model.set_requires_all_reduce(False), lambda: model.set_post_optim_event(None),
                  lambda: model.set_all_reduce_hook(lambda g: None), lambda: model.set_custom_all_gather(None),
-                 lambda: model.set_custom_reduce_scatter(None), lambda: model.share_comm_ctx([]),
-                 lambda: model.set_force_sum_reduction_for_comms(True)):
+                 lambda: model.set_custom_reduce_scatter(None), lambda: model.share_comm_ctx([])):
         with pytest.raises(NotImplementedError, match="not supported by megatron_fsdp_ext: .+"):
             call()
     return True
@@ -163,3 +160,113 @@ def _forward_methods(rank, world):
 
 def test_register_fsdp_forward_method_and_fsdp2_module_methods():
     assert run_distributed(_forward_methods, 2, timeout=120) == [True, True]
+
+
+def _units(model):
+    return [m for m in model.modules() if isinstance(m, mfsdp.FSDPModule)]
+
+
+def _grads_after_one_backward(model, rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    model(torch.randn(8, 16, generator=g)).float().pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _divide_factors(rank, world):
+    mean = _grads_after_one_backward(_shard(_model()), rank)
+    summed_model = _shard(_model())
+    for m in _units(summed_model):
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # ours always sums then scales: no change
+    summed = _grads_after_one_backward(summed_model, rank)
+    halved_model = _shard(_model())
+    for m in _units(halved_model):
+        m.set_reduce_scatter_divide_factor(float(2 * world))
+    halved = _grads_after_one_backward(halved_model, rank)
+    for a, b, c in zip(mean, summed, halved):
+        torch.testing.assert_close(b, a * world, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(c, a / 2, rtol=1e-6, atol=1e-7)
+    for bad in (0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            summed_model.set_gradient_divide_factor(bad)
+    return True
+
+
+def _reshard_after_backward(rank, world):
+    kept = _shard(_model())
+    kept.set_reshard_after_backward(False)
+    _grads_after_one_backward(kept, rank)
+    assert all(m._fsdp_state.unit.unsharded_storage_bytes > 0 for m in (kept[0], kept[2])), \
+        "set_reshard_after_backward(False) freed the gathered parameters"
+    assert all(p.dim() == 1 for p in kept.parameters()), "the shards must be registered between steps"
+    freed = _shard(_model())
+    _grads_after_one_backward(freed, rank)
+    assert all(m._fsdp_state.unit.unsharded_storage_bytes == 0 for m in (freed[0], freed[2]))
+    # Training with kept copies (regathered after each optimizer step) equals the default.
+    a = _shard(_model())
+    b = _shard(_model())
+    b.set_reshard_after_backward(False)
+    _same_training(a, b)
+    with pytest.raises(TypeError, match="expects a bool"):
+        b.set_reshard_after_backward(0)
+    return True
+
+
+class _Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(32, 16)
+        self.lin = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.lin(self.emb(tokens))))
+
+
+def _shard_embedder(model):
+    mfsdp.fully_shard(model.emb)
+    mfsdp.fully_shard(model.lin)
+    return mfsdp.fully_shard(model)
+
+
+def _unshard_in_backward(rank, world):
+    from megatron_fsdp_ext import _C
+
+    reference, model = _shard_embedder(_Embedder()), _shard_embedder(_Embedder())
+    model.emb.set_unshard_in_backward(False)  # an embedding's weight gradient needs only the indices
+    for m in (reference, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step * 7 + rank))
+            m(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p, q), "training without gathering the embedding in backward differs"
+
+    # During backward the embedding unit stays sharded (no all-gather); by default it is gathered.
+    seen = {}
+    for name, m in (("default", reference), ("off", model)):
+        tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(99))
+        emb_out = []
+        handle = m.emb.register_forward_hook(lambda mod, args, out: emb_out.append(out))
+        out = m(tokens)
+        handle.remove()
+        emb_out[0].register_hook(lambda g, name=name, m=m: seen.__setitem__(name, m.emb._fsdp_state.unit.state))
+        out.float().pow(2).mean().backward()
+    assert seen["off"] == _C.UnitState.SHARDED, seen
+    assert seen["default"] != _C.UnitState.SHARDED, seen
+
+    # A backward that does read the parameters is refused, not computed on garbage: autograd
+    # unpacks the saved weight onto the freed (0-byte) storage and torch refuses it.
+    wrong = _shard_embedder(_Embedder())
+    wrong.lin.set_unshard_in_backward(False)
+    with pytest.raises(RuntimeError, match="freed by reshard|out of bounds for storage of size 0"):
+        wrong(torch.randint(0, 32, (4, 6))).float().pow(2).mean().backward()
+    return True
+
+
+@pytest.mark.parametrize("worker", [_divide_factors, _reshard_after_backward, _unshard_in_backward])
+def test_fsdp2_setters_match_their_semantics(worker):
+    assert run_distributed(worker, 2, timeout=120) == [True, True]
