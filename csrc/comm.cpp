@@ -139,27 +139,25 @@ VarAlgo Communicator::resolve(VarAlgo algo, bool all_gather, const at::Tensor& t
   return auto_var_algo(all_gather, t.is_cuda(), extent.total, extent.longest, size_, t.element_size());
 }
 
-void Communicator::check_segments_agree(const char* what, const at::Tensor& like,
+std::vector<int64_t> Communicator::all_gather_host(const std::vector<int64_t>& values,
+                                                   const c10::Device& device) const {
+  auto mine = at::tensor(values, at::TensorOptions().dtype(at::kLong)).to(device);
+  auto all = at::empty({size_ * mine.numel()}, mine.options());
+  all_gather_flat(all, mine);
+  auto host = all.cpu();
+  const int64_t* p = host.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + host.numel());
+}
+
+void Communicator::check_segments_agree(const char* what, const c10::Device& device,
                                         const std::vector<int64_t>& starts,
                                         const std::vector<int64_t>& numels) const {
   if (size_ == 1) return;
-  // FNV-1a over the segment table: one int64 per rank, gathered and compared.
-  uint64_t h = 1469598103934665603ULL;
-  for (const auto* v : {&starts, &numels}) {
-    for (int64_t x : *v) {
-      h ^= static_cast<uint64_t>(x);
-      h *= 1099511628211ULL;
-    }
-  }
-  auto mine = at::full({1}, static_cast<int64_t>(h), like.options().dtype(at::kLong));
-  auto all = at::empty({size_}, mine.options());
-  c10d::AllgatherOptions opts;
-  opts.asyncOp = false;
-  finish(pg_->_allgather_base(all, mine, opts));
-  auto hashes = all.cpu();
-  const int64_t* hp = hashes.const_data_ptr<int64_t>();
+  const uint64_t h = fnv1a(numels.data(), numels.size() * sizeof(int64_t),
+                           fnv1a(starts.data(), starts.size() * sizeof(int64_t)));
+  const auto hashes = all_gather_host({static_cast<int64_t>(h)}, device);
   for (int r = 0; r < size_; ++r) {
-    MFSDP_CHECK(hp[r] == hp[rank_], what, ": rank ", rank_, " and rank ", r,
+    MFSDP_CHECK(hashes[r] == hashes[rank_], what, ": rank ", rank_, " and rank ", r,
                 " passed different segment starts/numels (this rank: starts ", starts, ", numels ", numels,
                 "); every rank must pass the same segment table");
   }
@@ -172,7 +170,7 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
   MFSDP_CHECK(in.numel() == numels[rank_], "all_gather_v: rank ", rank_, " passes ", in.numel(),
               " elements but its segment has ", numels[rank_]);
   MFSDP_CHECK(algo != VarAlgo::kAllReduce, "all_gather_v: kAllReduce applies to reduce_scatter_v only");
-  if (verify) check_segments_agree("all_gather_v", out, starts, numels);
+  if (verify) check_segments_agree("all_gather_v", out.device(), starts, numels);
   auto mine = out.narrow(0, starts[rank_], numels[rank_]);
   if (size_ == 1) {
     if (mine.data_ptr() != in.data_ptr()) mine.copy_(in);
@@ -210,7 +208,7 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
   check_pair("reduce_scatter_v", out, in);
   MFSDP_CHECK(out.numel() == numels[rank_], "reduce_scatter_v: output has ", out.numel(),
               " elements but rank ", rank_, "'s segment has ", numels[rank_]);
-  if (verify) check_segments_agree("reduce_scatter_v", in, starts, numels);
+  if (verify) check_segments_agree("reduce_scatter_v", in.device(), starts, numels);
   if (size_ == 1) {
     out.copy_(in.narrow(0, starts[0], numels[0]));
     return;

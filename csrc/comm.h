@@ -25,6 +25,17 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 //  kAuto:    auto_var_algo() below: chosen by backend, collective, size and imbalance.
 enum class VarAlgo { kAuto = 0, kGrouped = 1, kPadded = 2, kAllReduce = 3 };
 
+// FNV-1a over raw bytes (chainable through `h`): the cheap fingerprint ranks exchange
+// in cross-rank checks.
+inline uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ULL) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
 // What kAuto means. Measured on 2xH200 (NCCL 2.28, fp32, segments 1:2, benchmarks/RESULTS.md):
 // all_gather_v GROUPED vs PADDED 0.07 vs 0.13 ms at 1 MiB, equal at 64 MiB, 1.40 vs 1.37 ms
 // at 256 MiB; reduce_scatter_v GROUPED beat PADDED and ALL_REDUCE from 16 MiB up (0.56 vs
@@ -71,12 +82,15 @@ class Communicator {
                         const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto,
                         bool verify = false) const;
   void broadcast(at::Tensor& t, int root) const;
+  // Every rank's `values` (the same length on every rank), in rank order, on the host:
+  // the small synchronous exchange behind the cross-rank checks. Staged on `device`.
+  std::vector<int64_t> all_gather_host(const std::vector<int64_t>& values, const c10::Device& device) const;
 
  private:
   static void finish(const c10::intrusive_ptr<c10d::Work>& work);
   void check_buffer(const char* what, const char* which, const at::Tensor& t) const;
   void check_pair(const char* what, const at::Tensor& out, const at::Tensor& in) const;
-  void check_segments_agree(const char* what, const at::Tensor& like, const std::vector<int64_t>& starts,
+  void check_segments_agree(const char* what, const c10::Device& device, const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& numels) const;
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& numels) const;

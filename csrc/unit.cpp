@@ -20,15 +20,6 @@ bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
 }
 
-int64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return static_cast<int64_t>(h);
-}
-
 // Every label this process gave a unit, by hash: the collective check names the unit
 // another rank is at (all ranks built the same units, so the same labels).
 std::mutex& labels_mutex() {
@@ -268,22 +259,23 @@ void Unit::set_gradient_divide_factor(double factor) {
 
 void Unit::set_label(std::string label) {
   label_ = std::move(label);
-  label_hash_ = fnv1a(label_);
+  label_hash_ = static_cast<int64_t>(fnv1a(label_.data(), label_.size()));
+  // Built here, not at every reshard: free_unsharded() is on the hot path.
+  freed_message_ = msg("megatron_fsdp_ext: this tensor is an unsharded parameter (or a view of one) of fully_shard "
+                       "unit '", label_, "', whose memory was freed by reshard(); it holds no data until the unit "
+                       "is unsharded again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the "
+                       "sharded parameter / model.state_dict() instead.");
   std::lock_guard<std::mutex> lock(labels_mutex());
   labels_by_hash()[label_hash_] = label_;
 }
 
 void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const {
   const int n = comm.size();
-  std::vector<int64_t> mine_host{label_hash_, static_cast<int64_t>(phase), numel};
-  auto mine = at::tensor(mine_host, at::TensorOptions().dtype(at::kLong)).to(device_);
-  auto all = at::empty({3 * n}, mine.options());
-  comm.all_gather_flat(all, mine);
-  auto host = all.cpu();
-  const int64_t* v = host.const_data_ptr<int64_t>();
+  const std::vector<int64_t> mine{label_hash_, static_cast<int64_t>(phase), numel};
+  const auto all = comm.all_gather_host(mine, device_);
   for (int r = 0; r < n; ++r) {
-    const int64_t* theirs = v + 3 * r;
-    if (theirs[0] == label_hash_ && theirs[1] == mine_host[1] && theirs[2] == numel) continue;
+    const int64_t* theirs = all.data() + 3 * r;
+    if (theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2]) continue;
     std::string their_label = "(a unit this rank does not have)";
     {
       std::lock_guard<std::mutex> lock(labels_mutex());
@@ -371,14 +363,7 @@ void Unit::free_unsharded() {
   impl->set_nbytes(0);
   // A tensor kept from an unsharded parameter (or any view of one) keeps its full
   // shape; reading it must raise, not dereference the freed (null) memory.
-  refuse_access(impl, freed_message());
-}
-
-std::string Unit::freed_message() const {
-  return msg("megatron_fsdp_ext: this tensor is an unsharded parameter (or a view of one) of fully_shard unit '",
-             label_, "', whose memory was freed by reshard(); it holds no data until the unit is unsharded "
-             "again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the sharded parameter "
-             "/ model.state_dict() instead.");
+  refuse_access(impl, freed_message_);
 }
 
 void Unit::unshard() {

@@ -177,7 +177,6 @@ class Unit {
   }
   void allocate_unsharded();
   void free_unsharded();
-  std::string freed_message() const;
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
   // got a gradient still has a view of one such buffer at its slot; else undefined.
   // Derived from the grads themselves: the unit keeps no reference, so
@@ -190,6 +189,7 @@ class Unit {
   std::vector<std::string> names_;
   std::string label_;
   int64_t label_hash_ = 0;
+  std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
   double grad_divide_factor_ = 0;
   std::vector<std::vector<int64_t>> shapes_;
