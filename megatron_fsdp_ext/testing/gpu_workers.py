@@ -140,13 +140,19 @@ def _shard_bf16(model: LlamaModel, depth: int) -> LlamaModel:
 
 def _plain_forward_bytes(cfg: LlamaConfig, tokens, targets, device) -> int:
     """Peak bytes a plain bf16 LlamaModel (no FSDP) adds to its parameters during
-    forward: saved activations, logits, loss and forward temporaries."""
+    forward: saved activations, logits, loss and forward temporaries. Runs its backward
+    too, to create the autograd thread's cuBLAS workspace."""
     plain = _llama_on_device(cfg, device).to(torch.bfloat16)
     torch.cuda.synchronize()
     before = _requested_bytes()
     torch.cuda.reset_peak_memory_stats()
     loss = plain.loss(tokens, targets)
     peak = _requested_bytes("peak") - before
+    # cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB on
+    # Hopper) and the autograd thread has a handle of its own: one backward here creates
+    # that workspace before the FSDP baseline is read, so it is not counted as held.
+    loss.backward()
+    torch.cuda.synchronize()
     del loss, plain
     return peak
 

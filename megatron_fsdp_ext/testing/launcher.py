@@ -38,16 +38,31 @@ def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, re
         )
         try:
             out = fn(rank, world_size, *args, **kwargs)
-            # No rank tears down while another still sets up a connection with it (Gloo's
-            # connectFullMesh of a new group fails with "Connection closed by peer").
-            dist.barrier(device_ids=[torch.cuda.current_device()] if backend == "nccl" else None)
-        finally:
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            dist.destroy_process_group()
+        except BaseException:
+            # Report before teardown: after a failure the other ranks may never reach the
+            # barrier, and a destroy that waits on them would turn the error into a timeout.
+            results.put((rank, False, traceback.format_exc()))
+            _abandon_process_group(backend)
+            return
+        # No rank tears down while another still sets up a connection with it (Gloo's
+        # connectFullMesh of a new group fails with "Connection closed by peer").
+        dist.barrier(device_ids=[torch.cuda.current_device()] if backend == "nccl" else None)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        dist.destroy_process_group()
         results.put((rank, True, out))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
+
+
+def _abandon_process_group(backend: str) -> None:
+    """Tear down after a failure without waiting on peers: NCCL communicators are aborted
+    (pending collectives are cancelled), Gloo groups are destroyed."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if backend == "nccl" and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()
 
 
 def gpu_world() -> int:

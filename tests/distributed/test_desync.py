@@ -117,6 +117,11 @@ def _desync(rank, world, case):
             else:
                 _trained_step(net, opt, x)
             _trained_step(net, opt, x)
+        elif case == "units_outside_root":
+            if rank == 1:  # blocks run directly: no root forward, no backward
+                with torch.no_grad():
+                    net.blocks[1](net.blocks[0](x))
+            _trained_step(net, opt, x)
         elif case == "extra_unit":
             if rank == 0:
                 net.blocks[1](x)  # an extra unit forward (with grad) that rank 1 does not run
@@ -125,11 +130,18 @@ def _desync(rank, world, case):
         else:
             raise ValueError(case)
     except RuntimeError as e:
-        return time.monotonic() - start, str(e)
+        elapsed, message = time.monotonic() - start, str(e)
+        if case != "stall":
+            # The check is symmetric, so every collective issued before the refused one
+            # was matched: the process group still works.
+            flag = torch.ones(1)
+            dist.all_reduce(flag)
+            assert flag.item() == world, flag
+        return elapsed, message
     return time.monotonic() - start, None
 
 
-@pytest.mark.parametrize("case", ["stall", "skipped_backward", "extra_unit"])
+@pytest.mark.parametrize("case", ["stall", "skipped_backward", "units_outside_root", "extra_unit"])
 def test_desynchronized_rank_fails_in_bounded_time(case):
     start = time.monotonic()
     results = run_distributed(_desync, 2, case, timeout=90)
