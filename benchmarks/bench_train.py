@@ -6,7 +6,7 @@ run, on the same model and data.
 Each system trains the Llama-style model for --warmup + --steps steps with bf16
 compute, fp32 gradient reduction and fused AdamW (DDP: fp32 parameters under bf16
 autocast). Reports the median step time, tokens/s/GPU, TFLOP/s/GPU and peak memory,
-and the ratios against FSDP2 and DDP; writes results.json, results.md and a step-time
+and the ratios against FSDP2 (compiled FSDP2 for compiled rows) and DDP; writes results.json, results.md and a step-time
 PNG under --out. `--device cpu --configs tiny` runs the same code on Gloo (a smoke run,
 not a measurement).
 """
@@ -39,13 +39,14 @@ CONFIGS = {
     "8b_ish": (32000, 4096, 16, 32, 11008, 2, 2048),
     "tiny": (256, 64, 4, 4, 176, 2, 32),
 }
-SYSTEMS = ("mfsdp", "fsdp2", "ddp")
+# "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
+SYSTEMS = ("mfsdp", "fsdp2", "ddp", "mfsdp_compiled", "fsdp2_compiled")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="1b,1b_comm_bound,small_many,8b_ish")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default="mfsdp,fsdp2,ddp", help=f"comma-separated, from {SYSTEMS}")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -59,6 +60,11 @@ def parse_args():
 
 
 def build(system: str, cfg: LlamaConfig, device: torch.device):
+    if system.endswith("_compiled"):
+        wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device)
+        for block in model.blocks:  # the unit hooks stay outside the compiled graphs
+            block.compile()
+        return wrapped, model, autocast
     torch.manual_seed(0)
     with torch.device(device):  # initialised on the GPU: an 8B model takes minutes on one CPU thread
         model = LlamaModel(cfg)
@@ -211,7 +217,9 @@ def write_outputs(results, out: Path, meta):
         return f"{r['step_s'] / other['step_s']:.2f}x" if other else "-"
 
     for r in results:
-        f2, dd = by.get((r["config"], "fsdp2")), by.get((r["config"], "ddp"))
+        # A compiled system is compared with compiled FSDP2 where that ran.
+        peer = "fsdp2_compiled" if r["system"].endswith("_compiled") else "fsdp2"
+        f2, dd = by.get((r["config"], peer)), by.get((r["config"], "ddp"))
         lines.append(
             f"| {r['config']} | {r['system']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
             f"{r['tflops_per_gpu']:.1f} | {r['peak_mem_gib']:.2f} | {ratio(r, f2)} | {ratio(r, dd)} |")
@@ -257,10 +265,12 @@ def main():
         if name not in CONFIGS:
             raise SystemExit(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
         for system in args.systems.split(","):
+            if system not in SYSTEMS:
+                raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
             r = run_one(system, name, device, args)
             results.append(r)
             if rank == 0:
-                print(f"{name:>14} {system:>6}: {r['step_s'] * 1e3:8.1f} ms/step  "
+                print(f"{name:>14} {system:>14}: {r['step_s'] * 1e3:8.1f} ms/step  "
                       f"{r['tokens_per_s_per_gpu']:>10,.0f} tok/s/GPU  {r['tflops_per_gpu']:6.1f} TFLOP/s  "
                       f"peak {r['peak_mem_gib']:.2f} GiB (first step {r['first_step_peak_gib']:.2f}, "
                       f"steady {r['steady_peak_gib']:.2f}, before build {r['baseline_gib']:.2f})", flush=True)

@@ -3,6 +3,7 @@
 # then bench_train (mfsdp vs FSDP2 vs DDP), bench_layerwise and bench_comm.
 # Usage (GPU machine, repo root): bash benchmarks/run_gpu.sh   (results under $OUT/bench)
 # NPROC (default: all GPUs), STEPS/WARMUP, CONFIGS, BENCHES (train,layerwise,comm),
+# SYSTEMS (bench_train's --systems, e.g. mfsdp,fsdp2,mfsdp_compiled,fsdp2_compiled),
 # COMM_ITERS and BENCH_TIMEOUT override the defaults. Every bench writes its raw JSON
 # (results.json, layerwise.json, comm.json) under $OUT/bench/world$NPROC, with the run's
 # date, machine, versions, command and commit: set MFSDP_COMMIT where the tree has no .git.
@@ -33,7 +34,7 @@ run() {  # name, timeout, command...
 TR="$PY -m torch.distributed.run --nproc_per_node=$NPROC"
 BENCHES=${BENCHES:-train,layerwise,comm}
 [[ $BENCHES == *train* ]] && run bench_train "${BENCH_TIMEOUT:-330}" $TR benchmarks/bench_train.py --configs "${CONFIGS:-1b,1b_comm_bound,small_many,8b_ish}" \
-  --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --out "$BENCH"
+  --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --systems "${SYSTEMS:-mfsdp,fsdp2,ddp}" --out "$BENCH"
 # Weak scaling against the recorded 2-GPU run (issue 6): tokens/s/GPU ratios per system.
 if [[ $BENCHES == *train* && $NPROC != 2 && -f "$BENCH/results.json" ]]; then
   $PY benchmarks/scaling.py benchmarks/data/train_world2_h200_runE.json "$BENCH/results.json" \

@@ -139,14 +139,6 @@ class FSDPModule:
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
 
-    def compile(self, *args, **kwargs) -> None:
-        """nn.Module.compile, with the units' hooks in this subtree run outside the
-        graph (as FSDP2's are): `block.compile(fullgraph=True)` after fully_shard traces
-        the block's computation with no graph break."""
-        for state in iter_states(self):
-            state.disable_dynamo_in_hooks()
-        return super().compile(*args, **kwargs)
-
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: every backward here ends by waiting for its
         reductions (the final callback), so each one behaves as FSDP2's last backward."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
+from .hooks import run_outside_dynamo
 
 OptimizerFactory = Callable[[List[nn.Parameter]], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]]
 
@@ -174,7 +175,7 @@ class LayerwiseDistributedOptimizer:
                 continue
             last = max(self._owner_of[id(p)][0].index for p in direct)
             self._hooks.append(module.register_forward_pre_hook(
-                lambda m, args, b=last: self.finish_param_sync(b)))
+                run_outside_dynamo(lambda m, args, b=last: self.finish_param_sync(b))))
 
     # ------------------------------------------------------------ gradient reduction + step
 
