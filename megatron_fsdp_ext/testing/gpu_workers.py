@@ -140,21 +140,25 @@ def _shard_bf16(model: LlamaModel, depth: int) -> LlamaModel:
 
 def _plain_forward_bytes(cfg: LlamaConfig, tokens, targets, device) -> int:
     """Peak bytes a plain bf16 LlamaModel (no FSDP) adds to its parameters during
-    forward: saved activations, logits, loss and forward temporaries. Runs its backward
-    too, to create the autograd thread's cuBLAS workspace."""
+    forward: saved activations, logits, loss and forward temporaries."""
     plain = _llama_on_device(cfg, device).to(torch.bfloat16)
     torch.cuda.synchronize()
     before = _requested_bytes()
     torch.cuda.reset_peak_memory_stats()
     loss = plain.loss(tokens, targets)
     peak = _requested_bytes("peak") - before
-    # cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB on
-    # Hopper) and the autograd thread has a handle of its own: one backward here creates
-    # that workspace before the FSDP baseline is read, so it is not counted as held.
-    loss.backward()
-    torch.cuda.synchronize()
     del loss, plain
     return peak
+
+
+def _create_cublas_workspaces(device) -> None:
+    """cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB on
+    Hopper), allocated at a thread's first matmul; the autograd thread has a handle of its
+    own. One plain forward and backward creates both before anything is measured, so
+    neither is counted as activations or as memory held between steps."""
+    w = torch.randn(64, 64, device=device, requires_grad=True)
+    (torch.randn(8, 64, device=device) @ w).sum().backward()
+    torch.cuda.synchronize()
 
 
 def _step_memory(cfg: LlamaConfig, depth: int, tokens, targets, world: int, activations: int) -> Dict:
@@ -236,6 +240,7 @@ def allocator_memory_bound(rank: int, world: int, block_counts=(4, 8), depths=(0
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, 4096, (2, 9), generator=g)
     tokens, targets = data[:, :-1].to(device), data[:, 1:].to(device)
+    _create_cublas_workspaces(device)
     results = {}
     for n_blocks in block_counts:
         cfg = LlamaConfig(vocab_size=4096, d_model=2048, n_layers=n_blocks, n_heads=16, ffn_hidden=5504)
