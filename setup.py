@@ -55,13 +55,16 @@ def _write_build_info(with_cuda: bool) -> None:
         f"CUDA_VERSION = {torch.version.cuda if with_cuda else None!r}\n"
         f"WITH_CUDA = {with_cuda!r}\n"
     )
-    (ROOT / "megatron_fsdp_ext" / "_build_info.py").write_text(text)
+    (ROOT / "src" / "megatron_fsdp_ext" / "_build_info.py").write_text(text)
 
 
 _write_build_info(_want_cuda())
 
 setup(
-    packages=find_packages(include=["megatron_fsdp_ext", "megatron_fsdp_ext.*"]),
+    # src/ layout: the repository root holds no importable package, so tests and scripts
+    # run from it import the installed (built) package, never an uncompiled source tree.
+    package_dir={"": "src"},
+    packages=find_packages("src", include=["megatron_fsdp_ext", "megatron_fsdp_ext.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

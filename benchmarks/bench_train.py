@@ -55,7 +55,7 @@ def parse_args():
                    help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
-                        "for python -m megatron_fsdp_ext.testing.memory")
+                        "for python -m megatron_fsdp_ext.memory")
     return p.parse_args()
 
 
@@ -190,7 +190,7 @@ def profile_timeline(train_step, system: str, name: str, out: Path) -> None:
     """One more step under torch.profiler; rank 0 plots its kernels per stream."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_fsdp_ext.testing.trace import kernel_intervals, plot_timeline
+    from megatron_fsdp_ext.trace import kernel_intervals, plot_timeline
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

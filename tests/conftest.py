@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from megatron_fsdp_ext.testing import gpu_world
+from harness import gpu_world
 
 # Set by tests/gpu/run_all.sh: on a GPU machine a `gpu` test that does not run is a
 # failure, never a skip, so a run on too few GPUs cannot pass empty.

@@ -1,8 +1,8 @@
 """FSDPModule methods, state dicts and parameter replacement on Gloo."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import api_semantics, world_one_and_eval
+from harness import run_distributed
+from harness.workers import api_semantics, world_one_and_eval
 
 
 @pytest.mark.parametrize("world", [2, 4])

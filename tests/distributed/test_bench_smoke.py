@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.launcher import run_script
+from harness import run_distributed
+from harness.launcher import run_script
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

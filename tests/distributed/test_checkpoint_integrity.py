@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import MANIFEST_NAME, CheckpointError, load_checkpoint, save_checkpoint
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import build_models, expect_error, shard
+from harness import run_distributed
+from harness.workers import build_models, expect_error, shard
 
 TINY = {"layers": 1, "d_model": 16, "ffn": 40, "vocab": 32}
 

@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import gather_full_grads
+from harness import run_distributed
+from harness.workers import gather_full_grads
 
 
 class Block(nn.Module):

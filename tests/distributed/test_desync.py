@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import expect_error
+from harness import run_distributed
+from harness.workers import expect_error
 
 TIMEOUT_S = 4
 

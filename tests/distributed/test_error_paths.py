@@ -20,8 +20,8 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.option_workers import error_paths
+from harness import run_distributed
+from harness.option_workers import error_paths
 
 
 def test_fully_shard_needs_a_module():

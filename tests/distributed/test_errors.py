@@ -6,8 +6,8 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import expect_error
+from harness import run_distributed
+from harness.workers import expect_error
 
 
 def test_process_group_not_initialized():
@@ -75,7 +75,7 @@ def test_bad_inputs_world2():
 
 
 def test_groups_over_other_ranks_are_refused():
-    from megatron_fsdp_ext.testing.workers import mismatched_group_errors
+    from harness.workers import mismatched_group_errors
     run_distributed(mismatched_group_errors, 4, timeout=120)
 
 

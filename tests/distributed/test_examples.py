@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.testing.launcher import run_script
+from harness.launcher import run_script
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 UNIFORM_LOSS = math.log(256)  # byte vocabulary: the loss of a uniform guess, about where training starts

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.testing import run_distributed
+from harness import run_distributed
 
 
 def _model():

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.testing import run_distributed
+from harness import run_distributed
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (test extra)")
 VOCAB = 64

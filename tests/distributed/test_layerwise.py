@@ -1,8 +1,8 @@
 """Layer-wise distributed optimizer (Muon + AdamW) on Gloo against a single-process reference."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import layerwise_parity
+from harness import run_distributed
+from harness.workers import layerwise_parity
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -31,7 +31,7 @@ def test_layerwise_all_reduce_fallback_and_accumulation():
 
 
 def test_layerwise_checkpoint_across_world_sizes(tmp_path):
-    from megatron_fsdp_ext.testing.workers import layerwise_checkpoint
+    from harness.workers import layerwise_checkpoint
 
     path = str(tmp_path / "layerwise.pt")
     run_distributed(layerwise_checkpoint, 2, "save", path, timeout=240)

@@ -1,11 +1,11 @@
 """Every public option and method of fully_shard / FSDPModule / clip_grad_norm_ / the
 full state dict / FSDPConfig has its effect checked against an independent reference
-(workers in megatron_fsdp_ext/testing/option_workers.py). Checks are batched per
+(workers in tests/harness/option_workers.py). Checks are batched per
 topic: each spawn costs seconds on a 2-core machine."""
 import pytest
 
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing import option_workers as OW
+from harness import gpu_world, run_distributed
+from harness import option_workers as OW
 
 
 def test_alignment_output_dtype_input_cast_config_dtypes_and_fp16_params():

@@ -2,8 +2,8 @@
 a reference on the same data (the single-process model; FSDP2 for bf16 mixed precision)."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import (PARITY_SCENARIOS, check_parity_results, train_parity,
+from harness import run_distributed
+from harness.workers import (PARITY_SCENARIOS, check_parity_results, train_parity,
                                               train_tiny_parity)
 
 SCENARIOS = PARITY_SCENARIOS

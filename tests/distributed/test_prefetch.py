@@ -2,8 +2,8 @@
 contexts per root, and parity with prefetching and a separate all-gather communicator."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import param_sync_modes, prefetch_semantics, train_parity, unsharded_memory_bound
+from harness import run_distributed
+from harness.workers import param_sync_modes, prefetch_semantics, train_parity, unsharded_memory_bound
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])

@@ -4,9 +4,9 @@ that reshard across world sizes and strategies."""
 import pytest
 import torch
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing import strategy_workers as SW
-from megatron_fsdp_ext.testing.workers import check_parity_results, train_parity
+from harness import run_distributed
+from harness import strategy_workers as SW
+from harness.workers import check_parity_results, train_parity
 
 STRATEGIES = SW.STRATEGIES
 # Tied, unused and frozen params, gradient accumulation without sync, clipping.

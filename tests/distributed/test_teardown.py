@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
-from megatron_fsdp_ext.testing import run_distributed
+from harness import run_distributed
 
 ITERS = 40
 

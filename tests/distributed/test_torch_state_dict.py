@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing.workers import shard_blocks_and_root
+from harness import gpu_world, run_distributed
+from harness.workers import shard_blocks_and_root
 
 STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 VOCAB, DIM, ROWS = 13, 24, 4

@@ -1,8 +1,8 @@
 """C++ all_gather_v / reduce_scatter_v on Gloo against a torch reference."""
 import pytest
 
-from megatron_fsdp_ext.testing import run_distributed
-from megatron_fsdp_ext.testing.workers import uneven_collectives
+from harness import run_distributed
+from harness.workers import uneven_collectives
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -17,7 +17,7 @@ def _grouped_on_cpu(rank, world):
     import torch.distributed as dist
 
     from megatron_fsdp_ext import _C
-    from megatron_fsdp_ext.testing.workers import expect_error
+    from harness.workers import expect_error
 
     comm = _C.Communicator(dist.distributed_c10d._get_default_group())
     out = torch.zeros(3)

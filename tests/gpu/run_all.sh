@@ -65,7 +65,7 @@ echo "built in $(( $(date +%s) - start ))s"
 $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
 
 echo "== diagnostics"
-{ ls /opt/torch/.venv/include 2>/dev/null | head; ldd megatron_fsdp_ext/_C*.so | grep -E "stdc|c10"; } > "$OUT/diag.txt" 2>&1
+{ ls /opt/torch/.venv/include 2>/dev/null | head; ldd src/megatron_fsdp_ext/_C*.so | grep -E "stdc|c10"; } > "$OUT/diag.txt" 2>&1
 $PY -c "import torch, megatron_fsdp_ext._C as C; print(C.FlatLayout.even([3, 5], 2, 4))" >> "$OUT/diag.txt" 2>&1
 
 # CPU/Gloo tests in parallel (they use no GPU); the NCCL tests GPU_JOBS at a time, each

@@ -16,18 +16,18 @@ PY=python3
 start=$(date +%s)
 MAX_JOBS=16 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
-$PY -P -c "import sys; sys.path.insert(0, '.'); import megatron_fsdp_ext as m; print(m.build_info())" >> "$OUT/env.txt" 2>&1
+PYTHONPATH=$PWD/src $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" >> "$OUT/env.txt" 2>&1
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 echo "compute-sanitizer: ${SAN:-not found}" | tee -a "$OUT/env.txt"
 [ -n "$SAN" ] && "$SAN" --version >> "$OUT/env.txt" 2>&1
 
-PYTHONPATH=$PWD timeout 180 $PY -P tests/gpu/sanitizer_smoke.py > "$OUT/smoke_plain.log" 2>&1
+PYTHONPATH=$PWD/src timeout 180 $PY tests/gpu/sanitizer_smoke.py > "$OUT/smoke_plain.log" 2>&1
 echo "smoke (plain): rc=$?" | tee -a "$OUT/summary.txt"
-PYTHONPATH=$PWD timeout 120 $PY -P tests/unit/c_surface_fuzz.py 3000 0 > "$OUT/fuzz.log" 2>&1
+PYTHONPATH=$PWD/src timeout 120 $PY tests/unit/c_surface_fuzz.py 3000 0 > "$OUT/fuzz.log" 2>&1
 echo "fuzz (CPU tensors, this build): rc=$? $(tail -1 "$OUT/fuzz.log")" | tee -a "$OUT/summary.txt"
 if [ -n "$SAN" ]; then
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=$PWD timeout 420 "$SAN" --tool memcheck --error-exitcode 9 \
-    --print-limit 50 $PY -P tests/gpu/sanitizer_smoke.py > "$OUT/memcheck.log" 2>&1
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=$PWD/src timeout 420 "$SAN" --tool memcheck --error-exitcode 9 \
+    --print-limit 50 $PY tests/gpu/sanitizer_smoke.py > "$OUT/memcheck.log" 2>&1
   echo "smoke under memcheck: rc=$? ($(grep -c 'Invalid\|Error' "$OUT/memcheck.log") lines mentioning errors)" \
     | tee -a "$OUT/summary.txt"
   grep "ERROR SUMMARY" "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCE_DIRS = ("megatron_fsdp_ext", "csrc", "tests", "examples", "benchmarks")
+SOURCE_DIRS = ("src", "csrc", "tests", "examples", "benchmarks")
 SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".sh"}
 TOP_LEVEL_SOURCES = ("setup.py", "pyproject.toml")
 # Generated or ignored by .gitignore: not part of what a commit holds.
@@ -46,7 +46,7 @@ def source_digest(root: Path = REPO) -> str:
         for path in (root / top).rglob("*"):
             rel = path.relative_to(root)
             if (path.is_file() and path.suffix in SOURCE_SUFFIXES and path.name not in SKIPPED_NAMES
-                    and not SKIPPED_PARTS.intersection(rel.parts) and not rel.parts[0].endswith(".egg-info")):
+                    and not SKIPPED_PARTS.intersection(rel.parts) and not any(part.endswith(".egg-info") for part in rel.parts)):
                 files.append(path)
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):

@@ -1,8 +1,8 @@
 """Layer-wise optimizer on NCCL: parity and gather/forward overlap."""
 import pytest
 
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing import workers as W
+from harness import gpu_world, run_distributed
+from harness import workers as W
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()

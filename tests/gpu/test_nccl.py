@@ -1,9 +1,9 @@
 """The distributed suite on NCCL (2 GPUs), plus stream-race and device checks."""
 import pytest
 
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing import gpu_workers as GW
-from megatron_fsdp_ext.testing import workers as W
+from harness import gpu_world, run_distributed
+from harness import gpu_workers as GW
+from harness import workers as W
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()

@@ -11,8 +11,8 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing.workers import expect_error
+from harness import gpu_world, run_distributed
+from harness.workers import expect_error
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()

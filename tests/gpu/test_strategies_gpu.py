@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from megatron_fsdp_ext.testing import gpu_world, run_distributed
-from megatron_fsdp_ext.testing import strategy_workers as SW
-from megatron_fsdp_ext.testing.workers import check_parity_results, train_parity
+from harness import gpu_world, run_distributed
+from harness import strategy_workers as SW
+from harness.workers import check_parity_results, train_parity
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()

@@ -1,10 +1,10 @@
-"""The overlap measurement of tests/gpu/test_overlap.py (megatron_fsdp_ext.testing.trace),
+"""The overlap measurement of tests/gpu/test_overlap.py (megatron_fsdp_ext.trace),
 on synthetic chrome traces whose overlap is known: a prefetching engine and a serial one."""
 import json
 
 import pytest
 
-from megatron_fsdp_ext.testing.trace import covered_fraction, kernel_intervals, overlapping, step_overlap
+from megatron_fsdp_ext.trace import covered_fraction, kernel_intervals, overlapping, step_overlap
 
 COMPUTE, AG, RS = 7, 17, 21  # stream ids
 AG_NAME = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

@@ -1,5 +1,5 @@
 """Distributed test bodies for sharding strategies and DCP checkpoints (run under
-megatron_fsdp_ext.testing.run_distributed, on Gloo or NCCL)."""
+harness.run_distributed, on Gloo or NCCL)."""
 from __future__ import annotations
 
 from typing import Dict

@@ -10,9 +10,8 @@ try:
 except ImportError as _err:  # pragma: no cover - depends on how the package was installed
     raise ImportError(
         "megatron_fsdp_ext: the C++ extension megatron_fsdp_ext._C is missing or does not load "
-        f"({_err}). Build it with `pip install --no-build-isolation .` (or `-e .` for development); "
-        "if you installed it, you may be importing the source tree instead: run from another "
-        "directory or with `python -P`."
+        f"({_err}). Build it with `pip install --no-build-isolation .` (or `-e .` for development, "
+        "or `python setup.py build_ext --inplace` with src/ on PYTHONPATH)."
     ) from _err
 from .api import (
     FSDPModule,

@@ -2,7 +2,7 @@
 (`torch.cuda.memory._record_memory_history` + `_dump_snapshot`), for the benchmark's
 peak-memory comparisons:
 
-    python -m megatron_fsdp_ext.testing.memory benchmarks/out/memory_mfsdp_8b_ish.pickle
+    python -m megatron_fsdp_ext.memory benchmarks/out/memory_mfsdp_8b_ish.pickle
 """
 from __future__ import annotations
 

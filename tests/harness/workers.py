@@ -952,7 +952,7 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
 
     from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
 
-    from .trace import kernel_intervals, overlapping
+    from megatron_fsdp_ext.trace import kernel_intervals, overlapping
 
     device = device_for_backend()
     torch.manual_seed(0)

@@ -282,7 +282,7 @@ def _profiled_kernels(fn: Callable[[], None], path: str):
     return its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .trace import kernel_intervals
+    from megatron_fsdp_ext.trace import kernel_intervals
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -310,7 +310,7 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
     in backward and one reduce-scatter per unit."""
     from megatron_fsdp_ext.hooks import iter_states
 
-    from .trace import plot_timeline, step_overlap
+    from megatron_fsdp_ext.trace import plot_timeline, step_overlap
 
     device = device_for_backend()
     cfg = LlamaConfig(vocab_size=8192, d_model=2048, n_layers=n_blocks, n_heads=16, ffn_hidden=5504)
