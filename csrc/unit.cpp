@@ -2,11 +2,14 @@
 
 #include "pack.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cmath>
+#include <iterator>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -265,6 +268,9 @@ void Unit::set_label(std::string label) {
                        "unit '", label_, "', whose memory was freed by reshard(); it holds no data until the unit "
                        "is unsharded again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the "
                        "sharded parameter / model.state_dict() instead.");
+  static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full"};
+  static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
+  for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
   std::lock_guard<std::mutex> lock(labels_mutex());
   labels_by_hash()[label_hash_] = label_;
 }
@@ -293,6 +299,7 @@ void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_
 
 template <typename F>
 void Unit::run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue) {
+  RECORD_USER_SCOPE(profile_scopes_[static_cast<size_t>(phase)].c_str());
   if (check_collectives_) check_in_step(phase, comm, numel);
   try {
     issue();

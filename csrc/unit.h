@@ -18,6 +18,7 @@
 #include "errors.h"
 #include <ATen/ATen.h>
 
+#include <array>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -189,6 +190,10 @@ class Unit {
   std::vector<std::string> names_;
   std::string label_;
   int64_t label_hash_ = 0;
+  // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
+  // which unit every collective belongs to. Built in set_label, off the hot path.
+  std::array<std::string, 4> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+                                             "mfsdp::all_gather_full"};
   std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
   double grad_divide_factor_ = 0;

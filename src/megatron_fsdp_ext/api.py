@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import _C, hf
+from . import _C, hf, optimizer_hooks
 from .hooks import FSDPState, iter_states
 from .state_dict import ModuleStateDictHooks
 
@@ -247,14 +247,10 @@ def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
     handle (remove() to detach)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"attach_param_sync needs a fully_shard module, got {type(module).__name__}")
-    from .hooks import mark_stepped
-
-    def after_step(opt, *_):
-        mark_stepped(opt)  # before the global hook would: see hooks._global_step_post_hook
-        opt.__dict__["_mfsdp_marked"] = True
-        module.start_param_sync()
-
-    return optimizer.register_step_post_hook(after_step)
+    # Adopted first, so its post-hook marks the stepped units stale before this one
+    # launches their gathers (post-hooks run in registration order).
+    optimizer_hooks.adopt(optimizer)
+    return optimizer.register_step_post_hook(lambda opt, args, kwargs: module.start_param_sync())
 
 
 def _states_of(modules, what: str):
@@ -620,4 +616,5 @@ def fully_shard(
     module.__dict__["_mfsdp_state"] = state
     state.state_dict_hooks = ModuleStateDictHooks(state, keys)
     module.__class__ = _fsdp_class(type(module))
+    optimizer_hooks.ensure_step_hook_registered()
     return module

@@ -5,77 +5,39 @@ holds everything per-parameter.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import List, Optional
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _C
 from .consistency import check_units_agree
-from .state_dict import attach_optimizer, convert_loaded_optimizer_state
-
-
-def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
-    """After optimizer.step(): any gathered copy of the units whose parameters it
-    updated (those with a gradient) is stale: kept copies (optim, optim_grads,
-    no_shard with a cast) and anything gathered before the step. Needed because fused
-    optimizers change the shards without moving their version counters."""
-    seen = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            owner = getattr(p, "_mfsdp_owner", None)
-            if owner is None or p.grad is None:
-                continue
-            state = owner()
-            if state is not None and state.unit is not None and id(state) not in seen:
-                seen.add(id(state))
-                state.unit.mark_stale()
-
-
-def _global_step_post_hook(optimizer, args, kwargs) -> None:
-    # attach_param_sync's per-optimizer hook runs first: it marks, then launches the
-    # gathers; marking again here would throw those fresh gathers away.
-    if optimizer.__dict__.pop("_mfsdp_marked", False):
-        return
-    mark_stepped(optimizer)
-
-
-def _global_step_pre_hook(optimizer, args, kwargs) -> None:
-    # Once per optimizer: its state_dict()/load_state_dict() speak full shapes from now
-    # on, and state loaded before (into a fresh optimizer) is cut to this rank's pieces.
-    if "_mfsdp_state_dict_hooks" not in optimizer.__dict__:
-        _refuse_replaced_params(optimizer)
-        convert_loaded_optimizer_state(optimizer)
-        attach_optimizer(optimizer)
-
-
-def _refuse_replaced_params(optimizer) -> None:
-    """An optimizer built from model.parameters() before fully_shard holds the original
-    parameters, which fully_shard replaced: its steps would change nothing the model
-    uses (the loss stays flat). fully_shard marks those originals."""
-    replaced = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_mfsdp_replaced", False)]
-    if replaced:
-        raise RuntimeError(
-            f"{type(optimizer).__name__} holds {len(replaced)} parameter(s) that fully_shard replaced by sharded "
-            f"ones (the first has shape {tuple(replaced[0].shape)}): it was built before fully_shard, so its "
-            "steps would not change the model. Build the optimizer after fully_shard, from model.parameters()."
-        )
-
-
-# Every optimizer in the process: cheap (one attribute lookup per parameter), and it is
-# what keeps `optim` / `optim_grads` / `no_shard`-with-cast copies current.
-register_optimizer_step_pre_hook(_global_step_pre_hook)
-register_optimizer_step_post_hook(_global_step_post_hook)
 
 
 def run_outside_dynamo(hook):
     """`hook`, run eagerly when Dynamo meets it (a graph break there, never a trace into
     it): our hooks call C++ units and collectives. Costs about 0.5 us a call in eager."""
     return torch._dynamo.disable(hook, recursive=True, reason="megatron_fsdp_ext unit hooks")
+
+
+def profiled(phase: str):
+    """Run the decorated FSDPState method under record_function("mfsdp::<phase>[<unit>]")
+    while a profiler records, so a trace shows which unit each hook belongs to (the C++
+    collectives carry "mfsdp::all_gather[<unit>]" and the like). Otherwise one flag read."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args):
+            if not autograd_profiler._is_profiler_enabled:
+                return method(self, *args)
+            with torch.profiler.record_function(f"mfsdp::{phase}[{self.label}]"):
+                return method(self, *args)
+        return run
+    return wrap
 
 
 def _cast_floating(tree, dtype: torch.dtype):
@@ -172,6 +134,7 @@ class FSDPState:
                  reshard_after_forward: bool, mp_policy, prefetch_depth: int = 1):
         self._module_ref = weakref.ref(module)
         self.module_kind = type(module).__name__
+        self.label = self.module_kind  # the module's path in the model, once lazy init ran
         # The group this unit's collectives wait on longest (its reduce-scatter group):
         # the cross-rank consistency check runs there, under the same timeout.
         self.check_group = pg
@@ -245,8 +208,9 @@ class FSDPState:
         for name, s in named:
             if s.unit is not None and s.unit.device != device:
                 raise ValueError(f"fully_shard: {s} is on {s.unit.device} but the root's units are on {device}")
+            s.label = name  # profiler scopes and errors name the unit by its path in the model
             if s.unit is not None:
-                s.unit.set_label(name)  # errors then name the unit by its path in the model
+                s.unit.set_label(name)
         check_units_agree(named, device)
         ctx = RootContext(self, states, device)
         for s in states:
@@ -350,6 +314,7 @@ class FSDPState:
 
     # ------------------------------------------------------------ forward hooks
 
+    @profiled("pre_forward")
     def _pre_forward(self, module, args, kwargs):
         if self.ctx is None:
             self.lazy_init()
@@ -384,6 +349,7 @@ class FSDPState:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    @profiled("post_forward")
     def _post_forward(self, module, args, output):
         if self.method_active:
             return self._cast_output(output)
@@ -415,6 +381,7 @@ class FSDPState:
         self.pre_backward()
         return None
 
+    @profiled("pre_backward")
     def pre_backward(self) -> None:
         if self._pre_backward_done:
             return
@@ -437,6 +404,7 @@ class FSDPState:
         else:
             self.ctx.queue_final_callback()
 
+    @profiled("post_backward")
     def post_backward(self) -> None:
         if self._post_backward_done:
             return

@@ -287,9 +287,8 @@ def _optimizer_pre_load(optimizer, state_dict):
 
 
 def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Install the optimizer's state-dict hooks once (our global step hook calls this,
-    and so does torch's get/set_optimizer_state_dict through the step it takes to
-    initialize the state). On an optimizer without sharded parameters they do nothing."""
+    """Install the optimizer's state-dict hooks once (optimizer_hooks.adopt, at the first
+    step: also the step torch's get/set_optimizer_state_dict take to initialize state)."""
     if optimizer.__dict__.get("_mfsdp_state_dict_hooks"):
         return
     optimizer.__dict__["_mfsdp_state_dict_hooks"] = True

@@ -1,0 +1,81 @@
+"""What an optimizer step means for the units: the shards it updated changed, so every
+gathered copy of those units is stale, and the optimizer's state dicts must speak full
+shapes. This module owns that link.
+
+The first fully_shard registers one global step pre-hook. At an optimizer's first step it
+adopts the optimizer if it holds sharded parameters (per-optimizer post-hook, state-dict
+hooks) and records that it does not otherwise; every later step of either kind costs one
+dict lookup. Optimizers of a process that never calls fully_shard see nothing."""
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .state_dict import attach_optimizer, convert_loaded_optimizer_state
+
+# optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
+_ADOPTED = "_mfsdp_adopted"
+_registered = False
+
+
+def ensure_step_hook_registered() -> None:
+    """Called by fully_shard: from then on every optimizer's first step is checked."""
+    global _registered
+    if not _registered:
+        register_optimizer_step_pre_hook(_step_pre_hook)
+        _registered = True
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    seen = optimizer.__dict__.get(_ADOPTED)
+    # add_param_group may bring sharded parameters to an optimizer checked before.
+    if seen is None or seen[1] != len(optimizer.param_groups):
+        adopt(optimizer)
+
+
+def adopt(optimizer: torch.optim.Optimizer) -> bool:
+    """Link `optimizer` to the units whose sharded parameters it holds (idempotent):
+    after each of its steps, their gathered copies are marked stale; its state_dict() and
+    load_state_dict() use full shapes; state loaded before is cut to this rank's pieces.
+    Returns whether it holds any sharded parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _refuse_replaced_params(optimizer, params)
+    seen = optimizer.__dict__.get(_ADOPTED)
+    was_ours = seen is not None and seen[0]
+    ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
+    optimizer.__dict__[_ADOPTED] = (ours, len(optimizer.param_groups))
+    if ours and not was_ours:
+        convert_loaded_optimizer_state(optimizer)
+        attach_optimizer(optimizer)
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: mark_stepped(opt))
+    return ours
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """After optimizer.step(): any gathered copy of the units whose parameters it
+    updated (those with a gradient) is stale: kept copies (optim, optim_grads,
+    no_shard with a cast) and anything gathered before the step. Needed because fused
+    optimizers change the shards without moving their version counters."""
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is None or p.grad is None:
+                continue
+            state = owner()
+            if state is not None and state.unit is not None and id(state) not in seen:
+                seen.add(id(state))
+                state.unit.mark_stale()
+
+
+def _refuse_replaced_params(optimizer, params) -> None:
+    """An optimizer built from model.parameters() before fully_shard holds the original
+    parameters, which fully_shard replaced: its steps would change nothing the model
+    uses (the loss stays flat). fully_shard marks those originals."""
+    replaced = [p for p in params if getattr(p, "_mfsdp_replaced", False)]
+    if replaced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds {len(replaced)} parameter(s) that fully_shard replaced by sharded "
+            f"ones (the first has shape {tuple(replaced[0].shape)}): it was built before fully_shard, so its "
+            "steps would not change the model. Build the optimizer after fully_shard, from model.parameters()."
+        )
