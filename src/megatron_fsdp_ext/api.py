@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -333,10 +334,11 @@ def _group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None):
 def _check_timeout(timeout) -> Optional[datetime.timedelta]:
     if timeout is None:
         return None
+    value = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout)
+        timeout = datetime.timedelta(seconds=timeout) if math.isfinite(timeout) else None
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {timeout!r}")
+        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {value!r}")
     return timeout
 
 

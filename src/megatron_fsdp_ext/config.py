@@ -11,14 +11,15 @@ Field names follow Megatron-LM's DistributedDataParallelConfig / Megatron-FSDP.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Type
+from typing import Iterable, Optional, Sequence, Type, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, fully_shard
+from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, _check_timeout, fully_shard
 from .hooks import iter_states
 
 
@@ -58,19 +59,18 @@ class FSDPConfig:
     fp16: bool = False
     """Gather parameters and compute in float16."""
 
-    collective_timeout: Optional[float] = None
-    """Seconds any FSDP collective may wait before failing with an error naming the
-    unit and phase (fully_shard(timeout=...)); None: the process group's timeout."""
+    collective_timeout: Optional[Union[float, datetime.timedelta]] = None
+    """Seconds (or a timedelta) any FSDP collective may wait before failing with an error
+    naming the unit and phase (fully_shard(timeout=...)); None: the process group's timeout."""
 
     def __post_init__(self):
         _check_strategy(self.data_parallel_sharding_strategy)
         if self.bf16 and self.fp16:
             raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
-        if self.collective_timeout is not None and (
-                isinstance(self.collective_timeout, bool) or not isinstance(self.collective_timeout, (int, float))
-                or self.collective_timeout <= 0):
-            raise ValueError(f"FSDPConfig.collective_timeout must be a positive number of seconds or None, "
-                             f"got {self.collective_timeout!r}")
+        try:
+            _check_timeout(self.collective_timeout)  # the rule fully_shard(timeout=...) applies
+        except ValueError as e:
+            raise ValueError(f"FSDPConfig.collective_timeout: {e}") from None
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
             raise ValueError(f"FSDPConfig.bucket_size must be a positive int (elements) or None, got {self.bucket_size!r}")
 

@@ -172,5 +172,9 @@ def _bad_timeouts(rank, world):
 
 def test_timeout_argument_checked():
     run_distributed(_bad_timeouts, 1, timeout=60)
-    with pytest.raises(ValueError, match="collective_timeout"):
-        mfsdp.FSDPConfig(collective_timeout=0)
+    # FSDPConfig applies fully_shard's rule and names its own field.
+    for bad in (0, -1.5, float("inf"), True, "60", datetime.timedelta(0)):
+        with pytest.raises(ValueError, match=r"FSDPConfig.collective_timeout: timeout must be a positive"):
+            mfsdp.FSDPConfig(collective_timeout=bad)
+    for good in (30, 0.5, datetime.timedelta(minutes=2), None):
+        assert mfsdp.FSDPConfig(collective_timeout=good).collective_timeout == good
