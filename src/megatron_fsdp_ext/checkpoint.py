@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .hooks import iter_states
+from .states import SlotsHold
 from .state_dict import local_state_dict
 
 
@@ -17,7 +18,7 @@ def _unit_states(module: nn.Module):
     # sharded parameters (not the unsharded ones installed for forward/backward).
     states = [s for s in iter_states(module) if s.unit is not None]
     for s in states:
-        if s.unsharded_installed:
+        if s.slots_hold is SlotsHold.UNSHARDED:
             raise RuntimeError(
                 f"full state dict: {s} has its unsharded parameters installed (inside forward/backward "
                 "or after unshard()); call it between training steps or reshard() first"

@@ -46,6 +46,7 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     raise_agreed, rank_world, read_manifest, sibling, verify_share,
 )
 from .hooks import iter_states
+from .states import SlotsHold
 from .state_dict import local_state_dict
 
 
@@ -123,7 +124,7 @@ def _sharded_params(module: nn.Module) -> Dict[int, _ParamInfo]:
     for state in iter_states(module):
         if state.unit is None:
             continue
-        if state.unsharded_installed:
+        if state.slots_hold is SlotsHold.UNSHARDED:
             raise RuntimeError(
                 f"sharded checkpoint: {state} has its unsharded parameters installed (inside forward/backward "
                 "or after unshard()); save or load between training steps, or reshard() first"

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _C
 from .consistency import check_units_agree
+from .states import BackwardProgress, ForwardOrder, RootPhase, SlotsHold
 
 
 def run_outside_dynamo(hook):
@@ -65,13 +66,20 @@ class RootContext:
         # One reduce-scatter in flight while the next unit's backward computes: a second
         # one adds a whole flat gradient buffer to the peak and buys no overlap.
         self.comm = _C.CommContext(device, 1)
-        self.final_callback_queued = False
-        self.in_backward = False  # between the first backward hook and the final callback
+        self.phase = RootPhase.IDLE
         # Units in the order their forward ran in the first iteration (runtime order,
         # not construction order); frozen after the first backward.
         self.forward_order: List["FSDPState"] = []
         self._position: dict = {}
-        self.recording = True
+        self.order = ForwardOrder.RECORDING
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is RootPhase.BACKWARD
+
+    @property
+    def recording(self) -> bool:
+        return self.order is ForwardOrder.RECORDING
 
     @property
     def prefetch_depth(self) -> int:
@@ -95,10 +103,9 @@ class RootContext:
         return self.forward_order[max(0, i - self.prefetch_depth): i][::-1]
 
     def queue_final_callback(self) -> None:
-        if self.final_callback_queued:
+        if self.phase is RootPhase.BACKWARD:  # queued once per backward
             return
-        self.final_callback_queued = True
-        self.in_backward = True
+        self.phase = RootPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
@@ -109,9 +116,8 @@ class RootContext:
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
-        self.final_callback_queued = False
-        self.in_backward = False
-        self.recording = False
+        self.phase = RootPhase.IDLE
+        self.order = ForwardOrder.FROZEN
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -153,9 +159,8 @@ class FSDPState:
         self.backward_prefetch: Optional[List["FSDPState"]] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
-        self._pre_backward_done = False
-        self._post_backward_done = False
-        self.unsharded_installed = False
+        self.backward_progress = BackwardProgress.NONE
+        self.slots_hold = SlotsHold.SHARDED
         self.all_gather_in_start_param_sync = False
         self.sharding_strategy = "optim_grads_params"
         self.overlap_grad_reduce = True  # False: backward waits for each reduction (FSDPConfig)
@@ -259,13 +264,13 @@ class FSDPState:
         if self.unit is None:
             return
         if self.keeps_params_unsharded:
-            if self.unsharded_installed:
+            if self.slots_hold is SlotsHold.UNSHARDED:
                 self._install(unsharded=False)
         else:
             self.reshard()
 
     def _install(self, unsharded: bool) -> None:
-        self.unsharded_installed = unsharded
+        self.slots_hold = SlotsHold.UNSHARDED if unsharded else SlotsHold.SHARDED
         replaced = self.slots.install(unsharded)
         if replaced:
             self._adopt_replaced(replaced)
@@ -333,8 +338,7 @@ class FSDPState:
                 t.unshard()
         self.wait_unshard()
         if torch.is_grad_enabled() and not self.ctx.in_backward:
-            self._pre_backward_done = False
-            self._post_backward_done = False
+            self.backward_progress = BackwardProgress.NONE
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
@@ -383,15 +387,15 @@ class FSDPState:
 
     @profiled("pre_backward")
     def pre_backward(self) -> None:
-        if self._pre_backward_done:
+        if self.backward_progress is not BackwardProgress.NONE:
             return
-        self._pre_backward_done = True
+        self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
         if self.unshard_in_backward:
             self.unshard()
         targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.previous_in_forward(self)
         for t in targets:
-            if not t._post_backward_done and t.unshard_in_backward:  # never re-gather a unit already reduced
+            if t.backward_progress is not BackwardProgress.REDUCED and t.unshard_in_backward:
                 t.unshard()
         if self.unshard_in_backward:
             self.wait_unshard()
@@ -406,9 +410,9 @@ class FSDPState:
 
     @profiled("post_backward")
     def post_backward(self) -> None:
-        if self._post_backward_done:
+        if self.backward_progress is BackwardProgress.REDUCED:
             return
-        self._post_backward_done = True
+        self.backward_progress = BackwardProgress.REDUCED
         self.ctx.queue_final_callback()
         if self.unit is None:
             return
@@ -417,10 +421,9 @@ class FSDPState:
             self.ctx.comm.wait_reductions()
         if self.reshard_after_backward:
             self.release()
-        elif self.unsharded_installed:  # keep the gathered memory; slots get the shards back
+        elif self.slots_hold is SlotsHold.UNSHARDED:  # keep the gathered memory; slots get the shards back
             self._install(unsharded=False)
 
     def end_backward(self) -> None:
-        self._pre_backward_done = False
-        self._post_backward_done = False
+        self.backward_progress = BackwardProgress.NONE
         self._pending_backward_calls = 0

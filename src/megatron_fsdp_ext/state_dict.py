@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
+from .states import SlotsHold
 
 _mode = threading.local()
 
@@ -136,7 +137,7 @@ def _is_the_shard(value, shard) -> bool:
 
 
 def _check_resharded(state, what: str) -> None:
-    if state.unsharded_installed:
+    if state.slots_hold is SlotsHold.UNSHARDED:
         raise RuntimeError(
             f"{what}: {state} has its unsharded parameters installed (inside forward/backward or after "
             "unshard()); call it between training steps, or reshard() first")

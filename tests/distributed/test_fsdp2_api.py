@@ -12,6 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
 import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.states import SlotsHold
 from harness import run_distributed
 
 
@@ -128,7 +129,7 @@ def _forward_methods(rank, world):
             model.reshard()
         mfsdp.register_fsdp_forward_method(model, "generate")
         assert torch.equal(model.generate(prompt, 4), ref.generate(prompt, 4))
-        assert not model._fsdp_state.unsharded_installed and model.emb.weight.dim() == 1, (strategy, model._fsdp_state.unsharded_installed, model.emb.weight.shape)
+        assert model._fsdp_state.slots_hold is SlotsHold.SHARDED and model.emb.weight.dim() == 1, (strategy, model._fsdp_state.slots_hold, model.emb.weight.shape)
         # training goes on as in plain PyTorch after generating, also through a
         # registered method with grad (its backward reduces like forward's)
         mfsdp.register_fsdp_forward_method(model, "score")

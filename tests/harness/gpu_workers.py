@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.states import BackwardProgress
 
 from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard, shard_blocks_and_root,
                       train_parity)
@@ -48,7 +49,7 @@ def install_stream_chaos() -> None:
         orig_unshard(self)
 
     def post_backward(self):
-        if self.unit is not None and not self._post_backward_done:
+        if self.unit is not None and self.backward_progress is not BackwardProgress.REDUCED:
             torch.cuda._sleep(_sleep_cycles())            # grads packed late on compute
             with torch.cuda.stream(as_cuda_stream(self.ctx.comm.reduce_scatter_stream())):
                 torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait

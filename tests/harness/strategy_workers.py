@@ -10,6 +10,7 @@ import torch.distributed as dist
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 from megatron_fsdp_ext.hooks import iter_states
+from megatron_fsdp_ext.states import SlotsHold
 
 from .workers import (build_models, check_grads, device_for_backend, expect_error, global_batches, rel_err, shard,
                       step_with_reference)
@@ -64,7 +65,7 @@ def strategy_api(rank: int, world: int, strategy: str) -> Dict:
         assert all(h > 0 for h in held), f"{strategy} must keep the unsharded params between steps: {held}"
     # The module always shows the shards between steps; the optimizer updates those.
     for s in states:
-        assert not s.unsharded_installed
+        assert s.slots_hold is SlotsHold.SHARDED
         for p, u in zip(s.sharded_params, s.unsharded_params):
             if strategy == "no_shard":
                 assert p.numel() == u.numel(), "no_shard: every rank holds the whole parameter"

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.states import SlotsHold
 
 
 def device_for_backend() -> torch.device:
@@ -659,7 +660,7 @@ def param_sync_modes(rank: int, world: int, on: bool) -> None:
         with torch.no_grad():  # a write after the early gather (EMA, second optimizer, ...)
             for p in list(model.parameters()) + list(ref.parameters()):
                 p.mul_(0.999)
-        assert not any(s.unsharded_installed for s in states), "start_param_sync must not install params"
+        assert all(s.slots_hold is SlotsHold.SHARDED for s in states), "start_param_sync must not install params"
         if on:  # the order is known once the first backward is done
             # Root plus prefetch_depth (1) next units in the recorded order.
             assert gathered == states[:2], f"expected root and first block gathered, got {[str(s) for s in gathered]}"
