@@ -6,6 +6,7 @@ graphs break only at the units' hooks, and the blocks' computation is compiled."
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import megatron_fsdp_ext as mfsdp
@@ -41,7 +42,6 @@ class _RecordingBackend:
 
     def __call__(self, gm, example_inputs):
         self.graph_ops.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        from torch._dynamo.backends.debugging import aot_eager
         return aot_eager(gm, example_inputs)
 
 
