@@ -271,6 +271,7 @@ void Unit::set_label(std::string label) {
   static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
+  reshard_scope_ = msg("mfsdp::reshard[", label_, "]");
   std::lock_guard<std::mutex> lock(labels_mutex());
   labels_by_hash()[label_hash_] = label_;
 }
@@ -433,6 +434,7 @@ void Unit::wait_unshard() {
 
 void Unit::reshard() {
   if (state_ == UnitState::kSharded || aliases_shard()) return;
+  RECORD_USER_SCOPE(reshard_scope_.c_str());
   wait_unshard();  // never free memory a collective may still write
   free_unsharded();
   state_ = UnitState::kSharded;

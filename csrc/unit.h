@@ -194,6 +194,7 @@ class Unit {
   // which unit every collective belongs to. Built in set_label, off the hot path.
   std::array<std::string, 4> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
                                              "mfsdp::all_gather_full"};
+  std::string reshard_scope_ = "mfsdp::reshard";  // "mfsdp::reshard[<label>]", when memory is freed
   std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
   double grad_divide_factor_ = 0;
