@@ -4,6 +4,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "comm.h"
+#include "comm_context.h"
+#include "dtypes.h"
 #include "layout.h"
 #include "pack.h"
 #include "param_slots.h"
@@ -64,9 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<FlatLayout>(m, "FlatLayout")
       .def_static("even", &FlatLayout::even, py::arg("numels"), py::arg("world_size"),
-                  py::arg("alignment") = 16)
+                  py::arg("alignment") = kDefaultAlignment)
       .def_static("by_owner", &FlatLayout::by_owner, py::arg("numels"), py::arg("owners"),
-                  py::arg("world_size"), py::arg("alignment") = 16)
+                  py::arg("world_size"), py::arg("alignment") = kDefaultAlignment)
       .def_property_readonly("kind", [](const FlatLayout& l) {
         return l.kind() == SegmentKind::kEven ? "even" : "owner";
       })
@@ -119,6 +121,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("longest_numel"), py::arg("world"), py::arg("element_size"),
         "What VarAlgo.AUTO resolves to for an uneven collective of this shape.");
   m.attr("PADDED_ALL_GATHER_MIN_BYTES") = kPaddedAllGatherMinBytes;
+  m.attr("DEFAULT_ALIGNMENT") = kDefaultAlignment;
+  m.def("supported_float_dtypes", [] { return std::vector<at::ScalarType>(kSupportedFloats.begin(), kSupportedFloats.end()); },
+        "The dtypes a unit may store, gather and reduce parameters in.");
 
   py::class_<Communicator, std::unique_ptr<Communicator, DeleteWithoutGil<Communicator>>>(m, "Communicator")
       .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))
@@ -132,10 +137,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::gil_scoped_release no_gil;
         c.all_reduce(t, c10d::ReduceOp::SUM);
       })
-      .def("all_reduce_max", [](const Communicator& c, at::Tensor& t) {
-        py::gil_scoped_release no_gil;
-        c.all_reduce(t, c10d::ReduceOp::MAX);
-      })
       // verify: first check with one small all-gather that every rank passed the same
       // segment table (a mismatch would otherwise crash or corrupt silently).
       .def("all_gather_v", &Communicator::all_gather_v, py::arg("out"), py::arg("input"),
@@ -147,16 +148,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"),
            py::call_guard<py::gil_scoped_release>());
 
+  py::class_<PendingCollective, std::shared_ptr<PendingCollective>>(m, "PendingCollective")
+      .def("wait", &PendingCollective::wait, "Make the current stream wait for the collective.");
+
   py::class_<CommContext, std::shared_ptr<CommContext>>(m, "CommContext")
-      .def(py::init([](c10::Device device, int64_t max_inflight_reductions) {
-             return make_shared_without_gil_delete<CommContext>(device, max_inflight_reductions);
-           }),
-           py::arg("device"), py::arg("max_inflight_reductions") = 1)
+      .def(py::init([](c10::Device device) { return make_shared_without_gil_delete<CommContext>(device); }),
+           py::arg("device"))
       .def_property_readonly("device", &CommContext::device)
-      .def_property_readonly("has_side_streams", [](const CommContext& c) { return c.streams().enabled(); })
-      .def_property_readonly("max_inflight_reductions", &CommContext::max_inflight_reductions)
       .def_property_readonly("num_inflight_reductions", &CommContext::num_inflight_reductions)
       .def("wait_reductions", &CommContext::wait_reductions, py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_v_async", &CommContext::all_gather_v_async, py::arg("comm"), py::arg("out"),
+           py::arg("input"), py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
+           py::arg("verify") = true, py::call_guard<py::gil_scoped_release>())
       .def("all_gather_stream", [](const CommContext& c) -> py::object {
         if (!c.streams().enabled()) return py::none();
         return py::cast(c.streams().all_gather());
@@ -186,7 +189,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return make_shared_without_gil_delete<Unit>(params, std::move(names), std::move(pg), alignment,
                                                          param_dtype, reduce_dtype, strategy);
            }),
-           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = 16,
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = kDefaultAlignment,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
            py::arg("strategy") = ShardingStrategy::kOptimGradsParams)
       .def_property_readonly("label", &Unit::label)
@@ -205,7 +208,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("reduce_dtype", &Unit::reduce_dtype)
       .def_property_readonly("sharded_flat", &Unit::sharded_flat)
       .def_property_readonly("unsharded_storage_bytes", &Unit::unsharded_storage_bytes)
-      .def_property_readonly("has_accumulated_grads", &Unit::has_accumulated_grads)
       .def("sharded_views", &Unit::sharded_views)
       .def("unsharded_views", &Unit::unsharded_views)
       .def("bind_params", &Unit::bind_params)
@@ -217,7 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
-      .def("mark_stale", &Unit::mark_stale)
+      .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
       .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>())
       .def("load_full_params", &Unit::load_full_params, py::call_guard<py::gil_scoped_release>());

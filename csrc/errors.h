@@ -53,3 +53,5 @@ std::string msg(const Args&... args) {
 }  // namespace mfsdp
 
 #define MFSDP_CHECK(cond, ...) TORCH_CHECK((cond), ::mfsdp::msg(__VA_ARGS__))
+// Bad user input (a wrong shape, dtype or value): raised in Python as ValueError.
+#define MFSDP_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE((cond), ::mfsdp::msg(__VA_ARGS__))

@@ -23,6 +23,11 @@ enum class SegmentKind {
   kOwner,  // each parameter wholly inside its owner's segment; segments uneven
 };
 
+// Every parameter starts at a multiple of this many elements (32 bytes in bf16, 64 in
+// fp32): vectorized pack/cast kernels and NCCL get aligned addresses. The one default
+// the bindings and the Python API share (DEFAULT_ALIGNMENT).
+inline constexpr int64_t kDefaultAlignment = 16;
+
 class FlatLayout {
  public:
   // Even (ZeRO) layout: parameters packed in order, each start aligned to `alignment`

@@ -3,7 +3,8 @@
 namespace mfsdp {
 namespace {
 
-bool is_float(at::ScalarType t) {
+// The dtypes the fused CUDA kernels are instantiated for (float64 goes through ATen).
+bool has_fused_kernel(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
@@ -29,7 +30,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
   if (zero_fill_first && !accumulate) flat.zero_();
 
 #ifdef WITH_CUDA
-  if (flat.is_cuda() && is_float(flat.scalar_type())) {
+  if (flat.is_cuda() && has_fused_kernel(flat.scalar_type())) {
     // The fused kernel takes contiguous float tensors of one dtype; anything else
     // (rare: non-contiguous or mixed-dtype grads) goes through ATen below.
     std::vector<at::Tensor> fused;
@@ -40,7 +41,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& t = tensors[i];
       if (!t.defined() || t.numel() == 0) continue;
-      if (src_type == at::ScalarType::Undefined && is_float(t.scalar_type())) src_type = t.scalar_type();
+      if (src_type == at::ScalarType::Undefined && has_fused_kernel(t.scalar_type())) src_type = t.scalar_type();
       if (t.is_contiguous() && t.scalar_type() == src_type) {
         fused.push_back(t);
         fused_offsets.push_back(offsets[i]);
@@ -76,7 +77,7 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
   MFSDP_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
   if (dst.numel() == 0) return;
 #ifdef WITH_CUDA
-  if (dst.is_cuda() && is_float(dst.scalar_type()) && is_float(src.scalar_type())) {
+  if (dst.is_cuda() && has_fused_kernel(dst.scalar_type()) && has_fused_kernel(src.scalar_type())) {
     cast_scale_into_cuda(dst, src, scale, accumulate);
     return;
   }

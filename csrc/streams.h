@@ -39,18 +39,16 @@ class StreamSet {
     c10::impl::VirtualGuardImpl impl(device.type());
     all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
     reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
-    all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
   }
 
   const c10::Device& device() const { return device_; }
   bool enabled() const { return all_gather_.has_value(); }
   const c10::Stream& all_gather() const { return *all_gather_; }
   const c10::Stream& reduce_scatter() const { return *reduce_scatter_; }
-  const c10::Stream& all_reduce() const { return *all_reduce_; }
 
  private:
   c10::Device device_;
-  std::optional<c10::Stream> all_gather_, reduce_scatter_, all_reduce_;
+  std::optional<c10::Stream> all_gather_, reduce_scatter_;
 };
 
 // A recordable event; a no-op on CPU.
@@ -66,7 +64,6 @@ class StreamEvent {
   void block(const c10::Stream& stream) const {
     if (event_) event_->block(stream);
   }
-  bool query() const { return !event_ || event_->query(); }
 
  private:
   std::unique_ptr<c10::Event> event_;

@@ -1,5 +1,6 @@
 #include "unit.h"
 
+#include "dtypes.h"
 #include "pack.h"
 
 #include <ATen/record_function.h>
@@ -17,12 +18,6 @@
 namespace mfsdp {
 namespace {
 
-// The dtypes parameters may be stored, gathered and reduced in (float8 and complex
-// are not: the reductions and casts here do not support them).
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
-}
-
 // Every label this process gave a unit, by hash: the collective check names the unit
 // another rank is at (all ranks built the same units, so the same labels).
 std::mutex& labels_mutex() {
@@ -38,8 +33,6 @@ constexpr const char* kDesyncHint =
     "\nEvery rank must run the same fully_shard units in the same order (same model and sharding strategy, "
     "forward and backward on every rank). A rank that stalls, skips backward or runs an extra unit leaves the "
     "others waiting until the collective timeout (fully_shard(timeout=...), else the process group's).";
-
-constexpr const char* kSupportedFloats = "float32, bfloat16, float16 or float64";
 
 // torch lets a storage refuse data access with a custom message (what CUDA-graph trees
 // use for freed memory). Detected rather than assumed, so the extension still builds
@@ -73,37 +66,7 @@ std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   for (const auto& p : params) n.push_back(p.numel());
   return n;
 }
-
-
 }  // namespace
-
-// ---------------------------------------------------------------- CommContext
-
-CommContext::CommContext(c10::Device device, int64_t max_inflight_reductions)
-    : device_(device), streams_(device), max_inflight_(max_inflight_reductions) {
-  MFSDP_CHECK(max_inflight_ >= 1, "max_inflight_reductions must be >= 1, got ", max_inflight_);
-}
-
-void CommContext::add_inflight_reduction(std::vector<at::Tensor> buffers,
-                                         std::shared_ptr<StreamEvent> done) {
-  inflight_.push_back({std::move(buffers), std::move(done)});
-  while (static_cast<int64_t>(inflight_.size()) > max_inflight_) retire_oldest();
-}
-
-void CommContext::make_room_for_reduction() {
-  while (static_cast<int64_t>(inflight_.size()) >= max_inflight_) retire_oldest();
-}
-
-void CommContext::retire_oldest() {
-  // The buffers were allocated on the current (compute) stream; once that stream has
-  // waited for the collective, the allocator may hand the memory out again safely.
-  inflight_.front().done->block(current_stream(device_));
-  inflight_.pop_front();
-}
-
-void CommContext::wait_reductions() {
-  while (!inflight_.empty()) retire_oldest();
-}
 
 // ---------------------------------------------------------------- Unit
 
@@ -136,12 +99,12 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
                 "; one fully_shard unit needs a single parameter dtype");
     shapes_.emplace_back(p.sizes().vec());
   }
-  MFSDP_CHECK(is_supported_float(orig_dtype_), "fully_shard needs ", kSupportedFloats, " parameters, got ",
+  MFSDP_CHECK(is_supported_float(orig_dtype_), "fully_shard needs ", kSupportedFloatNames, " parameters, got ",
               orig_dtype_);
   param_dtype_ = param_dtype.value_or(orig_dtype_);
   reduce_dtype_ = reduce_dtype.value_or(param_dtype_);
-  MFSDP_CHECK(is_supported_float(param_dtype_), "param_dtype must be ", kSupportedFloats, ", got ", param_dtype_);
-  MFSDP_CHECK(is_supported_float(reduce_dtype_), "reduce_dtype must be ", kSupportedFloats, ", got ",
+  MFSDP_CHECK(is_supported_float(param_dtype_), "param_dtype must be ", kSupportedFloatNames, ", got ", param_dtype_);
+  MFSDP_CHECK(is_supported_float(reduce_dtype_), "reduce_dtype must be ", kSupportedFloatNames, ", got ",
               reduce_dtype_);
 
   slices_ = layout_.shard_slices(shard_index());
@@ -318,37 +281,63 @@ CommContext& Unit::ctx() {
   return *ctx_;
 }
 
-bool Unit::check_sharded_params_intact() {
-  // Optimizers update shards in place through the views; a user who assigned
-  // `param.data = ...` broke the link. Re-link a same-size replacement, refuse others.
-  bool relinked = false;
-  const auto itemsize = sharded_flat_.element_size();
-  auto* base = static_cast<char*>(sharded_flat_.data_ptr());
+bool Unit::views_its_slot(size_t i) const {
+  const auto& p = sharded_params_[i];
+  const auto& s = slices_[i];
+  if (p.numel() != s.numel || p.scalar_type() != orig_dtype_) return false;
+  // An empty tensor's data_ptr() is null: an empty slice is intact while it still
+  // shares the flat shard's storage. Checking that too keeps the answer the same on
+  // every rank when all of them assign `p.data`, so a kept copy is re-gathered by all.
+  if (s.numel == 0) return p.storage().is_alias_of(sharded_flat_.storage());
+  return p.data_ptr() == static_cast<char*>(sharded_flat_.data_ptr()) + s.shard_offset * sharded_flat_.element_size();
+}
+
+bool Unit::adopt_data_writes() {
+  // Optimizers update shards in place through the views; `param.data = x` breaks the
+  // link, found here by a pointer compare per parameter.
+  bool found = false;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
-    auto& p = sharded_params_[i];
+    if (views_its_slot(i)) continue;
+    const auto& p = sharded_params_[i];
     const auto& s = slices_[i];
-    // An empty tensor's data_ptr() is null: an empty slice is intact while it still
-    // shares the flat shard's storage. Checking that too keeps the answer the same on
-    // every rank when all of them assign `p.data`, so a kept copy is re-gathered by all.
-    if (p.numel() == s.numel && p.scalar_type() == orig_dtype_ &&
-        (s.numel == 0 ? p.storage().is_alias_of(sharded_flat_.storage())
-                      : p.data_ptr() == base + s.shard_offset * itemsize))
-      continue;
     MFSDP_CHECK(p.numel() == s.numel && p.dim() == 1,
                 "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
                 p.sizes(), "; its shard has shape [", s.numel,
                 "] (full shape ", shapes_[i],
                 "). Update sharded parameters in place (e.g. `with torch.no_grad(): p.copy_(x)`) "
                 "or use load_full_state_dict()");
-    auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
-    {
-      at::NoGradGuard no_grad;
-      slot.copy_(p.detach());
-    }
-    p.set_data(slot);
-    relinked = true;
+    shard_changed(static_cast<int64_t>(i), p.detach());
+    found = true;
   }
-  return relinked;
+  return found;
+}
+
+void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::Tensor>& value) {
+  check_bound("shard_changed");
+  if (!aliases_shard()) stale_ = true;
+  if (!index) {
+    MFSDP_CHECK(!value, "shard_changed: a value needs the index of its parameter");
+    return;
+  }
+  const int64_t i = *index;
+  MFSDP_CHECK(i >= 0 && i < layout_.num_params(), "shard_changed: parameter index ", i, " out of range [0, ",
+              layout_.num_params(), ")");
+  MFSDP_CHECK(value && value->defined(), "shard_changed: parameter '", names_[i], "' needs its new value");
+  const auto& s = slices_[i];
+  const bool full = value->sizes().vec() == shapes_[i];
+  MFSDP_CHECK_VALUE(full || (value->dim() == 1 && value->numel() == s.numel), "parameter '", names_[i],
+              "' of fully_shard unit '", label_, "' was replaced by one of shape ", value->sizes(),
+              ", but the sharded parameter has full shape ", shapes_[i], " (this rank's shard: [", s.numel,
+              "]); a replacement must keep the shape (or build the model again before fully_shard)");
+  auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
+  {
+    at::NoGradGuard no_grad;
+    if (s.numel > 0) {
+      const auto src = full ? value->reshape({-1}).narrow(0, s.param_offset, s.numel) : value->reshape({-1});
+      slot.copy_(src);
+    }
+  }
+  if (!views_its_slot(static_cast<size_t>(i))) sharded_params_[i].set_data(slot);
 }
 
 void Unit::allocate_unsharded() {
@@ -379,7 +368,7 @@ void Unit::unshard() {
   if (state_ == UnitState::kGathering) return;  // wait_unshard() checks for re-links
   // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
   // `p.data = x` the gathered copy no longer matches the parameter.
-  if (check_sharded_params_intact()) stale_ = !aliases_shard();
+  adopt_data_writes();
   if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
   gathered_version_ = sharded_flat_._version();
   stale_ = false;
@@ -421,7 +410,7 @@ void Unit::wait_unshard() {
     state_ = UnitState::kUnsharded;
     // A `p.data = x` while the gather was in flight (e.g. an EMA swap after
     // start_param_sync) makes the gathered copy stale.
-    if (check_sharded_params_intact()) stale_ = !aliases_shard();
+    adopt_data_writes();
   }
   if (unsharded_is_stale()) {
     // The shard was written after the gather was issued (e.g. a second optimizer or an
@@ -438,10 +427,6 @@ void Unit::reshard() {
   wait_unshard();  // never free memory a collective may still write
   free_unsharded();
   state_ = UnitState::kSharded;
-}
-
-void Unit::mark_stale() {
-  if (!aliases_shard()) stale_ = true;
 }
 
 at::Tensor Unit::flat_grad_behind_views() const {
@@ -478,6 +463,22 @@ at::Tensor Unit::flat_grad_behind_views() const {
 
 bool Unit::reduce_grads(bool sync) {
   check_bound("reduce_grads");
+  at::Tensor flat = pack_grads(sync);
+  if (!flat.defined()) return false;
+  if (!sync) {
+    accumulated_ = flat;
+    return true;
+  }
+  accumulated_ = at::Tensor();
+  GradBuffers buffers = plan_reduction(std::move(flat));
+  auto done = reduce(buffers);
+  land_grads(buffers, *done);
+  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target}, std::move(done));
+  std::fill(has_grad_.begin(), has_grad_.end(), false);
+  return true;
+}
+
+at::Tensor Unit::pack_grads(bool sync) {
   const int64_t n = layout_.num_params();
   std::vector<at::Tensor> grads(n);
   bool any = false, all = true;
@@ -493,9 +494,10 @@ bool Unit::reduce_grads(bool sync) {
       all = false;
     }
   }
-  if (!any && !accumulated_.defined()) return false;
+  if (!any && !accumulated_.defined()) return {};
 
   const bool accumulate = accumulated_.defined();
+  // The held reduction's buffers are retired before new ones are allocated.
   if (!accumulate && sync) ctx().make_room_for_reduction();
   at::Tensor flat = accumulate
       ? accumulated_
@@ -505,85 +507,86 @@ bool Unit::reduce_grads(bool sync) {
   for (int64_t i = 0; i < n; ++i) {
     if (grads[i].defined()) unsharded_params_[i].mutable_grad() = at::Tensor();
   }
-  grads.clear();
-  if (!sync) {
-    accumulated_ = flat;
-    return true;
-  }
-  accumulated_ = at::Tensor();
+  return flat;
+}
 
-  // How the reduced shard meets the sharded .grad: fresh (no grads yet), accumulate
-  // into our own flat gradient, or the rare mixed case handled per parameter.
+Unit::GradBuffers Unit::plan_reduction(at::Tensor flat) {
+  GradBuffers b;
+  b.flat = std::move(flat);
   bool all_none = true;
-  for (int64_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < has_grad_.size(); ++i) {
     if (has_grad_[i] && sharded_params_[i].grad().defined()) all_none = false;
   }
   at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
-  enum class Mode { kFresh, kAccumulate, kMixed };
-  const Mode mode = all_none ? Mode::kFresh : (existing.defined() ? Mode::kAccumulate : Mode::kMixed);
+  b.landing = all_none ? Landing::kFresh : (existing.defined() ? Landing::kAccumulate : Landing::kMixed);
   const int64_t seg = layout_.segment_numel(shard_index());
+  const auto grad_options = sharded_flat_.options();
   // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
   // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
   // .grad views alias it, keeping the full buffer alive: ZeRO-1's full-gradient memory.
-  const bool reduce_into_target = mode == Mode::kFresh && reduce_dtype_ == orig_dtype_;
-  at::Tensor reduced, target;
-  if (mode == Mode::kAccumulate) target = existing;
+  const bool reduce_into_target = b.landing == Landing::kFresh && reduce_dtype_ == orig_dtype_;
+  if (b.landing == Landing::kAccumulate) b.target = existing;
   if (full_grads()) {
-    reduced = flat.narrow(0, layout_.segment_start(shard_index()), seg);
-    if (mode != Mode::kAccumulate) target = reduce_into_target ? reduced : at::empty({seg}, sharded_flat_.options());
+    b.reduced = b.flat.narrow(0, layout_.segment_start(shard_index()), seg);
+    if (b.landing != Landing::kAccumulate) b.target = reduce_into_target ? b.reduced : at::empty({seg}, grad_options);
   } else {
-    if (mode != Mode::kAccumulate) target = at::empty({seg}, sharded_flat_.options());
-    reduced = reduce_into_target ? target : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+    if (b.landing != Landing::kAccumulate) b.target = at::empty({seg}, grad_options);
+    b.reduced = reduce_into_target ? b.target : at::empty({seg}, grad_options.dtype(reduce_dtype_));
   }
+  return b;
+}
+
+std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b) {
   const double scale = 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : static_cast<double>(world_size()));
-
-  auto reduce = [&]() {
+  auto issue = [&]() {
     if (full_grads()) {
-      run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, flat.numel(),
-                     [&] { rs_comm_.all_reduce(flat, c10d::ReduceOp::SUM); });
+      run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, b.flat.numel(),
+                     [&] { rs_comm_.all_reduce(b.flat, c10d::ReduceOp::SUM); });
     } else {
-      run_collective(CollectivePhase::kReduceScatterGrads, rs_comm_, flat.numel(),
-                     [&] { rs_comm_.reduce_scatter_flat(reduced, flat); });
+      run_collective(CollectivePhase::kReduceScatterGrads, rs_comm_, b.flat.numel(),
+                     [&] { rs_comm_.reduce_scatter_flat(b.reduced, b.flat); });
     }
-    cast_scale_into(target, reduced, scale, mode == Mode::kAccumulate);
+    cast_scale_into(b.target, b.reduced, scale, b.landing == Landing::kAccumulate);
   };
-  auto done = std::make_shared<StreamEvent>(device_);
+  auto done = std::make_shared<PendingCollective>(device_);
   const auto& streams = ctx().streams();
-  if (streams.enabled()) {
-    compute_ready_.record(current_stream(device_));
-    c10::StreamGuard guard(streams.reduce_scatter());
-    compute_ready_.block(streams.reduce_scatter());
-    reduce();
-    done->record(streams.reduce_scatter());
-  } else {
-    reduce();
+  if (!streams.enabled()) {
+    issue();
+    return done;
   }
+  compute_ready_.record(current_stream(device_));
+  c10::StreamGuard guard(streams.reduce_scatter());
+  compute_ready_.block(streams.reduce_scatter());
+  issue();
+  done->record(streams.reduce_scatter());
+  return done;
+}
 
-  if (mode == Mode::kMixed) {
+void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
+  const int64_t n = layout_.num_params();
+  if (b.landing == Landing::kMixed) {
     // Per-parameter merge reads `target` on the current stream: wait for it first.
-    done->block(current_stream(device_));
+    done.wait();
     at::NoGradGuard no_grad;
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      auto view = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+      auto view = b.target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
       auto& g = sharded_params_[i].mutable_grad();
       if (g.defined()) g.add_(view.view_as(g));
       else g = view;
     }
-  } else if (mode == Mode::kFresh) {
+  } else if (b.landing == Landing::kFresh) {
+    // Views only: the current stream reads them after the final callback's wait.
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      sharded_params_[i].mutable_grad() = target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+      sharded_params_[i].mutable_grad() = b.target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
     }
   }
-  ctx().add_inflight_reduction({flat, reduced, target}, std::move(done));
-  std::fill(has_grad_.begin(), has_grad_.end(), false);
-  return true;
 }
 
 std::vector<at::Tensor> Unit::gather_full_params() {
   check_bound("gather_full_params");
-  check_sharded_params_intact();
+  adopt_data_writes();
   auto full = at::empty({layout_.total_numel()}, sharded_flat_.options());
   if (replicated()) full.copy_(sharded_flat_);
   else run_collective(CollectivePhase::kAllGatherFullParams, ag_comm_, full.numel(),
@@ -599,7 +602,7 @@ void Unit::load_full_params(const std::vector<at::Tensor>& full) {
   check_bound("load_full_params");
   MFSDP_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
               full.size(), " tensors for ", layout_.num_params(), " parameters");
-  check_sharded_params_intact();
+  adopt_data_writes();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < full.size(); ++i) {
     MFSDP_CHECK(full[i].defined() && full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],

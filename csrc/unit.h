@@ -11,21 +11,20 @@
 //    scattered, scaled by 1/world and land in a flat fp32 buffer whose 1-D views become
 //    the sharded params' .grad.
 //
-// CommContext is shared by all units under one root: side streams and the bounded
-// queue of in-flight reduce-scatters whose buffers must outlive their collective.
+// The shared side streams and the in-flight reduction live in CommContext (comm_context.h).
 #pragma once
 
 #include "errors.h"
 #include <ATen/ATen.h>
 
 #include <array>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "comm.h"
+#include "comm_context.h"
 #include "layout.h"
 #include "streams.h"
 
@@ -55,37 +54,6 @@ const char* phase_name(CollectivePhase phase);
 // (StorageImpl's custom data-pointer error, with a way to clear it). Without it, a
 // tensor kept from an unsharded parameter past reshard() points at freed memory.
 bool freed_storage_guard();
-
-class CommContext {
- public:
-  CommContext(c10::Device device, int64_t max_inflight_reductions);
-
-  const c10::Device& device() const { return device_; }
-  const StreamSet& streams() const { return streams_; }
-  int64_t max_inflight_reductions() const { return max_inflight_; }
-  int64_t num_inflight_reductions() const { return static_cast<int64_t>(inflight_.size()); }
-
-  // Keep `buffers` alive until the current stream has waited for `done`.
-  void add_inflight_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<StreamEvent> done);
-  // Called before allocating the next reduction's buffers: retires the oldest
-  // reductions (the current stream waits for them) until one more fits the bound, so
-  // their memory is reused instead of adding to the peak.
-  void make_room_for_reduction();
-  // The current stream waits for every in-flight reduction; their buffers are released.
-  void wait_reductions();
-
- private:
-  struct Inflight {
-    std::vector<at::Tensor> buffers;
-    std::shared_ptr<StreamEvent> done;
-  };
-  void retire_oldest();
-
-  c10::Device device_;
-  StreamSet streams_;
-  int64_t max_inflight_;
-  std::deque<Inflight> inflight_;
-};
 
 class Unit {
  public:
@@ -140,17 +108,22 @@ class Unit {
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).
   void reshard();
-  // The shards changed (an optimizer stepped them): a kept unsharded copy must be
-  // gathered again before its next use. The shard's version counter is only a
-  // backstop: fused optimizers and `.data` writes do not move it.
-  void mark_stale();
+  // The one entry point for "the shard changed" other than by a collective:
+  //  - no `index`: the shards were updated in place (an optimizer step). A kept
+  //    unsharded copy must be gathered again before its next use; the shard's version
+  //    counter is only a backstop (fused optimizers and `.data` writes do not move it).
+  //  - `index` and `value`: parameter `index` takes `value`, shaped either like the
+  //    full parameter (the module's parameter was replaced) or like this rank's shard
+  //    (`sharded_param.data = x`). This rank's slice is copied into the flat shard, the
+  //    sharded parameter viewing it again, and the kept copy is stale.
+  // Every rank must see the same changes: the next use of the unit gathers again.
+  void shard_changed(std::optional<int64_t> index = std::nullopt, const std::optional<at::Tensor>& value = {});
 
   // Move the gradients sitting on the unsharded params into this unit. With `sync`,
   // reduce-scatter them (plus anything accumulated earlier) into the sharded .grad;
   // without, accumulate them locally in the reduce dtype. Returns false when there
   // was nothing to reduce.
   bool reduce_grads(bool sync);
-  bool has_accumulated_grads() const { return accumulated_.defined(); }
 
   // Full-precision unsharded copy of every parameter (synchronous collective).
   std::vector<at::Tensor> gather_full_params();
@@ -171,8 +144,11 @@ class Unit {
   bool unsharded_is_stale() const {
     return !aliases_shard() && (stale_ || sharded_flat_._version() != gathered_version_);
   }
-  // True if a replaced parameter was re-linked (its values copied into the shard).
-  bool check_sharded_params_intact();
+  // Finds sharded parameters whose `.data` was replaced and hands each to
+  // shard_changed(); true if there was one.
+  bool adopt_data_writes();
+  // Whether sharded parameter i still views its slot of the flat shard.
+  bool views_its_slot(size_t i) const;
   bool full_grads() const {
     return strategy_ == ShardingStrategy::kNoShard || strategy_ == ShardingStrategy::kOptim;
   }
@@ -184,6 +160,25 @@ class Unit {
   // zero_grad(set_to_none=True) really frees the memory.
   at::Tensor flat_grad_behind_views() const;
   CommContext& ctx();
+
+  // reduce_grads, in its three steps.
+  // How the reduced shard meets the sharded .grad: the first gradient since zero_grad
+  // (views of a new buffer), added into our own flat gradient, or the rare mixed case
+  // (some .grad set by hand) merged per parameter.
+  enum class Landing { kFresh, kAccumulate, kMixed };
+  struct GradBuffers {
+    Landing landing = Landing::kFresh;
+    at::Tensor flat;     // packed unsharded grads, reduce dtype
+    at::Tensor reduced;  // this rank's reduced segment, reduce dtype (may alias flat or target)
+    at::Tensor target;   // fp32 (orig dtype) segment behind the sharded .grad views
+  };
+  // Packs the unsharded grads (added to any accumulated ones) into a flat reduce-dtype
+  // buffer and frees them; undefined when there was nothing to pack.
+  at::Tensor pack_grads(bool sync);
+  GradBuffers plan_reduction(at::Tensor flat);
+  // Reduce on the reduce-scatter stream, then scale/cast into `target`.
+  std::shared_ptr<PendingCollective> reduce(GradBuffers& b);
+  void land_grads(const GradBuffers& b, const PendingCollective& done);
 
   ShardingStrategy strategy_;
   FlatLayout layout_;
@@ -213,7 +208,7 @@ class Unit {
 
   UnitState state_ = UnitState::kSharded;
   uint32_t gathered_version_ = 0;  // shard version the in-flight gather read
-  bool stale_ = false;             // mark_stale() or a re-link since the last gather
+  bool stale_ = false;             // shard_changed() since the last gather
   std::shared_ptr<CommContext> ctx_;
   StreamEvent compute_ready_, all_gather_done_;
 };

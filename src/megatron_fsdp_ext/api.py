@@ -14,11 +14,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import _C, hf, optimizer_hooks
+from . import _C, hf, shard_changes
 from .hooks import FSDPState, iter_states
+from .options import UnitOptions
 from .state_dict import ModuleStateDictHooks
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The dtypes units store, gather and reduce in (csrc/dtypes.h: one definition).
+_FLOAT_DTYPES = tuple(_C.supported_float_dtypes())
 
 # Megatron-FSDP's names for what is sharded (see csrc/unit.h, ShardingStrategy).
 SHARDING_STRATEGIES = {
@@ -108,13 +110,18 @@ class FSDPModule:
             state.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         states = self._states(recurse)
         if reshard_after_forward:  # check every unit before changing any
             for state in states:
                 if state.keeps_params_unsharded:
-                    state.set_reshard_after_forward(True)  # raises, naming the strategy
+                    raise ValueError(
+                        f"set_reshard_after_forward(True): {state} uses sharding_strategy="
+                        f"{state.options.sharding_strategy!r}, which keeps parameters unsharded between uses")
         for state in states:
-            state.set_reshard_after_forward(bool(reshard_after_forward))
+            if state.unit is not None or not reshard_after_forward:
+                state.set_options(reshard_after_forward=reshard_after_forward)
 
     def start_param_sync(self) -> None:
         """With all_gather_in_start_param_sync=True (on this root): launch the first
@@ -135,7 +142,7 @@ class FSDPModule:
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units ahead to all-gather (0: no prefetch). Read by the root at its
         first forward; on the root after that, applies to its whole tree."""
-        self._fsdp_state.prefetch_depth = _check_depth(depth)
+        self._fsdp_state.set_options(prefetch_depth=depth)
 
     def _states(self, recurse: bool):
         return list(iter_states(self)) if recurse else [self._fsdp_state]
@@ -159,7 +166,7 @@ class FSDPModule:
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"set_reshard_after_backward expects a bool, got {reshard_after_backward!r}")
         for state in self._states(recurse):
-            state.reshard_after_backward = reshard_after_backward
+            state.set_options(reshard_after_backward=reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2's: with False, this unit's parameters are not gathered for backward, for
@@ -168,7 +175,7 @@ class FSDPModule:
         unpack a saved weight onto the freed storage) instead of computing garbage."""
         if not isinstance(unshard_in_backward, bool):
             raise TypeError(f"set_unshard_in_backward expects a bool, got {unshard_in_backward!r}")
-        self._fsdp_state.unshard_in_backward = unshard_in_backward
+        self._fsdp_state.set_options(unshard_in_backward=unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """FSDP2's: this unit's reduced gradients are the sum over ranks divided by
@@ -250,7 +257,7 @@ def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
         raise TypeError(f"attach_param_sync needs a fully_shard module, got {type(module).__name__}")
     # Adopted first, so its post-hook marks the stepped units stale before this one
     # launches their gathers (post-hooks run in registration order).
-    optimizer_hooks.adopt(optimizer)
+    shard_changes.adopt(optimizer)
     return optimizer.register_step_post_hook(lambda opt, args, kwargs: module.start_param_sync())
 
 
@@ -306,12 +313,6 @@ def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
         raise NotImplementedError(
             "shard_placement_fn is not supported: a unit shards its parameters as one flat buffer "
             "(contiguous ranges per rank), not parameter by parameter on a chosen dim")
-
-
-def _check_depth(depth) -> int:
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise ValueError(f"prefetch_depth must be an int >= 0, got {depth!r}")
-    return depth
 
 
 # Second communicator per process group for all-gathers, created once and cached so
@@ -446,12 +447,13 @@ def fully_shard(
     reshard_after_forward: Optional[bool] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
-    alignment: int = 16,
+    alignment: int = _C.DEFAULT_ALIGNMENT,
     prefetch_depth: int = 1,
     all_gather_group: Optional[dist.ProcessGroup] = None,
     reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
     all_gather_in_start_param_sync: bool = False,
+    overlap_grad_reduce: bool = True,
     mesh=None,
     offload_policy=None,
     shard_placement_fn=None,
@@ -487,6 +489,8 @@ def fully_shard(
     all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
                      all-gathers right after the optimizer step; off: nothing is ever
                      launched outside forward/backward.
+    overlap_grad_reduce: False: backward waits for each unit's gradient reduction
+                     before going on (no overlap; for debugging and measurements).
     mesh:            FSDP2's spelling of process_group: a 1-D DeviceMesh (its group is used).
     offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
     shard_placement_fn: FSDP2's; not supported (units shard one flat buffer, not per parameter).
@@ -523,15 +527,15 @@ def fully_shard(
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     strategy = _check_strategy(sharding_strategy)
-    zero3 = strategy == _C.ShardingStrategy.OPTIM_GRADS_PARAMS
-    if reshard_after_forward is None:
-        reshard_after_forward = zero3
-    elif reshard_after_forward and not zero3:
-        raise ValueError(
-            f"reshard_after_forward=True contradicts sharding_strategy={sharding_strategy!r}, which keeps "
-            "parameters unsharded between uses; use 'optim_grads_params' to free them after forward"
-        )
-    prefetch_depth = _check_depth(prefetch_depth)
+    if reshard_after_forward is None:  # free after forward only where the strategy gathers per use
+        reshard_after_forward = strategy == _C.ShardingStrategy.OPTIM_GRADS_PARAMS
+    # Checked here, before any work: contradictions (reshard_after_forward=True with a
+    # strategy that keeps parameters unsharded), depth, flags.
+    options = UnitOptions(
+        sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+        prefetch_depth=prefetch_depth, all_gather_in_start_param_sync=all_gather_in_start_param_sync,
+        overlap_grad_reduce=overlap_grad_reduce,
+    )
     for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):
         if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(pg):
             raise ValueError(
@@ -557,8 +561,10 @@ def fully_shard(
     if params:
         _check_devices(module, params, names, pg)
         for p, n in zip(params, names):
-            if not p.is_floating_point():
-                raise ValueError(f"fully_shard: parameter '{n}' has non-floating dtype {p.dtype}")
+            if p.dtype not in _FLOAT_DTYPES:
+                kind = "unsupported floating" if p.is_floating_point() else "non-floating"
+                raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
+                                 f"{', '.join(str(d) for d in _FLOAT_DTYPES)} parameters")
         unit = _C.Unit(
             [p.detach() for p in params], names, pg, alignment,
             mp_policy.param_dtype, mp_policy.reduce_dtype, strategy,
@@ -603,14 +609,7 @@ def fully_shard(
         if reduce_scatter_group is not None:
             unit.set_reduce_scatter_group(reduce_scatter_group)
 
-    state = FSDPState(
-        module, unit, names, sharded, unsharded, slots, pg,
-        reshard_after_forward=bool(reshard_after_forward), mp_policy=mp_policy, prefetch_depth=prefetch_depth,
-    )
-    state.sharding_strategy = sharding_strategy
-    state.all_gather_in_start_param_sync = bool(all_gather_in_start_param_sync)
-    if reduce_scatter_group is not None:
-        state.check_group = reduce_scatter_group
+    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options, check_group=reduce_scatter_group)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
@@ -618,5 +617,5 @@ def fully_shard(
     module.__dict__["_mfsdp_state"] = state
     state.state_dict_hooks = ModuleStateDictHooks(state, keys)
     module.__class__ = _fsdp_class(type(module))
-    optimizer_hooks.ensure_step_hook_registered()
+    shard_changes.ensure_step_hook_registered()
     return module

@@ -151,6 +151,7 @@ def fully_shard_model(
         prefetch_depth=1 if config.overlap_param_gather else 0,
         create_all_gather_group=config.create_all_gather_group,
         all_gather_in_start_param_sync=config.fsdp_all_gather_in_start_param_sync,
+        overlap_grad_reduce=config.overlap_grad_reduce,
         timeout=config.collective_timeout,
     )
     if kinds:
@@ -168,8 +169,6 @@ def fully_shard_model(
     for m in units:
         fully_shard(m, **kwargs)
     fully_shard(module, **kwargs)
-    for state in iter_states(module):
-        state.overlap_grad_reduce = config.overlap_grad_reduce
     return module
 
 

@@ -25,7 +25,7 @@ def unit_signature(name: str, state) -> str:
         f"{n} {tuple(u.shape)} {str(p.dtype).removeprefix('torch.')}"
         for n, u, p in zip(state.names, state.unsharded_params, state.sharded_params)
     )
-    options = (f"strategy={state.sharding_strategy} param_dtype={unit.param_dtype} "
+    options = (f"strategy={state.options.sharding_strategy} param_dtype={unit.param_dtype} "
                f"reduce_dtype={unit.reduce_dtype} alignment={unit.layout.alignment} "
                f"ranks={dist.get_process_group_ranks(state.process_group)}")
     return f"{head}: {options}; params: {params}"

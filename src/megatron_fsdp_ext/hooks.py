@@ -5,6 +5,7 @@ holds everything per-parameter.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import List, Optional
@@ -15,8 +16,9 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import _C
+from . import _C, shard_changes
 from .consistency import check_units_agree
+from .options import UnitOptions
 from .states import BackwardProgress, ForwardOrder, RootPhase, SlotsHold
 
 
@@ -63,9 +65,7 @@ class RootContext:
         self.root = root
         self.states = states
         self.device = device
-        # One reduce-scatter in flight while the next unit's backward computes: a second
-        # one adds a whole flat gradient buffer to the peak and buys no overlap.
-        self.comm = _C.CommContext(device, 1)
+        self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
         # Units in the order their forward ran in the first iteration (runtime order,
         # not construction order); frozen after the first backward.
@@ -83,7 +83,7 @@ class RootContext:
 
     @property
     def prefetch_depth(self) -> int:
-        return self.root.prefetch_depth  # the root's setting governs its tree
+        return self.root.options.prefetch_depth  # the root's setting governs its tree
 
     def record_forward(self, state: "FSDPState") -> None:
         if self.recording and state.unit is not None and id(state) not in self._position:
@@ -136,24 +136,24 @@ class _RegisterPostBackward(torch.autograd.Function):
 
 
 class FSDPState:
-    def __init__(self, module, unit, names, sharded, unsharded, slots, pg, *,
-                 reshard_after_forward: bool, mp_policy, prefetch_depth: int = 1):
+    def __init__(self, module, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
+                 check_group=None):
         self._module_ref = weakref.ref(module)
         self.module_kind = type(module).__name__
         self.label = self.module_kind  # the module's path in the model, once lazy init ran
         # The group this unit's collectives wait on longest (its reduce-scatter group):
         # the cross-rank consistency check runs there, under the same timeout.
-        self.check_group = pg
+        self.check_group = check_group if check_group is not None else pg
         self.unit = unit
         self.names = names
         self.sharded_params = sharded
         self.unsharded_params = unsharded
         self.process_group = pg
-        self.mp_policy = mp_policy
-        self.reshard_after_forward = reshard_after_forward
-        self._user_reshard_after_forward = reshard_after_forward
+        self.options = options
+        # The effective value: the root never reshards after forward (set at lazy init).
+        self.reshard_after_forward = options.reshard_after_forward
+        # Switched every micro-batch under gradient accumulation: state, not an option.
         self.requires_gradient_sync = True
-        self.prefetch_depth = prefetch_depth
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: recorded order.
         self.forward_prefetch: Optional[List["FSDPState"]] = None
         self.backward_prefetch: Optional[List["FSDPState"]] = None
@@ -161,12 +161,6 @@ class FSDPState:
         self.is_root = False
         self.backward_progress = BackwardProgress.NONE
         self.slots_hold = SlotsHold.SHARDED
-        self.all_gather_in_start_param_sync = False
-        self.sharding_strategy = "optim_grads_params"
-        self.overlap_grad_reduce = True  # False: backward waits for each reduction (FSDPConfig)
-        # FSDP2's set_reshard_after_backward / set_unshard_in_backward.
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
@@ -221,18 +215,15 @@ class FSDPState:
         for s in states:
             s.ctx = ctx
             s.is_root = s is self
-            s.reshard_after_forward = s._user_reshard_after_forward and not s.is_root
+            s.reshard_after_forward = s.options.reshard_after_forward and not s.is_root
             if s.unit is not None:
                 s.unit.set_context(ctx.comm)
 
-    def set_reshard_after_forward(self, value: bool) -> None:
-        if value and self.keeps_params_unsharded:
-            raise ValueError(
-                f"set_reshard_after_forward(True): {self} uses sharding_strategy={self.sharding_strategy!r}, "
-                "which keeps parameters unsharded between uses"
-            )
-        self._user_reshard_after_forward = value
-        self.reshard_after_forward = value and not self.is_root
+    def set_options(self, **changes) -> None:
+        """The one writer of this unit's options: a new frozen UnitOptions with
+        `changes` (checked as at construction)."""
+        self.options = dataclasses.replace(self.options, **changes)
+        self.reshard_after_forward = self.options.reshard_after_forward and not self.is_root
 
     # ------------------------------------------------------------ unshard / reshard
 
@@ -255,7 +246,7 @@ class FSDPState:
     @property
     def keeps_params_unsharded(self) -> bool:
         """Strategies other than optim_grads_params keep the unsharded copy between uses."""
-        return self.unit is not None and self.unit.strategy != _C.ShardingStrategy.OPTIM_GRADS_PARAMS
+        return self.unit is not None and self.options.keeps_params_unsharded
 
     def release(self) -> None:
         """Done with the unsharded parameters for now: the module's slots get the sharded
@@ -272,40 +263,18 @@ class FSDPState:
     def _install(self, unsharded: bool) -> None:
         self.slots_hold = SlotsHold.UNSHARDED if unsharded else SlotsHold.SHARDED
         replaced = self.slots.install(unsharded)
-        if replaced:
-            self._adopt_replaced(replaced)
+        if replaced:  # module.weight = nn.Parameter(...) since the last install
+            shard_changes.adopt_replaced_params(self, replaced)
             if unsharded:  # the gathered copy predates the new values: gather again
-                self.unit.reshard()
-                self.unit.unshard()
                 self.unit.wait_unshard()
             self.slots.install(unsharded)
-
-    def _adopt_replaced(self, replaced) -> None:
-        """The user assigned a new parameter to a slot (module.weight = nn.Parameter(...)).
-        A same-shaped full parameter is copied into the shard; anything else is an error."""
-        for slot in replaced:
-            idx = self.slots.param_index(slot)
-            params_dict, name = self.slots.params_dict(slot), str(self.slots.name(slot))
-            new = params_dict[name]
-            unsharded = self.unsharded_params[idx]
-            if not isinstance(new, torch.Tensor) or new.shape != unsharded.shape:
-                shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-                raise ValueError(
-                    f"parameter '{self.names[idx]}' of {self} was replaced by one of shape {shape}, "
-                    f"but the sharded parameter has full shape {tuple(unsharded.shape)}; "
-                    "a replacement must keep the shape (or build the model again before fully_shard)"
-                )
-            full = list(self.unit.gather_full_params())
-            full[idx] = new.detach().to(device=full[idx].device, dtype=full[idx].dtype)
-            self.unit.load_full_params(full)
-            params_dict[name] = self.sharded_params[idx]
 
     def start_param_sync(self) -> None:
         """Launch the all-gathers the next forward needs first (the root's and, with
         prefetching, the next units'), e.g. right after the optimizer step so they
         overlap data loading. A no-op unless all_gather_in_start_param_sync is on,
         so that by default nothing is launched outside forward (CUDA-graph safe)."""
-        if not self.all_gather_in_start_param_sync:
+        if not self.options.all_gather_in_start_param_sync:
             return
         self.lazy_init()
         ctx = self.ctx
@@ -323,8 +292,9 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         if self.ctx is None:
             self.lazy_init()
-        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        mp = self.options.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
         if self.method_active:
             return args, kwargs
         self.ctx.record_forward(self)
@@ -375,9 +345,10 @@ class FSDPState:
         return output
 
     def _cast_output(self, output):
-        if self.mp_policy.output_dtype is None:
+        output_dtype = self.options.mp_policy.output_dtype
+        if output_dtype is None:
             return output
-        return _cast_floating(output, self.mp_policy.output_dtype)
+        return _cast_floating(output, output_dtype)
 
     # ------------------------------------------------------------ backward hooks
 
@@ -391,13 +362,13 @@ class FSDPState:
             return
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
-        if self.unshard_in_backward:
+        if self.options.unshard_in_backward:
             self.unshard()
         targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.previous_in_forward(self)
         for t in targets:
-            if t.backward_progress is not BackwardProgress.REDUCED and t.unshard_in_backward:
+            if t.backward_progress is not BackwardProgress.REDUCED and t.options.unshard_in_backward:
                 t.unshard()
-        if self.unshard_in_backward:
+        if self.options.unshard_in_backward:
             self.wait_unshard()
 
     def post_backward_of_one_call(self) -> None:
@@ -417,9 +388,9 @@ class FSDPState:
         if self.unit is None:
             return
         self.unit.reduce_grads(self.requires_gradient_sync)
-        if not self.overlap_grad_reduce:
+        if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
-        if self.reshard_after_backward:
+        if self.options.reshard_after_backward:
             self.release()
         elif self.slots_hold is SlotsHold.UNSHARDED:  # keep the gathered memory; slots get the shards back
             self._install(unsharded=False)

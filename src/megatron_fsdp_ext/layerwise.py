@@ -44,7 +44,7 @@ class _Bucket:
     flat: torch.Tensor  # the parameters' storage
     started: bool = False
     done: bool = True
-    event: Optional[torch.cuda.Event] = None
+    pending: Optional[object] = None  # _C.PendingCollective of the gather in flight
     # Ranks build the layout from their own parameter list: the first collective checks
     # that every rank's segment table agrees (one small all-gather); later ones skip it.
     verified: bool = False
@@ -81,7 +81,7 @@ class LayerwiseDistributedOptimizer:
         overlap_param_gather: bool = True,
         cost_fn: Callable[[torch.Tensor], float] = numel_cost,
         grad_reduce: str = "reduce_scatter",
-        alignment: int = 16,
+        alignment: int = _C.DEFAULT_ALIGNMENT,
         gather_algo: str = "AUTO",
     ):
         if not (dist.is_available() and dist.is_initialized()):
@@ -122,8 +122,9 @@ class LayerwiseDistributedOptimizer:
                 for p in group["params"]:
                     if id(p) not in owned_ids:
                         raise ValueError("optimizer_factory must only use the parameters it was given (this rank's)")
-        self._device = self.buckets[0].flat.device
-        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        # The C++ side streams and events (one all-gather stream; none on CPU, where a
+        # gather completes when issued).
+        self._ctx = _C.CommContext(self.buckets[0].flat.device)
         self._hooks = []
         if self.overlap_param_gather and self.model is not None:
             self._install_forward_hooks(self.model)
@@ -239,16 +240,9 @@ class LayerwiseDistributedOptimizer:
         lay = b.layout
         mine = b.flat.narrow(0, lay.segment_starts[self.rank], lay.segment_numels[self.rank])
         verify, b.verified = not b.verified, True
-        if self._stream is None:
-            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo,
-                                   verify=verify)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # owners' updates are done
-        with torch.cuda.stream(self._stream):
-            self.comm.all_gather_v(b.flat, mine, list(lay.segment_starts), list(lay.segment_numels), self.gather_algo,
-                                   verify=verify)
-            b.event = torch.cuda.Event()
-            b.event.record(self._stream)
+        # Ordered after the owners' updates already queued on the current stream.
+        b.pending = self._ctx.all_gather_v_async(self.comm, b.flat, mine, list(lay.segment_starts),
+                                                 list(lay.segment_numels), self.gather_algo, verify=verify)
 
     def finish_param_sync(self, index: int) -> None:
         """Make bucket `index` (and every earlier one) usable, then launch the next."""
@@ -259,9 +253,9 @@ class LayerwiseDistributedOptimizer:
             if b.done:
                 continue
             self.start_param_sync(k)
-            if b.event is not None:
-                torch.cuda.current_stream(self._device).wait_event(b.event)
-                b.event = None
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
             b.done = True
         self.start_param_sync(index + 1)
 

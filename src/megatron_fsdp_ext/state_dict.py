@@ -289,7 +289,7 @@ def _optimizer_pre_load(optimizer, state_dict):
 
 def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Install the optimizer's state-dict hooks. Called once per optimizer, by
-    optimizer_hooks.adopt when it first finds sharded parameters in it (at its first
+    shard_changes.adopt when it first finds sharded parameters in it (at its first
     step: also the step torch's get/set_optimizer_state_dict take to initialize state)."""
     optimizer.register_state_dict_post_hook(_optimizer_post_state_dict)
     optimizer.register_load_state_dict_pre_hook(_optimizer_pre_load)

@@ -51,7 +51,7 @@ def _fsdp2_arguments(rank, world):
     ours = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     theirs = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     a, b = _shard(_model(), mp_policy=ours), _shard(_model(), mp_policy=theirs)
-    assert b._fsdp_state.mp_policy == ours
+    assert b._fsdp_state.options.mp_policy == ours
     _same_training(a, b)
 
     mesh = init_device_mesh("cpu", (world,))

@@ -546,7 +546,6 @@ def _recurse_false(rank: int, world: int, device) -> Dict:
             no_grad = {n for n, p in model.named_parameters() if p.grad is None}
             own = {f"blocks.1.{n}" for n, _ in model.blocks[1].named_parameters() if not n.startswith("mlp.")}
             assert no_grad == own, f"recurse=False: parameters without a reduced gradient {sorted(no_grad)}"
-            assert outer[1].unit.has_accumulated_grads and not inner[1].unit.has_accumulated_grads
             model.set_requires_gradient_sync(True)
     worst = worst_grad_error(model, ref)
     assert worst <= 1e-5, f"gradients after unsynced + synced backward differ from the reference: {worst}"

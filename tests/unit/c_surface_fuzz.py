@@ -139,7 +139,7 @@ def fixed_cases(pg):
                              [torch.nn.Parameter(v) for v in views])
             attempt(unit.unshard)  # still no context
             attempt(unit.reduce_grads, True)
-            unit.set_context(_C.CommContext(torch.device("cpu"), 1))
+            unit.set_context(_C.CommContext(torch.device("cpu")))
             unit.unshard()
             unit.wait_unshard()
             kept = unit.unsharded_views()
@@ -222,11 +222,11 @@ def random_cases(pg, iterations: int, seed: int):
                    _C.ShardingStrategy.OPTIM_GRADS_PARAMS)
     layout = unit.layout
     targets = [
-        comm.all_gather_flat, comm.reduce_scatter_flat, comm.all_reduce_sum, comm.all_reduce_max,
+        comm.all_gather_flat, comm.reduce_scatter_flat, comm.all_reduce_sum,
         comm.all_gather_v, comm.reduce_scatter_v, comm.broadcast,
         _C.FlatLayout.even, _C.FlatLayout.by_owner, _C.balance_owners, _C.pack_into_flat, _C.cast_scale_into,
         _C.auto_var_algo, layout.shard_slice, layout.shard_slices, layout.owner,
-        unit.load_full_params, unit.bind_params, unit.reduce_grads, unit.set_context,
+        unit.load_full_params, unit.bind_params, unit.reduce_grads, unit.set_context, unit.shard_changed,
     ]
     for _ in range(iterations):
         fn = rng.choice(targets)

@@ -1,4 +1,4 @@
-"""The optimizer link (megatron_fsdp_ext/optimizer_hooks.py): nothing is registered at
+"""The optimizer link (megatron_fsdp_ext/shard_changes.py): nothing is registered at
 import; after fully_shard only optimizers holding sharded parameters get hooks, also when
 the parameters arrive through add_param_group after a first step; and the steps of such
 an optimizer reach the kept unsharded copies (strategy `optim`), against plain PyTorch."""

@@ -1,6 +1,13 @@
-"""What an optimizer step means for the units: the shards it updated changed, so every
-gathered copy of those units is stale, and the optimizer's state dicts must speak full
-shapes. This module owns that link.
+"""Everything that changes a unit's shards outside its own collectives, and what follows
+from it. Each path ends in the one C++ entry point, `Unit.shard_changed`, which writes
+the shard if needed and marks any gathered copy stale (the next use gathers again):
+
+- an optimizer step: the shards changed in place (`mark_stepped`, from the optimizer's
+  step post-hook; the optimizer's state dicts must also speak full shapes: `adopt`);
+- `sharded_param.data = x`: found by the C++ unit itself at the parameter's next use
+  (a pointer compare per parameter in `unshard`);
+- `module.weight = nn.Parameter(full)`: found when the hooks put parameters back into
+  the module (`ParamSlots.install`), handed over by `adopt_replaced_params`.
 
 The first fully_shard registers one global step pre-hook. At an optimizer's first step it
 adopts the optimizer if it holds sharded parameters (per-optimizer post-hook, state-dict
@@ -65,7 +72,7 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
             state = owner()
             if state is not None and state.unit is not None and id(state) not in seen:
                 seen.add(id(state))
-                state.unit.mark_stale()
+                state.unit.shard_changed()
 
 
 def _refuse_replaced_params(optimizer, params) -> None:
@@ -79,3 +86,20 @@ def _refuse_replaced_params(optimizer, params) -> None:
             f"ones (the first has shape {tuple(replaced[0].shape)}): it was built before fully_shard, so its "
             "steps would not change the model. Build the optimizer after fully_shard, from model.parameters()."
         )
+
+
+def adopt_replaced_params(state, replaced_slots) -> None:
+    """The user assigned new parameters to module slots of `state`'s unit
+    (module.weight = nn.Parameter(...)): each rank keeps its slice of the new value in its
+    shard (no communication), and the slot gets the sharded parameter back. A replacement
+    of another shape raises, naming the parameter. Every rank must make the same
+    replacement: the unit's next use gathers again."""
+    for slot in replaced_slots:
+        index = state.slots.param_index(slot)
+        params_dict, name = state.slots.params_dict(slot), str(state.slots.name(slot))
+        new = params_dict[name]
+        if not isinstance(new, torch.Tensor):
+            raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
+                             f"{type(new).__name__}, not a tensor")
+        state.unit.shard_changed(index, new.detach())
+        params_dict[name] = state.sharded_params[index]

@@ -1,0 +1,40 @@
+#include "comm_context.h"
+
+#include <utility>
+
+namespace mfsdp {
+
+CommContext::CommContext(c10::Device device) : device_(device), streams_(device) {}
+
+void CommContext::hold_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<PendingCollective> done) {
+  retire();
+  inflight_ = Inflight{std::move(buffers), std::move(done)};
+}
+
+void CommContext::retire() {
+  if (!inflight_) return;
+  // The buffers were allocated on the current (compute) stream; once that stream has
+  // waited for the collective, the allocator may hand the memory out again safely.
+  inflight_->done->wait();
+  inflight_.reset();
+}
+
+std::shared_ptr<PendingCollective> CommContext::all_gather_v_async(const Communicator& comm, at::Tensor& out,
+                                                                   at::Tensor& in, const std::vector<int64_t>& starts,
+                                                                   const std::vector<int64_t>& numels, VarAlgo algo,
+                                                                   bool verify) {
+  auto pending = std::make_shared<PendingCollective>(device_);
+  if (!streams_.enabled()) {
+    comm.all_gather_v(out, in, starts, numels, algo, verify);
+    return pending;
+  }
+  StreamEvent compute_ready(device_);
+  compute_ready.record(current_stream(device_));
+  c10::StreamGuard guard(streams_.all_gather());
+  compute_ready.block(streams_.all_gather());
+  comm.all_gather_v(out, in, starts, numels, algo, verify);
+  pending->record(streams_.all_gather());
+  return pending;
+}
+
+}  // namespace mfsdp

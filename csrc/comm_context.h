@@ -1,0 +1,73 @@
+// CommContext: what all units under one root share: the side streams their
+// collectives run on, and the one gradient reduction whose buffers must outlive it.
+//
+// Stream contract (CUDA): a collective is issued on its side stream after that stream
+// waited for the compute stream; the compute stream waits for the collective's event
+// before it reads the result. Buffers are allocated on the compute stream, so freeing
+// them needs no record_stream once the compute stream has waited (retire below).
+// On CPU there are no side streams and every collective completes when issued.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "comm.h"
+#include "streams.h"
+
+namespace mfsdp {
+
+// A collective issued on a side stream; wait() makes the current stream wait for it.
+class PendingCollective {
+ public:
+  explicit PendingCollective(const c10::Device& device) : device_(device), done_(device) {}
+  void record(const c10::Stream& stream) { done_.record(stream); }
+  void wait() const { done_.block(current_stream(device_)); }
+
+ private:
+  c10::Device device_;
+  StreamEvent done_;
+};
+
+class CommContext {
+ public:
+  explicit CommContext(c10::Device device);
+
+  const c10::Device& device() const { return device_; }
+  const StreamSet& streams() const { return streams_; }
+
+  // One reduction in flight while the next unit's backward computes: a second one would
+  // add a whole flat gradient buffer to the peak and buy no overlap.
+  int64_t num_inflight_reductions() const { return inflight_ ? 1 : 0; }
+  // Keep `buffers` alive until the current stream has waited for `done` (retiring the
+  // reduction held before, if any).
+  void hold_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<PendingCollective> done);
+  // Called before allocating the next reduction's buffers: the held reduction is
+  // retired first, so its memory is reused instead of adding to the peak.
+  void make_room_for_reduction() { retire(); }
+  // The current stream waits for the held reduction; its buffers are released.
+  void wait_reductions() { retire(); }
+
+  // An uneven all-gather (Communicator::all_gather_v) on the all-gather stream, ordered
+  // after the work already queued on the current stream. `out` must stay alive and
+  // unwritten until the returned collective was waited for.
+  std::shared_ptr<PendingCollective> all_gather_v_async(const Communicator& comm, at::Tensor& out, at::Tensor& in,
+                                                        const std::vector<int64_t>& starts,
+                                                        const std::vector<int64_t>& numels, VarAlgo algo,
+                                                        bool verify);
+
+ private:
+  struct Inflight {
+    std::vector<at::Tensor> buffers;
+    std::shared_ptr<PendingCollective> done;
+  };
+  void retire();
+
+  c10::Device device_;
+  StreamSet streams_;
+  std::optional<Inflight> inflight_;
+};
+
+}  // namespace mfsdp

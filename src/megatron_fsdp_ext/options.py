@@ -1,0 +1,49 @@
+"""UnitOptions: how one fully_shard unit behaves, as one frozen object.
+
+fully_shard builds it and hands it to the unit's FSDPState; the FSDPModule setters
+(set_reshard_after_forward, set_prefetch_depth, ...) replace it whole through
+FSDPState.set_options, the one writer, which also re-checks it. What changes every
+step (requires_gradient_sync) and what describes the backward in progress are state,
+not options: they live on FSDPState (states.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Strategies under which a unit keeps its gathered parameters between uses.
+_KEEPS_PARAMS_UNSHARDED = ("no_shard", "optim", "optim_grads")
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP's names (api.SHARDING_STRATEGIES)
+    mp_policy: Any = None  # api.MixedPrecisionPolicy
+    # Free the gathered parameters after forward (the root never does: its backward
+    # starts right after; FSDPState.reshard_after_forward is the effective value).
+    reshard_after_forward: bool = True
+    # Units all-gathered ahead of use; the root's value governs its tree.
+    prefetch_depth: int = 1
+    # (root) start_param_sync() launches the first all-gathers after the optimizer step.
+    all_gather_in_start_param_sync: bool = False
+    # False: backward waits for each gradient reduction before going on (debugging).
+    overlap_grad_reduce: bool = True
+    # FSDP2's set_reshard_after_backward / set_unshard_in_backward.
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
+        for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
+                     "reshard_after_backward", "unshard_in_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reshard_after_forward and self.keeps_params_unsharded:
+            raise ValueError(
+                f"reshard_after_forward=True contradicts sharding_strategy={self.sharding_strategy!r}, which keeps "
+                "parameters unsharded between uses; use 'optim_grads_params' to free them after forward")
+
+    @property
+    def keeps_params_unsharded(self) -> bool:
+        return self.sharding_strategy in _KEEPS_PARAMS_UNSHARDED
