@@ -1,4 +1,4 @@
-"""Scaling efficiency between bench_train runs at different world sizes (issue 6).
+"""Scaling efficiency between bench_train runs at different world sizes.
 
     python benchmarks/scaling.py benchmarks/data/train_world2_h200_runE.json out4/results.json out8/results.json
 

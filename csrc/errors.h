@@ -2,7 +2,7 @@
 //
 // Why: on the GPU image (torch 2.11.0+cu130, system g++), formatting a TORCH_CHECK
 // message that streams an integer through std::ostringstream (c10::str) segfaulted
-// inside this extension (seen 2026-11-22 with cuda-gdb). Concatenating with
+// inside this extension (found with cuda-gdb). Concatenating with
 // std::to_string avoids iostreams; TORCH_CHECK then receives one ready std::string,
 // which c10::str passes through untouched. Arguments are evaluated only on failure.
 #pragma once
