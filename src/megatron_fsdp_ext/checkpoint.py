@@ -1,13 +1,13 @@
 """Full (unsharded) state dicts that load into the plain, unwrapped nn.Module."""
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .agree import digest, failures, gather_objects, raise_agreed, rank_world
 from .hooks import iter_states
 from .states import SlotsHold
 from .state_dict import local_state_dict
@@ -63,45 +63,28 @@ def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseExcept
     """Every rank that shares a unit's process group must pass the same keys (so that all
     issue the same all-gathers) and must have passed the local checks: one small
     collective per process group (usually one) tells, and every rank raises alike."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if own is not None:
-            raise own
-        return
     groups = []
-    for state in iter_states(module):
-        if state.unit is not None and state.process_group is not None and \
-                all(g is not state.process_group for g in groups):
-            groups.append(state.process_group)
-    if not groups:
-        if own is not None:
-            raise own
-        return
+    if dist.is_available() and dist.is_initialized():
+        for state in iter_states(module):
+            if state.unit is not None and state.process_group is not None and \
+                    all(g is not state.process_group for g in groups):
+                groups.append(state.process_group)
     keys = sorted(state_dict)
-    digest = hashlib.sha256("\0".join(keys).encode()).hexdigest()
-    failure = None if own is None else f"{type(own).__name__}: {own}"
+    mine = (digest(keys), failures(own, rank_world()[0]))
     for group in groups:
-        size = dist.get_world_size(group)
-        ranks = [dist.get_global_rank(group, r) for r in range(size)]
-        seen = [None] * size
-        dist.all_gather_object(seen, (digest, failure), group=group)
-        if len({d for d, _ in seen}) > 1:
-            all_keys = [None] * size
-            dist.all_gather_object(all_keys, keys, group=group)  # only on this error path
-            sets = [set(k) for k in all_keys]
-            first = min(k for k in set().union(*sets) if not all(k in s for s in sets))
-            have = [r for r, s in zip(ranks, sets) if first in s]
-            lack = [r for r, s in zip(ranks, sets) if first not in s]
+        seen = gather_objects(mine, group)
+        if len({d for d, _ in seen.values()}) > 1:
+            sets = {r: set(k) for r, k in gather_objects(keys, group).items()}  # only on this error path
+            first = min(k for k in set().union(*sets.values()) if not all(k in s for s in sets.values()))
+            have = [r for r, s in sets.items() if first in s]
+            lack = [r for r, s in sets.items() if first not in s]
             raise ValueError(
                 f"load_full_state_dict: the ranks passed different keys: '{first}' is in the state dict of "
                 f"rank(s) {have} but not of rank(s) {lack}; every rank must pass the same keys (nothing was loaded)"
             )
-        failed = {r: f for r, (_, f) in zip(ranks, seen) if f is not None}
-        if failed:
-            if own is not None:
-                raise own
-            listing = "; ".join(f"rank {r}: {f}" for r, f in sorted(failed.items()))
-            raise RuntimeError(f"load_full_state_dict: failed on rank(s) {sorted(failed)} ({listing}); "
-                               "nothing was loaded")
+        raise_agreed("load_full_state_dict", own, [f for _, f in seen.values()], tail="; nothing was loaded")
+    if own is not None:
+        raise own
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True) -> None:

@@ -40,10 +40,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _C
+from .agree import describe, failures, gather_objects, listing, merged, raise_agreed, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
-    MANIFEST_NAME, WRITER, CheckpointError, all_gather, barrier, check_covered, check_replaceable, check_same_path,
-    describe, failures, file_digest, from_rank0, listing, merged, moved_aside, no_manifest_message, publish,
-    raise_agreed, rank_world, read_manifest, sibling, verify_share,
+    MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
+    from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .hooks import iter_states
 from .states import SlotsHold
@@ -236,9 +236,9 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     except Exception as e:
         own = e
     token = uuid.uuid4().hex[:16] if rank == 0 else None
-    agreed = all_gather((target, token, failures(own, rank)))
-    check_same_path("save_checkpoint", [a[0] for a in agreed])
-    raise_agreed(what, own, [a[2] for a in agreed])
+    agreed = gather_objects((target, token, failures(own, rank)))
+    check_same_path("save_checkpoint", {r: a[0] for r, a in agreed.items()})
+    raise_agreed(what, own, [a[2] for a in agreed.values()], error=CheckpointError)
     token = agreed[0][1]
     tmp = sibling(target, "tmp", token)
 
@@ -260,8 +260,8 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             files = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
     except (Exception, CheckpointException) as e:
         own = e
-    agreed = all_gather((failures(own, rank), files))
-    failed = merged(a[0] for a in agreed)
+    agreed = gather_objects((failures(own, rank), files))
+    failed = merged(a[0] for a in agreed.values())
     if failed:
         abort(failed, own, "writing the checkpoint")
     files = agreed[0][1]
@@ -276,8 +276,8 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 digests[name] = file_digest(os.path.join(tmp, name))
     except Exception as e:
         own = e
-    agreed = all_gather((failures(own, rank), digests))
-    failed = merged(a[0] for a in agreed)
+    agreed = gather_objects((failures(own, rank), digests))
+    failed = merged(a[0] for a in agreed.values())
     if failed:
         abort(failed, own, "hashing the written files")
 
@@ -286,7 +286,7 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     if rank == 0:
         try:
             everything: Dict[str, Tuple[str, int]] = {}
-            for a in agreed:
+            for a in agreed.values():
                 everything.update(a[1])
             publish(target, tmp, token, everything, world)
         except Exception as e:
@@ -320,7 +320,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
     what = f"load_checkpoint({path})"
-    check_same_path("load_checkpoint", all_gather(target))
+    check_same_path("load_checkpoint", gather_objects(target))
 
     # Local checks: integrity (this rank's share of the hashes), then what the metadata
     # alone tells. Agreed in one collective; a corrupted file outranks any other error.
@@ -335,12 +335,12 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             plan = _plan(path, target, module, optimizer, manifest, verify)
     except Exception as e:
         own = e
-    agreed = all_gather((bad, failures(own, rank)))
+    agreed = gather_objects((bad, failures(own, rank))).values()
     bad = [line for a in agreed for line in a[0]]
     if bad:
         raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing was "
                               f"loaded: {bad[0]}" + (f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""))
-    raise_agreed(what, own, [a[1] for a in agreed])
+    raise_agreed(what, own, [a[1] for a in agreed], error=CheckpointError)
 
     # Checks that read small objects (shapes, optimizer class and groups), agreed again:
     # nothing has been loaded into the module or the optimizer before this passes.
@@ -357,7 +357,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             _check_plan(plan, small, module, optimizer, path)
         except Exception as e:
             own = e
-    raise_agreed(what, own, all_gather(failures(own, rank)))
+    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
     # The load itself; its outcome is agreed too, so that no rank carries on alone.
     own = None
@@ -368,7 +368,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             _apply_optimizer(plan, small, optimizer)
     except Exception as e:
         own = e
-    raise_agreed(what, own, all_gather(failures(own, rank)))
+    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
 
 class _Plan:

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
+from .agree import digest_differs
 from .states import SlotsHold
 
 _mode = threading.local()
@@ -224,11 +223,7 @@ def _units_in(optimizer, saved_groups) -> List[Tuple[object, Dict[int, object]]]
 def _agree(state, signature: str, what: str) -> None:
     """Every rank of the unit's group must gather the same state keys, or the gathers
     below would pair different tensors."""
-    group = state.process_group
-    mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64, device=state.unit.device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    if any(int(t.item()) != int(mine.item()) for t in every):
+    if digest_differs([signature], state.process_group, state.unit.device):
         raise RuntimeError(
             f"{what}: ranks of {state} hold different optimizer state for its parameters "
             f"(this rank: {signature}); every rank must step the same parameters")
