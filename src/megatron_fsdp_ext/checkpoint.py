@@ -1,36 +1,20 @@
 """Full (unsharded) state dicts that load into the plain, unwrapped nn.Module."""
 from __future__ import annotations
 
-import hashlib
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .agree import digest, failures, gather_objects, raise_agreed, rank_world
 from .hooks import iter_states
-from .states import SlotsHold
+from .param_index import ParamIndex
 from .state_dict import local_state_dict
 
 
-def _unit_states(module: nn.Module):
-    # Shards are always authoritative; what matters is that the module's slots hold the
-    # sharded parameters (not the unsharded ones installed for forward/backward).
-    states = [s for s in iter_states(module) if s.unit is not None]
-    for s in states:
-        if s.slots_hold is SlotsHold.UNSHARDED:
-            raise RuntimeError(
-                f"full state dict: {s} has its unsharded parameters installed (inside forward/backward "
-                "or after unshard()); call it between training steps or reshard() first"
-            )
-    return states
-
-
-def _names_by_param(module: nn.Module) -> Dict[int, list]:
-    names: Dict[int, list] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
+def _param_index(module: nn.Module) -> ParamIndex:
+    return ParamIndex(module, "full state dict", "call it between training steps or reshard() first")
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict:
@@ -40,16 +24,15 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
     (also for a model sharded over a subgroup), or on every rank with rank0_only=False;
     other ranks get {}.
     """
-    states = _unit_states(module)
+    index = _param_index(module)
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = (not rank0_only) or rank == 0
-    names = _names_by_param(module)
     with local_state_dict():  # sharded entries are replaced by the gathered values below
         sd = module.state_dict()
-    for state in states:
+    for state in index.states:
         full = state.unit.gather_full_params()
         for p, t in zip(state.sharded_params, full):
-            for key in names.get(id(p), ()):
+            for key in index.names_of(p):
                 if keep:
                     sd[key] = t.detach().cpu() if cpu_offload else t.detach().clone()
     if not keep:
@@ -63,45 +46,28 @@ def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseExcept
     """Every rank that shares a unit's process group must pass the same keys (so that all
     issue the same all-gathers) and must have passed the local checks: one small
     collective per process group (usually one) tells, and every rank raises alike."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if own is not None:
-            raise own
-        return
     groups = []
-    for state in iter_states(module):
-        if state.unit is not None and state.process_group is not None and \
-                all(g is not state.process_group for g in groups):
-            groups.append(state.process_group)
-    if not groups:
-        if own is not None:
-            raise own
-        return
+    if dist.is_available() and dist.is_initialized():
+        for state in iter_states(module):
+            if state.unit is not None and state.process_group is not None and \
+                    all(g is not state.process_group for g in groups):
+                groups.append(state.process_group)
     keys = sorted(state_dict)
-    digest = hashlib.sha256("\0".join(keys).encode()).hexdigest()
-    failure = None if own is None else f"{type(own).__name__}: {own}"
+    mine = (digest(keys), failures(own, rank_world()[0]))
     for group in groups:
-        size = dist.get_world_size(group)
-        ranks = [dist.get_global_rank(group, r) for r in range(size)]
-        seen = [None] * size
-        dist.all_gather_object(seen, (digest, failure), group=group)
-        if len({d for d, _ in seen}) > 1:
-            all_keys = [None] * size
-            dist.all_gather_object(all_keys, keys, group=group)  # only on this error path
-            sets = [set(k) for k in all_keys]
-            first = min(k for k in set().union(*sets) if not all(k in s for s in sets))
-            have = [r for r, s in zip(ranks, sets) if first in s]
-            lack = [r for r, s in zip(ranks, sets) if first not in s]
+        seen = gather_objects(mine, group)
+        if len({d for d, _ in seen.values()}) > 1:
+            sets = {r: set(k) for r, k in gather_objects(keys, group).items()}  # only on this error path
+            first = min(k for k in set().union(*sets.values()) if not all(k in s for s in sets.values()))
+            have = [r for r, s in sets.items() if first in s]
+            lack = [r for r, s in sets.items() if first not in s]
             raise ValueError(
                 f"load_full_state_dict: the ranks passed different keys: '{first}' is in the state dict of "
                 f"rank(s) {have} but not of rank(s) {lack}; every rank must pass the same keys (nothing was loaded)"
             )
-        failed = {r: f for r, (_, f) in zip(ranks, seen) if f is not None}
-        if failed:
-            if own is not None:
-                raise own
-            listing = "; ".join(f"rank {r}: {f}" for r, f in sorted(failed.items()))
-            raise RuntimeError(f"load_full_state_dict: failed on rank(s) {sorted(failed)} ({listing}); "
-                               "nothing was loaded")
+        raise_agreed("load_full_state_dict", own, [f for _, f in seen.values()], tail="; nothing was loaded")
+    if own is not None:
+        raise own
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True) -> None:
@@ -131,11 +97,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = 
 def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
     """The local checks, no collective: returns the units, each one's full tensors (None
     where the dict lacks a parameter) and the replicated (target, value) pairs."""
-    states = _unit_states(module)
-    for state in states:
+    index = _param_index(module)
+    for state in index.states:
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
-    names = _names_by_param(module)
-    sharded_ids = set()
     with local_state_dict():
         own = module.state_dict()  # the replicated entries below are copied into these
     expected = set(own)
@@ -149,11 +113,10 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
             + (f"unexpected keys {unexpected}" if unexpected else "")
         )
     fulls = []
-    for state in states:
+    for state in index.states:
         full = []
         for p, u, name in zip(state.sharded_params, state.unsharded_params, state.names):
-            sharded_ids.add(id(p))
-            keys = [k for k in names.get(id(p), ()) if k in state_dict]
+            keys = [k for k in index.names_of(p) if k in state_dict]
             if not keys:
                 if strict:
                     raise KeyError(f"load_full_state_dict: missing key for parameter '{name}'")
@@ -168,7 +131,7 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
             full.append(value.detach().to(device=state.unit.device, dtype=state.unit.orig_dtype))
         fulls.append(full)
     # Everything else (buffers, ignored/unsharded parameters) is replicated: copied.
-    sharded_keys = {k for pid in sharded_ids for k in names.get(pid, ())}
+    sharded_keys = {k for param in index.params.values() for k in param.names}
     replicated = []
     for key, value in state_dict.items():
         if key in sharded_keys or key not in own:
@@ -179,4 +142,4 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
                 f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
             )
         replicated.append((target, value))
-    return states, fulls, replicated
+    return index.states, fulls, replicated

@@ -12,7 +12,7 @@ What it guarantees:
   size, is the completeness marker: a directory without it is an incomplete save;
 * loads verify checksums: every file is hashed against the manifest (verify_share, each
   file by one rank) and every file the load would read must be listed (check_covered);
-* every failure is agreed on and raised on every rank (raise_agreed), naming the ranks.
+* every failure is agreed on and raised on every rank (agree.raise_agreed), naming the ranks.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
+
+from .agree import rank_world
 
 MANIFEST_NAME = "mfsdp_manifest.json"
 MANIFEST_FORMAT = "megatron_fsdp_ext.sharded_checkpoint"
@@ -36,21 +37,6 @@ WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupted or not ours, or a save that failed."""
-
-
-def rank_world() -> Tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_gather(obj) -> list:
-    """Every rank's `obj` (picklable), on every rank."""
-    if rank_world()[1] == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def from_rank0(obj):
@@ -66,49 +52,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def failures(exc: Optional[BaseException], rank: int) -> Optional[Dict[int, str]]:
-    """What failed where: DCP gathers every rank's exception into one CheckpointException
-    (raised on all ranks), which names the ranks that really failed."""
-    if exc is None:
-        return None
-    if isinstance(exc, CheckpointException):
-        return {r: describe(e) for r, (e, _) in exc.failures.items()}
-    return {rank: describe(exc)}
-
-
-def merged(infos) -> Dict[int, str]:
-    failed: Dict[int, str] = {}
-    for info in infos:
-        failed.update(info or {})
-    return failed
-
-
-def listing(failed: Dict[int, str]) -> str:
-    return "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
-
-
-def raise_agreed(what: str, own: Optional[BaseException], infos) -> None:
-    """Raise on every rank if any rank failed: a rank re-raises its own error (so its type
-    and message stay those of the check that failed), the others an error naming it."""
-    failed = merged(infos)
-    if not failed:
-        return
-    rank = rank_world()[0]
-    if own is not None and not isinstance(own, CheckpointException):
-        others = {r: m for r, m in failed.items() if r != rank}
-        if others:
-            own.add_note(f"{what}: also failed on {listing(others)}")
-        raise own
-    raise CheckpointError(f"{what}: failed on rank(s) {sorted(failed)}: {listing(failed)}") from own
-
-
-def check_same_path(what: str, paths: List[str]) -> None:
-    if len(set(paths)) > 1:
-        each = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+def check_same_path(what: str, paths: Dict[int, str]) -> None:
+    """`paths`: every rank's, by rank (agree.gather_objects)."""
+    if len(set(paths.values())) > 1:
+        each = ", ".join(f"rank {r}: {p}" for r, p in paths.items())
         raise ValueError(f"{what}: the ranks were given different checkpoint paths ({each}); every rank must "
                          "pass the same directory (nothing was read or written)")
 

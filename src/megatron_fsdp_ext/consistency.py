@@ -4,15 +4,16 @@ Ranks whose models differ in a parameter's shape, in registration order or in th
 sharding options can pad to the same flat size: their collectives then match and
 training goes on silently with mixed-up weights (or aborts inside the backend when the
 sizes differ). One small all-gather of a digest per process group, once at lazy init,
-turns that into an error naming the first difference.
+turns that into an error naming the first difference (agree.digest_differs).
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from .agree import digest_differs, gather_objects
 
 
 def unit_signature(name: str, state) -> str:
@@ -31,12 +32,6 @@ def unit_signature(name: str, state) -> str:
     return f"{head}: {options}; params: {params}"
 
 
-def _digest(lines: List[str], device: torch.device) -> torch.Tensor:
-    raw = hashlib.sha256("\n".join(lines).encode()).digest()
-    words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
-    return torch.tensor(words, dtype=torch.int64, device=device)
-
-
 def check_units_agree(named_states, device: torch.device) -> None:
     """Collective over each process group the units use (in first-use order, the same
     on every rank of that group): raises ValueError on every rank if any rank's units
@@ -47,30 +42,20 @@ def check_units_agree(named_states, device: torch.device) -> None:
         entry = by_group.setdefault(id(group), (group, []))
         entry[1].append(unit_signature(name, state))
     for group, lines in by_group.values():
-        world = dist.get_world_size(group)
-        if world == 1:
-            continue
-        mine = _digest(lines, device)
-        everyone = [torch.empty_like(mine) for _ in range(world)]
         try:
-            dist.all_gather(everyone, mine, group=group)
+            differs = digest_differs(lines, group, device)
         except RuntimeError as e:
             raise RuntimeError(
                 f"megatron_fsdp_ext: the cross-rank consistency check at the first forward failed on rank "
                 f"{dist.get_rank()} ({e}). Every rank must reach its first forward: a rank that stalls or "
                 "skipped it leaves the others waiting until the collective timeout") from e
-        if all(torch.equal(d, mine) for d in everyone):
-            continue
-        _raise_first_difference(lines, group, world)
+        if differs:
+            _raise_first_difference(lines, group)
 
 
-def _raise_first_difference(lines: List[str], group, world: int) -> None:
-    all_lines: List[List[str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(all_lines, lines, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank(group)
-    for other in range(world):
-        theirs = all_lines[other]
+def _raise_first_difference(lines: List[str], group) -> None:
+    me = dist.get_rank()
+    for other, theirs in gather_objects(lines, group).items():
         if theirs == lines:
             continue
         i = next((k for k, (a, b) in enumerate(zip(lines, theirs)) if a != b), min(len(lines), len(theirs)))
@@ -79,6 +64,6 @@ def _raise_first_difference(lines: List[str], group, world: int) -> None:
         raise ValueError(
             f"fully_shard: ranks built different models (they must build the same modules, parameters, "
             f"shapes, dtypes and sharding options, in the same order); first difference at unit #{i}:\n"
-            f"  rank {ranks[me]}: {mine_line}\n  rank {ranks[other]}: {their_line}"
+            f"  rank {me}: {mine_line}\n  rank {other}: {their_line}"
         )
     raise AssertionError("digests differed but every rank's unit list is equal")  # a hash collision

@@ -40,13 +40,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _C
+from .agree import describe, failures, gather_objects, listing, merged, raise_agreed, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
-    MANIFEST_NAME, WRITER, CheckpointError, all_gather, barrier, check_covered, check_replaceable, check_same_path,
-    describe, failures, file_digest, from_rank0, listing, merged, moved_aside, no_manifest_message, publish,
-    raise_agreed, rank_world, read_manifest, sibling, verify_share,
+    MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
+    from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .hooks import iter_states
-from .states import SlotsHold
+from .param_index import ParamIndex
 from .state_dict import local_state_dict
 
 
@@ -116,28 +116,18 @@ class _ParamInfo:
         return _sharded_tensor(local, self.full_numel, self.ranges)
 
 
-def _sharded_params(module: nn.Module) -> Dict[int, _ParamInfo]:
-    names: Dict[int, List[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    infos = {}
-    for state in iter_states(module):
-        if state.unit is None:
-            continue
-        if state.slots_hold is SlotsHold.UNSHARDED:
-            raise RuntimeError(
-                f"sharded checkpoint: {state} has its unsharded parameters installed (inside forward/backward "
-                "or after unshard()); save or load between training steps, or reshard() first"
-            )
-        for i, p in enumerate(state.sharded_params):
-            if id(p) in names:
-                infos[id(p)] = _ParamInfo(state, i, names[id(p)])
-    return infos
+def _sharded_params(module: nn.Module) -> Tuple[ParamIndex, Dict[int, _ParamInfo]]:
+    index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first")
+    return index, {pid: _ParamInfo(*param) for pid, param in index.params.items()}
+
+
+def _by_name(infos: Dict[int, _ParamInfo]) -> Dict[str, _ParamInfo]:
+    return {n: info for info in infos.values() for n in info.names}
 
 
 def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
     entries = {}
-    by_name = {n: info for info in infos.values() for n in info.names}
+    by_name = _by_name(infos)
     with local_state_dict():  # this rank's 1-D shards: wrapped below with their ranges
         own = module.state_dict(keep_vars=True)
     for key, value in own.items():
@@ -159,22 +149,19 @@ def _is_extra_state(key: str, value) -> bool:
 
 
 def _param_shapes(infos: Dict[int, _ParamInfo]) -> Dict[str, tuple]:
-    return {n: info.full_shape for info in infos.values() for n in info.names}
+    return {n: info.full_shape for n, info in _by_name(infos).items()}
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[List[str]]:
-    names = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
+def _optimizer_params(optimizer: torch.optim.Optimizer, index: ParamIndex) -> List[List[str]]:
     groups = []
     for g in optimizer.param_groups:
-        missing = [p for p in g["params"] if id(p) not in names]
+        missing = [p for p in g["params"] if not index.names_of(p)]
         if missing:
             raise ValueError(
                 "sharded checkpoint: the optimizer holds a parameter that is not in the module "
                 f"(shape {tuple(missing[0].shape)}); build the optimizer from module.parameters()"
             )
-        groups.append([names[id(p)] for p in g["params"]])
+        groups.append([index.names_of(p)[0] for p in g["params"]])
     return groups
 
 
@@ -183,20 +170,19 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
     storage other than a filesystem directory. Such a checkpoint has no manifest: nothing
     verifies it is whole or intact (load_checkpoint(..., verify=False) reads one from a
     directory unverified)."""
-    infos = _sharded_params(module)
+    index, infos = _sharded_params(module)
     sd = _model_entries(module, infos)
     # Parameters are stored flattened: their full shapes travel beside them, so that a
     # load can tell a [4, 2] weight from a [2, 4] one.
     sd["meta.param_shapes"] = pickle.dumps(_param_shapes(infos))
     if optimizer is None:
         return sd
-    group_names = _optimizer_params(optimizer, module)
-    info_by_id = infos
+    group_names = _optimizer_params(optimizer, index)
     groups_meta = []
     for g, names in zip(optimizer.param_groups, group_names):
         groups_meta.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         for p, name in zip(g["params"], names):
-            info = info_by_id.get(id(p))
+            info = infos.get(id(p))
             for key, value in optimizer.state.get(p, {}).items():
                 entry = f"optim.state.{name}.{key}"
                 if isinstance(value, torch.Tensor) and info is not None and value.shape == p.shape and value.dim() == 1:
@@ -236,9 +222,9 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     except Exception as e:
         own = e
     token = uuid.uuid4().hex[:16] if rank == 0 else None
-    agreed = all_gather((target, token, failures(own, rank)))
-    check_same_path("save_checkpoint", [a[0] for a in agreed])
-    raise_agreed(what, own, [a[2] for a in agreed])
+    agreed = gather_objects((target, token, failures(own, rank)))
+    check_same_path("save_checkpoint", {r: a[0] for r, a in agreed.items()})
+    raise_agreed(what, own, [a[2] for a in agreed.values()], error=CheckpointError)
     token = agreed[0][1]
     tmp = sibling(target, "tmp", token)
 
@@ -260,8 +246,8 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             files = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
     except (Exception, CheckpointException) as e:
         own = e
-    agreed = all_gather((failures(own, rank), files))
-    failed = merged(a[0] for a in agreed)
+    agreed = gather_objects((failures(own, rank), files))
+    failed = merged(a[0] for a in agreed.values())
     if failed:
         abort(failed, own, "writing the checkpoint")
     files = agreed[0][1]
@@ -276,8 +262,8 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 digests[name] = file_digest(os.path.join(tmp, name))
     except Exception as e:
         own = e
-    agreed = all_gather((failures(own, rank), digests))
-    failed = merged(a[0] for a in agreed)
+    agreed = gather_objects((failures(own, rank), digests))
+    failed = merged(a[0] for a in agreed.values())
     if failed:
         abort(failed, own, "hashing the written files")
 
@@ -286,7 +272,7 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     if rank == 0:
         try:
             everything: Dict[str, Tuple[str, int]] = {}
-            for a in agreed:
+            for a in agreed.values():
                 everything.update(a[1])
             publish(target, tmp, token, everything, world)
         except Exception as e:
@@ -320,7 +306,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
     what = f"load_checkpoint({path})"
-    check_same_path("load_checkpoint", all_gather(target))
+    check_same_path("load_checkpoint", gather_objects(target))
 
     # Local checks: integrity (this rank's share of the hashes), then what the metadata
     # alone tells. Agreed in one collective; a corrupted file outranks any other error.
@@ -335,12 +321,12 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             plan = _plan(path, target, module, optimizer, manifest, verify)
     except Exception as e:
         own = e
-    agreed = all_gather((bad, failures(own, rank)))
+    agreed = gather_objects((bad, failures(own, rank))).values()
     bad = [line for a in agreed for line in a[0]]
     if bad:
         raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing was "
                               f"loaded: {bad[0]}" + (f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""))
-    raise_agreed(what, own, [a[1] for a in agreed])
+    raise_agreed(what, own, [a[1] for a in agreed], error=CheckpointError)
 
     # Checks that read small objects (shapes, optimizer class and groups), agreed again:
     # nothing has been loaded into the module or the optimizer before this passes.
@@ -357,7 +343,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             _check_plan(plan, small, module, optimizer, path)
         except Exception as e:
             own = e
-    raise_agreed(what, own, all_gather(failures(own, rank)))
+    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
     # The load itself; its outcome is agreed too, so that no rank carries on alone.
     own = None
@@ -368,7 +354,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             _apply_optimizer(plan, small, optimizer)
     except Exception as e:
         own = e
-    raise_agreed(what, own, all_gather(failures(own, rank)))
+    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
 
 class _Plan:
@@ -390,7 +376,8 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
     plan = _Plan()
     plan.meta, plan.reader_path = meta, target_dir
     plan.unverified = verify and manifest is None  # refused once the compatibility checks ran
-    plan.infos = infos = _sharded_params(module)
+    index, infos = _sharded_params(module)
+    plan.infos = infos
     plan.target = _model_entries(module, infos)
     stored_model = {k for k in meta if k.startswith("model.")}
     try:
@@ -403,7 +390,7 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
     for key in plan.objects:
         plan.target[key] = b""  # pickled extra state: DCP fills it in, load_state_dict applies it
     if optimizer is not None:
-        plan.group_names = _optimizer_params(optimizer, module)
+        plan.group_names = _optimizer_params(optimizer, index)
     return plan
 
 
@@ -415,13 +402,13 @@ def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: st
             if name in saved_shapes and tuple(saved_shapes[name]) != shape:
                 raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
                                  f"the model's parameter has shape {shape}")
-    by_name = {f"model.{n}": info for info in infos.values() for n in info.names}
+    by_name = _by_name(infos)
     for key, value in target.items():
         if key in plan.objects:
             continue
         size = list(getattr(meta[key], "size", []))
-        if key in by_name:
-            info = by_name[key]
+        info = by_name.get(key.removeprefix("model."))
+        if info is not None:
             if size == list(info.full_shape) and len(size) != 1:
                 raise ValueError(
                     f"load_checkpoint: '{key}' in {path} is stored in its full shape {tuple(size)}, as torch's "
@@ -486,7 +473,7 @@ def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
                            "this optimizer")
         stored_states.setdefault(name, {})[state_key] = (key, m)
     params_by_name = {n: p for g, names in zip(optimizer.param_groups, group_names) for p, n in zip(g["params"], names)}
-    info_by_name = {info.name: info for info in plan.infos.values()}
+    info_by_name = _by_name(plan.infos)
     local: Dict[str, object] = {}  # what each state key lands in on this rank
     for name, entries in stored_states.items():
         p, info = params_by_name[name], info_by_name.get(name)

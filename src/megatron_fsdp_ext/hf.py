@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .checkpoint import full_state_dict
-from .state_dict import owner_of
+from .param_index import owner_of
 
 
 def _full_numel(p) -> int:

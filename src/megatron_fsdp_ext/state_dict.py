@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
-from .states import SlotsHold
+from .agree import digest_differs
+from .param_index import by_unit, check_resharded, owner_of
 
 _mode = threading.local()
 
@@ -136,13 +135,6 @@ def _is_the_shard(value, shard) -> bool:
     return value is shard
 
 
-def _check_resharded(state, what: str) -> None:
-    if state.slots_hold is SlotsHold.UNSHARDED:
-        raise RuntimeError(
-            f"{what}: {state} has its unsharded parameters installed (inside forward/backward or after "
-            "unshard()); call it between training steps, or reshard() first")
-
-
 # ---------------------------------------------------------------- module hooks
 
 class ModuleStateDictHooks:
@@ -164,7 +156,7 @@ class ModuleStateDictHooks:
         present = [(prefix + k, i) for k, i in self.keys if prefix + k in state_dict]
         if not present:
             return
-        _check_resharded(state, "state_dict()")
+        check_resharded(state, "state_dict()")
         full = state.unit.gather_full_params()
         converted: Dict[int, object] = {}
         for key, i in present:
@@ -183,7 +175,7 @@ class ModuleStateDictHooks:
             raise NotImplementedError(
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
                 "cannot be replaced; load without assign=True")
-        _check_resharded(state, "load_state_dict()")
+        check_resharded(state, "load_state_dict()")
         for key, i in self.keys:
             if prefix + key not in state_dict:
                 continue  # strict loading reports it
@@ -197,38 +189,17 @@ class ModuleStateDictHooks:
 
 # ---------------------------------------------------------------- optimizer hooks
 
-def owner_of(p):
-    """(unit state, index in the unit) of a sharded parameter; (None, -1) otherwise."""
-    ref = getattr(p, "_mfsdp_owner", None)
-    state = ref() if ref is not None else None
-    if state is None or state.unit is None:
-        return None, -1
-    for i, q in enumerate(state.sharded_params):
-        if q is p:
-            return state, i
-    return None, -1  # an original parameter fully_shard replaced
-
-
 def _units_in(optimizer, saved_groups) -> List[Tuple[object, Dict[int, object]]]:
     """Units whose shards `optimizer` updates, in the order the optimizer lists them, each
     with {parameter index in the unit: the key the state dict uses for it}."""
-    units: Dict[int, Tuple[object, Dict[int, object]]] = {}
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        for p, key in zip(group["params"], saved["params"]):
-            state, i = owner_of(p)
-            if state is not None:
-                units.setdefault(id(state), (state, {}))[1][i] = key
-    return list(units.values())
+    return by_unit((p, key) for group, saved in zip(optimizer.param_groups, saved_groups)
+                   for p, key in zip(group["params"], saved["params"]))
 
 
 def _agree(state, signature: str, what: str) -> None:
     """Every rank of the unit's group must gather the same state keys, or the gathers
     below would pair different tensors."""
-    group = state.process_group
-    mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64, device=state.unit.device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    if any(int(t.item()) != int(mine.item()) for t in every):
+    if digest_differs([signature], state.process_group, state.unit.device):
         raise RuntimeError(
             f"{what}: ranks of {state} hold different optimizer state for its parameters "
             f"(this rank: {signature}); every rank must step the same parameters")
@@ -258,7 +229,7 @@ def _optimizer_post_state_dict(optimizer, state_dict):
                "optimizer.state_dict()")
         if not keys:
             continue
-        _check_resharded(state, "optimizer.state_dict()")
+        check_resharded(state, "optimizer.state_dict()")
         for key in index_to_key.values():  # our copies: the live entries stay untouched
             if key in states:
                 states[key] = dict(states[key])

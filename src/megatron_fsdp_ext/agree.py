@@ -1,0 +1,101 @@
+"""Making ranks agree before they act: every check whose outcome decides which
+collectives follow (lazy init, state dicts, checkpoints) must come out the same on every
+rank, or the ranks that go on wait forever for the ones that raised.
+
+The pattern: each rank checks locally, one small collective tells everyone what every
+rank found, and every rank raises alike, naming the ranks (global ranks) that differ
+or failed.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+def rank_world() -> Tuple[int, int]:
+    """(global rank, world size); (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj, group=None) -> Dict[int, object]:
+    """Every rank's `obj` (picklable) of `group` (None: the whole job), on every rank,
+    keyed by global rank in rank order. No collective when the group is this rank alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {0: obj}
+    ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    if len(ranks) == 1:
+        return {ranks[0]: obj}
+    out: List[object] = [None] * len(ranks)
+    dist.all_gather_object(out, obj, group=group)
+    return dict(zip(ranks, out))
+
+
+def digest(lines: Iterable[str]) -> bytes:
+    """32 bytes that differ, but for a hash collision, when `lines` differ."""
+    return hashlib.sha256("\0".join(lines).encode()).digest()
+
+
+def digest_differs(lines: Iterable[str], group, device: torch.device) -> bool:
+    """Whether any rank of `group` holds other `lines` than this one: one all-gather of a
+    32-byte digest on `device` (the group's backend must reach it). The outcome is the
+    same on every rank; no collective when the group is this rank alone."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return False
+    raw = digest(lines)
+    words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return not all(torch.equal(d, mine) for d in everyone)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def failures(exc: Optional[BaseException], rank: int) -> Optional[Dict[int, str]]:
+    """What failed where, as this rank saw it (None: nothing). DCP gathers every rank's
+    exception into one CheckpointException raised on all ranks, which names the ranks
+    that really failed."""
+    if exc is None:
+        return None
+    if isinstance(exc, CheckpointException):
+        return {r: describe(e) for r, (e, _) in exc.failures.items()}
+    return {rank: describe(exc)}
+
+
+def merged(infos: Iterable[Optional[Dict[int, str]]]) -> Dict[int, str]:
+    """The failures() of every rank, as one rank -> description map."""
+    failed: Dict[int, str] = {}
+    for info in infos:
+        failed.update(info or {})
+    return failed
+
+
+def listing(failed: Dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
+
+
+def raise_agreed(what: str, own: Optional[BaseException], infos: Iterable[Optional[Dict[int, str]]], *,
+                 error: type = RuntimeError, tail: str = "") -> None:
+    """Raise on every rank if any rank failed (`infos`: every rank's failures()). A rank
+    that failed re-raises its own error (its type and message stay those of the check
+    that failed; a note names the other failing ranks); the others raise `error` naming
+    every failing rank, followed by `tail`."""
+    failed = merged(infos)
+    if not failed:
+        return
+    rank = rank_world()[0]
+    if own is not None and not isinstance(own, CheckpointException):
+        others = {r: m for r, m in failed.items() if r != rank}
+        if others:
+            own.add_note(f"{what}: also failed on {listing(others)}")
+        raise own
+    raise error(f"{what}: failed on rank(s) {sorted(failed)}: {listing(failed)}{tail}") from own

@@ -1,0 +1,76 @@
+"""Which unit holds each sharded parameter, and every name a module reaches it by.
+
+Full state dicts, sharded checkpoints and torch's state-dict protocol all translate
+between parameter names (a tied parameter has several) and the (unit, index) that holds
+its shard; they share this one lookup so that they agree on it.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, NamedTuple, Tuple
+
+import torch.nn as nn
+
+from .hooks import iter_states
+from .states import SlotsHold
+
+
+def owner_of(p):
+    """(unit state, index in the unit) of a sharded parameter; (None, -1) otherwise."""
+    ref = getattr(p, "_mfsdp_owner", None)
+    state = ref() if ref is not None else None
+    if state is None or state.unit is None:
+        return None, -1
+    for i, q in enumerate(state.sharded_params):
+        if q is p:
+            return state, i
+    return None, -1  # an original parameter fully_shard replaced
+
+
+def by_unit(pairs: Iterable[Tuple[object, object]]) -> List[Tuple[object, Dict[int, object]]]:
+    """The units holding the sharded parameters among `pairs` of (parameter, key), in
+    order of first appearance, each with {parameter index in the unit: key}."""
+    units: Dict[int, Tuple[object, Dict[int, object]]] = {}
+    for p, key in pairs:
+        state, i = owner_of(p)
+        if state is not None:
+            units.setdefault(id(state), (state, {}))[1][i] = key
+    return list(units.values())
+
+
+_ADVICE = "call it between training steps, or reshard() first"
+
+
+def check_resharded(state, what: str, advice: str = _ADVICE) -> None:
+    """The shards are authoritative only while the module's slots hold them, not the
+    unsharded parameters installed for forward/backward."""
+    if state.slots_hold is SlotsHold.UNSHARDED:
+        raise RuntimeError(
+            f"{what}: {state} has its unsharded parameters installed (inside forward/backward or after "
+            f"unshard()); {advice}")
+
+
+class Param(NamedTuple):
+    state: object  # the FSDPState of the unit
+    index: int  # in the unit's sharded_params
+    names: List[str]  # in named_parameters() order: tied parameters have several
+
+
+class ParamIndex:
+    """The units of `module` (each checked with check_resharded) and its sharded
+    parameters: `params` maps id(sharded parameter) to its Param, `names` maps id() of
+    every parameter of `module` to its names."""
+
+    def __init__(self, module: nn.Module, what: str, advice: str = _ADVICE):
+        self.states = [s for s in iter_states(module) if s.unit is not None]
+        for state in self.states:
+            check_resharded(state, what, advice)
+        self.names: Dict[int, List[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), []).append(name)
+        self.params: Dict[int, Param] = {
+            id(p): Param(state, i, self.names[id(p)])
+            for state in self.states for i, p in enumerate(state.sharded_params) if id(p) in self.names
+        }
+
+    def names_of(self, p) -> List[str]:
+        return self.names.get(id(p), [])
