@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from . import _C, hf, shard_changes
-from .hooks import FSDPState, iter_states
+from .hooks import FSDPState
+from .param_index import iter_states
 from .options import UnitOptions
 from .state_dict import ModuleStateDictHooks
 

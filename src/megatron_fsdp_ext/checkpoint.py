@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .agree import digest, failures, gather_objects, raise_agreed, rank_world
-from .hooks import iter_states
+from .param_index import iter_states
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
 

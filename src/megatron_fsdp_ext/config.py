@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, _check_timeout, fully_shard
-from .hooks import iter_states
 
 
 @dataclass

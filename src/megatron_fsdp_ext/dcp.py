@@ -45,7 +45,7 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
-from .hooks import iter_states
+from .param_index import iter_states
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
 

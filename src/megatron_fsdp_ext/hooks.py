@@ -48,14 +48,6 @@ def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def iter_states(module: nn.Module):
-    """FSDP states of `module` and its descendants, in module (pre-)order."""
-    for m in module.modules():
-        state = m.__dict__.get("_mfsdp_state")
-        if state is not None:
-            yield state
-
-
 class RootContext:
     """What all units under one root share: the C++ CommContext (streams, in-flight
     reductions), the forward order recorded in the first iteration (for prefetching)

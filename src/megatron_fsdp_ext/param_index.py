@@ -10,8 +10,15 @@ from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 import torch.nn as nn
 
-from .hooks import iter_states
 from .states import SlotsHold
+
+
+def iter_states(module: nn.Module):
+    """FSDP states of `module` and its descendants, in module (pre-)order."""
+    for m in module.modules():
+        state = m.__dict__.get("_mfsdp_state")
+        if state is not None:
+            yield state
 
 
 def owner_of(p):

@@ -309,7 +309,7 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
                 tells overlap from serial execution.
     Every run must also show one all-gather per unit in forward (root + N), one per block
     in backward and one reduce-scatter per unit."""
-    from megatron_fsdp_ext.hooks import iter_states
+    from megatron_fsdp_ext.param_index import iter_states
 
     from megatron_fsdp_ext.trace import plot_timeline, step_overlap
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import hooks
-from megatron_fsdp_ext.hooks import iter_states
+from megatron_fsdp_ext.param_index import iter_states
 from megatron_fsdp_ext.models import Block, LlamaModel
 
 from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard_blocks_and_root,
