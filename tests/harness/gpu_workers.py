@@ -349,7 +349,7 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
     traces["paced"] = _profiled_kernels(paced, os.path.join(out_dir, f"overlap_paced_rank{rank}.json"))
     model.set_prefetch_depth(0)
     for state in iter_states(model):
-        state.overlap_grad_reduce = False
+        state.set_options(overlap_grad_reduce=False)
     traces["serialized"] = _profiled_kernels(paced, os.path.join(out_dir, f"overlap_serialized_rank{rank}.json"))
     if trace_dir and rank == 0:
         try:
