@@ -8,6 +8,7 @@ kernel timestamps, and a plain single-process PyTorch model trained on the same 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -29,10 +30,12 @@ def _sleep_cycles() -> int:
     return 20_000_000  # ~10 ms on an H200: long enough to expose a missing wait
 
 
-def install_stream_chaos() -> None:
-    """Delay the compute stream right before every unshard and gradient reduction,
-    and the side streams right before their collectives are issued, so that any
-    missing cross-stream wait produces wrong numbers instead of passing by luck."""
+@contextlib.contextmanager
+def stream_chaos():
+    """Fault injection, not observation: while active, delay the compute stream right
+    before every unshard and gradient reduction, and the side streams right before their
+    collectives are issued, so that any missing cross-stream wait produces wrong numbers
+    instead of passing by luck. The wrapped FSDPState methods are restored on exit."""
     from megatron_fsdp_ext import hooks
 
     def as_cuda_stream(s):
@@ -57,11 +60,16 @@ def install_stream_chaos() -> None:
 
     hooks.FSDPState.unshard = unshard
     hooks.FSDPState.post_backward = post_backward
+    try:
+        yield
+    finally:
+        hooks.FSDPState.unshard = orig_unshard
+        hooks.FSDPState.post_backward = orig_post_backward
 
 
 def train_parity_with_stream_chaos(rank: int, world: int, opts: Dict) -> Dict:
-    install_stream_chaos()
-    return train_parity(rank, world, opts)
+    with stream_chaos():
+        return train_parity(rank, world, opts)
 
 
 def cuda_device_errors(rank: int, world: int) -> None:
