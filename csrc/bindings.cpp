@@ -208,6 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("reduce_dtype", &Unit::reduce_dtype)
       .def_property_readonly("sharded_flat", &Unit::sharded_flat)
       .def_property_readonly("unsharded_storage_bytes", &Unit::unsharded_storage_bytes)
+      .def_property_readonly("unsharded_nbytes", &Unit::unsharded_nbytes)
       .def("sharded_views", &Unit::sharded_views)
       .def("unsharded_views", &Unit::unsharded_views)
       .def("bind_params", &Unit::bind_params)

@@ -234,6 +234,7 @@ void Unit::set_label(std::string label) {
   static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
+  unshard_scope_ = msg("mfsdp::unshard[", label_, "]");
   reshard_scope_ = msg("mfsdp::reshard[", label_, "]");
   std::lock_guard<std::mutex> lock(labels_mutex());
   labels_by_hash()[label_hash_] = label_;
@@ -370,6 +371,7 @@ void Unit::unshard() {
   // `p.data = x` the gathered copy no longer matches the parameter.
   adopt_data_writes();
   if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
+  RECORD_USER_SCOPE(unshard_scope_.c_str());
   gathered_version_ = sharded_flat_._version();
   stale_ = false;
   allocate_unsharded();  // a no-op when the stale copy's storage is still there

@@ -89,6 +89,8 @@ class Unit {
   const at::Tensor& sharded_flat() const { return sharded_flat_; }
   // Bytes the unsharded buffer holds now (0 while SHARDED).
   int64_t unsharded_storage_bytes() const;
+  // What a gathered copy occupies while unsharded (0 when it aliases the shard).
+  int64_t unsharded_nbytes() const { return aliases_shard() ? 0 : unsharded_nbytes_; }
 
   std::vector<at::Tensor> sharded_views() const;
   std::vector<at::Tensor> unsharded_views() const;
@@ -189,7 +191,10 @@ class Unit {
   // which unit every collective belongs to. Built in set_label, off the hot path.
   std::array<std::string, 4> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
                                              "mfsdp::all_gather_full"};
-  std::string reshard_scope_ = "mfsdp::reshard";  // "mfsdp::reshard[<label>]", when memory is freed
+  // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
+  // (or casting) its parameters and when it frees them; tests replay these from a trace.
+  std::string unshard_scope_ = "mfsdp::unshard";
+  std::string reshard_scope_ = "mfsdp::reshard";
   std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
   double grad_divide_factor_ = 0;

@@ -147,6 +147,9 @@ def main():
             {"impl": args.impl, "world": world, "losses": losses,
              "resumed_eval_loss": resumed.item(), "original_eval_loss": original.item()}))
         print(f"resumed eval loss {resumed.item():.6f} (original {original.item():.6f})")
+    # No rank tears Gloo down while rank 0 still writes: a peer that destroys its group early
+    # can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

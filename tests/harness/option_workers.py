@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext import hooks
 from megatron_fsdp_ext.param_index import iter_states
 from megatron_fsdp_ext.models import Block, LlamaModel
 
+from .observe import UnitTrace
 from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard_blocks_and_root,
                       shard_piece, step_with_reference)
 
@@ -391,39 +391,6 @@ def _state_dict_options(rank: int, world: int, device) -> Dict:
 
 # ---------------------------------------------------------------- resharding and prefetch controls
 
-class _GatherSpy:
-    """Records every real all-gather issued (a unit leaving SHARDED) with the phase it
-    happened in, and the most non-root units unsharded at once per phase."""
-
-    def __init__(self, root_state):
-        self.root = root_state
-        self.phase = "fwd"
-        self.gathers: List = []
-        self.max_live = {"fwd": 0, "bwd": 0}
-        self._orig = hooks.FSDPState.unshard
-        spy = self
-
-        def unshard(state):
-            if state.unit is not None and state.unit.state == state.unit.state.SHARDED:
-                spy.gathers.append((spy.phase, state))
-            spy._orig(state)
-            live = [s for s in state.ctx.states if s is not spy.root and s.unit.state != s.unit.state.SHARDED]
-            spy.max_live[spy.phase] = max(spy.max_live[spy.phase], len(live))
-
-        hooks.FSDPState.unshard = unshard
-
-    def reset(self):
-        self.phase = "fwd"
-        self.gathers.clear()
-        self.max_live = {"fwd": 0, "bwd": 0}
-
-    def of(self, phase):
-        return [s for ph, s in self.gathers if ph == phase]
-
-    def close(self):
-        hooks.FSDPState.unshard = self._orig
-
-
 def _is_sharded(state) -> bool:
     return state.unit.state == state.unit.state.SHARDED
 
@@ -441,59 +408,62 @@ def reshard_and_prefetch_controls(rank: int, world: int) -> Dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     batches = list(global_batches(cfg, 8, per * world, 8, device))
-    spy = _GatherSpy(root)
     index = {s: i for i, s in enumerate(blocks)}
-    order = lambda phase: [index.get(s, "root") for s in spy.of(phase)]  # noqa: E731
     after_forward = []
-    try:
-        def step(tokens, targets):
-            spy.reset()
-            loss = model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)])
+
+    def step(tokens, targets) -> UnitTrace:
+        """One training step, traced; the units' sharded flags right after forward go to
+        `after_forward`."""
+        with UnitTrace([root] + blocks) as trace:
+            with UnitTrace.phase("fwd"):
+                loss = model.loss(tokens[rows_of(rank, per)], targets[rows_of(rank, per)])
             after_forward[:] = [_is_sharded(s) for s in blocks]
-            spy.phase = "bwd"
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref.loss(tokens, targets).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            with UnitTrace.phase("bwd"):
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.loss(tokens, targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return trace
 
-        step(*batches[0])  # records the forward order
-        assert after_forward == [True] * 3, "ZeRO-3 default must reshard blocks after forward"
+    def order(trace, phase):
+        return [index.get(s, "root") for s in trace.unshards(phase)]
 
-        # set_prefetch_depth on the root: 1 + depth blocks unsharded at once in forward.
-        for i, depth in enumerate((0, 2)):
-            model.set_prefetch_depth(depth)
-            step(*batches[1 + i])
-            assert spy.max_live["fwd"] == 1 + depth, (
-                f"set_prefetch_depth({depth}): {spy.max_live['fwd']} blocks unsharded at once in forward")
-            report[f"depth_{depth}"] = dict(spy.max_live)
+    step(*batches[0])  # records the forward order (and names the units)
+    assert after_forward == [True] * 3, "ZeRO-3 default must reshard blocks after forward"
 
-        # set_modules_to_backward_prefetch: without prefetch, backward gathers each block
-        # when it is reached (last first); block 2 told to prefetch block 0 gathers it
-        # right after itself, before block 1.
-        model.set_prefetch_depth(0)
-        step(*batches[3])
-        assert spy.of("bwd") == blocks[::-1], f"backward gathers blocks {order('bwd')}"
-        model.blocks[2].set_modules_to_backward_prefetch([model.blocks[0]])
-        step(*batches[4])
-        assert spy.of("bwd") == [blocks[2], blocks[0], blocks[1]], (
-            f"set_modules_to_backward_prefetch: backward gathers blocks {order('bwd')}, expected [2, 0, 1]")
-        model.blocks[2].set_modules_to_backward_prefetch([])
+    # set_prefetch_depth on the root: 1 + depth blocks unsharded at once in forward.
+    for i, depth in enumerate((0, 2)):
+        model.set_prefetch_depth(depth)
+        live = step(*batches[1 + i]).max_unsharded(exclude={root})
+        assert live["fwd"] == 1 + depth, (
+            f"set_prefetch_depth({depth}): {live['fwd']} blocks unsharded at once in forward")
+        report[f"depth_{depth}"] = {"fwd": live["fwd"], "bwd": live["bwd"]}
 
-        # set_reshard_after_forward(False) under ZeRO-3: blocks stay unsharded from
-        # forward to backward, so backward gathers nothing; True restores the default.
-        model.set_reshard_after_forward(False)
-        step(*batches[5])
-        assert after_forward == [False] * 3, f"reshard_after_forward=False: blocks sharded after forward {after_forward}"
-        assert spy.of("bwd") == [], f"reshard_after_forward=False: backward gathered blocks {order('bwd')}"
-        assert all(_is_sharded(s) and s.unit.unsharded_storage_bytes == 0 for s in blocks + [root]), (
-            "every unit must be resharded after backward")
-        model.set_reshard_after_forward(True)
-        step(*batches[6])
-        assert after_forward == [True] * 3 and len(spy.of("bwd")) == 3
-    finally:
-        spy.close()
+    # set_modules_to_backward_prefetch: without prefetch, backward gathers each block
+    # when it is reached (last first); block 2 told to prefetch block 0 gathers it
+    # right after itself, before block 1.
+    model.set_prefetch_depth(0)
+    trace = step(*batches[3])
+    assert trace.unshards("bwd") == blocks[::-1], f"backward gathers blocks {order(trace, 'bwd')}"
+    model.blocks[2].set_modules_to_backward_prefetch([model.blocks[0]])
+    trace = step(*batches[4])
+    assert trace.unshards("bwd") == [blocks[2], blocks[0], blocks[1]], (
+        f"set_modules_to_backward_prefetch: backward gathers blocks {order(trace, 'bwd')}, expected [2, 0, 1]")
+    model.blocks[2].set_modules_to_backward_prefetch([])
+
+    # set_reshard_after_forward(False) under ZeRO-3: blocks stay unsharded from
+    # forward to backward, so backward gathers nothing; True restores the default.
+    model.set_reshard_after_forward(False)
+    trace = step(*batches[5])
+    assert after_forward == [False] * 3, f"reshard_after_forward=False: blocks sharded after forward {after_forward}"
+    assert trace.unshards("bwd") == [], f"reshard_after_forward=False: backward gathered blocks {order(trace, 'bwd')}"
+    assert all(_is_sharded(s) and s.unit.unsharded_storage_bytes == 0 for s in blocks + [root]), (
+        "every unit must be resharded after backward")
+    model.set_reshard_after_forward(True)
+    trace = step(*batches[6])
+    assert after_forward == [True] * 3 and len(trace.unshards("bwd")) == 3
     report["parity"] = worst_param_error(model, ref)
     assert report["parity"] <= 1e-5, f"parity across the control changes: {report['parity']}"
     report["recurse"] = _recurse_false(rank, world, device)

@@ -5,6 +5,7 @@ Workers run under run_distributed on Gloo (CPU) and NCCL (GPU) alike.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Dict, List
 
@@ -15,6 +16,8 @@ import torch.nn as nn
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.states import SlotsHold
+
+from .observe import UnitTrace
 
 
 def device_for_backend() -> torch.device:
@@ -543,8 +546,6 @@ class _Reversed(LlamaModel):
 def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
     """Runtime-order recording, prefetch targets, explicit overrides, the bound on
     simultaneously unsharded units, and one shared context per root."""
-    from megatron_fsdp_ext import hooks
-
     device = device_for_backend()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=5, n_heads=4, ffn_hidden=64)
@@ -555,52 +556,30 @@ def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
     mfsdp.fully_shard(model, prefetch_depth=depth)
     root = model._fsdp_state
     blocks = [b._fsdp_state for b in model.blocks]
-
-    events = []  # (phase, kind, state) for every unshard issued / reshard done
-    phase = ["fwd"]
-    orig_unshard, orig_reshard = hooks.FSDPState.unshard, hooks.FSDPState.reshard
-
-    def unshard(self):
-        if self.unit is not None and self.unit.state == self.unit.state.SHARDED:
-            events.append((phase[0], "unshard", self))
-        orig_unshard(self)
-
-    def reshard(self):
-        if self.unit is not None and self.unit.state != self.unit.state.SHARDED:
-            events.append((phase[0], "reshard", self))
-        orig_reshard(self)
-
-    hooks.FSDPState.unshard, hooks.FSDPState.reshard = unshard, reshard
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     max_live = {"fwd": 0, "bwd": 0}
-    try:
-        for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2 * world, 8, device)):
-            events.clear()
-            phase[0] = "fwd"
-            loss = model.loss(tokens[rank * 2:(rank + 1) * 2], targets[rank * 2:(rank + 1) * 2])
-            phase[0] = "bwd"
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            ref.loss(tokens, targets).backward()
-            ref_opt.step()
-            if step == 0:
-                # Order recorded at runtime: root first, then blocks in reverse construction order.
-                assert root.ctx.forward_order == [root] + blocks[::-1], "forward order not recorded at runtime"
-                continue
-            # Replay the events: how many non-root units were gathered at once, per phase.
-            live = set()
-            for ph, kind, st in events:
-                if st is root:
-                    continue
-                (live.add if kind == "unshard" else live.discard)(st)
-                max_live[ph] = max(max_live[ph], len(live))
-            fwd_unshards = [st for ph, kind, st in events if ph == "fwd" and kind == "unshard"]
-            assert fwd_unshards == [root] + blocks[::-1], "forward all-gathers out of runtime order"
-    finally:
-        hooks.FSDPState.unshard, hooks.FSDPState.reshard = orig_unshard, orig_reshard
+    for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2 * world, 8, device)):
+        # Step 0 records the order (and names the units); later steps are traced.
+        with (UnitTrace([root] + blocks) if step else contextlib.nullcontext()) as trace:
+            with UnitTrace.phase("fwd"):
+                loss = model.loss(tokens[rank * 2:(rank + 1) * 2], targets[rank * 2:(rank + 1) * 2])
+            with UnitTrace.phase("bwd"):
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        ref.loss(tokens, targets).backward()
+        ref_opt.step()
+        if step == 0:
+            # Order recorded at runtime: root first, then blocks in reverse construction order.
+            assert root.ctx.forward_order == [root] + blocks[::-1], "forward order not recorded at runtime"
+            continue
+        # How many non-root units were gathered at once, per phase.
+        for ph, n in trace.max_unsharded(exclude={root}).items():
+            if ph in max_live:
+                max_live[ph] = max(max_live[ph], n)
+        assert trace.unshards("fwd") == [root] + blocks[::-1], "forward all-gathers out of runtime order"
     assert max_live["fwd"] <= 1 + depth, f"forward had {max_live['fwd']} units unsharded (bound {1 + depth})"
     assert max_live["bwd"] <= 2 + depth, f"backward had {max_live['bwd']} units unsharded (bound {2 + depth})"
     if depth > 0:
@@ -614,21 +593,9 @@ def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
     model.set_modules_to_forward_prefetch([])
     model.blocks[4].set_modules_to_forward_prefetch([model.blocks[0]])
     model.blocks[0].set_modules_to_backward_prefetch([])
-    seen = []
-    orig = hooks.FSDPState.unshard
-
-    def spy(self):
-        if self.unit is not None and self.unit.state == self.unit.state.SHARDED:
-            seen.append(self)
-        orig(self)
-
-    hooks.FSDPState.unshard = spy
-    try:
-        with torch.no_grad():
-            model(tokens[:1])
-    finally:
-        hooks.FSDPState.unshard = orig
-    assert seen[:3] == [root, blocks[4], blocks[0]], "explicit forward prefetch not honoured"
+    with UnitTrace([root] + blocks) as trace, torch.no_grad():
+        model(tokens[:1])
+    assert trace.unshards()[:3] == [root, blocks[4], blocks[0]], "explicit forward prefetch not honoured"
 
     # Context sharing: every unit under this root shares one context; a second root has its own.
     assert all(b.ctx is root.ctx for b in blocks) and root.ctx.root is root
@@ -678,32 +645,6 @@ def param_sync_modes(rank: int, world: int, on: bool) -> None:
         assert rel_err(model(tokens), fresh(tokens)) < 1e-6, "stale all-gather survived load_full_state_dict"
 
 
-def _unsharded_bytes_probe(states):
-    """Wrap every state's unshard/reshard to record the most unsharded bytes held at once."""
-    from megatron_fsdp_ext import hooks
-
-    peak = [0]
-    orig_unshard, orig_reshard = hooks.FSDPState.unshard, hooks.FSDPState.reshard
-
-    def sample():
-        peak[0] = max(peak[0], sum(s.unit.unsharded_storage_bytes for s in states if s.unit is not None))
-
-    def unshard(self):
-        orig_unshard(self)
-        sample()
-
-    def reshard(self):
-        sample()
-        orig_reshard(self)
-
-    hooks.FSDPState.unshard, hooks.FSDPState.reshard = unshard, reshard
-
-    def restore():
-        hooks.FSDPState.unshard, hooks.FSDPState.reshard = orig_unshard, orig_reshard
-
-    return peak, restore
-
-
 def _bf16_sharded_llama(cfg: LlamaConfig, device, depth: int = 1) -> LlamaModel:
     """A seeded LlamaModel with every block and the root sharded in bf16 (fp32 reduce)."""
     torch.manual_seed(0)
@@ -723,13 +664,16 @@ def unsharded_memory_bound(rank: int, world: int, n_layers: int, depth: int) -> 
     model = _bf16_sharded_llama(cfg, device, depth)
     states = [model._fsdp_state] + [b._fsdp_state for b in model.blocks]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peak = [0]
     for step, (tokens, targets) in enumerate(global_batches(cfg, 3, 2, 32, device)):
-        if step == 1:  # the order is recorded: measure the steady state
-            peak, restore = _unsharded_bytes_probe(states)
-        model.loss(tokens, targets).backward()
-        opt.step()
-        opt.zero_grad()
-    restore()
+        # From step 1 the order is recorded: measure the steady state.
+        with (UnitTrace(states) if step else contextlib.nullcontext()) as trace:
+            model.loss(tokens, targets).backward()
+            opt.step()
+            opt.zero_grad()
+        if step:
+            held = trace.max_unsharded(weight=lambda s: s.unit.unsharded_nbytes)
+            peak[0] = max([peak[0], *held.values()])
     root_bytes = model._fsdp_state.unit.layout.total_numel * 2
     block_bytes = model.blocks[0]._fsdp_state.unit.layout.total_numel * 2
     bound = root_bytes + (2 + depth) * block_bytes

@@ -1,0 +1,108 @@
+"""Watch what fully_shard units do through the library's own profiler scopes.
+
+Every unit opens "mfsdp::unshard[<label>]" when it starts gathering (or casting) its
+parameters and "mfsdp::reshard[<label>]" when it frees them. `UnitTrace` records them with
+torch.profiler and replays them in the order they started, so tests see gathers, frees and
+how many units were unsharded at once without wrapping any library method.
+"""
+import contextlib
+import re
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_SCOPE = re.compile(r"^mfsdp::(unshard|reshard)\[(.*)\]$")
+_PHASE = re.compile(r"^test::phase\[(.*)\]$")
+
+
+class UnitTrace:
+    """Record unshard/reshard events of `states` (FSDPState objects) while in the `with` block.
+
+    `phase(name)` marks a stretch of the test (e.g. "fwd", "bwd"); every event is tagged
+    with the innermost marked phase it started in (None outside any). Backward hooks run
+    on autograd threads: the profiler follows them there, and phases are matched by time.
+    """
+
+    def __init__(self, states: Iterable):
+        self.states = list(states)
+        self._prof: Optional[profile] = None
+        self.initially_unsharded: set = set()
+        self.events: List[Tuple[Optional[str], str, object]] = []
+
+    def __enter__(self) -> "UnitTrace":
+        self.initially_unsharded = {s for s in self.states if not _is_sharded(s)}
+        self._prof = profile(activities=[ProfilerActivity.CPU])
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.events = self._replay(self._prof.events())
+
+    @staticmethod
+    @contextlib.contextmanager
+    def phase(name: str):
+        with record_function(f"test::phase[{name}]"):
+            yield
+
+    def _labels(self) -> Dict[str, object]:
+        # Read at the end: units take their path in the model as label at lazy init,
+        # which may happen inside the traced block.
+        by_label = {}
+        for s in self.states:
+            if s.label in by_label:
+                raise ValueError(f"two units share the profiler label {s.label!r}: events would be ambiguous")
+            by_label[s.label] = s
+        return by_label
+
+    def _replay(self, raw) -> List[Tuple[Optional[str], str, object]]:
+        by_label = self._labels()
+        phases, scoped = [], []
+        for ev in raw:
+            m = _PHASE.match(ev.name)
+            if m:
+                phases.append((ev.time_range.start, ev.time_range.end, m.group(1)))
+                continue
+            m = _SCOPE.match(ev.name)
+            if m and m.group(2) in by_label:
+                scoped.append((ev.time_range.start, m.group(1), by_label[m.group(2)]))
+        scoped.sort(key=lambda e: e[0])
+        if not scoped and self.states:
+            # Silence would pass every "at most N" check: a trace with no unit scopes
+            # means the profiler saw nothing, not that nothing happened.
+            raise AssertionError("the profiler recorded no mfsdp::unshard/reshard scope for any unit")
+
+        def phase_at(t):
+            inside = [p for p in phases if p[0] <= t <= p[1]]
+            return min(inside, key=lambda p: p[1] - p[0])[2] if inside else None
+
+        return [(phase_at(t), kind, state) for t, kind, state in scoped]
+
+    def unshards(self, phase: Optional[str] = None) -> List:
+        """Units in the order they started an unshard (optionally only within `phase`)."""
+        return [s for ph, kind, s in self.events if kind == "unshard" and (phase is None or ph == phase)]
+
+    def max_unsharded(self, exclude=(), weight=None) -> Dict[Optional[str], int]:
+        """Replay the events: per phase, the most units (or, with `weight(state)`, the most
+        summed weight) unsharded at once, not counting `exclude`."""
+        weight = weight or (lambda s: 1)
+        live = {s for s in self.initially_unsharded if s not in exclude}
+        best: Dict[Optional[str], int] = {}
+        total = sum(weight(s) for s in live)
+        for ph, kind, s in self.events:
+            if s in exclude:
+                continue
+            if kind == "unshard" and s not in live:
+                live.add(s)
+                total += weight(s)
+            elif kind == "reshard" and s in live:
+                live.discard(s)
+                total -= weight(s)
+            best[ph] = max(best.get(ph, 0), total)
+        return best
+
+
+def _is_sharded(state) -> bool:
+    return state.unit is None or state.unit.state == state.unit.state.SHARDED
