@@ -185,13 +185,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Unit, std::shared_ptr<Unit>>(m, "Unit")
       .def(py::init([](const std::vector<at::Tensor>& params, std::vector<std::string> names, ProcessGroupPtr pg,
                        int64_t alignment, std::optional<at::ScalarType> param_dtype,
-                       std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy) {
+                       std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy,
+                       std::optional<c10::Device> materialize_on) {
              return make_shared_without_gil_delete<Unit>(params, std::move(names), std::move(pg), alignment,
-                                                         param_dtype, reduce_dtype, strategy);
+                                                         param_dtype, reduce_dtype, strategy, materialize_on);
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("alignment") = kDefaultAlignment,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
-           py::arg("strategy") = ShardingStrategy::kOptimGradsParams)
+           py::arg("strategy") = ShardingStrategy::kOptimGradsParams, py::arg("materialize_on") = py::none())
       .def_property_readonly("label", &Unit::label)
       .def("set_label", &Unit::set_label, py::arg("label"))
       .def_property("check_collectives", &Unit::check_collectives, &Unit::set_check_collectives)

@@ -8,6 +8,7 @@
 #include <c10/core/StorageImpl.h>
 
 #include <cmath>
+#include <limits>
 #include <iterator>
 #include <mutex>
 #include <tuple>
@@ -60,6 +61,21 @@ void allow_access(S* impl) {
   if constexpr (CanRefuseAccess<S>::value) impl->clear_data_ptr_access_error_msg_();
 }
 
+// Where the unit's memory lives: the parameters' device, or for meta parameters the
+// device they are to be materialized on.
+c10::Device unit_device(const std::vector<at::Tensor>& params, const std::optional<c10::Device>& materialize_on) {
+  MFSDP_CHECK(!params.empty(), "Unit needs at least one parameter");
+  const c10::Device device = params.front().device();
+  if (device.is_meta()) {
+    MFSDP_CHECK_VALUE(materialize_on.has_value() && !materialize_on->is_meta(),
+                      "Unit: parameters on the meta device need a real device to materialize the shard on");
+    return *materialize_on;
+  }
+  MFSDP_CHECK_VALUE(!materialize_on || *materialize_on == device, "Unit: materialize_on=", *materialize_on,
+                    " is only for meta parameters; these are on ", device);
+  return device;
+}
+
 std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
   std::vector<int64_t> n;
   n.reserve(params.size());
@@ -72,7 +88,8 @@ std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
 
 Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names,
            ProcessGroupPtr pg, int64_t alignment, std::optional<at::ScalarType> param_dtype,
-           std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy)
+           std::optional<at::ScalarType> reduce_dtype, ShardingStrategy strategy,
+           std::optional<c10::Device> materialize_on)
     : strategy_(strategy),
       // Replicated: one segment holding everything, kept by every rank.
       layout_(FlatLayout::even(numels_of(params),
@@ -81,18 +98,18 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
       names_(std::move(names)),
       ag_comm_(pg),
       rs_comm_(pg),
-      device_(params.empty() ? c10::Device(c10::kCPU) : params.front().device()),
+      device_(unit_device(params, materialize_on)),
       compute_ready_(device_),
       all_gather_done_(device_) {
-  MFSDP_CHECK(!params.empty(), "Unit needs at least one parameter");
   MFSDP_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
               params.size(), " parameters");
   set_label(names_.size() == 1 ? names_[0] : names_[0] + ", ... (" + std::to_string(names_.size()) + " parameters)");
   orig_dtype_ = params.front().scalar_type();
+  const bool deferred = params.front().device().is_meta();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    MFSDP_CHECK(p.device() == device_, "parameter '", names_[i], "' is on ", p.device(),
-                " but parameter '", names_[0], "' is on ", device_,
+    MFSDP_CHECK(p.device() == params.front().device(), "parameter '", names_[i], "' is on ", p.device(),
+                " but parameter '", names_[0], "' is on ", params.front().device(),
                 "; all parameters of one fully_shard unit must be on one device");
     MFSDP_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names_[i], "' has dtype ",
                 p.scalar_type(), " but '", names_[0], "' has ", orig_dtype_,
@@ -108,15 +125,19 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
               reduce_dtype_);
 
   slices_ = layout_.shard_slices(shard_index());
-  const auto opts = params.front().options().requires_grad(false);
+  const auto opts = params.front().options().device(device_).requires_grad(false);
   sharded_flat_ = at::zeros({layout_.segment_numel(shard_index())}, opts);
   {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& s = slices_[i];
       if (s.numel == 0) continue;
-      sharded_flat_.narrow(0, s.shard_offset, s.numel)
-          .copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));
+      auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
+      if (deferred) {
+        slot.fill_(std::numeric_limits<double>::quiet_NaN());  // unset until materialized: loud if read
+      } else {
+        slot.copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));
+      }
     }
   }
   has_grad_.assign(params.size(), false);

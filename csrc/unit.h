@@ -57,10 +57,14 @@ bool freed_storage_guard();
 
 class Unit {
  public:
+  // `params` on the meta device (deferred init): only their shapes are read, this rank's
+  // shard is allocated on `materialize_on` and holds NaN until written through
+  // shard_changed(index, full_value); nothing of the full size is ever allocated.
   Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names, ProcessGroupPtr pg,
        int64_t alignment, std::optional<at::ScalarType> param_dtype,
        std::optional<at::ScalarType> reduce_dtype,
-       ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams);
+       ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams,
+       std::optional<c10::Device> materialize_on = std::nullopt);
 
   const FlatLayout& layout() const { return layout_; }
   // How errors name this unit (the module's path once the root knows it).

@@ -25,6 +25,7 @@ from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
 from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
+from .materialize import materialize
 from .state_dict import local_state_dict
 
 
@@ -64,6 +65,7 @@ __all__ = [
     "fully_shard_model",
     "load_checkpoint",
     "load_full_state_dict",
+    "materialize",
     "register_fsdp_forward_method",
     "local_state_dict",
     "save_checkpoint",

@@ -366,8 +366,19 @@ def _backend_device_types(pg) -> set:
     return kinds
 
 
-def _check_devices(module: nn.Module, params: list, names: list, pg) -> None:
+def _check_devices(module: nn.Module, params: list, names: list, pg) -> Optional[torch.device]:
+    """Checks that the parameters sit on one device the group communicates; for meta
+    parameters (deferred init) returns the device their shards are allocated on: the
+    current CUDA device under NCCL, else the CPU."""
     devices = {p.device for p in params}
+    kinds = _backend_device_types(pg)
+    if len(devices) > 1 and any(d.type == "meta" for d in devices):
+        meta = next(n for p, n in zip(params, names) if p.is_meta)
+        real = next(n for p, n in zip(params, names) if not p.is_meta)
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameter '{meta}' is on the meta device but '{real}' is "
+            "not; for deferred init build the whole module under torch.device('meta'), then call "
+            "megatron_fsdp_ext.materialize(model) after fully_shard")
     if len(devices) > 1:
         by_dev = {}
         for p, n in zip(params, names):
@@ -379,11 +390,7 @@ def _check_devices(module: nn.Module, params: list, names: list, pg) -> None:
         )
     device = next(iter(devices))
     if device.type == "meta":
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): parameters are on the meta device; "
-            "materialize them (e.g. module.to_empty(device=...) and initialize) before fully_shard"
-        )
-    kinds = _backend_device_types(pg)
+        return torch.device("cuda", torch.cuda.current_device()) if "cuda" in kinds else torch.device("cpu")
     if device.type not in kinds:
         raise ValueError(
             f"fully_shard({type(module).__name__}): parameters are on {device} but the process group's "
@@ -397,6 +404,7 @@ def _check_devices(module: nn.Module, params: list, names: list, pg) -> None:
                 f"fully_shard({type(module).__name__}): parameters are on {device} but the current CUDA "
                 f"device is cuda:{current}; call torch.cuda.set_device(local_rank) before building the model"
             )
+    return None
 
 
 def _collect(module: nn.Module, ignored: set):
@@ -467,6 +475,12 @@ def fully_shard(
     Call it bottom-up: each transformer block first, then the root. Returns `module`,
     whose class now also derives from FSDPModule. `module.parameters()` then yields
     this rank's shards (1-D), which is what the optimizer updates.
+
+    Deferred init: a module built under torch.device("meta") is sharded without ever
+    existing in full: each rank allocates only its shards (on the current CUDA device
+    under NCCL, the CPU under Gloo). Then call megatron_fsdp_ext.materialize(model) (or
+    load a checkpoint: load_full_state_dict, load_safetensors, load_checkpoint) before
+    the first forward.
 
     process_group:   the group parameters are sharded over; gradients are
                      reduce-scattered on it (the reduce-scatter group).
@@ -559,8 +573,10 @@ def fully_shard(
     params, names, slots, keys = _collect(module, ignored)
     unit = None
     sharded, unsharded = [], []
+    deferred = False
     if params:
-        _check_devices(module, params, names, pg)
+        materialize_on = _check_devices(module, params, names, pg)
+        deferred = materialize_on is not None
         for p, n in zip(params, names):
             if p.dtype not in _FLOAT_DTYPES:
                 kind = "unsupported floating" if p.is_floating_point() else "non-floating"
@@ -568,7 +584,7 @@ def fully_shard(
                                  f"{', '.join(str(d) for d in _FLOAT_DTYPES)} parameters")
         unit = _C.Unit(
             [p.detach() for p in params], names, pg, alignment,
-            mp_policy.param_dtype, mp_policy.reduce_dtype, strategy,
+            mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on,
         )
         for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
             s = nn.Parameter(sview, requires_grad=p.requires_grad)
@@ -610,7 +626,8 @@ def fully_shard(
         if reduce_scatter_group is not None:
             unit.set_reduce_scatter_group(reduce_scatter_group)
 
-    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options, check_group=reduce_scatter_group)
+    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options, check_group=reduce_scatter_group,
+                      deferred=deferred)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner

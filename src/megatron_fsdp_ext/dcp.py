@@ -46,6 +46,7 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .param_index import iter_states
+from .states import ParamInit
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
 
@@ -116,8 +117,9 @@ class _ParamInfo:
         return _sharded_tensor(local, self.full_numel, self.ranges)
 
 
-def _sharded_params(module: nn.Module) -> Tuple[ParamIndex, Dict[int, _ParamInfo]]:
-    index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first")
+def _sharded_params(module: nn.Module, loading: bool = False) -> Tuple[ParamIndex, Dict[int, _ParamInfo]]:
+    index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first",
+                       loading=loading)
     return index, {pid: _ParamInfo(*param) for pid, param in index.params.items()}
 
 
@@ -350,6 +352,8 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     try:
         _load(plan.target, path, plan.reader_path)
         _apply_objects(module, plan.target, plan.objects)
+        for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
+            state.param_init = ParamInit.MATERIALIZED
         if optimizer is not None:
             _apply_optimizer(plan, small, optimizer)
     except Exception as e:
@@ -376,7 +380,7 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
     plan = _Plan()
     plan.meta, plan.reader_path = meta, target_dir
     plan.unverified = verify and manifest is None  # refused once the compatibility checks ran
-    index, infos = _sharded_params(module)
+    index, infos = _sharded_params(module, loading=True)
     plan.infos = infos
     plan.target = _model_entries(module, infos)
     stored_model = {k for k in meta if k.startswith("model.")}

@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from . import _C, shard_changes
 from .consistency import check_units_agree
 from .options import UnitOptions
-from .states import BackwardProgress, ForwardOrder, RootPhase, SlotsHold
+from .param_index import check_materialized
+from .states import BackwardProgress, ForwardOrder, ParamInit, RootPhase, SlotsHold
 
 
 def run_outside_dynamo(hook):
@@ -129,7 +130,7 @@ class _RegisterPostBackward(torch.autograd.Function):
 
 class FSDPState:
     def __init__(self, module, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
-                 check_group=None):
+                 check_group=None, deferred: bool = False):
         self._module_ref = weakref.ref(module)
         self.module_kind = type(module).__name__
         self.label = self.module_kind  # the module's path in the model, once lazy init ran
@@ -159,6 +160,9 @@ class FSDPState:
         # Inside a method registered with register_fsdp_forward_method (e.g. generate):
         # the unit stays gathered for the whole method; forward calls within it only cast.
         self.method_active = False
+        # Meta-device parameters: the shard is allocated but holds no values until
+        # megatron_fsdp_ext.materialize() runs the modules' initializers.
+        self.param_init = ParamInit.DEFERRED if deferred else ParamInit.MATERIALIZED
 
         self.slots = _C.ParamSlots()
         for params_dict, name, index in slots:
@@ -195,6 +199,7 @@ class FSDPState:
         named = [(name or f"{self.module_kind} (root)", m.__dict__["_mfsdp_state"])
                  for name, m in self.module.named_modules() if "_mfsdp_state" in m.__dict__]
         states = [s for _, s in named]
+        check_materialized(states, "forward (or unshard())")
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
         for name, s in named:
             if s.unit is not None and s.unit.device != device:

@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 import torch.nn as nn
 
-from .states import SlotsHold
+from .states import ParamInit, SlotsHold
 
 
 def iter_states(module: nn.Module):
@@ -56,6 +56,17 @@ def check_resharded(state, what: str, advice: str = _ADVICE) -> None:
             f"unshard()); {advice}")
 
 
+def check_materialized(states, what: str) -> None:
+    """Units built on the meta device hold no values until materialize() ran."""
+    deferred = [s for s in states if s.param_init is ParamInit.DEFERRED]
+    if deferred:
+        names = ", ".join(str(s) for s in deferred[:3]) + (f" and {len(deferred) - 3} more" if len(deferred) > 3 else "")
+        raise RuntimeError(
+            f"{what}: {names} {'was' if len(deferred) == 1 else 'were'} built on the meta device and "
+            "hold no parameter values yet; call megatron_fsdp_ext.materialize(model) (or load_full_state_dict / "
+            "load_safetensors) after fully_shard first")
+
+
 class Param(NamedTuple):
     state: object  # the FSDPState of the unit
     index: int  # in the unit's sharded_params
@@ -67,8 +78,10 @@ class ParamIndex:
     parameters: `params` maps id(sharded parameter) to its Param, `names` maps id() of
     every parameter of `module` to its names."""
 
-    def __init__(self, module: nn.Module, what: str, advice: str = _ADVICE):
+    def __init__(self, module: nn.Module, what: str, advice: str = _ADVICE, *, loading: bool = False):
         self.states = [s for s in iter_states(module) if s.unit is not None]
+        if not loading:  # a load is one way to give deferred units their values
+            check_materialized(self.states, what)
         for state in self.states:
             check_resharded(state, what, advice)
         self.names: Dict[int, List[str]] = {}

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from .agree import digest_differs
-from .param_index import by_unit, check_resharded, owner_of
+from .param_index import by_unit, check_materialized, check_resharded, owner_of
 
 _mode = threading.local()
 
@@ -156,6 +156,7 @@ class ModuleStateDictHooks:
         present = [(prefix + k, i) for k, i in self.keys if prefix + k in state_dict]
         if not present:
             return
+        check_materialized([state], "state_dict()")
         check_resharded(state, "state_dict()")
         full = state.unit.gather_full_params()
         converted: Dict[int, object] = {}

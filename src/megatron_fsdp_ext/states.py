@@ -28,3 +28,9 @@ class SlotsHold(enum.Enum):
     """Which parameters the module's parameter slots hold."""
     SHARDED = "sharded"
     UNSHARDED = "unsharded"
+
+
+class ParamInit(enum.Enum):
+    """Whether a unit's shard holds the parameters' values yet."""
+    MATERIALIZED = "materialized"
+    DEFERRED = "deferred"  # built on the meta device: materialize() writes the values

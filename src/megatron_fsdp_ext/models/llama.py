@@ -34,11 +34,37 @@ class LlamaConfig:
         return 6.0 * (L * per_layer + head) + 12.0 * L * d * seq_len
 
 
+# Every module initializes its own parameters in reset_parameters(), called by its
+# constructor: building the model runs them in module order, which is what
+# megatron_fsdp_ext.materialize() replays for a model built on the meta device.
+_INIT_STD = 0.02
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer initialized N(0, std)."""
+
+    def __init__(self, in_features: int, out_features: int, std: float = _INIT_STD):
+        self.init_std = std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, 0.0, self.init_std)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, 0.0, _INIT_STD)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
 
     def forward(self, x):
         # Normalise in fp32 for stability, return in the input dtype.
@@ -60,13 +86,18 @@ def _apply_rope(x, cos, sin):
     return out.flatten(-2)
 
 
+def _residual_std(cfg: LlamaConfig) -> float:
+    """Scaled init of the projections into the residual stream (GPT-2 style)."""
+    return _INIT_STD / math.sqrt(2 * cfg.n_layers)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.wo = Linear(cfg.d_model, cfg.d_model, _residual_std(cfg))
 
     def forward(self, x):
         b, s, d = x.shape
@@ -82,8 +113,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_hidden)
+        self.w_down = Linear(cfg.ffn_hidden, cfg.d_model, _residual_std(cfg))
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
@@ -107,24 +138,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                # Scaled init on residual projections (GPT-2 style).
-                scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 1.0
-                p.normal_(0.0, std * scale)
-            else:
-                p.fill_(1.0)
 
     def forward(self, tokens):
         x = self.embed(tokens)

@@ -1,0 +1,192 @@
+"""Distributed test bodies for deferred (meta-device) init and for loading full weights
+into a model that never existed in full: the values must equal those of the model built
+directly on the device with the same seed (the independent reference), and training
+from them must match it, gradients included.
+
+Workers run under run_distributed on Gloo (CPU) and NCCL (GPU) alike.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.param_index import iter_states
+
+from .workers import (check_grads, device_for_backend, expect_error, global_batches, rel_err, shard_blocks_and_root,
+                      shard_piece)
+
+SEED = 1234
+
+
+def _cfg(opts: Dict) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, d_model=32, n_layers=opts.get("layers", 3), n_heads=4, ffn_hidden=88,
+                       tie_embeddings=opts.get("tie", False))
+
+
+def _reference(cfg: LlamaConfig, device) -> LlamaModel:
+    """The model built directly on the device, as a user without deferred init would."""
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return LlamaModel(cfg)
+
+
+def _meta_sharded(cfg: LlamaConfig, opts: Dict) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
+    return shard_blocks_and_root(model, sharding_strategy=opts.get("strategy", "optim_grads_params"), mp_policy=mp)
+
+
+def check_local_shards(model: nn.Module, ref: nn.Module) -> int:
+    """Every local shard equals its slice of the reference's parameter, bit for bit."""
+    checked = 0
+    for name, p in model.named_parameters():
+        _, _, piece = shard_piece(p)
+        want = ref.get_parameter(name).detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
+        assert p.shape == want.shape and torch.equal(p.detach(), want), (
+            f"'{name}': local shard differs from the directly built model's slice "
+            f"(max abs diff {(p.detach().float() - want.float()).abs().max().item():.3e})")
+        checked += piece.numel
+    return checked
+
+
+def deferred_init_parity(rank: int, world: int, opts: Dict) -> Dict:
+    """Meta build, fully_shard, materialize: shards hold exactly the reference's values;
+    nothing works before materialize; two training steps then match the reference
+    (gradients and parameters)."""
+    device = device_for_backend()
+    cfg = _cfg(opts)
+    ref = _reference(cfg, device)
+    model = _meta_sharded(cfg, opts)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
+    for p in model.parameters():
+        assert p.device == device and p.dim() == 1, f"shard on {p.device}, {p.dim()}-D"
+        assert p.numel() == 0 or bool(torch.isnan(p).all()), "a deferred shard must hold NaN until materialized"
+    expect_error(lambda: model(tokens), RuntimeError, "meta device", "materialize")
+    expect_error(lambda: mfsdp.full_state_dict(model), RuntimeError, "meta device", "materialize")
+    expect_error(lambda: model.state_dict(), RuntimeError, "meta device", "materialize")
+
+    torch.manual_seed(SEED)
+    assert mfsdp.materialize(model) is model
+    checked = check_local_shards(model, ref)
+    expect_error(lambda: mfsdp.materialize(model), ValueError, "nothing to initialize")
+
+    # Training from the materialized values is training from the reference's.
+    replicated = opts.get("strategy") == "no_shard"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    per = 2
+    tol = 2e-2 if opts.get("param_dtype") is not None else 1e-5
+    grad_err = 0.0
+    for step, (tokens, targets) in enumerate(global_batches(cfg, 2, per * world, 8, device)):
+        model.loss(tokens[rank * per:(rank + 1) * per], targets[rank * per:(rank + 1) * per]).backward()
+        ref.loss(tokens, targets).backward()
+        grad_err = max(grad_err, check_grads(step, model, ref, replicated, tol))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    param_err = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    assert param_err <= tol, f"parameters after 2 steps from materialized values: rel err {param_err}"
+    return {"checked_elements": checked, "grad_err": grad_err, "param_err": param_err}
+
+
+def init_one_module_at_a_time(rank: int, world: int) -> Dict:
+    """While a module's initializer runs, only that module's own parameters are full
+    size: every other parameter of the model is still its rank's 1-D shard."""
+    device = device_for_backend()
+    cfg = _cfg({})
+    ref = _reference(cfg, device)
+    model = _meta_sharded(cfg, {})
+    largest = [0]
+
+    def init_fn(module):
+        own = {id(p) for p in module.parameters(recurse=False)}
+        for name, p in model.named_parameters():
+            if id(p) not in own:
+                assert p.dim() == 1 and hasattr(p, "_mfsdp_owner"), (
+                    f"'{name}' is full size while '{type(module).__name__}' initializes")
+        largest[0] = max(largest[0], sum(p.numel() for p in module.parameters(recurse=False)))
+        module.reset_parameters()
+
+    torch.manual_seed(SEED)
+    mfsdp.materialize(model, init_fn=init_fn)
+    check_local_shards(model, ref)
+    biggest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in ref.modules())
+    assert largest[0] == biggest_module, (largest[0], biggest_module)
+    return {"largest_module_numel": largest[0]}
+
+
+class _NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+
+class _Skips(nn.Linear):
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.weight[0].zero_()  # the other rows stay unset
+
+
+class _Parent(nn.Module):
+    """Initializes its child's parameter from its own reset_parameters (not allowed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.child = nn.Linear(4, 4)
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.scale.fill_(1.0)
+            self.child.weight.fill_(0.5)
+
+
+class _MetaBuffer(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+
+
+def deferred_init_errors(rank: int, world: int) -> None:
+    """Every misuse of deferred init is refused with an error naming the module or tensor."""
+    def sharded(build):
+        with torch.device("meta"):
+            m = build()
+        return mfsdp.fully_shard(m)
+
+    m = sharded(lambda: nn.Sequential(nn.Linear(4, 4), _NoReset()))
+    expect_error(lambda: mfsdp.materialize(m), ValueError, "'1'", "_NoReset", "no reset_parameters", "init_fn")
+    m = sharded(lambda: nn.Sequential(_Skips(4, 4)))
+    expect_error(lambda: mfsdp.materialize(m), RuntimeError, "'0.weight'", "unset")
+    m = sharded(_Parent)
+    expect_error(lambda: mfsdp.materialize(m), RuntimeError, "_Parent", "does not hold directly")
+    m = sharded(lambda: nn.Sequential(_MetaBuffer()))
+    expect_error(lambda: mfsdp.materialize(m), RuntimeError, "buffer '0.table'", "unset")
+    m = sharded(lambda: nn.Linear(4, 4))
+    expect_error(lambda: mfsdp.materialize(m, init_fn=3), TypeError, "init_fn must be callable")
+
+    def fix_buffer(module):
+        module.reset_parameters()
+        if isinstance(module, _MetaBuffer):
+            module.table.copy_(torch.arange(4.0))
+
+    # With an init_fn that sets the buffer, the same model materializes.
+    m = sharded(lambda: nn.Sequential(_MetaBuffer()))
+    mfsdp.materialize(m, init_fn=fix_buffer)
+    assert torch.equal(m[0].table, torch.arange(4.0, device=m[0].table.device))
+
+    # A real (non-meta) model has nothing to materialize: re-running initializers would
+    # overwrite trained values.
+    real = mfsdp.fully_shard(nn.Linear(4, 4).to(device_for_backend()))
+    expect_error(lambda: mfsdp.materialize(real), ValueError, "nothing to initialize")
+    # One unit cannot mix meta and real parameters.
+    mixed = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.Linear(4, 4).to(device_for_backend()))
+    expect_error(lambda: mfsdp.fully_shard(mixed), ValueError, "'0.weight' is on the meta device", "'1.weight'")
+    for state in iter_states(m):
+        assert state.param_init.name == "MATERIALIZED"
