@@ -11,10 +11,12 @@ from .agree import digest, failures, gather_objects, raise_agreed, rank_world
 from .param_index import iter_states
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
+from .states import ParamInit
 
 
-def _param_index(module: nn.Module) -> ParamIndex:
-    return ParamIndex(module, "full state dict", "call it between training steps or reshard() first")
+def _param_index(module: nn.Module, loading: bool = False) -> ParamIndex:
+    return ParamIndex(module, "full state dict", "call it between training steps or reshard() first",
+                      loading=loading)
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict:
@@ -70,34 +72,113 @@ def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseExcept
         raise own
 
 
-def load_full_state_dict(module: nn.Module, state_dict: dict, *, strict: bool = True) -> None:
+def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, strict: bool = True,
+                         broadcast_from_rank0: bool = False) -> None:
     """Load a full (unsharded) state dict, as saved from the plain module or by
-    full_state_dict(), into a sharded module. Every rank passes the full dict, with the
-    same keys (an error on every rank otherwise, naming the first key that differs).
-    Everything is checked before anything is loaded; with strict=False, parameters
-    absent from the dict keep their values."""
+    full_state_dict(), into a sharded module. Collective: call on all ranks.
+
+    Every rank passes the full dict, with the same keys (an error on every rank
+    otherwise, naming the first key that differs); it may stay on the CPU: each rank
+    copies only its slice of every parameter to the device. With
+    broadcast_from_rank0=True only global rank 0 passes the dict (the others pass None
+    or {}) and it is streamed to them one tensor at a time, so no other rank ever holds
+    it whole (every rank must hold the same units). Everything is checked before
+    anything is loaded; with strict=False, parameters absent from the dict keep their
+    values. A model built on the meta device (deferred init) is materialized by the load:
+    every one of its parameters, and meta buffers, must then be in the dict."""
+    rank = rank_world()[0]
+    if broadcast_from_rank0:
+        state_dict = _announce(module, state_dict if rank == 0 else None)
+    elif state_dict is None:
+        raise TypeError("load_full_state_dict: state_dict is None; pass the full state dict on every rank "
+                        "(or only on rank 0 with broadcast_from_rank0=True)")
     plan, own = None, None
     try:
         plan = _plan_full_load(module, state_dict, strict)
     except Exception as e:
         own = e
     _agree_on_keys(module, state_dict, own)
-    states, fulls, replicated = plan
-    # Every rank of a unit's group gathers the same units (the keys agree).
-    for state, full in zip(states, fulls):
+    states, values, replicated = plan
+    # Every rank of a unit's group loads the same units in the same order (the keys agree).
+    for state, unit_values in zip(states, values):
+        full = [None if v is None else _fetch(v, state.unit.device, state.unit.orig_dtype, broadcast_from_rank0)
+                for v in unit_values]
         if any(t is None for t in full):
             current = state.unit.gather_full_params()
             full = [c if t is None else t for c, t in zip(current, full)]
-        state.unit.load_full_params(full)
+        state.unit.load_full_params(full)  # copies this rank's slice of each
+        del full
+        state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
     with torch.no_grad():
-        for target, value in replicated:
-            target.copy_(value)
+        for key, target, value in replicated:
+            device = target.device if not target.is_meta else states[0].unit.device
+            v = _fetch(value, device, target.dtype, broadcast_from_rank0)
+            if target.is_meta:
+                _replace_meta(module, key, v)
+            else:
+                target.copy_(v)
+
+
+def _announce(module: nn.Module, state_dict: Optional[dict]) -> dict:
+    """On every rank, rank 0's state dict as meta tensors of the same shapes and dtypes
+    (other values as they are); rank 0 keeps its own dict. One broadcast of metadata."""
+    import torch.distributed as dist
+
+    rank = rank_world()[0]
+    meta = None
+    if rank == 0:
+        if not isinstance(state_dict, dict):
+            meta = TypeError(f"load_full_state_dict(broadcast_from_rank0=True): rank 0 must pass the full state "
+                             f"dict, got {type(state_dict).__name__}")
+        else:
+            meta = [(k, ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("object", v))
+                    for k, v in state_dict.items()]
+    box = [meta]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    if rank == 0:
+        return state_dict
+    return {k: torch.empty(info[1], dtype=info[2], device="meta") if info[0] == "tensor" else info[1]
+            for k, info in box[0]}
+
+
+def _fetch(value, device: torch.device, dtype: torch.dtype, broadcast: bool):
+    """`value` as a tensor a unit (or a replicated target) can copy from: as given (each
+    rank copies its slice, converting device and dtype) or, when streamed from rank 0,
+    received in full on `device`."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not broadcast:
+        return value.detach()
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return value.detach()
+    if dist.get_rank() == 0:
+        t = value.detach().to(device=device, dtype=dtype).contiguous()
+    else:
+        t = torch.empty(value.shape, dtype=dtype, device=device)
+    dist.broadcast(t, src=0)
+    return t
+
+
+def _replace_meta(module: nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put a loaded value where a meta buffer (or meta parameter outside any unit) was."""
+    owner_path, _, name = key.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if name in owner._buffers:
+        owner._buffers[name] = value.clone()
+    else:
+        old = owner._parameters[name]
+        owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old.requires_grad)
 
 
 def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
-    """The local checks, no collective: returns the units, each one's full tensors (None
-    where the dict lacks a parameter) and the replicated (target, value) pairs."""
-    index = _param_index(module)
+    """The local checks, no collective: returns the units, each one's values (None where
+    the dict lacks a parameter) and the replicated (key, target, value) triples."""
+    index = _param_index(module, loading=True)
     for state in index.states:
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
     with local_state_dict():
@@ -112,15 +193,20 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
             + ("; " if missing and unexpected else "")
             + (f"unexpected keys {unexpected}" if unexpected else "")
         )
-    fulls = []
+    values = []
     for state in index.states:
-        full = []
+        unit_values = []
         for p, u, name in zip(state.sharded_params, state.unsharded_params, state.names):
             keys = [k for k in index.names_of(p) if k in state_dict]
             if not keys:
+                key = (index.names_of(p) or [name])[0]
+                if state.param_init is ParamInit.DEFERRED:
+                    raise KeyError(f"load_full_state_dict: parameter '{key}' was built on the meta device and is not "
+                                   "in the state dict, so it would have no value; load every parameter or call "
+                                   "materialize(model) first")
                 if strict:
-                    raise KeyError(f"load_full_state_dict: missing key for parameter '{name}'")
-                full.append(None)
+                    raise KeyError(f"load_full_state_dict: missing key for parameter '{key}'")
+                unit_values.append(None)
                 continue
             value = state_dict[keys[0]]
             if tuple(value.shape) != tuple(u.shape):
@@ -128,8 +214,8 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
                     f"load_full_state_dict: '{keys[0]}' has shape {tuple(value.shape)}, "
                     f"expected {tuple(u.shape)}"
                 )
-            full.append(value.detach().to(device=state.unit.device, dtype=state.unit.orig_dtype))
-        fulls.append(full)
+            unit_values.append(value)
+        values.append(unit_values)
     # Everything else (buffers, ignored/unsharded parameters) is replicated: copied.
     sharded_keys = {k for param in index.params.values() for k in param.names}
     replicated = []
@@ -141,5 +227,14 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
             raise ValueError(
                 f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
             )
-        replicated.append((target, value))
-    return index.states, fulls, replicated
+        replicated.append((key, target, value))
+    loaded = {key for key, _, _ in replicated}
+    left = [k for k, t in own.items() if k not in sharded_keys and k not in loaded and t.is_meta]
+    left += [n for n, b in module.named_buffers() if b.is_meta and n not in own]  # non-persistent
+    if left:
+        raise KeyError(f"load_full_state_dict: {left[:4]} {'is' if len(left) == 1 else 'are'} on the meta device "
+                       "and not in the state dict (non-persistent buffers never are); call materialize(model) "
+                       "first, which initializes them, then load")
+    if any(t.is_meta for _, t, _ in replicated) and not index.states:
+        raise ValueError("load_full_state_dict: meta tensors but no fully_shard unit to take the device from")
+    return index.states, values, replicated

@@ -5,7 +5,8 @@ like it (gradients and parameters); one module is full size at a time; misuse is
 import pytest
 
 from harness import run_distributed
-from harness.init_workers import deferred_init_errors, deferred_init_parity, init_one_module_at_a_time
+from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
+                                   load_into_meta_model, load_into_meta_model_errors)
 
 CASES = {
     "world1": (1, {}),
@@ -37,3 +38,22 @@ def test_one_module_full_size_at_a_time():
 
 def test_deferred_init_misuse_is_refused():
     run_distributed(deferred_init_errors, 2, timeout=180)
+
+
+LOADS = {
+    "every_rank_w2": (2, {}),
+    "broadcast_w2": (2, {"broadcast": True}),
+    "broadcast_tied_zero2_w4": (4, {"broadcast": True, "tie": True, "strategy": "optim_grads"}),
+    "broadcast_no_shard_w2": (2, {"broadcast": True, "strategy": "no_shard"}),
+    "every_rank_w1": (1, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(LOADS))
+def test_full_state_dict_loads_into_a_model_built_on_meta(case):
+    world, opts = LOADS[case]
+    run_distributed(load_into_meta_model, world, opts, timeout=240)
+
+
+def test_loading_into_meta_model_misuse_is_refused():
+    run_distributed(load_into_meta_model_errors, 2, timeout=180)

@@ -190,3 +190,84 @@ def deferred_init_errors(rank: int, world: int) -> None:
     expect_error(lambda: mfsdp.fully_shard(mixed), ValueError, "'0.weight' is on the meta device", "'1.weight'")
     for state in iter_states(m):
         assert state.param_init.name == "MATERIALIZED"
+
+
+# ---------------------------------------------------------------- loading full weights
+
+class _WithBuffers(nn.Module):
+    """Parameters in a unit plus persistent float and integer buffers (BatchNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+def load_into_meta_model(rank: int, world: int, opts: Dict) -> Dict:
+    """A model that never existed in full loads a plain PyTorch state dict (on the CPU,
+    given on every rank or only on rank 0 and streamed): shards equal the source's
+    slices, buffers are real, and forward matches the source."""
+    device = device_for_backend()
+    broadcast = opts.get("broadcast", False)
+    cfg = _cfg(opts)
+    torch.manual_seed(SEED + 1)
+    source = LlamaModel(cfg).to(device)
+    sd = {k: v.detach().cpu().clone() for k, v in source.state_dict().items()}
+    model = _meta_sharded(cfg, opts)
+    mfsdp.load_full_state_dict(model, sd if rank == 0 or not broadcast else None, broadcast_from_rank0=broadcast)
+    check_local_shards(model, source)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        err = rel_err(model(tokens), source(tokens))
+    assert err <= 1e-5, f"forward after loading into a meta model: rel err {err}"
+
+    # Buffers: a meta BatchNorm's running stats (and its int64 counter) are loaded too.
+    torch.manual_seed(SEED + 2)
+    plain = _WithBuffers().to(device)
+    plain.train()
+    plain(torch.randn(16, 8, device=device))  # running stats away from their init
+    plain.eval()
+    with torch.device("meta"):
+        meta = _WithBuffers()
+    mfsdp.fully_shard(meta.lin)
+    mfsdp.fully_shard(meta)
+    psd = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+    mfsdp.load_full_state_dict(meta, psd if rank == 0 or not broadcast else None, broadcast_from_rank0=broadcast)
+    meta.eval()
+    for name, b in plain.named_buffers():
+        got = meta.get_buffer(name)
+        assert got.device == device and torch.equal(got, b), f"buffer '{name}' not loaded"
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(6)).to(device)
+    with torch.no_grad():
+        assert rel_err(meta(x), plain(x)) <= 1e-6
+    return {"forward_err": err}
+
+
+def load_into_meta_model_errors(rank: int, world: int) -> None:
+    device = device_for_backend()
+    cfg = _cfg({})
+    torch.manual_seed(SEED)
+    sd = {k: v.detach().cpu() for k, v in LlamaModel(cfg).state_dict().items()}
+    model = _meta_sharded(cfg, {})
+    partial = {k: v for k, v in sd.items() if k != "blocks.1.mlp.w_down.weight"}
+    expect_error(lambda: mfsdp.load_full_state_dict(model, partial, strict=False), KeyError,
+                 "'blocks.1.mlp.w_down.weight'", "meta device")
+    expect_error(lambda: mfsdp.load_full_state_dict(model, None), TypeError, "state_dict is None")
+    expect_error(lambda: mfsdp.load_full_state_dict(model, None, broadcast_from_rank0=True), TypeError,
+                 "rank 0 must pass the full state dict")
+    # Nothing was loaded by the refused calls: the model is still deferred.
+    expect_error(lambda: model(torch.zeros(1, 4, dtype=torch.long, device=device)), RuntimeError, "materialize")
+
+    class _Rope(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    with torch.device("meta"):
+        rope = _Rope()
+    mfsdp.fully_shard(rope)
+    plain = {k: torch.zeros(v.shape) for k, v in _Rope().state_dict().items()}
+    expect_error(lambda: mfsdp.load_full_state_dict(rope, plain), KeyError, "'inv_freq'", "materialize(model) first")
