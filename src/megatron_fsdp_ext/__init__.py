@@ -26,6 +26,7 @@ from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
 from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
 from .materialize import materialize
+from .safetensors_io import load_safetensors
 from .state_dict import local_state_dict
 
 
@@ -65,6 +66,7 @@ __all__ = [
     "fully_shard_model",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_safetensors",
     "materialize",
     "register_fsdp_forward_method",
     "local_state_dict",

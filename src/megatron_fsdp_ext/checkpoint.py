@@ -184,7 +184,9 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
     with local_state_dict():
         own = module.state_dict()  # the replicated entries below are copied into these
     expected = set(own)
-    missing = sorted(expected - set(state_dict))
+    # A tied parameter is loaded through any of its names (Hugging Face files keep one).
+    covered = {n for param in index.params.values() if any(k in state_dict for k in param.names) for n in param.names}
+    missing = sorted(expected - set(state_dict) - covered)
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
         raise KeyError(

@@ -6,7 +6,7 @@ import pytest
 
 from harness import run_distributed
 from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
-                                   load_into_meta_model, load_into_meta_model_errors)
+                                   load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model)
 
 CASES = {
     "world1": (1, {}),
@@ -57,3 +57,22 @@ def test_full_state_dict_loads_into_a_model_built_on_meta(case):
 
 def test_loading_into_meta_model_misuse_is_refused():
     run_distributed(load_into_meta_model_errors, 2, timeout=180)
+
+
+SAFETENSORS = {
+    "zero3_w2": (2, {}),
+    "tied_w2_bf16_file": (2, {"tie": True, "file_dtype": "bf16"}),
+    "zero2_w4": (4, {"strategy": "optim_grads"}),
+}
+
+
+@pytest.mark.parametrize("case", list(SAFETENSORS))
+def test_safetensors_directory_loads_into_a_model_built_on_meta(case, tmp_path):
+    import torch
+
+    world, opts = SAFETENSORS[case]
+    if opts.get("file_dtype") == "bf16":
+        opts = dict(opts, file_dtype=torch.bfloat16)
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    run_distributed(load_safetensors_into_meta_model, world, opts, str(directory), timeout=240)

@@ -271,3 +271,51 @@ def load_into_meta_model_errors(rank: int, world: int) -> None:
     mfsdp.fully_shard(rope)
     plain = {k: torch.zeros(v.shape) for k, v in _Rope().state_dict().items()}
     expect_error(lambda: mfsdp.load_full_state_dict(rope, plain), KeyError, "'inv_freq'", "materialize(model) first")
+
+
+def load_safetensors_into_meta_model(rank: int, world: int, opts: Dict, directory: str) -> Dict:
+    """A plain model saved as safetensors (two files, the tied head left out as Hugging
+    Face does, optionally in bf16) loads into a model built on the meta device: shards
+    equal the saved values, and forward matches the saved model."""
+    from safetensors.torch import save_file
+    import torch.distributed as dist
+
+    device = device_for_backend()
+    cfg = _cfg(opts)
+    torch.manual_seed(SEED + 3)
+    source = LlamaModel(cfg).to(device)
+    dtype = opts.get("file_dtype", torch.float32)
+    sd = {k: v.detach().to(dtype).cpu().contiguous() for k, v in source.state_dict().items()}
+    if cfg.tie_embeddings:
+        del sd["head.weight"]  # one tensor, one name
+    if rank == 0:
+        keys = sorted(sd)
+        half = len(keys) // 2
+        save_file({k: sd[k] for k in keys[:half]}, f"{directory}/model-00001-of-00002.safetensors")
+        save_file({k: sd[k] for k in keys[half:]}, f"{directory}/model-00002-of-00002.safetensors")
+    dist.barrier()
+    with torch.no_grad():  # what the files hold, as the model's dtype
+        for p in source.parameters():
+            p.copy_(p.to(dtype))
+    model = _meta_sharded(cfg, opts)
+    mfsdp.load_safetensors(model, directory)
+    check_local_shards(model, source)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        err = rel_err(model(tokens), source(tokens))
+    assert err <= 1e-5, f"forward after load_safetensors: rel err {err}"
+
+    # Misuse: a missing file, a missing key (strict), a key of the wrong shape.
+    expect_error(lambda: mfsdp.load_safetensors(model, f"{directory}/nope"), FileNotFoundError, "nope")
+    if rank == 0:
+        bad = dict(sd)
+        bad.pop("norm.weight")
+        save_file(bad, f"{directory}/../missing.safetensors")
+        bad = dict(sd, **{"norm.weight": torch.zeros(3, dtype=dtype)})
+        save_file(bad, f"{directory}/../wrong.safetensors")
+    dist.barrier()
+    expect_error(lambda: mfsdp.load_safetensors(model, f"{directory}/../missing.safetensors"), KeyError,
+                 "missing keys", "norm.weight")
+    expect_error(lambda: mfsdp.load_safetensors(model, f"{directory}/../wrong.safetensors"), ValueError,
+                 "'norm.weight' has shape (3,)")
+    return {"forward_err": err}
