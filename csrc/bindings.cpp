@@ -224,8 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
-      .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>())
-      .def("load_full_params", &Unit::load_full_params, py::call_guard<py::gil_scoped_release>());
+      .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>());
 
   py::class_<ParamSlots>(m, "ParamSlots")
       .def(py::init<>())

@@ -147,8 +147,12 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
     state_ = UnitState::kUnsharded;
     return;
   }
-  unsharded_flat_ = at::empty({layout_.total_numel()}, opts.dtype(param_dtype_));
-  unsharded_nbytes_ = unsharded_flat_.storage().nbytes();
+  // The unsharded buffer starts freed; nothing of the unit's full size is allocated
+  // before the first unshard (a model built on the meta device never exists in full).
+  unsharded_nbytes_ = layout_.total_numel() * static_cast<int64_t>(c10::elementSize(param_dtype_));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(device_.type()), /*resizable=*/false);
+  storage.unsafeGetStorageImpl()->set_nbytes(unsharded_nbytes_);  // sized for the view below, no memory yet
+  unsharded_flat_ = at::empty({0}, opts.dtype(param_dtype_)).set_(storage, 0, {layout_.total_numel()}, {1});
   free_unsharded();
 }
 
@@ -619,22 +623,6 @@ std::vector<at::Tensor> Unit::gather_full_params() {
     out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));
   }
   return out;
-}
-
-void Unit::load_full_params(const std::vector<at::Tensor>& full) {
-  check_bound("load_full_params");
-  MFSDP_CHECK(static_cast<int64_t>(full.size()) == layout_.num_params(), "load_full_params: got ",
-              full.size(), " tensors for ", layout_.num_params(), " parameters");
-  adopt_data_writes();
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < full.size(); ++i) {
-    MFSDP_CHECK(full[i].defined() && full[i].sizes().vec() == shapes_[i], "load_full_params: '", names_[i],
-                "' has shape ", full[i].sizes(), ", expected ", shapes_[i]);
-    const auto& s = slices_[i];
-    if (s.numel == 0) continue;
-    sharded_flat_.narrow(0, s.shard_offset, s.numel)
-        .copy_(full[i].reshape({-1}).narrow(0, s.param_offset, s.numel));
-  }
 }
 
 }  // namespace mfsdp

@@ -133,8 +133,6 @@ class Unit {
 
   // Full-precision unsharded copy of every parameter (synchronous collective).
   std::vector<at::Tensor> gather_full_params();
-  // Overwrite this rank's shards from full (unsharded) parameter values.
-  void load_full_params(const std::vector<at::Tensor>& full);
 
  private:
   bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }

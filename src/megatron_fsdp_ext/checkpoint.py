@@ -99,15 +99,15 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
         own = e
     _agree_on_keys(module, state_dict, own)
     states, values, replicated = plan
-    # Every rank of a unit's group loads the same units in the same order (the keys agree).
+    # Every rank of a unit's group loads the same units in the same order (the keys agree),
+    # one parameter at a time: at most one full parameter is on the device at once (when
+    # streamed), and a parameter absent from the dict (strict=False) keeps its shard.
     for state, unit_values in zip(states, values):
-        full = [None if v is None else _fetch(v, state.unit.device, state.unit.orig_dtype, broadcast_from_rank0)
-                for v in unit_values]
-        if any(t is None for t in full):
-            current = state.unit.gather_full_params()
-            full = [c if t is None else t for c, t in zip(current, full)]
-        state.unit.load_full_params(full)  # copies this rank's slice of each
-        del full
+        for i, value in enumerate(unit_values):
+            if value is not None:
+                full = _fetch(value, state.unit.device, state.unit.orig_dtype, broadcast_from_rank0)
+                state.unit.shard_changed(i, full)  # copies this rank's slice
+                del full
         state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
     with torch.no_grad():
         for key, target, value in replicated:

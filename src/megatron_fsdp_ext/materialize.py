@@ -35,7 +35,8 @@ def _blank(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _unwritten(t: torch.Tensor) -> bool:
-    return (t.dtype.is_floating_point or t.dtype.is_complex) and bool(torch.isnan(t).any())
+    # A NaN left anywhere makes the sum NaN; no full-size mask is allocated.
+    return (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0 and bool(t.sum().isnan())
 
 
 def materialize(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:

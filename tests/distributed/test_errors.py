@@ -37,11 +37,12 @@ def _bad_inputs(rank, world):
     mfsdp.fully_shard(m)
     expect_error(lambda: mfsdp.fully_shard(m.blocks[1]), ValueError, "bottom-up", "attn_norm.weight")
 
-    # Parameters on different devices / not materialized.
+    # Parameters partly on the meta device; a meta unit used before materialize().
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "different devices", "'1.weight' on meta")
-    m = nn.Linear(2, 2, device="meta")
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "meta device")
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "'1.weight' is on the meta device", "'0.weight' is not")
+    deferred = mfsdp.fully_shard(nn.Linear(2, 2, device="meta"))
+    expect_error(lambda: deferred(torch.zeros(1, 2)), RuntimeError, "meta device", "materialize(model)")
+    m = nn.Linear(2, 2)
 
     # Gloo group with parameters not on CPU is covered in the GPU suite; here: wrong type.
     expect_error(lambda: mfsdp.fully_shard(m, mp_policy={"param_dtype": torch.bfloat16}), TypeError, "MixedPrecisionPolicy")

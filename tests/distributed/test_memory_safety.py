@@ -103,7 +103,7 @@ def _unbound_unit(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     unit = _C.Unit([torch.randn(6, 4)], ["w"], pg, 16, None, None, _C.ShardingStrategy.OPTIM_GRADS_PARAMS)
     for call in (unit.unshard, lambda: unit.reduce_grads(True), unit.gather_full_params,
-                 lambda: unit.load_full_params([torch.zeros(6, 4)])):
+                 lambda: unit.shard_changed(0, torch.zeros(6, 4))):
         expect_error(call, RuntimeError, "no parameters bound yet", "'w'")
     expect_error(lambda: unit.bind_params([torch.zeros(3)], [torch.zeros(6, 4)]), RuntimeError,
                  "sharded parameter 'w' must be a 1-D")

@@ -319,3 +319,90 @@ def load_safetensors_into_meta_model(rank: int, world: int, opts: Dict, director
     expect_error(lambda: mfsdp.load_safetensors(model, f"{directory}/../wrong.safetensors"), ValueError,
                  "'norm.weight' has shape (3,)")
     return {"forward_err": err}
+
+
+# ---------------------------------------------------------------- GPU memory bounds
+
+def _module_full_bytes(model: nn.Module) -> int:
+    """The largest full size (bytes, original dtype) of one module's own parameters."""
+    from megatron_fsdp_ext.param_index import owner_of
+
+    largest = 0
+    for m in model.modules():
+        total = 0
+        for p in m.parameters(recurse=False):
+            state, i = owner_of(p)
+            total += state.unsharded_params[i].numel() * p.element_size() if state is not None else 0
+        largest = max(largest, total)
+    return largest
+
+
+def deferred_init_memory(rank: int, world: int) -> Dict:
+    """Allocator peaks (CUDA) while a model that does not exist in full is sharded,
+    materialized, loaded from rank 0's CPU dict and from safetensors: never more than the
+    local shards, one module's (or parameter's) full size and a small constant."""
+    import tempfile
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    device = device_for_backend()
+    assert device.type == "cuda", "allocator peaks are measured on CUDA"
+    mib = 2 ** 20
+    slack = 4 * mib  # allocator rounding, a reduction scalar or two
+    cfg = LlamaConfig(vocab_size=32000, d_model=1024, n_layers=6, n_heads=16, ffn_hidden=2816)
+    full_bytes = 4 * sum(p.numel() for p in LlamaModel(LlamaConfig(**{**cfg.__dict__, "n_layers": 1})).parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = _meta_sharded(cfg, {})
+    shards = sum(s.unit.sharded_flat.numel() * 4 for s in iter_states(model))
+    out = {"shards_mib": shards / mib}
+    held = torch.cuda.memory_allocated() - base
+    assert held <= shards + slack, f"fully_shard on meta allocated {held / mib:.1f} MiB, shards are {shards / mib:.1f}"
+    out["fully_shard_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / mib
+    assert torch.cuda.max_memory_allocated() - base <= shards + slack
+
+    module_bytes = _module_full_bytes(model)
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(SEED)
+    mfsdp.materialize(model)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    out.update(materialize_peak_mib=peak / mib, largest_module_mib=module_bytes / mib)
+    assert peak <= shards + module_bytes + slack, (
+        f"materialize peaked at {peak / mib:.1f} MiB > shards {shards / mib:.1f} + one module "
+        f"{module_bytes / mib:.1f} MiB")
+
+    # Rank 0's full dict stays on its CPU; each tensor crosses the GPU once, whole.
+    torch.manual_seed(SEED + 1)
+    source_sd = {k: v for k, v in LlamaModel(cfg).state_dict().items()} if rank == 0 else None  # CPU
+    largest_param = max(u.numel() * 4 for s in iter_states(model) for u in s.unsharded_params)
+    again = _meta_sharded(cfg, {})
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mfsdp.load_full_state_dict(again, source_sd, broadcast_from_rank0=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    out["broadcast_load_peak_mib"] = peak / mib
+    assert peak <= largest_param + slack, f"broadcast load peaked {peak / mib:.1f} MiB above the shards"
+    del again
+
+    # safetensors: each rank reads only the rows of its slices.
+    directory = [tempfile.mkdtemp(prefix="mfsdp_st_") if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in source_sd.items()}, f"{directory[0]}/model.safetensors")
+    dist.barrier()
+    third = _meta_sharded(cfg, {})
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mfsdp.load_safetensors(third, directory[0])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    out["safetensors_load_peak_mib"] = peak / mib
+    biggest_piece = max(p.numel() * 4 for p in third.parameters())
+    assert peak <= biggest_piece + slack, f"load_safetensors peaked {peak / mib:.1f} MiB above the shards"
+    out["full_model_mib"] = (full_bytes + (cfg.n_layers - 1) * 4 * sum(
+        p.numel() for p in LlamaModel(LlamaConfig(**{**cfg.__dict__, "n_layers": 1})).blocks.parameters())) / mib
+    return out

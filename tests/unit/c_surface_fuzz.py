@@ -125,7 +125,7 @@ def fixed_cases(pg):
             attempt(unit.reduce_grads, True)
             attempt(unit.reduce_grads, False)
             attempt(unit.gather_full_params)
-            attempt(unit.load_full_params, [torch.ones(6, 4), torch.ones(5)])
+            attempt(unit.shard_changed, 0, torch.ones(6, 4))
             attempt(unit.reshard)
             attempt(unit.set_context, None)
             attempt(unit.set_all_gather_group, None)
@@ -154,7 +154,7 @@ def fixed_cases(pg):
                 attempt(lambda: kept[0].data_ptr())
             for full in ([torch.ones(6, 4)], [torch.ones(4, 6), torch.ones(5)], [torch.ones(6, 4), torch.ones(5, 1)],
                          [torch.ones(6, 4, dtype=torch.int64), torch.ones(5)], [torch.ones(1).expand(6, 4), torch.ones(5)]):
-                attempt(unit.load_full_params, full)
+                attempt(lambda: [unit.shard_changed(i, t) for i, t in enumerate(full)])
             # Gradients of the wrong size on the unsharded parameters.
             unit.unshard()
             unit.wait_unshard()
@@ -226,7 +226,7 @@ def random_cases(pg, iterations: int, seed: int):
         comm.all_gather_v, comm.reduce_scatter_v, comm.broadcast,
         _C.FlatLayout.even, _C.FlatLayout.by_owner, _C.balance_owners, _C.pack_into_flat, _C.cast_scale_into,
         _C.auto_var_algo, layout.shard_slice, layout.shard_slices, layout.owner,
-        unit.load_full_params, unit.bind_params, unit.reduce_grads, unit.set_context, unit.shard_changed,
+        unit.bind_params, unit.reduce_grads, unit.set_context, unit.shard_changed,
     ]
     for _ in range(iterations):
         fn = rng.choice(targets)
