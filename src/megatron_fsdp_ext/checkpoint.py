@@ -114,7 +114,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
             device = target.device if not target.is_meta else states[0].unit.device
             v = _fetch(value, device, target.dtype, broadcast_from_rank0)
             if target.is_meta:
-                _replace_meta(module, key, v)
+                _replace_meta(module, key, v.to(device=device, dtype=target.dtype))
             else:
                 target.copy_(v)
 
@@ -169,7 +169,7 @@ def _replace_meta(module: nn.Module, key: str, value: torch.Tensor) -> None:
     owner_path, _, name = key.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if name in owner._buffers:
-        owner._buffers[name] = value.clone()
+        owner._buffers[name] = value.clone()  # never aliases the caller's state dict
     else:
         old = owner._parameters[name]
         owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old.requires_grad)

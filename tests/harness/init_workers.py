@@ -349,8 +349,10 @@ def deferred_init_memory(rank: int, world: int) -> Dict:
     device = device_for_backend()
     assert device.type == "cuda", "allocator peaks are measured on CUDA"
     mib = 2 ** 20
-    slack = 4 * mib  # allocator rounding, a reduction scalar or two
     cfg = LlamaConfig(vocab_size=32000, d_model=1024, n_layers=6, n_heads=16, ffn_hidden=2816)
+    # The caching allocator hands out a whole segment when less than 1 MiB would remain:
+    # up to 1 MiB per allocation (one shard per unit, a temporary or two), plus scalars.
+    slack = (4 + cfg.n_layers + 1 + 2) * mib
     full_bytes = 4 * sum(p.numel() for p in LlamaModel(LlamaConfig(**{**cfg.__dict__, "n_layers": 1})).parameters())
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
