@@ -218,6 +218,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_all_gather_group", &Unit::set_all_gather_group, py::call_guard<py::gil_scoped_release>())
       .def("set_reduce_scatter_group", &Unit::set_reduce_scatter_group,
            py::call_guard<py::gil_scoped_release>())
+      .def("set_replicate_group", &Unit::set_replicate_group, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("replicate_size", &Unit::replicate_size)
+      .def_property_readonly("replicate_rank", &Unit::replicate_rank)
+      .def_property("requires_all_reduce", &Unit::requires_all_reduce, &Unit::set_requires_all_reduce)
+      .def_property_readonly("has_partial_reduction", &Unit::has_partial_reduction)
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())

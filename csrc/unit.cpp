@@ -227,6 +227,13 @@ void Unit::set_reduce_scatter_group(ProcessGroupPtr pg) {
   rs_comm_ = same_ranks_or_throw(std::move(pg), ag_comm_, "reduce-scatter");
 }
 
+void Unit::set_replicate_group(ProcessGroupPtr pg) {
+  Communicator c(std::move(pg));
+  MFSDP_CHECK(!partial_.defined(), "set_replicate_group: fully_shard unit '", label_,
+              "' holds a deferred gradient reduction; set the replicate group before training");
+  replicate_comm_ = c.size() > 1 ? std::move(c) : Communicator();
+}
+
 void Unit::check_bound(const char* what) const {
   MFSDP_CHECK(static_cast<int64_t>(sharded_params_.size()) == layout_.num_params(), what,
               ": fully_shard unit '", label_, "' has no parameters bound yet (call bind_params first)");
@@ -238,6 +245,7 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kReduceScatterGrads: return "reduce-scatter of gradients";
     case CollectivePhase::kAllReduceGrads: return "all-reduce of gradients";
     case CollectivePhase::kAllGatherFullParams: return "all-gather of full parameters";
+    case CollectivePhase::kAllReduceReplicas: return "all-reduce of gradient shards across replicas";
   }
   return "collective";
 }
@@ -256,7 +264,8 @@ void Unit::set_label(std::string label) {
                        "unit '", label_, "', whose memory was freed by reshard(); it holds no data until the unit "
                        "is unsharded again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the "
                        "sharded parameter / model.state_dict() instead.");
-  static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full"};
+  static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full",
+                                             "all_reduce_replicas"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
   unshard_scope_ = msg("mfsdp::unshard[", label_, "]");
@@ -491,16 +500,33 @@ at::Tensor Unit::flat_grad_behind_views() const {
 bool Unit::reduce_grads(bool sync) {
   check_bound("reduce_grads");
   at::Tensor flat = pack_grads(sync);
-  if (!flat.defined()) return false;
+  const bool defer = sync && replicate_comm_.defined() && !requires_all_reduce_;
+  if (!flat.defined()) {
+    // No gradient this time, but deferred shards still wait for their all-reduce: the
+    // reduction runs with zeros so that it happens (every rank of the group alike).
+    if (!sync || defer || !partial_.defined()) return false;
+    ctx().make_room_for_reduction();
+    flat = at::zeros({layout_.total_numel()}, sharded_flat_.options().dtype(reduce_dtype_));
+  }
   if (!sync) {
     accumulated_ = flat;
     return true;
   }
   accumulated_ = at::Tensor();
-  GradBuffers buffers = plan_reduction(std::move(flat));
-  auto done = reduce(buffers);
+  GradBuffers buffers = plan_reduction(std::move(flat), defer);
+  at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
+  if (defer && !partial_.defined()) {
+    partial_ = at::zeros({layout_.segment_numel(shard_index())}, sharded_flat_.options().dtype(reduce_dtype_));
+  }
+  auto done = reduce(buffers, defer);
+  if (defer) {
+    // Nothing lands: has_grad_ keeps which parameters will get a gradient view.
+    ctx().hold_reduction({buffers.flat, buffers.reduced}, std::move(done));
+    return true;
+  }
+  partial_ = at::Tensor();
   land_grads(buffers, *done);
-  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target}, std::move(done));
+  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, partial}, std::move(done));
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   return true;
 }
@@ -537,16 +563,21 @@ at::Tensor Unit::pack_grads(bool sync) {
   return flat;
 }
 
-Unit::GradBuffers Unit::plan_reduction(at::Tensor flat) {
+Unit::GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
   GradBuffers b;
   b.flat = std::move(flat);
+  const int64_t seg = layout_.segment_numel(shard_index());
+  if (defer) {
+    b.reduced = full_grads() ? b.flat.narrow(0, layout_.segment_start(shard_index()), seg)
+                             : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+    return b;
+  }
   bool all_none = true;
   for (size_t i = 0; i < has_grad_.size(); ++i) {
     if (has_grad_[i] && sharded_params_[i].grad().defined()) all_none = false;
   }
   at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
   b.landing = all_none ? Landing::kFresh : (existing.defined() ? Landing::kAccumulate : Landing::kMixed);
-  const int64_t seg = layout_.segment_numel(shard_index());
   const auto grad_options = sharded_flat_.options();
   // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
   // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
@@ -563,8 +594,9 @@ Unit::GradBuffers Unit::plan_reduction(at::Tensor flat) {
   return b;
 }
 
-std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b) {
-  const double scale = 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : static_cast<double>(world_size()));
+std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
+  const double mean_over = static_cast<double>(world_size()) * replicate_size();
+  const double scale = 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);
   auto issue = [&]() {
     if (full_grads()) {
       run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, b.flat.numel(),
@@ -572,6 +604,17 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b) {
     } else {
       run_collective(CollectivePhase::kReduceScatterGrads, rs_comm_, b.flat.numel(),
                      [&] { rs_comm_.reduce_scatter_flat(b.reduced, b.flat); });
+    }
+    if (defer) {
+      partial_.add_(b.reduced);
+      return;
+    }
+    if (replicate_comm_.defined()) {
+      // On the same stream, after the reduce-scatter: with one reduction in flight a
+      // stream of its own would only reorder work the next reduction waits for anyway.
+      if (partial_.defined()) b.reduced.add_(partial_);
+      run_collective(CollectivePhase::kAllReduceReplicas, replicate_comm_, b.reduced.numel(),
+                     [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
     }
     cast_scale_into(b.target, b.reduced, scale, b.landing == Landing::kAccumulate);
   };

@@ -47,6 +47,7 @@ enum class CollectivePhase {
   kReduceScatterGrads = 1,
   kAllReduceGrads = 2,
   kAllGatherFullParams = 3,
+  kAllReduceReplicas = 4,  // HSDP: reduced gradient shards across the replicas
 };
 const char* phase_name(CollectivePhase phase);
 
@@ -105,6 +106,19 @@ class Unit {
   // all-gathers and reduce-scatters can run at the same time.
   void set_all_gather_group(ProcessGroupPtr pg);
   void set_reduce_scatter_group(ProcessGroupPtr pg);
+  // Hybrid sharding (HSDP): the unit is sharded over its group and replicated over
+  // `pg` (the other replicas hold the same shards). Gradient shards, once reduced inside
+  // the shard group, are all-reduced across `pg`; the mean runs over both groups.
+  void set_replicate_group(ProcessGroupPtr pg);
+  int replicate_size() const { return replicate_comm_.defined() ? replicate_comm_.size() : 1; }
+  int replicate_rank() const { return replicate_comm_.defined() ? replicate_comm_.rank() : 0; }
+  // Under HSDP, false defers the all-reduce across replicas (gradient accumulation):
+  // reduced shards add up in a partial sum, all-reduced once by the next reduction that
+  // requires it (FSDP2's set_requires_all_reduce). No effect without a replicate group.
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  // Whether reduced shards wait in the partial sum for a later all-reduce.
+  bool has_partial_reduction() const { return partial_.defined(); }
 
   // Issue the all-gather (on the all-gather stream for CUDA). No-op while GATHERING or
   // while UNSHARDED with an up-to-date copy; an UNSHARDED copy older than the shard
@@ -179,9 +193,11 @@ class Unit {
   // Packs the unsharded grads (added to any accumulated ones) into a flat reduce-dtype
   // buffer and frees them; undefined when there was nothing to pack.
   at::Tensor pack_grads(bool sync);
-  GradBuffers plan_reduction(at::Tensor flat);
-  // Reduce on the reduce-scatter stream, then scale/cast into `target`.
-  std::shared_ptr<PendingCollective> reduce(GradBuffers& b);
+  // `defer`: the reduced shard goes into the partial sum (no target, no landing).
+  GradBuffers plan_reduction(at::Tensor flat, bool defer);
+  // Reduce on the reduce-scatter stream (then across replicas, unless deferred, adding
+  // the partial sum first), then scale/cast into `target` or add into the partial sum.
+  std::shared_ptr<PendingCollective> reduce(GradBuffers& b, bool defer);
   void land_grads(const GradBuffers& b, const PendingCollective& done);
 
   ShardingStrategy strategy_;
@@ -191,8 +207,8 @@ class Unit {
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
   // which unit every collective belongs to. Built in set_label, off the hot path.
-  std::array<std::string, 4> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
-                                             "mfsdp::all_gather_full"};
+  std::array<std::string, 5> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+                                             "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas"};
   // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
   // (or casting) its parameters and when it frees them; tests replay these from a trace.
   std::string unshard_scope_ = "mfsdp::unshard";
@@ -203,6 +219,9 @@ class Unit {
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<ShardSlice> slices_;
   Communicator ag_comm_, rs_comm_;
+  Communicator replicate_comm_;  // undefined unless HSDP
+  bool requires_all_reduce_ = true;
+  at::Tensor partial_;  // reduce dtype, this rank's segment: shards whose all-reduce is deferred
   c10::Device device_;
   at::ScalarType orig_dtype_, param_dtype_, reduce_dtype_;
 

@@ -25,6 +25,7 @@ from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
 from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
+from .estimate import MemoryEstimate, estimate_memory
 from .materialize import materialize
 from .safetensors_io import load_safetensors
 from .state_dict import local_state_dict
@@ -68,6 +69,8 @@ __all__ = [
     "load_full_state_dict",
     "load_safetensors",
     "materialize",
+    "estimate_memory",
+    "MemoryEstimate",
     "register_fsdp_forward_method",
     "local_state_dict",
     "save_checkpoint",

@@ -155,10 +155,17 @@ class FSDPModule:
             raise TypeError(f"set_is_last_backward expects a bool, got {is_last_backward!r}")
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP switch; with a 1-D group there is no replicate all-reduce to skip."""
-        if not requires_all_reduce:
-            _unsupported("set_requires_all_reduce(False)", "there is no hybrid (HSDP) replication yet; "
-                         "use set_requires_gradient_sync(False) to skip gradient communication")
+        """HSDP (fully_shard on a 2-D mesh): with False, backward still reduce-scatters
+        inside the shard group but keeps the reduced shards in a partial sum instead of
+        all-reducing them across replicas; the next backward with True all-reduces the
+        sum once. For gradient accumulation across nodes: the cross-node traffic is paid
+        once per step, not once per micro-batch. Without replication there is nothing to
+        defer and this changes nothing (as in FSDP2)."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"set_requires_all_reduce expects a bool, got {requires_all_reduce!r}")
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's: with False, a unit keeps its gathered parameters after its backward
@@ -286,20 +293,24 @@ def _own_mp_policy(policy) -> MixedPrecisionPolicy:
                     f"got {type(policy).__name__}")
 
 
-def _group_from_mesh(mesh, process_group):
+def _groups_from_mesh(mesh, process_group):
+    """(shard group, replicate group or None) from fully_shard's mesh/process_group.
+    A 2-D mesh follows FSDP2: dim 0 replicates, dim 1 shards (HSDP)."""
     if mesh is None:
-        return process_group
+        return process_group, None
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if process_group is not None:
         raise ValueError("pass either mesh or process_group, not both")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard(mesh=...) takes a 1-D mesh; got {mesh.ndim}-D {mesh.mesh_dim_names or ''} "
-            "(hybrid sharding on a 2-D mesh is not supported yet)")
-    return mesh.get_group()
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard(mesh=...) takes a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for hybrid "
+            f"sharding; got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''} (flatten or slice it first)")
+    return mesh.get_group(1), mesh.get_group(0)
 
 
 def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
@@ -325,11 +336,17 @@ def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
 _GROUPS: dict = {}
 
 
-def _group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None):
-    key = (dist.get_backend(pg), tuple(dist.get_process_group_ranks(pg)), role, timeout)
+def _group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None, shard_groups=None):
+    """The cached `role` communicator over pg's ranks. new_group() is collective over the
+    default group, so when pg is one of several shard groups (HSDP), `shard_groups` lists
+    the ranks of all of them and every rank creates them all, in the same order."""
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    rows = tuple(tuple(r) for r in shard_groups) if shard_groups is not None else (ranks,)
+    key = (dist.get_backend(pg), rows, role, timeout)
     if key not in _GROUPS:
         extra = {} if timeout is None else {"timeout": timeout}
-        _GROUPS[key] = dist.new_group(ranks=list(key[1]), backend=key[0], **extra)
+        made = {row: dist.new_group(ranks=list(row), backend=key[0], **extra) for row in rows}
+        _GROUPS[key] = made[ranks]
     return _GROUPS[key]
 
 
@@ -506,7 +523,12 @@ def fully_shard(
                      launched outside forward/backward.
     overlap_grad_reduce: False: backward waits for each unit's gradient reduction
                      before going on (no overlap; for debugging and measurements).
-    mesh:            FSDP2's spelling of process_group: a 1-D DeviceMesh (its group is used).
+    mesh:            a DeviceMesh instead of process_group. 1-D: its group shards. 2-D
+                     (replicate, shard), FSDP2's HSDP: parameters are sharded over
+                     dim 1's group and replicated over dim 0's; gradients are
+                     reduce-scattered in the shard group, then the shards all-reduced
+                     across replicas (set_requires_all_reduce(False) defers that under
+                     gradient accumulation). State dicts hold DTensors on this mesh.
     offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
     shard_placement_fn: FSDP2's; not supported (units shard one flat buffer, not per parameter).
     timeout:         a datetime.timedelta (or seconds): every collective of this unit
@@ -532,7 +554,7 @@ def fully_shard(
     if "_mfsdp_state" in module.__dict__:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
     mp_policy = _own_mp_policy(mp_policy)
-    process_group = _group_from_mesh(mesh, process_group)
+    process_group, replicate_group = _groups_from_mesh(mesh, process_group)
     _check_fsdp2_only_options(offload_policy, shard_placement_fn)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
@@ -563,7 +585,7 @@ def fully_shard(
     if timeout is not None and (all_gather_group is not None or reduce_scatter_group is not None):
         raise ValueError("pass either timeout= or explicit all_gather_group/reduce_scatter_group, not both "
                          "(create your groups with torch.distributed.new_group(..., timeout=...) instead)")
-    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size():
+    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size() and replicate_group is None:
         raise ValueError("timeout= needs a process group spanning all ranks (new_group is collective over the "
                          "default group); for a subgroup, create groups with new_group(..., timeout=...) on every "
                          "rank and pass them as all_gather_group= and reduce_scatter_group=")
@@ -600,15 +622,21 @@ def fully_shard(
         # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
         # before every collective; see Unit::set_check_collectives.
         unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
+        # HSDP: the mesh's shard groups, one per replica, so that groups made for one
+        # can be made for all (new_group is collective over the job).
+        shard_groups = mesh.mesh.reshape(-1, mesh.size(1)).tolist() if replicate_group is not None else None
         if timeout is not None and dist.get_world_size(pg) > 1:
-            reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout)
+            reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout, shard_groups)
             if strategy != _C.ShardingStrategy.NO_SHARD:
-                all_gather_group = _group_for(pg, "all_gather", timeout)
+                all_gather_group = _group_for(pg, "all_gather", timeout, shard_groups)
+        if timeout is not None and replicate_group is not None:
+            replicate_groups = mesh.mesh.reshape(-1, mesh.size(1)).t().tolist()
+            replicate_group = _group_for(replicate_group, "replicate", timeout, replicate_groups)
         if all_gather_group is None:
             # new_group() is collective over the default group, so only a group spanning
             # the whole job gets one automatically; per-rank subgroups (expert-parallel,
             # ...) must pass all_gather_group explicitly.
-            spans_job = dist.get_world_size(pg) == dist.get_world_size()
+            spans_job = dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None
             if create_all_gather_group is None:
                 create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower() and spans_job
             if strategy == _C.ShardingStrategy.NO_SHARD:
@@ -620,14 +648,16 @@ def fully_shard(
                         "(new_group is collective over the default group); for a subgroup, create the "
                         "all-gather group on every rank yourself and pass all_gather_group="
                     )
-                all_gather_group = _group_for(pg, "all_gather")
+                all_gather_group = _group_for(pg, "all_gather", shard_groups=shard_groups)
+        if replicate_group is not None:
+            unit.set_replicate_group(replicate_group)
         if all_gather_group is not None:
             unit.set_all_gather_group(all_gather_group)
         if reduce_scatter_group is not None:
             unit.set_reduce_scatter_group(reduce_scatter_group)
 
     state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options, check_group=reduce_scatter_group,
-                      deferred=deferred)
+                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner

@@ -62,8 +62,20 @@ class FSDPConfig:
     """Seconds (or a timedelta) any FSDP collective may wait before failing with an error
     naming the unit and phase (fully_shard(timeout=...)); None: the process group's timeout."""
 
+    outer_dp_sharding_strategy: str = "no_shard"
+    """Hybrid sharding (a device mesh with dp_outer_dim): what is sharded across the outer
+    (replicate) dimension. "no_shard": replicas hold the same shards and all-reduce
+    gradient shards (HSDP); "optim" (outer optimizer sharding) is not supported yet."""
+
     def __post_init__(self):
         _check_strategy(self.data_parallel_sharding_strategy)
+        if self.outer_dp_sharding_strategy == "optim":
+            raise NotImplementedError(
+                "FSDPConfig.outer_dp_sharding_strategy='optim' (optimizer state sharded across the outer "
+                "data-parallel dimension too) is not supported yet; use 'no_shard' (plain HSDP)")
+        if self.outer_dp_sharding_strategy != "no_shard":
+            raise ValueError(f"FSDPConfig.outer_dp_sharding_strategy must be 'no_shard' or 'optim', "
+                             f"got {self.outer_dp_sharding_strategy!r}")
         if self.bf16 and self.fp16:
             raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
         try:
@@ -123,16 +135,48 @@ def _size_based_units(module: nn.Module, min_numel: int, ignored: set) -> list:
     return units
 
 
+def _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group):
+    if device_mesh is None:
+        if dp_shard_dim is not None or dp_outer_dim is not None:
+            raise ValueError("fully_shard_model: dp_shard_dim/dp_outer_dim name dimensions of device_mesh; "
+                             "pass device_mesh too")
+        return None
+    if process_group is not None:
+        raise ValueError("fully_shard_model: pass either device_mesh or process_group, not both")
+    names = tuple(device_mesh.mesh_dim_names or ())
+    for what, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim)):
+        if dim is not None and dim not in names:
+            raise ValueError(f"fully_shard_model: {what}={dim!r} is not a dimension of device_mesh {names}")
+    if dp_outer_dim is not None:
+        if dp_shard_dim is None:
+            raise ValueError("fully_shard_model: dp_outer_dim (replicate) needs dp_shard_dim (shard) as well")
+        return device_mesh[(dp_outer_dim, dp_shard_dim)]
+    if dp_shard_dim is not None:
+        return device_mesh[dp_shard_dim]
+    if device_mesh.ndim != 1:
+        raise ValueError(f"fully_shard_model: device_mesh has dimensions {names}; name the shard dimension "
+                         "(dp_shard_dim=) and, for hybrid sharding, the replicate one (dp_outer_dim=)")
+    return device_mesh
+
+
 def fully_shard_model(
     module: nn.Module,
     config: FSDPConfig,
     fsdp_unit_modules: Optional[Sequence[Type[nn.Module]]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    *,
+    device_mesh=None,
+    dp_shard_dim: Optional[str] = None,
+    dp_outer_dim: Optional[str] = None,
 ) -> nn.Module:
     """Apply fully_shard to every submodule whose type is in `fsdp_unit_modules`
     (innermost first), then to `module` itself (the root, holding the rest).
-    Returns `module`; its parameters() are then this rank's shards."""
+    Returns `module`; its parameters() are then this rank's shards.
+
+    device_mesh, dp_shard_dim, dp_outer_dim (Megatron-FSDP's names): shard over the mesh
+    dimension named dp_shard_dim; with dp_outer_dim too, replicate over that one (HSDP,
+    fully_shard on the 2-D (dp_outer_dim, dp_shard_dim) mesh). A 1-D mesh needs no names."""
     if not isinstance(config, FSDPConfig):
         raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
     if isinstance(ignored_params, torch.Tensor):
@@ -142,8 +186,10 @@ def fully_shard_model(
     for k in kinds:
         if not (isinstance(k, type) and issubclass(k, nn.Module)):
             raise TypeError(f"fsdp_unit_modules must hold nn.Module classes, got {k!r}")
+    mesh = _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group)
     kwargs = dict(
         process_group=process_group,
+        mesh=mesh,
         sharding_strategy=config.data_parallel_sharding_strategy,
         mp_policy=config.mp_policy,
         ignored_params=ignored_params,

@@ -95,15 +95,18 @@ class _ParamInfo:
         self.full_numel = unit.layout.numels[index]
         self.replicated = unit.strategy == _C.ShardingStrategy.NO_SHARD
         group = state.process_group
-        if dist.get_world_size(group) != dist.get_world_size():
+        if dist.get_world_size(group) * unit.replicate_size != dist.get_world_size():
             # Units of different data-parallel groups (tensor/expert parallelism) would
             # write different values under the same keys and offsets; DCP keeps one.
+            # HSDP replicas are fine: they hold the same values, so keeping one is right.
             raise NotImplementedError(
                 f"sharded checkpoint: {state} is sharded over {dist.get_world_size(group)} of "
-                f"{dist.get_world_size()} ranks; sharded checkpoints need units sharded over the whole job "
-                "(use full_state_dict for other layouts)"
+                f"{dist.get_world_size()} ranks and replicated {unit.replicate_size}x; sharded checkpoints "
+                "need units whose shards and replicas cover the whole job (use full_state_dict for other layouts)"
             )
-        self.ranges = []  # (global rank, offset, numel) of every non-empty piece
+        # (global rank, offset, numel) of every non-empty piece in this rank's replica; the
+        # other replicas describe the same offsets with their own ranks.
+        self.ranges = []
         if not self.replicated:
             for r in range(unit.world_size):
                 piece = unit.layout.shard_slice(index, r)

@@ -130,7 +130,7 @@ class _RegisterPostBackward(torch.autograd.Function):
 
 class FSDPState:
     def __init__(self, module, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
-                 check_group=None, deferred: bool = False):
+                 check_group=None, deferred: bool = False, device_mesh=None):
         self._module_ref = weakref.ref(module)
         self.module_kind = type(module).__name__
         self.label = self.module_kind  # the module's path in the model, once lazy init ran
@@ -142,6 +142,8 @@ class FSDPState:
         self.sharded_params = sharded
         self.unsharded_params = unsharded
         self.process_group = pg
+        # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
+        self.device_mesh = device_mesh
         self.options = options
         # The effective value: the root never reshards after forward (set at lazy init).
         self.reshard_after_forward = options.reshard_after_forward

@@ -52,10 +52,18 @@ def _local_mode() -> bool:
 # ---------------------------------------------------------------- gathering and slicing
 
 def _mesh(state, device_type: str) -> DeviceMesh:
-    """A 1-D DeviceMesh over the unit's group (kept on the state, made once)."""
+    """The mesh of the unit's DTensors (kept on the state, made once): 1-D over its
+    group, or HSDP's 2-D (replicate, shard) mesh."""
     cached = state.__dict__.get("_dtensor_mesh")
     if cached is None or cached.device_type != device_type:
-        cached = DeviceMesh.from_group(state.process_group, device_type)
+        hsdp = state.device_mesh
+        if hsdp is None:
+            cached = DeviceMesh.from_group(state.process_group, device_type)
+        elif hsdp.device_type == device_type:
+            cached = hsdp
+        else:  # offloaded copies: the same ranks on the CPU
+            cached = DeviceMesh.from_group([hsdp.get_group(0), hsdp.get_group(1)], device_type,
+                                           mesh=hsdp.mesh, mesh_dim_names=hsdp.mesh_dim_names)
         state.__dict__["_dtensor_mesh"] = cached
     return cached
 
@@ -94,15 +102,19 @@ def _gather_full(state, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype
 
 
 def _as_dtensor(state, full: torch.Tensor) -> DTensor:
-    """`full` as FSDP2 stores it: dim 0 chunked over the group (torch.chunk sizes)."""
+    """`full` as FSDP2 stores it: dim 0 chunked over the shard group (torch.chunk sizes),
+    replicated over HSDP's replicate dim."""
     mesh = _mesh(state, full.device.type)
+    replicate = [Replicate()] * (mesh.ndim - 1)
     if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
-    world, rank = mesh.size(), mesh.get_local_rank()
+        return DTensor.from_local(full.clone(), mesh, replicate + [Replicate()], run_check=False)
+    shard_dim = mesh.ndim - 1
+    world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     rows = -(-full.shape[0] // world)
     start = min(rank * rows, full.shape[0])
     local = full[start: min(start + rows, full.shape[0])].clone()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local, mesh, replicate + [Shard(0)], run_check=False, shape=full.shape,
+                              stride=full.stride())
 
 
 def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tensor:

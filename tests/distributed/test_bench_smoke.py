@@ -106,3 +106,38 @@ def test_bench_comm_reports_the_slowest_rank():
     assert raw0 == raw1 and median0 == median1 and spread0 == spread1
     assert len(raw0) == 6 and min(raw0) >= 30.0, raw0
     assert median0 == pytest.approx(statistics.median(raw0) / 1e3)
+
+
+def test_bench_train_meta_init_tiny_cpu(tmp_path):
+    """--meta-init: both FSDP systems build on meta and initialize their shards. Ours starts
+    from exactly the values of the direct build (same losses as a run without
+    --meta-init); FSDP2's DTensor initializers draw per shard on CPU, so its values differ
+    and only its loss range is checked. The JSON records init time and local shard size."""
+    run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
+               "--warmup", "1", "--systems", "mfsdp,fsdp2", "--meta-init", "--out", str(tmp_path), port=29574)
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["system"]: r for r in data["results"]}
+    assert set(rows) == {"mfsdp", "fsdp2"} and all(r["meta_init"] for r in rows.values())
+    full_bytes = 4 * sum(p.numel() for p in _tiny_model().parameters())
+    for r in rows.values():
+        assert r["init_s"] > 0
+        assert r["local_shards_gib"] * 2**30 <= full_bytes / 2 + 4096, (r["local_shards_gib"], full_bytes)
+    assert abs(rows["mfsdp"]["final_loss"] - rows["fsdp2"]["final_loss"]) < 0.2, rows
+    run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
+               "--warmup", "1", "--systems", "mfsdp", "--out", str(tmp_path / "direct"), port=29575)
+    direct = json.loads((tmp_path / "direct" / "results.json").read_text())["results"][0]
+    assert not direct["meta_init"]
+    assert direct["final_loss"] == pytest.approx(rows["mfsdp"]["final_loss"], rel=1e-6, abs=1e-6)
+
+
+def _tiny_model():
+    import importlib.util as iu
+    spec = iu.spec_from_file_location("bench_train_cfg", _script("bench_train.py"))
+    # Read CONFIGS without running the script's main().
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+    vocab, d, layers, heads, ffn, _, seq = mod.CONFIGS["tiny"]
+    with torch.device("meta"):
+        return LlamaModel(LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn,
+                                      max_seq_len=seq))

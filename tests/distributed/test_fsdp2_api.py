@@ -60,8 +60,8 @@ def _fsdp2_arguments(rank, world):
     _same_training(a, b)
 
     m = _model()
-    with pytest.raises(NotImplementedError, match="1-D mesh; got 2-D"):
-        mfsdp.fully_shard(m, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(ValueError, match=r"1-D mesh \(FSDP\) or a 2-D mesh .* got a 3-D mesh"):
+        mfsdp.fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, world)))
     with pytest.raises(ValueError, match="either mesh or process_group"):
         mfsdp.fully_shard(m, mesh=mesh, process_group=dist.group.WORLD)
     with pytest.raises(TypeError, match="mesh must be a"):
@@ -151,7 +151,9 @@ def _forward_methods(rank, world):
 
     model.set_is_last_backward(True)
     model.set_requires_all_reduce(True)
-    for call in (lambda: model.set_requires_all_reduce(False), lambda: model.set_post_optim_event(None),
+    model.set_requires_all_reduce(False)  # nothing to defer without a replicate dimension (as in FSDP2)
+    model.set_requires_all_reduce(True)
+    for call in (lambda: model.set_post_optim_event(None),
                  lambda: model.set_all_reduce_hook(lambda g: None), lambda: model.set_custom_all_gather(None),
                  lambda: model.set_custom_reduce_scatter(None), lambda: model.share_comm_ctx([])):
         with pytest.raises(NotImplementedError, match="not supported by megatron_fsdp_ext: .+"):

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 _SCOPE = re.compile(r"^mfsdp::(unshard|reshard)\[(.*)\]$")
 _PHASE = re.compile(r"^test::phase\[(.*)\]$")
+_COLLECTIVE = re.compile(r"^mfsdp::(all_gather|reduce_scatter|all_reduce|all_gather_full|all_reduce_replicas)\[(.*)\]$")
 
 
 class UnitTrace:
@@ -106,3 +107,17 @@ class UnitTrace:
 
 def _is_sharded(state) -> bool:
     return state.unit is None or state.unit.state == state.unit.state.SHARDED
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Counts the library's collective scopes ("mfsdp::<collective>[<label>]") issued
+    inside the `with` block, per collective kind: e.g. counts["all_reduce_replicas"].
+    The dict is filled when the block ends."""
+    counts: Dict[str, int] = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield counts
+    for e in prof.events():
+        m = _COLLECTIVE.match(e.name)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1

@@ -1,0 +1,154 @@
+"""Per-rank memory of a sharded model before it exists: parameters, gradients, optimizer
+state and the units gathered at once, from shapes alone (a model on the meta device is
+enough). Activations are not estimated: they depend on the model's forward, not on
+sharding; add them from a single-GPU measurement of one micro-batch.
+
+The accounting follows what the units allocate (unit.h, unit.cpp):
+  - shards: each unit's flat layout segment, in the parameters' own dtype;
+  - sharded gradients: the same segment in that dtype (ZeRO-1 with a full-precision
+    reduction keeps the whole flat gradient alive behind its segment; no_shard keeps all);
+  - optimizer state: per element of the shard, in the parameters' dtype (AdamW: 2, SGD
+    with momentum: 1, "none": 0);
+  - gathered parameters, in the compute dtype: every unit under strategies that keep them
+    (optim, optim_grads; no_shard only when it casts), else the root (gathered through
+    the whole step) plus the largest unit 1 + prefetch_depth times;
+  - reduction buffers: one unit's unsharded gradients (compute dtype) and two flat
+    reduce-dtype buffers (the one being packed and the one in flight).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Type
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from .api import MixedPrecisionPolicy, _check_strategy, _own_mp_policy
+
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "none": 0}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank (the largest over ranks where shards are uneven)."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    gathered_params: int
+    reduction_buffers: int
+    num_units: int
+    shard_size: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.gathered_params + self.reduction_buffers
+
+    def __str__(self) -> str:
+        gib = 2 ** 30
+        rows = [("parameters (shards)", self.params), ("gradients (shards)", self.grads),
+                ("optimizer state", self.optimizer_state), ("gathered parameters", self.gathered_params),
+                ("reduction buffers", self.reduction_buffers), ("total, without activations", self.total)]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"per rank, {self.num_units} units sharded over {self.shard_size} ranks:"]
+        lines += [f"  {name:<{width}}  {nbytes / gib:9.3f} GiB" for name, nbytes in rows]
+        return "\n".join(lines)
+
+
+def _shard_size(mesh_or_world) -> int:
+    if isinstance(mesh_or_world, bool) or not isinstance(mesh_or_world, int):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh_or_world, DeviceMesh):
+            raise TypeError(f"estimate_memory: pass the number of ranks sharding a unit (int) or a DeviceMesh, "
+                            f"got {type(mesh_or_world).__name__}")
+        if mesh_or_world.ndim not in (1, 2):
+            raise ValueError(f"estimate_memory: a 1-D or (replicate, shard) 2-D mesh, got {mesh_or_world.ndim}-D")
+        return mesh_or_world.size(mesh_or_world.ndim - 1)
+    if mesh_or_world < 1:
+        raise ValueError(f"estimate_memory: the number of ranks must be >= 1, got {mesh_or_world}")
+    return mesh_or_world
+
+
+def _units(model: nn.Module, unit_modules: Sequence[Type[nn.Module]]) -> List[List[nn.Parameter]]:
+    """Parameters of each unit as fully_shard_model would make them: every module of a
+    unit class (innermost first) takes what no inner unit took; the root the rest."""
+    claimed, units = set(), []
+    kinds = tuple(unit_modules)
+    for k in kinds:
+        if not (isinstance(k, type) and issubclass(k, nn.Module)):
+            raise TypeError(f"estimate_memory: unit_modules must hold nn.Module classes, got {k!r}")
+    modules = [m for m in model.modules() if m is not model and isinstance(m, kinds)][::-1] + [model]
+    for m in modules:
+        own = []
+        for p in m.parameters():
+            if id(p) not in claimed:
+                claimed.add(id(p))
+                own.append(p)
+        units.append(own)
+    return units
+
+
+def estimate_memory(
+    model: nn.Module,
+    mesh_or_world,
+    *,
+    unit_modules: Optional[Iterable[Type[nn.Module]]] = None,
+    sharding_strategy: str = "optim_grads_params",
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    optimizer: str = "adamw",
+    prefetch_depth: int = 1,
+    alignment: int = _C.DEFAULT_ALIGNMENT,
+) -> MemoryEstimate:
+    """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
+    per shard group; or the DeviceMesh; for HSDP its shard dimension counts), with a
+    unit per module of a class in `unit_modules` plus the root, as
+    fully_shard_model(..., fsdp_unit_modules=unit_modules) makes them. `optimizer`:
+    "adamw"/"adam" (2 states per element), "sgd"/"sgd_momentum" (SGD with momentum: 1),
+    "none". `model` may live
+    on the meta device: only shapes and dtypes are read. Frozen parameters get no
+    gradient and no optimizer state."""
+    shard = _shard_size(mesh_or_world)
+    strategy = _check_strategy(sharding_strategy)
+    mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
+    if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(f"estimate_memory: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    S = _C.ShardingStrategy
+    replicated = strategy == S.NO_SHARD
+    keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
+    params = grads = optim = 0
+    gathered_all, totals = 0, []
+    largest_grad_buffers = 0
+    units = [u for u in _units(model, unit_modules or ()) if u]
+    for i, unit in enumerate(units):
+        orig = unit[0].dtype
+        b_orig = torch.empty((), dtype=orig).element_size()
+        b_param = torch.empty((), dtype=mp.param_dtype or orig).element_size()
+        b_reduce = torch.empty((), dtype=mp.reduce_dtype or mp.param_dtype or orig).element_size()
+        numels = [p.numel() for p in unit]
+        layout = _C.FlatLayout.even(numels, 1 if replicated else shard, alignment)
+        seg, total = layout.max_segment_numel, layout.total_numel
+        trainable = sum(n for p, n in zip(unit, numels) if p.requires_grad)
+        trainable_share = trainable / max(1, sum(numels))
+        params += seg * b_orig
+        full_grad_kept = strategy == S.OPTIM and b_reduce == b_orig
+        grads += int((total if full_grad_kept else seg) * trainable_share) * b_orig
+        optim += int(seg * trainable_share) * b_orig * _OPTIMIZER_STATES[optimizer]
+        gathered = 0 if (replicated and b_param == b_orig) else total * b_param
+        gathered_all += gathered
+        totals.append((gathered, i == len(units) - 1))
+        largest_grad_buffers = max(largest_grad_buffers, int(total * trainable_share) * (b_param + 2 * b_reduce))
+    if keeps_gathered or replicated:
+        gathered_params = gathered_all
+    else:
+        root = totals[-1][0] if totals else 0
+        others = sorted((g for g, is_root in totals if not is_root), reverse=True)
+        gathered_params = root + sum(others[:1 + prefetch_depth])
+    return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,
+                          reduction_buffers=largest_grad_buffers, num_units=len(units), shard_size=shard)
+
+
+__all__ = ["MemoryEstimate", "estimate_memory"]

@@ -1,0 +1,64 @@
+"""estimate_memory's arithmetic on shapes alone (single process; the distributed test in
+tests/distributed/test_hsdp.py compares it with what sharded units really hold)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64, bias=False)  # 4096 elements
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _model(frozen: bool = False):
+    with torch.device("meta"):
+        m = nn.Sequential(Block(), Block(), nn.Linear(64, 10, bias=False))  # root holds 640
+    if frozen:
+        m[0].fc.weight.requires_grad_(False)
+    return m
+
+
+def test_zero3_counts_segments_root_and_two_largest_units():
+    est = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block])
+    assert est.num_units == 3 and est.shard_size == 4
+    assert est.params == 4 * (1024 + 1024 + 160)
+    assert est.grads == est.params and est.optimizer_state == 2 * est.params  # AdamW: exp_avg, exp_avg_sq
+    assert est.gathered_params == 4 * (640 + 4096 + 4096)  # root + the unit in use + one prefetched
+    assert mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], prefetch_depth=0).gathered_params == \
+        4 * (640 + 4096)
+    assert est.total == est.params + est.grads + est.optimizer_state + est.gathered_params + est.reduction_buffers
+    assert "total, without activations" in str(est)
+
+
+def test_strategies_precision_and_frozen_parameters():
+    bf16 = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kept = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="optim_grads", mp_policy=bf16)
+    assert kept.gathered_params == 2 * (640 + 4096 + 4096)  # every unit kept, in bf16
+    zero1 = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="optim")
+    assert zero1.grads == 4 * (640 + 4096 + 4096)  # the full fp32 gradient stays alive behind the shard
+    replicated = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="no_shard")
+    assert replicated.params == 4 * (640 + 4096 + 4096) and replicated.gathered_params == 0  # aliases the shard
+    frozen = mfsdp.estimate_memory(_model(frozen=True), 4, unit_modules=[Block], optimizer="sgd")
+    assert frozen.grads == 4 * (1024 + 160) and frozen.optimizer_state == 4 * (1024 + 160)
+
+
+def test_bad_input_is_refused_by_name():
+    m = _model()
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        mfsdp.estimate_memory(m, 2, optimizer="lion")
+    with pytest.raises(ValueError, match="number of ranks must be >= 1"):
+        mfsdp.estimate_memory(m, 0)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        mfsdp.estimate_memory(m, "8")
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        mfsdp.estimate_memory(m, 2, prefetch_depth=-1)
+    with pytest.raises(TypeError, match="unit_modules must hold nn.Module classes"):
+        mfsdp.estimate_memory(m, 2, unit_modules=[m[0]])
+    with pytest.raises(ValueError, match="unknown sharding_strategy"):
+        mfsdp.estimate_memory(m, 2, sharding_strategy="zero3")
