@@ -8,7 +8,10 @@ compute, fp32 gradient reduction and fused AdamW (DDP: fp32 parameters under bf1
 autocast). Reports the median step time, tokens/s/GPU, TFLOP/s/GPU and peak memory,
 and the ratios against FSDP2 (compiled FSDP2 for compiled rows) and DDP; writes results.json, results.md and a step-time
 PNG under --out. `--device cpu --configs tiny` runs the same code on Gloo (a smoke run,
-not a measurement).
+not a measurement). `--meta-init` builds mfsdp and fsdp2 on the meta device (needed for
+the 13b config, which does not fit one GPU) and records init time, init peak and the
+local shard size; `--systems mfsdp,fsdp2 --configs 13b --meta-init` is the run for a
+model that needs FSDP.
 """
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ CONFIGS = {
     "small_many": (8192, 512, 48, 8, 1536, 8, 512),
     "8b_ish": (32000, 4096, 16, 32, 11008, 2, 2048),
     "tiny": (256, 64, 4, 4, 176, 2, 32),
+    # 12.7B parameters: fp32 AdamW training takes 16 bytes a parameter, 204 GB, more than
+    # one H200 (141 GB); ZeRO-3 over two needs ~102 GB a rank plus activations. Built on
+    # the meta device (--meta-init): it never exists whole on any rank.
+    "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
 }
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "mfsdp_compiled", "fsdp2_compiled")
@@ -53,20 +60,39 @@ def parse_args():
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--timeline", default="1b_comm_bound",
                    help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
+    p.add_argument("--meta-init", action="store_true",
+                   help="mfsdp and fsdp2 build the model on the meta device and initialize only their shards "
+                        "(mfsdp: materialize(); fsdp2: to_empty() + reset_parameters()); ddp is skipped")
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
                         "for python -m megatron_fsdp_ext.memory")
     return p.parse_args()
 
 
-def build(system: str, cfg: LlamaConfig, device: torch.device):
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor
+
+
+def _init_fsdp2_shards(model, device: torch.device) -> None:
+    """FSDP2's deferred init: allocate the DTensor shards, then each module's initializer."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for m in model.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+
+
+def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool = False):
     if system.endswith("_compiled"):
-        wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device)
+        wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device, meta_init)
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
             block.compile()
         return wrapped, model, autocast
+    if meta_init and system not in ("mfsdp", "fsdp2"):
+        raise ValueError(f"--meta-init: {system} cannot start from a model on the meta device")
     torch.manual_seed(0)
-    with torch.device(device):  # initialised on the GPU: an 8B model takes minutes on one CPU thread
+    # Initialised on the GPU (an 8B model takes minutes on one CPU thread), or on meta.
+    with torch.device("meta" if meta_init else device):
         model = LlamaModel(cfg)
     bf16 = device.type == "cuda"
     if system == "mfsdp":
@@ -75,6 +101,8 @@ def build(system: str, cfg: LlamaConfig, device: torch.device):
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp)
         mfsdp.fully_shard(model, mp_policy=mp)
+        if meta_init:
+            mfsdp.materialize(model)
         return model, model, False
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -86,6 +114,8 @@ def build(system: str, cfg: LlamaConfig, device: torch.device):
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+        if meta_init:
+            _init_fsdp2_shards(model, device)
         return model, model, False
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -120,7 +150,15 @@ def run_one(system, name, device, args):
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
     # Left over from an earlier system would inflate this one's peak: reported, not hidden.
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    wrapped, model, autocast = build(system, cfg, device)
+    init_start = time.perf_counter()
+    wrapped, model, autocast = build(system, cfg, device, args.meta_init)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        init_peak = torch.cuda.max_memory_allocated() - baseline
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        init_peak = 0
+    init_s = time.perf_counter() - init_start
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     g = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
@@ -167,10 +205,11 @@ def run_one(system, name, device, args):
     times = slowest.tolist()
     first_peak = step_peaks[0] if step_peaks else 0
     steady_peak = max(step_peaks[1:], default=first_peak)
-    mem_t = torch.tensor([max(first_peak, steady_peak), first_peak, steady_peak, baseline],
+    mem_t = torch.tensor([max(first_peak, steady_peak), first_peak, steady_peak, baseline, init_peak, init_s],
                          device=device, dtype=torch.float64)
     dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
-    peak, first_peak, steady_peak, baseline = (v / 2**30 for v in mem_t.tolist())
+    *mem_t, init_s = mem_t.tolist()
+    peak, first_peak, steady_peak, baseline, init_peak = (v / 2**30 for v in mem_t)
     step_s = statistics.median(times)
     tokens_per_gpu = mb * seq / step_s
     result = {
@@ -178,6 +217,8 @@ def run_one(system, name, device, args):
         "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
         "peak_mem_gib": peak, "first_step_peak_gib": first_peak, "steady_peak_gib": steady_peak,
         "baseline_gib": baseline, "final_loss": loss.item(), "step_times_s": times,
+        "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
+        "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
     wrapped = model = opt = loss = None  # free before the next system builds
     gc.collect()
@@ -210,8 +251,9 @@ def profile_timeline(train_step, system: str, name: str, out: Path) -> None:
 def write_outputs(results, out: Path, meta):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = ["| config | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | vs FSDP2 | vs DDP |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| config | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | vs FSDP2 | vs DDP "
+             "| init s | init peak GiB | local shards GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {(r["config"], r["system"]): r for r in results}
     def ratio(r, other):
         return f"{r['step_s'] / other['step_s']:.2f}x" if other else "-"
@@ -222,7 +264,8 @@ def write_outputs(results, out: Path, meta):
         f2, dd = by.get((r["config"], peer)), by.get((r["config"], "ddp"))
         lines.append(
             f"| {r['config']} | {r['system']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
-            f"{r['tflops_per_gpu']:.1f} | {r['peak_mem_gib']:.2f} | {ratio(r, f2)} | {ratio(r, dd)} |")
+            f"{r['tflops_per_gpu']:.1f} | {r['peak_mem_gib']:.2f} | {ratio(r, f2)} | {ratio(r, dd)} | "
+            f"{r['init_s']:.1f} | {r['init_peak_gib']:.2f} | {r['local_shards_gib']:.2f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
