@@ -193,6 +193,13 @@ def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
             _same_state(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), want_params,
                         f"{name} loading {fmt}'s checkpoint: parameters")
             _same_state(_full_optim(model, o), want_optim, f"{name} loading {fmt}'s checkpoint: optimizer state")
+    # Full state dicts load into HSDP too: every rank passing it, or rank 0 streaming it.
+    for broadcast in (False, True):
+        model = _shard(_build(device), _mesh(2, world // 2), "optim_grads")
+        given = want_params if (rank == 0 or not broadcast) else None
+        mfsdp.load_full_state_dict(model, given, broadcast_from_rank0=broadcast)
+        _same_state(mfsdp.full_state_dict(model, rank0_only=False), want_params,
+                    f"HSDP load_full_state_dict(broadcast_from_rank0={broadcast})")
     dist.barrier()
     if rank == 0:  # one process, no sharding at all
         plain = _build(device)
