@@ -67,23 +67,38 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x):
-        # Normalise in fp32 for stability, return in the input dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        # torch's fused kernel (it accumulates in fp32 for low-precision inputs): an
+        # unfused norm costs several kernels and hides per-unit overhead in benchmarks.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def _rope_tables(seq_len: int, head_dim: int, device, dtype):
+# Rotary tables per (sequence length, head dim, device, dtype), made once: rebuilding
+# them every forward costs more kernels than the attention itself on small layers.
+_ROPE_TABLES: dict = {}
+
+
+def _make_rope_tables(seq_len: int, head_dim: int, device, dtype):
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    t = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv)
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    freqs = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout (Hugging Face Llama's)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def _rope_tables(seq_len: int, head_dim: int, device, dtype):
+    if torch.compiler.is_compiling():  # traced into the graph: inductor folds it
+        return _make_rope_tables(seq_len, head_dim, device, dtype)
+    key = (seq_len, head_dim, torch.device(device), dtype)
+    if key not in _ROPE_TABLES:
+        # Plain tensors even when the first call runs under inference_mode: a later
+        # training forward saves them for backward.
+        with torch.inference_mode(False), torch.no_grad():
+            _ROPE_TABLES[key] = _make_rope_tables(seq_len, head_dim, device, dtype)
+    return _ROPE_TABLES[key]
+
+
 def _apply_rope(x, cos, sin):
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _residual_std(cfg: LlamaConfig) -> float:
