@@ -141,3 +141,32 @@ def _tiny_model():
     with torch.device("meta"):
         return LlamaModel(LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn,
                                       max_seq_len=seq))
+
+
+def test_compare_systems_runs_each_system_alone_interleaved(tmp_path):
+    """compare_systems.py: one process per (round, config, system), the order rotated every
+    round, a failing system recorded with its error while the others go on, and a summary
+    whose medians and ratios follow from the rows."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cmp"
+    proc = subprocess.run(
+        [sys.executable, str(_script("compare_systems.py")), "--nproc", "2", "--rounds", "2", "--configs", "tiny",
+         "--systems", "local,no_such_system", "--steps", "2", "--warmup", "1", "--device", "cpu",
+         "--out", str(out), "--port", "29577", "--timeout", "240"],
+        capture_output=True, text=True, timeout=900, env=dict(__import__("os").environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "rows.json").read_text())
+    assert [(r["round"], r["system"]) for r in rows] == [
+        (0, "local"), (0, "no_such_system"), (1, "no_such_system"), (1, "local")]
+    data = json.loads((out / "summary.json").read_text())
+    summary = data["summary"]
+    bad = summary["tiny/no_such_system"]
+    assert bad["ok_rounds"] == 0 and "unknown system" in " ".join(bad["errors"])
+    limit = summary["tiny/local"]
+    medians = [r["step_s"] * 1e3 for r in rows if r["system"] == "local"]
+    assert limit["ok_rounds"] == 2 and limit["step_ms"] == pytest.approx(statistics.median(medians))
+    assert limit["step_ms_min"] == min(medians) and limit["vs_local"] == 1.0 and "vs_fsdp2" not in limit
+    assert "compare_systems.py" in data["meta"]["command"] and data["meta"]["rounds"] == 2
+    assert "| tiny | no_such_system | failed:" in (out / "summary.md").read_text()

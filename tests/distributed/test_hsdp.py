@@ -35,7 +35,7 @@ def test_hsdp_misuse_is_refused():
 
 
 @pytest.mark.parametrize("strategy,bf16", [("optim_grads_params", False), ("optim_grads_params", True),
-                                           ("optim_grads", True), ("optim", False), ("optim", True),
+                                           ("optim_grads", True), ("optim", False),
                                            ("no_shard", True)])
 def test_estimate_memory_equals_what_the_units_hold(strategy, bf16):
     run_distributed(estimate_matches_what_units_hold, 4, strategy, bf16, timeout=180)

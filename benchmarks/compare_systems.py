@@ -1,0 +1,136 @@
+"""Every system in its own process, interleaved and repeated: the comparison to report.
+
+    python benchmarks/compare_systems.py --nproc 2 --rounds 3 --configs small_many,1b_comm_bound \
+        --systems local,ddp,mfsdp,fsdp2 --out benchmarks/out/compare
+
+For each round, each config and each system (the order of systems rotates every round, so
+no system always runs first or last), one `torchrun bench_train.py` process trains that
+system alone; its results.json lands under --out/round<k>/<config>/<system>/. A system
+that fails (out of memory, a missing package) is recorded with its error and the run goes
+on. The summary (--out/summary.json and summary.md) gives per system and config the
+median over rounds of the per-round median step time, the min-max over rounds, the peak
+memory, and the ratios of the medians against fsdp2, ddp and local (the no-communication
+limit). `--device cpu` runs the same on Gloo (a smoke run, not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default="small_many,1b_comm_bound,1b,8b_ish")
+    p.add_argument("--systems", default="local,ddp,mfsdp,fsdp2")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one system's process may take")
+    p.add_argument("--out", default="benchmarks/out/compare")
+    p.add_argument("--port", type=int, default=29641)
+    return p.parse_args()
+
+
+def _cause(output: str) -> str:
+    """The line of a failed run's output that says why (torchrun ends with banners)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-")]
+    # What the ranks printed comes before torchrun's own report of the failed child.
+    launcher = next((i for i, line in enumerate(lines) if "torch.distributed.elastic" in line
+                     or "ChildFailedError" in line or line.startswith("[rank") and "Failures:" in line), None)
+    lines = lines[:launcher] if launcher else lines
+    telling = [line for line in lines if re.search(r"Error|Exception|unknown|out of memory|Traceback", line)]
+    telling = [line for line in telling if not line.startswith("Traceback")] or telling
+    return telling[-1] if telling else (lines[-1] if lines else "no output")
+
+
+def run_system(args, k: int, config: str, system: str, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           f"--master_port={args.port}", str(HERE / "bench_train.py"), "--configs", config, "--systems", system,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--out", str(out),
+           "--timeline", ""]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        (out / "log.txt").write_text(proc.stdout + proc.stderr)
+        if proc.returncode == 0 and (out / "results.json").exists():
+            row = json.loads((out / "results.json").read_text())["results"][0]
+            return dict(row, round=k)
+        error = f"exit {proc.returncode}: {_cause(proc.stdout + proc.stderr)}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {args.timeout:.0f} s"
+    return {"system": system, "config": config, "round": k, "error": error}
+
+
+def summarize(rows: list) -> dict:
+    by = {}
+    for r in rows:
+        by.setdefault((r["config"], r["system"]), []).append(r)
+    summary = {}
+    for (config, system), rs in by.items():
+        ok = [r for r in rs if "error" not in r]
+        entry = {"config": config, "system": system, "rounds": len(rs), "ok_rounds": len(ok),
+                 "errors": sorted({r["error"] for r in rs if "error" in r})}
+        if ok:
+            medians = [r["step_s"] * 1e3 for r in ok]
+            entry.update(step_ms=statistics.median(medians), step_ms_min=min(medians), step_ms_max=max(medians),
+                         round_medians_ms=medians, peak_mem_gib=max(r["peak_mem_gib"] for r in ok),
+                         tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in ok))
+        summary[f"{config}/{system}"] = entry
+    for entry in summary.values():
+        for peer in ("fsdp2", "ddp", "local"):
+            other = summary.get(f"{entry['config']}/{peer}")
+            if "step_ms" in entry and other and "step_ms" in other:
+                entry[f"vs_{peer}"] = entry["step_ms"] / other["step_ms"]
+    return summary
+
+
+def write_summary(summary: dict, meta: dict, out: Path) -> None:
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=2))
+    lines = ["| config | system | step ms, median of rounds (min-max) | peak GiB | vs FSDP2 | vs DDP | vs local |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for e in summary.values():
+        if "step_ms" not in e:
+            lines.append(f"| {e['config']} | {e['system']} | failed: {'; '.join(e['errors'])} | - | - | - | - |")
+            continue
+        ratios = [f"{e[f'vs_{p}']:.2f}x" if f"vs_{p}" in e else "-" for p in ("fsdp2", "ddp", "local")]
+        lines.append(f"| {e['config']} | {e['system']} | {e['step_ms']:.1f} ({e['step_ms_min']:.1f}-"
+                     f"{e['step_ms_max']:.1f}), n={e['ok_rounds']} | {e['peak_mem_gib']:.2f} | " + " | ".join(ratios)
+                     + " |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main():
+    args = parse_args()
+    out = Path(args.out)
+    systems, configs = args.systems.split(","), args.configs.split(",")
+    rows, meta = [], None
+    for k in range(args.rounds):
+        order = systems[k % len(systems):] + systems[:k % len(systems)]
+        for config in configs:
+            for system in order:
+                row = run_system(args, k, config, system, out / f"round{k}" / config / system)
+                rows.append(row)
+                print(f"round {k} {config:>14} {system:>16}: "
+                      + (f"{row['step_s'] * 1e3:.1f} ms" if "error" not in row else row["error"]), flush=True)
+                if meta is None and "error" not in row:
+                    meta = json.loads((out / f"round{k}" / config / system / "results.json").read_text())["meta"]
+        (out / "rows.json").write_text(json.dumps(rows, indent=2))
+    meta = dict(meta or {}, command=" ".join([Path(sys.executable).name] + sys.argv), rounds=args.rounds,
+                interleaving="each system in its own torchrun process; order of systems rotated every round")
+    write_summary(summarize(rows), meta, out)
+
+
+if __name__ == "__main__":
+    main()
