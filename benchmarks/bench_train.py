@@ -47,7 +47,8 @@ CONFIGS = {
     "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
 }
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
-SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "mfsdp_compiled", "fsdp2_compiled")
+SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
+           "fsdp2_compiled")
 
 
 def parse_args():
@@ -71,6 +72,25 @@ def parse_args():
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor
+
+
+def _megatron_fsdp(model, device: torch.device, separate_all_gather_group: bool):
+    """NVIDIA Megatron-FSDP from PyPI (`megatron-fsdp`), set up as its docs recommend for
+    this comparison: a bf16 model, fp32 main parameters and gradients, one unit per block,
+    ZeRO-3; `_ag` adds its separate all-gather group (fsdp_group_ag) so all-gathers
+    overlap reduce-scatters, as ours and FSDP2 do by default on NCCL."""
+    if device.type != "cuda":
+        raise SystemExit("megatron_fsdp runs on CUDA only")
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    ag_group = dist.new_group(list(range(dist.get_world_size()))) if separate_all_gather_group else None
+    mp = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    wrapped = megatron_fsdp.fully_shard_model(
+        model.to(torch.bfloat16), device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[type(model.blocks[0])],
+        zero_dp_strategy=3, mixed_precision_policy=mp, fsdp_group_ag=ag_group, device=device)
+    return wrapped, wrapped, False
 
 
 def _init_fsdp2_shards(model, device: torch.device) -> None:
@@ -123,6 +143,8 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
         return ddp, model, bf16  # autocast for bf16 compute
+    if system in ("megatron_fsdp", "megatron_fsdp_ag"):
+        return _megatron_fsdp(model, device, separate_all_gather_group=system.endswith("_ag"))
     if system == "local":
         # The no-communication limit: each rank trains its micro-batch alone, with the
         # same bf16 compute as DDP (autocast), no collective at all.
@@ -166,6 +188,9 @@ def run_one(system, name, device, args):
         init_peak = 0
     init_s = time.perf_counter() - init_start
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    if system.startswith("megatron_fsdp"):  # its optimizer.step() finishes the gradient reductions
+        import megatron_fsdp
+        opt = megatron_fsdp.fully_shard_optimizer(opt)
     g = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
     tokens, targets = data[:, :-1], data[:, 1:]
