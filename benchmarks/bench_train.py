@@ -84,11 +84,13 @@ def _megatron_fsdp(model, device: torch.device, separate_all_gather_group: bool)
     import megatron_fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    # It looks parameters' tensor-parallel mesh up by name even without TP: a trivial tp dim.
+    mesh = init_device_mesh("cuda", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     ag_group = dist.new_group(list(range(dist.get_world_size()))) if separate_all_gather_group else None
     mp = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     wrapped = megatron_fsdp.fully_shard_model(
-        model.to(torch.bfloat16), device_mesh=mesh, dp_shard_dim="dp", fsdp_unit_modules=[type(model.blocks[0])],
+        model.to(torch.bfloat16), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+        fsdp_unit_modules=[type(model.blocks[0])],
         zero_dp_strategy=3, mixed_precision_policy=mp, fsdp_group_ag=ag_group, device=device)
     return wrapped, wrapped, False
 
