@@ -12,7 +12,9 @@ EVERY_STRATEGY = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 MESHES = {
     # (replicate, scenarios)
     "2x2": (2, [{"strategy": s, "micro": 2, "defer": True, "clip": 0.05} for s in EVERY_STRATEGY]
-            + [{"strategy": "optim_grads_params", "micro": 2}, {"strategy": "optim_grads", "config": True}]),
+            + [{"strategy": "optim_grads_params", "micro": 2}, {"strategy": "optim_grads", "config": True},
+               {"strategy": "optim_grads_params", "micro": 2, "defer": True, "timeout": 120},
+               {"strategy": "optim", "create_all_gather_group": True}]),
     "4x1": (4, [{"strategy": "optim_grads_params", "micro": 2, "defer": True, "clip": 0.05},
                 {"strategy": "no_shard"}]),
     "1x4": (1, [{"strategy": "optim_grads_params", "clip": 0.05}, {"strategy": "optim", "micro": 2, "defer": True}]),

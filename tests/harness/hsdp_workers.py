@@ -35,8 +35,8 @@ def _build(device, tie: bool = False) -> LlamaModel:
     return LlamaModel(LlamaConfig(**CFG, tie_embeddings=tie)).to(device)
 
 
-def _shard(model, mesh, strategy: str, mp=None):
-    kw = dict(mesh=mesh, sharding_strategy=strategy)
+def _shard(model, mesh, strategy: str, mp=None, **extra):
+    kw = dict(mesh=mesh, sharding_strategy=strategy, **extra)
     if mp is not None:
         kw["mp_policy"] = mp
     for block in model.blocks:
@@ -93,11 +93,16 @@ def hsdp_parity(rank: int, world: int, replicate: int, scenarios: List[Dict]) ->
                 copy.deepcopy(ref), mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy),
                 fsdp_unit_modules=[type(ref.blocks[0])], device_mesh=mesh, dp_shard_dim="shard",
                 dp_outer_dim="replicate")
-        else:
-            model = _shard(copy.deepcopy(ref), mesh, strategy)
+        else:  # groups of their own: timeout= or create_all_gather_group=True, made for every shard group
+            extra = {k: sc[k] for k in ("timeout", "create_all_gather_group") if k in sc}
+            model = _shard(copy.deepcopy(ref), mesh, strategy, **extra)
         units = [s for s in iter_states(model) if s.unit is not None]
         assert all(s.unit.replicate_size == replicate and s.unit.world_size == world // replicate for s in units)
         assert all(s.unit.replicate_rank == mesh.get_local_rank(0) for s in units)
+        # Units shard over this rank's row of the mesh (a group made for another row would
+        # reduce across the wrong ranks: the gradient checks below catch that).
+        shard_ranks = mesh.mesh[mesh.get_local_rank(0)].tolist()
+        assert all(dist.get_process_group_ranks(s.process_group) == shard_ranks for s in units)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         per, worst = 2, 0.0
@@ -200,6 +205,14 @@ def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
         mfsdp.load_full_state_dict(model, given, broadcast_from_rank0=broadcast)
         _same_state(mfsdp.full_state_dict(model, rank0_only=False), want_params,
                     f"HSDP load_full_state_dict(broadcast_from_rank0={broadcast})")
+    # Deferred init under HSDP: every replica materializes the same values, those of a direct build.
+    with torch.device("meta"):
+        meta = LlamaModel(LlamaConfig(**CFG))
+    _shard(meta, _mesh(2, world // 2), "optim_grads_params")
+    torch.manual_seed(SEED)
+    mfsdp.materialize(meta)
+    _same_state(mfsdp.full_state_dict(meta, rank0_only=False), _build(device).state_dict(),
+                "HSDP materialize against a direct build")
     dist.barrier()
     if rank == 0:  # one process, no sharding at all
         plain = _build(device)
