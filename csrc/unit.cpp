@@ -521,7 +521,7 @@ bool Unit::reduce_grads(bool sync) {
   auto done = reduce(buffers, defer);
   if (defer) {
     // Nothing lands: has_grad_ keeps which parameters will get a gradient view.
-    ctx().hold_reduction({buffers.flat, buffers.reduced}, std::move(done));
+    ctx().hold_reduction({buffers.flat, buffers.reduced, partial_}, std::move(done));
     return true;
   }
   partial_ = at::Tensor();

@@ -310,7 +310,19 @@ def _groups_from_mesh(mesh, process_group):
         raise ValueError(
             f"fully_shard(mesh=...) takes a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for hybrid "
             f"sharding; got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''} (flatten or slice it first)")
+    rows = mesh.mesh
+    if not bool((rows.sort(dim=-1).values == rows).all()):
+        # Groups order their ranks ascending: a row listed otherwise would pair each shard
+        # with another replica's different segment in the all-reduce across replicas.
+        raise ValueError(f"fully_shard(mesh=...): every shard row of the mesh must list its ranks in "
+                         f"ascending order, got {rows.tolist()}")
     return mesh.get_group(1), mesh.get_group(0)
+
+
+def _mesh_covers_job(mesh) -> bool:
+    """Whether `mesh.mesh` lists every rank of the job (not a slice of a larger mesh, where
+    other ranks would see other rows and groups made from them would differ)."""
+    return mesh.mesh.numel() == dist.get_world_size()
 
 
 def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
@@ -585,7 +597,8 @@ def fully_shard(
     if timeout is not None and (all_gather_group is not None or reduce_scatter_group is not None):
         raise ValueError("pass either timeout= or explicit all_gather_group/reduce_scatter_group, not both "
                          "(create your groups with torch.distributed.new_group(..., timeout=...) instead)")
-    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size() and replicate_group is None:
+    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size() and \
+            (replicate_group is None or not _mesh_covers_job(mesh)):
         raise ValueError("timeout= needs a process group spanning all ranks (new_group is collective over the "
                          "default group); for a subgroup, create groups with new_group(..., timeout=...) on every "
                          "rank and pass them as all_gather_group= and reduce_scatter_group=")
@@ -624,12 +637,13 @@ def fully_shard(
         unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
         # HSDP: the mesh's shard groups, one per replica, so that groups made for one
         # can be made for all (new_group is collective over the job).
-        shard_groups = mesh.mesh.reshape(-1, mesh.size(1)).tolist() if replicate_group is not None else None
+        shard_groups = (mesh.mesh.reshape(-1, mesh.size(1)).tolist()
+                        if replicate_group is not None and _mesh_covers_job(mesh) else None)
         if timeout is not None and dist.get_world_size(pg) > 1:
             reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout, shard_groups)
             if strategy != _C.ShardingStrategy.NO_SHARD:
                 all_gather_group = _group_for(pg, "all_gather", timeout, shard_groups)
-        if timeout is not None and replicate_group is not None:
+        if timeout is not None and replicate_group is not None and shard_groups is not None:
             replicate_groups = mesh.mesh.reshape(-1, mesh.size(1)).t().tolist()
             replicate_group = _group_for(replicate_group, "replicate", timeout, replicate_groups)
         if all_gather_group is None:

@@ -63,7 +63,7 @@ def _mesh(state, device_type: str) -> DeviceMesh:
             cached = hsdp
         else:  # offloaded copies: the same ranks on the CPU
             cached = DeviceMesh.from_group([hsdp.get_group(0), hsdp.get_group(1)], device_type,
-                                           mesh=hsdp.mesh, mesh_dim_names=hsdp.mesh_dim_names)
+                                           mesh=hsdp.mesh, mesh_dim_names=hsdp.mesh_dim_names or ("replicate", "shard"))
         state.__dict__["_dtensor_mesh"] = cached
     return cached
 

@@ -239,6 +239,11 @@ def hsdp_errors(rank: int, world: int) -> None:
                                                  dp_outer_dim="replicate"), ValueError, "needs dp_shard_dim")
     expect_error(lambda: mfsdp.FSDPConfig(outer_dp_sharding_strategy="optim"), NotImplementedError,
                  "outer_dp_sharding_strategy='optim'")
+    if world == 4:  # rows not ascending would pair the wrong replicas
+        from torch.distributed.device_mesh import DeviceMesh
+        shuffled = DeviceMesh(device_for_backend().type, torch.tensor([[0, 1], [3, 2]]),
+                              mesh_dim_names=("replicate", "shard"))
+        expect_error(lambda: mfsdp.fully_shard(model.blocks[1], mesh=shuffled), ValueError, "ascending order")
     mfsdp.fully_shard(model, mesh=mesh)
     expect_error(lambda: model.set_requires_all_reduce(0), TypeError, "set_requires_all_reduce expects a bool")
 
