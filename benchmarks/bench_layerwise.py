@@ -21,10 +21,8 @@ layerwise.md under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer, newton_sc
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_meta import run_meta  # noqa: E402
+from run_meta import init_benchmark_process, run_meta  # noqa: E402
 
 CONFIGS = {  # name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
     "1b": (32000, 2048, 24, 16, 5504, 4, 2048),
@@ -148,15 +146,7 @@ def main():
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29562")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device = init_benchmark_process(args.device, standalone_port=29562)
     results = []
     for system in args.systems.split(","):
         if system not in SYSTEMS:

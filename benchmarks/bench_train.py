@@ -16,10 +16,8 @@ model that needs FSDP.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_meta import run_meta  # noqa: E402
+from run_meta import init_benchmark_process, run_meta  # noqa: E402
 
 # name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
@@ -324,15 +322,7 @@ def write_outputs(results, out: Path, meta):
 
 def main():
     args = parse_args()
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device = init_benchmark_process(args.device, standalone_port=29561)
     rank = dist.get_rank()
     meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup,
                 timing="per step the slowest rank (all-reduce MAX); step_s = median over steps")

@@ -15,9 +15,7 @@ At world 1 every collective is skipped: what remains is the hooks' own work. Wit
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import re
 import statistics
 import sys
@@ -32,7 +30,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_meta import run_meta  # noqa: E402
+from run_meta import init_benchmark_process, run_meta  # noqa: E402
 
 _SCOPE = re.compile(r"^mfsdp::([a-z_]+)\[(.*)\]$")
 
@@ -90,15 +88,7 @@ def _phase_us(model, opt, tokens, device, steps: int, units: int):
 
 def main():
     args = parse_args()
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29563")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device = init_benchmark_process(args.device, standalone_port=29563)
     cfg = LlamaConfig(vocab_size=128, d_model=args.width, n_layers=args.units, n_heads=4, ffn_hidden=2 * args.width)
     tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     tokens = tokens.to(device)

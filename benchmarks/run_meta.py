@@ -32,6 +32,23 @@ def git_commit() -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
+def init_benchmark_process(device_choice: str, standalone_port: int) -> torch.device:
+    """Join the job (NCCL on CUDA, Gloo otherwise) and return this rank's device.
+    `device_choice` is a script's --device ("auto", "cpu", "cuda"); run without torchrun,
+    the script is a world of one on `standalone_port`."""
+    use_cuda = torch.cuda.is_available() and device_choice != "cpu"
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(standalone_port))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    return device
+
+
 def run_meta(device: torch.device) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     cuda = device.type == "cuda"

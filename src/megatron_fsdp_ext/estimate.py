@@ -125,9 +125,9 @@ def estimate_memory(
     units = [u for u in _units(model, unit_modules or ()) if u]
     for i, unit in enumerate(units):
         orig = unit[0].dtype
-        b_orig = torch.empty((), dtype=orig).element_size()
-        b_param = torch.empty((), dtype=mp.param_dtype or orig).element_size()
-        b_reduce = torch.empty((), dtype=mp.reduce_dtype or mp.param_dtype or orig).element_size()
+        b_orig = orig.itemsize
+        b_param = (mp.param_dtype or orig).itemsize
+        b_reduce = (mp.reduce_dtype or mp.param_dtype or orig).itemsize
         numels = [p.numel() for p in unit]
         layout = _C.FlatLayout.even(numels, 1 if replicated else shard, alignment)
         seg, total = layout.max_segment_numel, layout.total_numel

@@ -23,7 +23,7 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.states import BackwardProgress
 
 from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard, shard_blocks_and_root,
-                      train_parity)
+                      train_parity, unique_storage_bytes)
 
 
 def _sleep_cycles() -> int:
@@ -99,13 +99,12 @@ def unsharded_memory_released(rank: int, world: int) -> Dict:
         model.loss(tokens, targets).backward()
         opt.step()
         torch.cuda.synchronize()
-        grad_storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                         for p in model.parameters() if p.grad is not None}
+        grad_bytes = unique_storage_bytes(p.grad for p in model.parameters())
         before = torch.cuda.memory_allocated()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
-        drops.append((before - after[-1], sum(grad_storages.values())))
+        drops.append((before - after[-1], grad_bytes))
         for m in model.modules():
             st = m.__dict__.get("_mfsdp_state")
             if st is not None and st.unit is not None:

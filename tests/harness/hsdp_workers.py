@@ -20,7 +20,7 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.param_index import iter_states
 
 from .observe import count_collectives
-from .workers import device_for_backend, expect_error, rel_err, shard_piece
+from .workers import device_for_backend, expect_error, rel_err, shard_piece, unique_storage_bytes
 
 SEED = 1234
 CFG = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, ffn_hidden=72)
@@ -248,15 +248,6 @@ def hsdp_errors(rank: int, world: int) -> None:
     expect_error(lambda: model.set_requires_all_reduce(0), TypeError, "set_requires_all_reduce expects a bool")
 
 
-def _unique_storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None and t.numel() > 0:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def estimate_matches_what_units_hold(rank: int, world: int, strategy: str, bf16: bool) -> Dict:
     """estimate_memory on a meta model equals, component by component, the bytes the
     sharded model really holds (largest over ranks): shards, gradients after backward,
@@ -287,7 +278,7 @@ def estimate_matches_what_units_hold(rank: int, world: int, strategy: str, bf16:
         model.loss(tokens, tokens).backward()
     held = {
         "params": sum(s.unit.sharded_flat.nbytes for s in states),
-        "grads": _unique_storage_bytes(p.grad for p in model.parameters()),
+        "grads": unique_storage_bytes(p.grad for p in model.parameters()),
     }
     opt.step()
     held["optimizer_state"] = sum(v.nbytes for st in opt.state.values() for v in st.values()

@@ -37,6 +37,13 @@ def expect_error(fn, exc_type, *fragments: str) -> None:
     raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragments})")
 
 
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped): what they keep
+    alive, views of one flat buffer counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are empty or zero)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
