@@ -9,6 +9,7 @@
 #include "layout.h"
 #include "pack.h"
 #include "param_slots.h"
+#include "post_backward.h"
 #include "unit.h"
 
 namespace py = pybind11;
@@ -230,6 +231,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
       .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>());
+
+  m.def("set_post_backward_callback", &set_post_backward_callback, py::arg("callback"),
+        "The callable that gets a unit's key when the backward of one of its forward calls is done.");
+  m.def("mark_post_backward", &mark_post_backward, py::arg("key"), py::arg("inputs"),
+        "`inputs` through an identity autograd node whose backward reports `key` to the callback.");
 
   py::class_<ParamSlots>(m, "ParamSlots")
       .def(py::init<>())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import weakref
 from typing import List, Optional
 
@@ -113,19 +114,22 @@ class RootContext:
         self.order = ForwardOrder.FROZEN
 
 
-class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on the unit's forward inputs; its backward runs once the unit's whole
-    backward is done (the inputs' gradients are the last thing the unit produces)."""
+# Units by key, for the C++ post-backward marker node (it carries the key, not the state).
+_STATES_BY_KEY: "weakref.WeakValueDictionary[int, FSDPState]" = weakref.WeakValueDictionary()
+_next_key = itertools.count()
 
-    @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
-        return inputs
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state.post_backward_of_one_call()
-        return (None,) + grads
+def _post_backward_of_key(key: int) -> None:
+    state = _STATES_BY_KEY.get(key)
+    if state is not None:
+        state.post_backward_of_one_call()
+
+
+_C.set_post_backward_callback(_post_backward_of_key)
+
+# Arguments that are never containers: a call whose positional arguments are all tensors
+# or these (and no keyword arguments) needs no pytree walk.
+_SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
 class FSDPState:
@@ -165,6 +169,8 @@ class FSDPState:
         # Meta-device parameters: the shard is allocated but holds no values until
         # megatron_fsdp_ext.materialize() runs the modules' initializers.
         self.param_init = ParamInit.DEFERRED if deferred else ParamInit.MATERIALIZED
+        self.key = next(_next_key)
+        _STATES_BY_KEY[self.key] = self
 
         self.slots = _C.ParamSlots()
         for params_dict, name, index in slots:
@@ -312,12 +318,24 @@ class FSDPState:
         return args, kwargs
 
     def _register_post_backward(self, args, kwargs):
+        """The inputs that need a gradient go through the C++ post-backward marker, whose
+        backward calls post_backward_of_one_call() once this forward call's backward is done."""
+        if not kwargs and all(isinstance(a, (torch.Tensor, *_SCALAR_TYPES)) for a in args):
+            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if not idx:
+                return args, kwargs
+            self._pending_backward_calls += 1
+            outs = _C.mark_post_backward(self.key, [args[i] for i in idx])
+            args = list(args)
+            for i, t in zip(idx, outs):
+                args[i] = t
+            return tuple(args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
         self._pending_backward_calls += 1
-        outs = _RegisterPostBackward.apply(self, *[flat[i] for i in idx])
+        outs = _C.mark_post_backward(self.key, [flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -337,8 +355,7 @@ class FSDPState:
                 s.release()
         output = self._cast_output(output)
         if grad_enabled:
-            flat, _ = tree_flatten(output)
-            for t in flat:
+            for t in ((output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output

@@ -1,0 +1,25 @@
+// The post-backward marker: an autograd node between a unit's forward inputs and the
+// unit, identity in forward. Its backward runs once the unit's whole backward is done
+// (the inputs' gradients are the last thing the unit produces) and notifies Python with
+// the unit's key. A C++ node instead of a Python autograd.Function: no ctx object, no
+// grad materialization, one GIL acquisition per backward call.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <vector>
+
+namespace mfsdp {
+
+namespace py = pybind11;
+
+// The Python callable that receives the key of a unit whose backward finished. Set once
+// per process; every node calls it (with the GIL) from the autograd thread.
+void set_post_backward_callback(py::object callback);
+
+// `inputs` through the marker node: aliases whose backward notifies `key`. Inputs that
+// need no gradient are returned as they are.
+std::vector<at::Tensor> mark_post_backward(int64_t key, const std::vector<at::Tensor>& inputs);
+
+}  // namespace mfsdp
