@@ -45,8 +45,10 @@ CONFIGS = {
     "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
 }
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
+# "<system>_graphed": the whole training step (forward, backward with its collectives, a
+# capturable fused AdamW step) captured once in a CUDA graph after warm-up and replayed.
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
-           "fsdp2_compiled")
+           "fsdp2_compiled", "mfsdp_graphed", "local_graphed")
 
 
 def parse_args():
@@ -103,6 +105,10 @@ def _init_fsdp2_shards(model, device: torch.device) -> None:
 
 
 def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool = False):
+    if system.endswith("_graphed"):
+        if device.type != "cuda":
+            raise SystemExit(f"{system}: CUDA graphs need a CUDA device")
+        return build(system.removesuffix("_graphed"), cfg, device, meta_init)
     if system.endswith("_compiled"):
         wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device, meta_init)
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
@@ -187,7 +193,8 @@ def run_one(system, name, device, args):
     else:
         init_peak = 0
     init_s = time.perf_counter() - init_start
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    graphed = system.endswith("_graphed")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None, capturable=graphed)
     if system.startswith("megatron_fsdp"):  # its optimizer.step() finishes the gradient reductions
         import megatron_fsdp
         opt = megatron_fsdp.fully_shard_optimizer(opt)
@@ -196,14 +203,22 @@ def run_one(system, name, device, args):
     tokens, targets = data[:, :-1], data[:, 1:]
     times, step_peaks = [], []
 
-    def train_step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    def forward_backward_step():
+        # No autocast weight cache: a CUDA graph must not keep casts made during capture.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=not graphed):
             logits = wrapped(tokens)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         opt.step()
+        return loss
+
+    def train_step():
+        loss = forward_backward_step()
         opt.zero_grad(set_to_none=True)
         return loss
+
+    if graphed:
+        train_step = capture_step(forward_backward_step, opt, args.warmup)
 
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
@@ -256,6 +271,33 @@ def run_one(system, name, device, args):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def capture_step(forward_backward_step, opt, warmup: int):
+    """The step captured in one CUDA graph; returns a function that replays it.
+
+    Warm-up runs eagerly on a side stream first (lazy init, the recorded forward order,
+    NCCL and cuBLAS setup, the optimizer state), as capture requires. Gradients are
+    None before capture, so the captured backward writes them afresh on every replay
+    and the captured optimizer step reads them; the inputs are the same tensors each
+    step, so replaying trains on the same data as the eager systems."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            forward_backward_step()
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_loss = forward_backward_step()
+
+    def replay():
+        graph.replay()
+        return static_loss
+
+    return replay
 
 
 def profile_timeline(train_step, system: str, name: str, out: Path) -> None:

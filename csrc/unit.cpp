@@ -618,7 +618,11 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
     }
     cast_scale_into(b.target, b.reduced, scale, b.landing == Landing::kAccumulate);
   };
-  auto done = std::make_shared<PendingCollective>(device_);
+  // One event per unit, recorded again each reduction: the context retires the held
+  // reduction before the next is recorded (at worst it then waits for the newer one,
+  // which is ordered after it on the same stream).
+  if (!reduction_done_) reduction_done_ = std::make_shared<PendingCollective>(device_);
+  auto done = reduction_done_;
   const auto& streams = ctx().streams();
   if (!streams.enabled()) {
     issue();

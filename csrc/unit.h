@@ -237,6 +237,8 @@ class Unit {
   bool stale_ = false;             // shard_changed() since the last gather
   std::shared_ptr<CommContext> ctx_;
   StreamEvent compute_ready_, all_gather_done_;
+  // Recorded by each gradient reduction of this unit (see reduce()).
+  std::shared_ptr<PendingCollective> reduction_done_;
 };
 
 }  // namespace mfsdp
