@@ -212,13 +212,12 @@ def run_one(system, name, device, args):
         opt.step()
         return loss
 
-    def train_step():
+    def eager_step():
         loss = forward_backward_step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    if graphed:
-        train_step = capture_step(forward_backward_step, opt, args.warmup)
+    train_step = capture_step(forward_backward_step, opt, args.warmup) if graphed else eager_step
 
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
