@@ -201,7 +201,7 @@ def run_one(system, name, device, args):
     g = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
     tokens, targets = data[:, :-1], data[:, 1:]
-    times, step_peaks = [], []
+    times, step_peaks, losses = [], [], []
 
     def forward_backward_step():
         # No autocast weight cache: a CUDA graph must not keep casts made during capture.
@@ -237,6 +237,7 @@ def run_one(system, name, device, args):
             dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
+            losses.append(loss.item())  # after the clock stopped
     if snapshot:
         if dist.get_rank() == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -262,6 +263,10 @@ def run_one(system, name, device, args):
         "tflops_per_gpu": cfg.flops_per_token(seq) * tokens_per_gpu / 1e12,
         "peak_mem_gib": peak, "first_step_peak_gib": first_peak, "steady_peak_gib": steady_peak,
         "baseline_gib": baseline, "final_loss": loss.item(), "step_times_s": times,
+        # Rank 0's loss of each timed step and the optimizer steps taken before the first
+        # of them (a graphed system warms up eagerly before capture): trajectories of
+        # systems line up once shifted by the difference.
+        "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) if graphed else 0),
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
