@@ -10,7 +10,9 @@ that fails (out of memory, a missing package) is recorded with its error and the
 on. The summary (--out/summary.json and summary.md) gives per system and config the
 median over rounds of the per-round median step time, the min-max over rounds, the peak
 memory, and the ratios of the medians against fsdp2, ddp and local (the no-communication
-limit). `--device cpu` runs the same on Gloo (a smoke run, not a measurement).
+limit), and step_time.png plots the medians with their min-max. `--device cpu` runs the
+same on Gloo (a smoke run, not a measurement). `--replot SUMMARY_JSON` only redraws the
+plot of a saved summary (next to it).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=900, help="seconds one system's process may take")
     p.add_argument("--out", default="benchmarks/out/compare")
     p.add_argument("--port", type=int, default=29641)
+    p.add_argument("--replot", default="", metavar="SUMMARY_JSON",
+                   help="draw step_time.png from a saved summary.json and exit (runs nothing)")
     return p.parse_args()
 
 
@@ -109,10 +113,51 @@ def write_summary(summary: dict, meta: dict, out: Path) -> None:
                      + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+    plot_summary(summary, meta, out / "step_time.png")
+
+
+def plot_summary(summary: dict, meta: dict, path: Path) -> None:
+    """Median step time per config (one group of bars) and system, with the min-max over
+    rounds as error bars; a failed system gets no bar."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    entries = [e for e in summary.values() if "step_ms" in e]
+    if not entries:
+        return
+    configs = list(dict.fromkeys(e["config"] for e in entries))
+    systems = list(dict.fromkeys(e["system"] for e in entries))
+    by = {(e["config"], e["system"]): e for e in entries}
+    fig, axes = plt.subplots(1, len(configs), figsize=(1.2 + 1.1 * len(systems) * len(configs), 4.2), dpi=120,
+                             squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        names = [s for s in systems if (config, s) in by]
+        mids = [by[(config, s)]["step_ms"] for s in names]
+        low = [m - by[(config, s)]["step_ms_min"] for m, s in zip(mids, names)]
+        high = [by[(config, s)]["step_ms_max"] - m for m, s in zip(mids, names)]
+        bars = ax.bar(range(len(names)), mids, yerr=[low, high], capsize=3,
+                      color=[f"C{systems.index(s)}" for s in names])
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_title(config)
+        ax.set_ylabel("step ms (median of rounds, min-max)")
+    rounds = max(e["rounds"] for e in entries)
+    fig.suptitle(f"{meta.get('world', '?')}x {meta.get('device_name', '?')}, torch {meta.get('torch', '?')}, "
+                 f"{rounds} rounds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main():
     args = parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot_summary(saved["summary"], saved["meta"], Path(args.replot).with_name("step_time.png"))
+        return
     out = Path(args.out)
     systems, configs = args.systems.split(","), args.configs.split(",")
     rows, meta = [], None
