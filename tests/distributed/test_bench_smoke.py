@@ -170,13 +170,14 @@ def test_compare_systems_runs_each_system_alone_interleaved(tmp_path):
     assert limit["step_ms_min"] == min(medians) and limit["vs_local"] == 1.0 and "vs_fsdp2" not in limit
     assert "compare_systems.py" in data["meta"]["command"] and data["meta"]["rounds"] == 2
     assert "| tiny | no_such_system | failed:" in (out / "summary.md").read_text()
+    assert (out / "step_time.png").stat().st_size > 0
 
 
 def test_bench_unit_overhead_tiny_cpu(tmp_path):
     """bench_unit_overhead.py reports every hook phase from the profiler scopes, with one
     call per unit per step where the schedule says so."""
     run_script(1, _script("bench_unit_overhead.py"), "--device", "cpu", "--units", "4", "--steps", "2",
-               "--warmup", "1", "--profile-steps", "2", "--out", str(tmp_path), port=29578)
+               "--warmup", "1", "--profile-steps", "2", "--op-table", "200", "--out", str(tmp_path), port=29578)
     data = json.loads((tmp_path / "overhead.json").read_text())
     result = data["result"]
     assert result["units"] == 5 and result["plain_step_ms"] > 0 and result["sharded_step_ms"] > 0
@@ -185,3 +186,12 @@ def test_bench_unit_overhead_tiny_cpu(tmp_path):
         assert phases[phase]["us_per_unit_per_step"] > 0, phase
     assert phases["pre_forward"]["calls_per_step"] == 5 and phases["pre_backward"]["calls_per_step"] == 5
     assert data["meta"]["profile_steps"] == 2
+    # The operator table: sorted by added self time, one row per hook phase (not per unit),
+    # each hook's calls counted once per unit per step.
+    ops = result["ops"]
+    added = [r["added_self_us_per_unit"] for r in ops]
+    assert added == sorted(added, reverse=True)
+    hooks = {r["op"].split(" ")[0]: r for r in ops if r["op"].startswith("mfsdp::")}
+    assert hooks["mfsdp::pre_forward"]["added_calls_per_unit"] == pytest.approx(1.0)
+    assert hooks["mfsdp::pre_backward"]["added_calls_per_unit"] == pytest.approx(1.0)
+    assert not any("[" in r["op"] for r in ops if r["op"].startswith("mfsdp::"))

@@ -19,8 +19,27 @@ class DistributedTestError(AssertionError):
     pass
 
 
-def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, results):
+# Ranks fork from one server process that imported torch and the library once
+# (multiprocessing's forkserver), instead of each spawning a fresh interpreter: a world-2
+# test then starts in about 0.6 s instead of 3.5 s on a 2-core machine. The server is
+# started by exec, never forked from pytest, so it holds no CUDA or thread state.
+_PRELOAD = ["torch", "torch.distributed", "megatron_fsdp_ext", "harness.workers"]
+_context = None
+
+
+def _mp_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, results, environ):
     try:
+        # The server's environment is the one it started with: take the caller's current one.
+        os.environ.clear()
+        os.environ.update(environ)
         # A hung rank prints every thread's stack shortly before the launcher kills it.
         faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -86,7 +105,7 @@ def run_distributed(
     the per-rank results. Raises DistributedTestError with the failing rank's
     traceback, or when the processes do not finish within `timeout` seconds (they
     are killed: a hang never blocks the test suite)."""
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     fd, init_file = tempfile.mkstemp(prefix="mfsdp_init_")
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
@@ -94,7 +113,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, backend, init_file, timeout, args, kwargs, results),
+            args=(fn, r, world_size, backend, init_file, timeout, args, kwargs, results, dict(os.environ)),
             daemon=True,
         )
         for r in range(world_size)
