@@ -106,7 +106,8 @@ class RootContext:
         # Units whose post-backward hook did not fire (e.g. the root, whose inputs are
         # token ids) are reduced here, innermost last-used first.
         for state in reversed(self.states):
-            state.post_backward()
+            if state.backward_progress is not BackwardProgress.REDUCED:
+                state.post_backward()
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()

@@ -1,7 +1,7 @@
 """Every public option and method of fully_shard / FSDPModule / clip_grad_norm_ / the
 full state dict / FSDPConfig has its effect checked against an independent reference
 (workers in tests/harness/option_workers.py). Checks are batched per
-topic: each spawn costs seconds on a 2-core machine."""
+topic: each launch of ranks costs time on a 2-core machine."""
 import pytest
 
 from harness import gpu_world, run_distributed
