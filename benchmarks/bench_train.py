@@ -251,6 +251,9 @@ def run_one(system, name, device, args):
     times = slowest.tolist()
     first_peak = step_peaks[0] if step_peaks else 0
     steady_peak = max(step_peaks[1:], default=first_peak)
+    if graphed:  # the eager warm-up's peak and the captured step's (replays allocate nothing)
+        first_peak = max(first_peak, train_step.warmup_peak)
+        steady_peak = max(steady_peak, train_step.capture_peak)
     mem_t = torch.tensor([max(first_peak, steady_peak), first_peak, steady_peak, baseline, init_peak, init_s],
                          device=device, dtype=torch.float64)
     dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
@@ -266,7 +269,7 @@ def run_one(system, name, device, args):
         # Rank 0's loss of each timed step and the optimizer steps taken before the first
         # of them (a graphed system warms up eagerly before capture): trajectories of
         # systems line up once shifted by the difference.
-        "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) if graphed else 0),
+        "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) + 1 if graphed else 0),
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
@@ -293,14 +296,22 @@ def capture_step(forward_backward_step, opt, warmup: int):
             opt.zero_grad(set_to_none=True)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    warmup_peak = torch.cuda.max_memory_allocated()
+    # A replay allocates nothing, so the allocator's peak during replays shows only what
+    # outlived the capture: the step's own peak is the capture's.
+    torch.cuda.reset_peak_memory_stats()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         static_loss = forward_backward_step()
+    capture_peak = torch.cuda.max_memory_allocated()
+    graph.replay()  # the first replay uploads the graph: kept out of every timed step
+    torch.cuda.synchronize()
 
     def replay():
         graph.replay()
         return static_loss
 
+    replay.warmup_peak, replay.capture_peak = warmup_peak, capture_peak
     return replay
 
 

@@ -18,8 +18,9 @@ namespace py = pybind11;
 // per process; every node calls it (with the GIL) from the autograd thread.
 void set_post_backward_callback(py::object callback);
 
-// `inputs` through the marker node: aliases whose backward notifies `key`. Inputs that
-// need no gradient are returned as they are.
+// `inputs` through the marker node: views whose backward notifies `key` (pass only
+// inputs that need a gradient). A subclass with only __torch_function__ comes back as a
+// plain tensor: the caller restores its type.
 std::vector<at::Tensor> mark_post_backward(int64_t key, const std::vector<at::Tensor>& inputs);
 
 }  // namespace mfsdp

@@ -102,6 +102,14 @@ class RootContext:
         self.phase = RootPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that ended in an error: per-unit backward state reset, the
+        held reduction waited for. The gradients it produced are incomplete."""
+        self.comm.wait_reductions()
+        for state in self.states:
+            state.end_backward()
+        self.phase = RootPhase.IDLE
+
     def _final_callback(self) -> None:
         # Units whose post-backward hook did not fire (e.g. the root, whose inputs are
         # token ids) are reduced here, innermost last-used first.
@@ -127,6 +135,12 @@ def _post_backward_of_key(key: int) -> None:
 
 
 _C.set_post_backward_callback(_post_backward_of_key)
+
+def _same_type(marked: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """The marker's C++ view drops a subclass that only overrides __torch_function__
+    (one with __torch_dispatch__, like DTensor, keeps its type): give it back, history kept."""
+    return marked if type(marked) is type(original) else marked.as_subclass(type(original))
+
 
 # Arguments that are never containers: a call whose positional arguments are all tensors
 # or these (and no keyword arguments) needs no pytree walk.
@@ -298,6 +312,11 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         if self.ctx is None:
             self.lazy_init()
+        if self.is_root and self.ctx.in_backward and torch._C._current_graph_task_id() == -1:
+            # The last backward raised before its final callback: no backward is running
+            # now, so its per-backward state is stale (it would keep this forward from
+            # registering the post-backward markers).
+            self.ctx.abandon_backward()
         mp = self.options.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
@@ -329,7 +348,7 @@ class FSDPState:
             outs = _C.mark_post_backward(self.key, [args[i] for i in idx])
             args = list(args)
             for i, t in zip(idx, outs):
-                args[i] = t
+                args[i] = _same_type(t, args[i])
             return tuple(args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -338,7 +357,7 @@ class FSDPState:
         self._pending_backward_calls += 1
         outs = _C.mark_post_backward(self.key, [flat[i] for i in idx])
         for i, t in zip(idx, outs):
-            flat[i] = t
+            flat[i] = _same_type(t, flat[i])
         return tree_unflatten(flat, spec)
 
     @profiled("post_forward")

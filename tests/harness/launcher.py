@@ -23,6 +23,8 @@ class DistributedTestError(AssertionError):
 # (multiprocessing's forkserver), instead of each spawning a fresh interpreter: a world-2
 # test then starts in about 0.6 s instead of 3.5 s on a 2-core machine. The server is
 # started by exec, never forked from pytest, so it holds no CUDA or thread state.
+# Settings read when a module is imported (TORCH_DISTRIBUTED_DEBUG, OpenMP variables) are
+# those of the server's start; ranks end through os._exit (no atexit handlers).
 _PRELOAD = ["torch", "torch.distributed", "megatron_fsdp_ext", "harness.workers"]
 _context = None
 
@@ -32,6 +34,20 @@ def _mp_context():
     if _context is None:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
+        # The server starts with `python -c` and does not take the caller's sys.path
+        # (Python 3.11 ignores it; a failed preload is silent): tests/ goes on its
+        # PYTHONPATH for the preload of harness.workers, for this start only.
+        from multiprocessing import forkserver
+        saved = os.environ.get("PYTHONPATH")
+        tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _context
 
 
