@@ -226,6 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("has_partial_reduction", &Unit::has_partial_reduction)
       .def("unshard", &Unit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &Unit::wait_unshard, py::call_guard<py::gil_scoped_release>())
+      .def_static("unshard_together", &Unit::unshard_together, py::arg("units"),
+                  py::call_guard<py::gil_scoped_release>(),
+                  "unshard() for several units, those that can share it in one coalesced all-gather")
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())

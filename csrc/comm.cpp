@@ -48,6 +48,36 @@ void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
   finish(pg_->_allgather_base(out, in, opts));
 }
 
+void Communicator::all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
+  MFSDP_CHECK(outs.size() == ins.size(), "all_gather_flat_coalesced: ", outs.size(), " outputs but ", ins.size(),
+              " inputs");
+  std::vector<at::Tensor> out_list, in_list;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    check_pair("all_gather_flat_coalesced", outs[i], ins[i]);
+    MFSDP_CHECK(outs[i].numel() == ins[i].numel() * size_, "all_gather_flat_coalesced: output ", i, " has ",
+                outs[i].numel(), " elements, expected ", ins[i].numel(), " x ", size_);
+    if (size_ == 1) {
+      if (!outs[i].is_same(ins[i]) && outs[i].data_ptr() != ins[i].data_ptr()) outs[i].copy_(ins[i]);
+    } else if (outs[i].numel() > 0) {
+      out_list.push_back(outs[i]);
+      in_list.push_back(ins[i]);
+    }
+  }
+  if (out_list.empty()) return;
+  if (out_list.size() == 1) {
+    all_gather_flat(out_list[0], in_list[0]);
+    return;
+  }
+  c10d::AllgatherOptions opts;
+  opts.asyncOp = false;
+  // The older name: torch releases before the rename of allgather_into_tensor_coalesced
+  // to all_gather_single_coalesced have only this one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  finish(pg_->allgather_into_tensor_coalesced(out_list, in_list, opts));
+#pragma GCC diagnostic pop
+}
+
 void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
   check_pair("reduce_scatter_flat", out, in);
   MFSDP_CHECK(in.numel() == out.numel() * size_, "reduce_scatter_flat: input has ", in.numel(),

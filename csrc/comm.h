@@ -65,6 +65,9 @@ class Communicator {
   // out (size * in.numel()) <- concatenation of every rank's `in`. `in` may alias
   // out's own segment (in-place all-gather).
   void all_gather_flat(at::Tensor& out, at::Tensor& in) const;
+  // all_gather_flat for several (out, in) pairs as one collective: one c10d call, one
+  // NCCL group (pairs with no elements are skipped). Every rank passes the same sizes.
+  void all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const;
   // out (in.numel() / size) <- SUM over ranks of this rank's segment of `in`.
   void reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const;

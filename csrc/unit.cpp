@@ -398,45 +398,119 @@ void Unit::free_unsharded() {
   refuse_access(impl, freed_message_);
 }
 
-void Unit::unshard() {
+bool Unit::needs_gather() {
   check_bound("unshard");
-  if (state_ == UnitState::kGathering) return;  // wait_unshard() checks for re-links
+  if (state_ == UnitState::kGathering) return false;  // wait_unshard() checks for re-links
   // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
   // `p.data = x` the gathered copy no longer matches the parameter.
   adopt_data_writes();
-  if (state_ == UnitState::kUnsharded && !unsharded_is_stale()) return;
-  RECORD_USER_SCOPE(unshard_scope_.c_str());
+  return !(state_ == UnitState::kUnsharded && !unsharded_is_stale());
+}
+
+void Unit::prepare_gather() {
   gathered_version_ = sharded_flat_._version();
   stale_ = false;
   allocate_unsharded();  // a no-op when the stale copy's storage is still there
+}
+
+at::Tensor Unit::gather_input(bool in_place) {
+  if (param_dtype_ == orig_dtype_) return sharded_flat_;
+  if (!in_place) return sharded_flat_.to(param_dtype_);
+  // Cast straight into this rank's slot of the output: an in-place all-gather.
+  const int r = ag_comm_.rank();
+  at::Tensor input = unsharded_flat_.narrow(0, layout_.segment_start(r), layout_.segment_numel(r));
+  input.copy_(sharded_flat_);
+  return input;
+}
+
+void Unit::unshard() {
+  if (!needs_gather()) return;
+  RECORD_USER_SCOPE(unshard_scope_.c_str());
+  prepare_gather();
   if (replicated()) {  // a cast, no communication
     unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
     state_ = UnitState::kUnsharded;
     return;
   }
-  const int r = ag_comm_.rank();
-  const int64_t seg = layout_.segment_numel(r);
   const auto& streams = ctx().streams();
   if (streams.enabled()) {
     compute_ready_.record(current_stream(device_));
     c10::StreamGuard guard(streams.all_gather());
     compute_ready_.block(streams.all_gather());
-    at::Tensor input = sharded_flat_;
-    if (param_dtype_ != orig_dtype_) {
-      // Cast straight into this rank's slot of the output: an in-place all-gather.
-      input = unsharded_flat_.narrow(0, layout_.segment_start(r), seg);
-      input.copy_(sharded_flat_);
-    }
+    at::Tensor input = gather_input(/*in_place=*/true);
     run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
                    [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
     all_gather_done_.record(streams.all_gather());
     state_ = UnitState::kGathering;
     return;
   }
-  at::Tensor input = param_dtype_ == orig_dtype_ ? sharded_flat_ : sharded_flat_.to(param_dtype_);
+  at::Tensor input = gather_input(/*in_place=*/false);
   run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
                  [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
   state_ = UnitState::kUnsharded;
+}
+
+void Unit::unshard_together(const std::vector<Unit*>& units) {
+  std::vector<Unit*> together, alone;
+  for (Unit* u : units) {
+    MFSDP_CHECK(u != nullptr, "unshard_together: a unit is None");
+    if (!u->needs_gather()) continue;
+    const Unit* lead = together.empty() ? nullptr : together.front();
+    const bool fits = !u->replicated() && u->ctx_ &&
+                      (lead == nullptr || (u->ag_comm_.group().get() == lead->ag_comm_.group().get() &&
+                                           u->param_dtype_ == lead->param_dtype_ && u->ctx_ == lead->ctx_));
+    (fits ? together : alone).push_back(u);
+  }
+  if (together.size() == 1) alone.push_back(together.front());
+  for (Unit* u : alone) u->unshard();
+  if (together.size() < 2) return;
+
+  Unit& lead = *together.front();
+  for (Unit* u : together) {
+    RECORD_USER_SCOPE(u->unshard_scope_.c_str());  // UnitTrace sees every unit start gathering
+    u->prepare_gather();
+  }
+  std::vector<at::Tensor> outs, ins;
+  int64_t numel = 0;
+  for (Unit* u : together) {
+    outs.push_back(u->unsharded_flat_);
+    numel += u->unsharded_flat_.numel();
+  }
+  const std::string scope = msg("mfsdp::all_gather[", lead.label_, " +", together.size() - 1, " units]");
+  auto issue = [&] {
+    RECORD_USER_SCOPE(scope.c_str());
+    if (lead.check_collectives_) {
+      for (Unit* u : together) u->check_in_step(CollectivePhase::kAllGatherParams, u->ag_comm_, u->unsharded_flat_.numel());
+    }
+    try {
+      lead.ag_comm_.all_gather_flat_coalesced(outs, ins);
+    } catch (const std::exception& e) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
+      std::string labels;
+      for (Unit* u : together) labels += (labels.empty() ? "'" : ", '") + u->label_ + "'";
+      C10_THROW_ERROR(DistBackendError, msg("megatron_fsdp_ext: ", phase_name(CollectivePhase::kAllGatherParams),
+                                            " of fully_shard units ", labels, " (one coalesced collective of ",
+                                            numel, " elements) failed on rank ", lead.rank(), " of ",
+                                            lead.world_size(), ": ", cause, kDesyncHint));
+    }
+  };
+  const auto& streams = lead.ctx().streams();
+  if (streams.enabled()) {
+    lead.compute_ready_.record(current_stream(lead.device_));
+    c10::StreamGuard guard(streams.all_gather());
+    lead.compute_ready_.block(streams.all_gather());
+    for (Unit* u : together) ins.push_back(u->gather_input(/*in_place=*/true));
+    issue();
+    for (Unit* u : together) {
+      u->all_gather_done_.record(streams.all_gather());
+      u->state_ = UnitState::kGathering;
+    }
+    return;
+  }
+  for (Unit* u : together) ins.push_back(u->gather_input(/*in_place=*/false));
+  issue();
+  for (Unit* u : together) u->state_ = UnitState::kUnsharded;
 }
 
 void Unit::wait_unshard() {

@@ -124,6 +124,10 @@ class Unit {
   // while UNSHARDED with an up-to-date copy; an UNSHARDED copy older than the shard
   // (optimizer step under a strategy that keeps params unsharded) is gathered again.
   void unshard();
+  // unshard() for several units with one collective: those that need a gather and
+  // share the first such unit's all-gather communicator, parameter dtype and context are
+  // gathered by one coalesced all-gather (one c10d call); the others by their own.
+  static void unshard_together(const std::vector<Unit*>& units);
   // Make the current stream wait for the all-gather. No-op unless GATHERING.
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).
@@ -150,6 +154,14 @@ class Unit {
 
  private:
   bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }
+  // unshard()'s first step: whether a gather is due (not in flight, no up-to-date
+  // copy; `p.data = x` writes adopted first).
+  bool needs_gather();
+  // unshard()'s second step: the bookkeeping and allocation before the collective.
+  void prepare_gather();
+  // The all-gather input: the shard, cast into this rank's slot of the output when the
+  // dtypes differ and `in_place` (side-stream path), else cast into a new tensor.
+  at::Tensor gather_input(bool in_place);
   // Refuses `what` until bind_params() gave the unit its parameter objects.
   void check_bound(const char* what) const;
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)

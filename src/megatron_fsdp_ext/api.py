@@ -140,6 +140,12 @@ class FSDPModule:
         instead of the previous ones in the recorded forward order."""
         self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
+    def set_gather_bucket_bytes(self, nbytes: int) -> None:
+        """(root) Consecutive units whose gathered parameters add up to at most `nbytes`
+        are all-gathered by one coalesced collective (0: one per unit). Applies from the
+        next forward, in the order recorded in the first iteration."""
+        self._fsdp_state.set_options(gather_bucket_bytes=nbytes)
+
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units ahead to all-gather (0: no prefetch). Read by the root at its
         first forward; on the root after that, applies to its whole tree."""
@@ -487,6 +493,7 @@ def fully_shard(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     alignment: int = _C.DEFAULT_ALIGNMENT,
     prefetch_depth: int = 1,
+    gather_bucket_bytes: int = 0,
     all_gather_group: Optional[dist.ProcessGroup] = None,
     reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
@@ -524,6 +531,11 @@ def fully_shard(
                      other strategies keep them, and True is an error there).
     prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
                      the first iteration (0: off). The root's value governs its tree.
+    gather_bucket_bytes: (root) consecutive units, in the recorded forward order, whose
+                     gathered parameters add up to at most this many bytes are
+                     all-gathered by one coalesced collective (one c10d call for many
+                     small units), in forward and backward; prefetching then runs a
+                     bucket ahead. 0 (default): one all-gather per unit.
     all_gather_group: an explicit group (same ranks, same order) for all-gathers.
     reduce_scatter_group: an explicit group (same ranks, same order) for gradient
                      reductions (default: process_group), e.g. one per expert-parallel group.
@@ -582,7 +594,8 @@ def fully_shard(
     # strategy that keeps parameters unsharded), depth, flags.
     options = UnitOptions(
         sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-        prefetch_depth=prefetch_depth, all_gather_in_start_param_sync=all_gather_in_start_param_sync,
+        prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
+        all_gather_in_start_param_sync=all_gather_in_start_param_sync,
         overlap_grad_reduce=overlap_grad_reduce,
     )
     for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):

@@ -99,6 +99,7 @@ def estimate_memory(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     optimizer: str = "adamw",
     prefetch_depth: int = 1,
+    gather_bucket_bytes: int = 0,
     alignment: int = _C.DEFAULT_ALIGNMENT,
 ) -> MemoryEstimate:
     """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
@@ -108,7 +109,9 @@ def estimate_memory(
     "adamw"/"adam" (2 states per element), "sgd"/"sgd_momentum" (SGD with momentum: 1),
     "none". `model` may live
     on the meta device: only shapes and dtypes are read. Frozen parameters get no
-    gradient and no optimizer state."""
+    gradient and no optimizer state. `gather_bucket_bytes` as in fully_shard: gathered
+    units are then counted by buckets of consecutive units (module order), 1 +
+    prefetch_depth buckets at a time, the largest such window."""
     shard = _shard_size(mesh_or_world)
     strategy = _check_strategy(sharding_strategy)
     mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
@@ -116,6 +119,8 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(f"estimate_memory: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    if not isinstance(gather_bucket_bytes, int) or isinstance(gather_bucket_bytes, bool) or gather_bucket_bytes < 0:
+        raise ValueError(f"estimate_memory: gather_bucket_bytes must be an int >= 0, got {gather_bucket_bytes!r}")
     S = _C.ShardingStrategy
     replicated = strategy == S.NO_SHARD
     keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
@@ -145,10 +150,26 @@ def estimate_memory(
         gathered_params = gathered_all
     else:
         root = totals[-1][0] if totals else 0
-        others = sorted((g for g, is_root in totals if not is_root), reverse=True)
-        gathered_params = root + sum(others[:1 + prefetch_depth])
+        blocks = [g for g, is_root in totals if not is_root]
+        if gather_bucket_bytes > 0:
+            buckets = _buckets(blocks, gather_bucket_bytes)
+            window = 1 + prefetch_depth
+            gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
+        else:
+            gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
     return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,
                           reduction_buffers=largest_grad_buffers, num_units=len(units), shard_size=shard)
+
+
+def _buckets(sizes, budget: int):
+    """Bytes of each gather bucket: consecutive sizes adding up to at most `budget` (a
+    larger one alone), as RootContext plans them."""
+    buckets = []
+    for size in sizes:
+        if not buckets or buckets[-1] + size > budget:
+            buckets.append(0)
+        buckets[-1] += size
+    return buckets
 
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

@@ -66,6 +66,11 @@ class RootContext:
         self.forward_order: List["FSDPState"] = []
         self._position: dict = {}
         self.order = ForwardOrder.RECORDING
+        # Gather buckets over the frozen forward order (gather_bucket_bytes > 0): lists
+        # of consecutive states, and each state's bucket index; planned for one size.
+        self._buckets: List[List["FSDPState"]] = []
+        self._bucket_index: dict = {}
+        self._planned_for = 0
 
     @property
     def in_backward(self) -> bool:
@@ -95,6 +100,58 @@ class RootContext:
         if self.recording or i is None or self.prefetch_depth == 0:
             return []
         return self.forward_order[max(0, i - self.prefetch_depth): i][::-1]
+
+    def _bucket(self, state: "FSDPState") -> Optional[int]:
+        """`state`'s gather bucket, or None when gathers are not bucketed (yet)."""
+        nbytes = self.root.options.gather_bucket_bytes
+        if nbytes <= 0 or self.recording:
+            return None
+        if self._planned_for != nbytes:
+            self._plan_buckets(nbytes)
+        return self._bucket_index.get(id(state))
+
+    def bucketed(self, state: "FSDPState") -> bool:
+        return self._bucket(state) is not None
+
+    def _plan_buckets(self, nbytes: int) -> None:
+        buckets, size = [], 0
+        for s in self.forward_order:
+            unit_bytes = s.unit.unsharded_nbytes
+            if not buckets or size + unit_bytes > nbytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(s)
+            size += unit_bytes
+        self._buckets = buckets
+        self._bucket_index = {id(s): b for b, members in enumerate(buckets) for s in members}
+        self._planned_for = nbytes
+
+    def forward_gathers(self, state: "FSDPState") -> List["FSDPState"]:
+        """Units to all-gather in `state`'s pre-forward: itself and the prefetch targets;
+        with buckets, its bucket and the next prefetch_depth buckets (members already
+        gathered or in flight cost nothing)."""
+        b = None if state.forward_prefetch is not None else self._bucket(state)
+        if b is None:
+            targets = state.forward_prefetch if state.forward_prefetch is not None else self.next_in_forward(state)
+            return [state, *targets]
+        own = self._buckets[b]
+        # Earlier members of its bucket already ran (and may be freed again): not them.
+        rest = own[own.index(state):]
+        return rest + [s for members in self._buckets[b + 1: b + 1 + self.prefetch_depth] for s in members]
+
+    def backward_gathers(self, state: "FSDPState") -> List["FSDPState"]:
+        """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced):
+        the previous units in forward order, or with buckets its bucket and the
+        previous prefetch_depth buckets."""
+        b = None if state.backward_prefetch is not None else self._bucket(state)
+        if b is None:
+            targets = state.backward_prefetch if state.backward_prefetch is not None \
+                else self.previous_in_forward(state)
+        else:
+            targets = [s for members in reversed(self._buckets[max(0, b - self.prefetch_depth): b + 1])
+                       for s in reversed(members) if s is not state]
+        return [t for t in targets if t.backward_progress is not BackwardProgress.REDUCED
+                and t.options.unshard_in_backward]
 
     def queue_final_callback(self) -> None:
         if self.phase is RootPhase.BACKWARD:  # queued once per backward
@@ -140,6 +197,17 @@ def _same_type(marked: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     """The marker's C++ view drops a subclass that only overrides __torch_function__
     (one with __torch_dispatch__, like DTensor, keeps its type): give it back, history kept."""
     return marked if type(marked) is type(original) else marked.as_subclass(type(original))
+
+
+def _unshard_all(states, bucketed: bool) -> None:
+    """unshard() each of `states`, in order; bucketed, they go to C++ together, which
+    gathers those that can share a collective with one coalesced all-gather."""
+    units = [s.unit for s in states if s.unit is not None]
+    if bucketed and len(units) > 1:
+        _C.Unit.unshard_together(units)
+        return
+    for unit in units:
+        unit.unshard()
 
 
 # Arguments that are never containers: a call whose positional arguments are all tensors
@@ -323,14 +391,13 @@ class FSDPState:
         if self.method_active:
             return args, kwargs
         self.ctx.record_forward(self)
-        self.unshard()
         # Issue the next units' all-gathers before waiting on ours: they run on the
         # all-gather stream while this unit computes. Not in a forward re-run inside
         # backward (activation checkpointing): the next units are done there.
-        if not self.ctx.in_backward:
-            targets = self.forward_prefetch if self.forward_prefetch is not None else self.ctx.next_in_forward(self)
-            for t in targets:
-                t.unshard()
+        if self.ctx.in_backward:
+            self.unshard()
+        else:
+            _unshard_all(self.ctx.forward_gathers(self), self.ctx.bucketed(self))
         self.wait_unshard()
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
@@ -398,12 +465,8 @@ class FSDPState:
             return
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
-        if self.options.unshard_in_backward:
-            self.unshard()
-        targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.previous_in_forward(self)
-        for t in targets:
-            if t.backward_progress is not BackwardProgress.REDUCED and t.options.unshard_in_backward:
-                t.unshard()
+        targets = self.ctx.backward_gathers(self)
+        _unshard_all(([self] if self.options.unshard_in_backward else []) + targets, self.ctx.bucketed(self))
         if self.options.unshard_in_backward:
             self.wait_unshard()
 

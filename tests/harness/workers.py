@@ -115,6 +115,7 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
         reshard_after_forward=opts.get("reshard_after_forward"),
         sharding_strategy=opts.get("strategy", "optim_grads_params"),
         prefetch_depth=opts.get("prefetch_depth", 1),
+        gather_bucket_bytes=opts.get("gather_bucket_bytes", 0),
         create_all_gather_group=opts.get("create_all_gather_group"),
     )
     return shard_blocks_and_root(model, **kw)
@@ -932,3 +933,35 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
     assert len(lopt.buckets) >= 3, f"expected several buckets, got {len(lopt.buckets)}"
     assert n_overlapping >= 1, f"no all-gather-v kernel overlapped compute ({len(gathers)} gathers)"
     return {"gathers": len(gathers), "overlapping": n_overlapping, "buckets": len(lopt.buckets)}
+
+
+def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int) -> Dict:
+    """All-gather collectives per training step (after the first, which records the
+    order) with gathers bucketed by `bucket_bytes`, and the units gathered in each phase.
+    Every unit is still gathered once in forward and once in backward (the root only in
+    forward: it stays unsharded)."""
+    from .observe import count_collectives
+    device = device_for_backend()
+    cfg, model, _ = build_models({}, device)
+    shard(model, {"gather_bucket_bytes": bucket_bytes})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    states = [m._fsdp_state for m in model.modules() if "_mfsdp_state" in m.__dict__]
+    batches = list(global_batches(cfg, 4, 2 * world, 8, device))
+    rows = slice(rank * 2, rank * 2 + 2)
+
+    def step(tokens, targets, trace=None):
+        with trace.phase("fwd") if trace else contextlib.nullcontext():
+            loss = model.loss(tokens[rows], targets[rows])
+        with trace.phase("bwd") if trace else contextlib.nullcontext():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for tokens, targets in batches[:2]:
+        step(tokens, targets)
+    with count_collectives() as counts:  # one profiler at a time: counts, then the trace
+        step(*batches[2])
+    with UnitTrace(states) as trace:
+        step(*batches[3], trace=trace)
+    return {"all_gathers": counts.get("all_gather", 0), "units": len(states),
+            "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd"))}

@@ -36,6 +36,20 @@ def test_zero3_counts_segments_root_and_two_largest_units():
     assert "total, without activations" in str(est)
 
 
+def test_gather_buckets_count_whole_buckets():
+    with torch.device("meta"):
+        m = nn.Sequential(*[Block() for _ in range(5)], nn.Linear(64, 10, bias=False))
+    # Buckets of two blocks (2 x 16 KiB fit 40000 bytes, three do not): the root plus the
+    # bucket in use and the prefetched one, i.e. four blocks.
+    est = mfsdp.estimate_memory(m, 4, unit_modules=[Block], gather_bucket_bytes=40000)
+    assert est.gathered_params == 4 * (640 + 4 * 4096)
+    # A budget smaller than a block: one block per bucket, as without buckets.
+    assert mfsdp.estimate_memory(m, 4, unit_modules=[Block], gather_bucket_bytes=1).gathered_params == \
+        mfsdp.estimate_memory(m, 4, unit_modules=[Block]).gathered_params
+    with pytest.raises(ValueError, match="gather_bucket_bytes"):
+        mfsdp.estimate_memory(m, 2, gather_bucket_bytes=-1)
+
+
 def test_strategies_precision_and_frozen_parameters():
     bf16 = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kept = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="optim_grads", mp_policy=bf16)
