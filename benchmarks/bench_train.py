@@ -47,8 +47,10 @@ CONFIGS = {
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
 # "<system>_graphed": the whole training step (forward, backward with its collectives, a
 # capturable fused AdamW step) captured once in a CUDA graph after warm-up and replayed.
+# "mfsdp_bucketed": ours with gather_bucket_bytes=32 MiB (consecutive blocks share one all-gather).
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
-           "fsdp2_compiled", "mfsdp_graphed", "local_graphed")
+           "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed")
+GATHER_BUCKET_BYTES = 32 << 20
 
 
 def parse_args():
@@ -121,12 +123,13 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
     with torch.device("meta" if meta_init else device):
         model = LlamaModel(cfg)
     bf16 = device.type == "cuda"
-    if system == "mfsdp":
+    if system in ("mfsdp", "mfsdp_bucketed"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp)
-        mfsdp.fully_shard(model, mp_policy=mp)
+        mfsdp.fully_shard(model, mp_policy=mp,
+                          gather_bucket_bytes=GATHER_BUCKET_BYTES if system == "mfsdp_bucketed" else 0)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False
