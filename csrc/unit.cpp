@@ -7,6 +7,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <iterator>
@@ -452,8 +453,11 @@ void Unit::unshard() {
 
 void Unit::unshard_together(const std::vector<Unit*>& units) {
   std::vector<Unit*> together, alone;
-  for (Unit* u : units) {
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit* u = units[i];
     MFSDP_CHECK(u != nullptr, "unshard_together: a unit is None");
+    // A unit listed twice is gathered once (a second output would be written twice).
+    if (std::find(units.begin(), units.begin() + i, u) != units.begin() + i) continue;
     if (!u->needs_gather()) continue;
     const Unit* lead = together.empty() ? nullptr : together.front();
     const bool fits = !u->replicated() && u->ctx_ &&

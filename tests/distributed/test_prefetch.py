@@ -57,3 +57,6 @@ def test_bucketed_gathers_issue_one_collective_per_bucket():
     # One collective per unit and use, against one for the whole forward and one for backward.
     assert plain["all_gathers"] == 2 * units - 1, plain
     assert one["all_gathers"] == 2, one
+    # set_gather_bucket_bytes on the root between steps: the same plan from the next step.
+    later = run_distributed(bucketed_gather_counts, 2, 1 << 30, True, timeout=180)[0]
+    assert later == one, later

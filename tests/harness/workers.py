@@ -935,7 +935,7 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
     return {"gathers": len(gathers), "overlapping": n_overlapping, "buckets": len(lopt.buckets)}
 
 
-def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int) -> Dict:
+def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int, via_setter: bool = False) -> Dict:
     """All-gather collectives per training step (after the first, which records the
     order) with gathers bucketed by `bucket_bytes`, and the units gathered in each phase.
     Every unit is still gathered once in forward and once in backward (the root only in
@@ -943,7 +943,7 @@ def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int) -> Dict:
     from .observe import count_collectives
     device = device_for_backend()
     cfg, model, _ = build_models({}, device)
-    shard(model, {"gather_bucket_bytes": bucket_bytes})
+    shard(model, {"gather_bucket_bytes": 0 if via_setter else bucket_bytes})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     states = [m._fsdp_state for m in model.modules() if "_mfsdp_state" in m.__dict__]
     batches = list(global_batches(cfg, 4, 2 * world, 8, device))
@@ -959,6 +959,8 @@ def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int) -> Dict:
 
     for tokens, targets in batches[:2]:
         step(tokens, targets)
+    if via_setter:  # on the root after the order was recorded: the plan follows
+        model.set_gather_bucket_bytes(bucket_bytes)
     with count_collectives() as counts:  # one profiler at a time: counts, then the trace
         step(*batches[2])
     with UnitTrace(states) as trace:
