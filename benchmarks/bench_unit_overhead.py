@@ -70,7 +70,8 @@ def _step_times(model, opt, tokens, device, steps: int, warmup: int):
     return times
 
 
-def _phase_us(model, opt, tokens, device, steps: int, units: int):
+def _profiled_steps(model, opt, tokens, device, steps: int):
+    """`steps` training steps under the CPU profiler; returns the profile."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -79,6 +80,11 @@ def _phase_us(model, opt, tokens, device, steps: int, units: int):
             opt.step()
             opt.zero_grad(set_to_none=True)
         _sync(device)
+    return prof
+
+
+def _phase_us(model, opt, tokens, device, steps: int, units: int):
+    prof = _profiled_steps(model, opt, tokens, device, steps)
     total = defaultdict(float)
     calls = defaultdict(int)
     for e in prof.events():
@@ -92,14 +98,7 @@ def _phase_us(model, opt, tokens, device, steps: int, units: int):
 
 def _op_self_us(model, opt, tokens, device, steps: int):
     """Self CPU microseconds and calls per step of every operator (and profiler scope)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            model.loss(tokens, tokens).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        _sync(device)
+    prof = _profiled_steps(model, opt, tokens, device, steps)
     ops = defaultdict(lambda: [0.0, 0.0])
     for e in prof.key_averages():
         m = _SCOPE.match(e.key)  # one row per hook phase, not one per unit
