@@ -36,6 +36,16 @@ constexpr const char* kDesyncHint =
     "forward and backward on every rank). A rank that stalls, skips backward or runs an extra unit leaves the "
     "others waiting until the collective timeout (fully_shard(timeout=...), else the process group's).";
 
+// Rethrows a failed collective as DistBackendError naming what it was for (`subject`:
+// "unit 'x'" or the units of a coalesced gather), the rank and the likely causes.
+[[noreturn]] void throw_collective_failure(CollectivePhase phase, const std::string& subject, int rank, int world,
+                                           const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
+  C10_THROW_ERROR(DistBackendError, msg("megatron_fsdp_ext: ", phase_name(phase), " of fully_shard ", subject,
+                                        " failed on rank ", rank, " of ", world, ": ", cause, kDesyncHint));
+}
+
 // torch lets a storage refuse data access with a custom message (what CUDA-graph trees
 // use for freed memory). Detected rather than assumed, so the extension still builds
 // against a torch without it; freed storage then simply has a null pointer.
@@ -304,11 +314,7 @@ void Unit::run_collective(CollectivePhase phase, const Communicator& comm, int64
   try {
     issue();
   } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
-    C10_THROW_ERROR(DistBackendError, msg("megatron_fsdp_ext: ", phase_name(phase), " of fully_shard unit '", label_,
-                                          "' failed on rank ", rank(), " of ", world_size(), ": ", cause,
-                                          kDesyncHint));
+    throw_collective_failure(phase, msg("unit '", label_, "'"), rank(), world_size(), e);
   }
 }
 
@@ -489,14 +495,11 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
     try {
       lead.ag_comm_.all_gather_flat_coalesced(outs, ins);
     } catch (const std::exception& e) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-      const std::string cause = c10_error ? c10_error->what_without_backtrace() : e.what();
       std::string labels;
       for (Unit* u : together) labels += (labels.empty() ? "'" : ", '") + u->label_ + "'";
-      C10_THROW_ERROR(DistBackendError, msg("megatron_fsdp_ext: ", phase_name(CollectivePhase::kAllGatherParams),
-                                            " of fully_shard units ", labels, " (one coalesced collective of ",
-                                            numel, " elements) failed on rank ", lead.rank(), " of ",
-                                            lead.world_size(), ": ", cause, kDesyncHint));
+      throw_collective_failure(CollectivePhase::kAllGatherParams,
+                               msg("units ", labels, " (one coalesced collective of ", numel, " elements)"),
+                               lead.rank(), lead.world_size(), e);
     }
   };
   const auto& streams = lead.ctx().streams();

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from . import _C
 from .api import MixedPrecisionPolicy, _check_strategy, _own_mp_policy
+from .hooks import gather_bucket_runs
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "none": 0}
 
@@ -152,24 +153,13 @@ def estimate_memory(
         root = totals[-1][0] if totals else 0
         blocks = [g for g, is_root in totals if not is_root]
         if gather_bucket_bytes > 0:
-            buckets = _buckets(blocks, gather_bucket_bytes)
+            buckets = [sum(blocks[r.start: r.stop]) for r in gather_bucket_runs(blocks, gather_bucket_bytes)]
             window = 1 + prefetch_depth
             gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
         else:
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
     return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,
                           reduction_buffers=largest_grad_buffers, num_units=len(units), shard_size=shard)
-
-
-def _buckets(sizes, budget: int):
-    """Bytes of each gather bucket: consecutive sizes adding up to at most `budget` (a
-    larger one alone), as RootContext plans them."""
-    buckets = []
-    for size in sizes:
-        if not buckets or buckets[-1] + size > budget:
-            buckets.append(0)
-        buckets[-1] += size
-    return buckets
 
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

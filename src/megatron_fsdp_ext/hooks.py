@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import itertools
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -48,6 +48,20 @@ def profiled(phase: str):
 def _cast_floating(tree, dtype: torch.dtype):
     """Every floating-point tensor in `tree` cast to `dtype`; everything else as it is."""
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def gather_bucket_runs(sizes: List[int], budget: int) -> List[range]:
+    """Gather buckets as index runs over `sizes` (bytes in forward order): consecutive
+    entries adding up to at most `budget`; one larger than the budget stands alone."""
+    runs, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > budget:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if sizes:
+        runs.append(range(start, len(sizes)))
+    return runs
 
 
 class RootContext:
@@ -110,39 +124,29 @@ class RootContext:
             self._plan_buckets(nbytes)
         return self._bucket_index.get(id(state))
 
-    def bucketed(self, state: "FSDPState") -> bool:
-        return self._bucket(state) is not None
-
     def _plan_buckets(self, nbytes: int) -> None:
-        buckets, size = [], 0
-        for s in self.forward_order:
-            unit_bytes = s.unit.unsharded_nbytes
-            if not buckets or size + unit_bytes > nbytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(s)
-            size += unit_bytes
-        self._buckets = buckets
-        self._bucket_index = {id(s): b for b, members in enumerate(buckets) for s in members}
+        runs = gather_bucket_runs([s.unit.unsharded_nbytes for s in self.forward_order], nbytes)
+        self._buckets = [self.forward_order[r.start: r.stop] for r in runs]
+        self._bucket_index = {id(s): b for b, members in enumerate(self._buckets) for s in members}
         self._planned_for = nbytes
 
-    def forward_gathers(self, state: "FSDPState") -> List["FSDPState"]:
-        """Units to all-gather in `state`'s pre-forward: itself and the prefetch targets;
-        with buckets, its bucket and the next prefetch_depth buckets (members already
-        gathered or in flight cost nothing)."""
+    def forward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
+        """Units to all-gather in `state`'s pre-forward, and whether they form buckets:
+        itself and the prefetch targets; with buckets, the rest of its bucket and the next
+        prefetch_depth buckets (members already gathered or in flight cost nothing)."""
         b = None if state.forward_prefetch is not None else self._bucket(state)
         if b is None:
             targets = state.forward_prefetch if state.forward_prefetch is not None else self.next_in_forward(state)
-            return [state, *targets]
+            return [state, *targets], False
         own = self._buckets[b]
         # Earlier members of its bucket already ran (and may be freed again): not them.
         rest = own[own.index(state):]
-        return rest + [s for members in self._buckets[b + 1: b + 1 + self.prefetch_depth] for s in members]
+        return rest + [s for members in self._buckets[b + 1: b + 1 + self.prefetch_depth] for s in members], True
 
-    def backward_gathers(self, state: "FSDPState") -> List["FSDPState"]:
-        """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced):
-        the previous units in forward order, or with buckets its bucket and the
-        previous prefetch_depth buckets."""
+    def backward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
+        """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced),
+        and whether they form buckets: the previous units in forward order, or with
+        buckets its bucket and the previous prefetch_depth buckets."""
         b = None if state.backward_prefetch is not None else self._bucket(state)
         if b is None:
             targets = state.backward_prefetch if state.backward_prefetch is not None \
@@ -151,7 +155,7 @@ class RootContext:
             targets = [s for members in reversed(self._buckets[max(0, b - self.prefetch_depth): b + 1])
                        for s in reversed(members) if s is not state]
         return [t for t in targets if t.backward_progress is not BackwardProgress.REDUCED
-                and t.options.unshard_in_backward]
+                and t.options.unshard_in_backward], b is not None
 
     def queue_final_callback(self) -> None:
         if self.phase is RootPhase.BACKWARD:  # queued once per backward
@@ -397,7 +401,7 @@ class FSDPState:
         if self.ctx.in_backward:
             self.unshard()
         else:
-            _unshard_all(self.ctx.forward_gathers(self), self.ctx.bucketed(self))
+            _unshard_all(*self.ctx.forward_gathers(self))
         self.wait_unshard()
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
@@ -407,17 +411,8 @@ class FSDPState:
     def _register_post_backward(self, args, kwargs):
         """The inputs that need a gradient go through the C++ post-backward marker, whose
         backward calls post_backward_of_one_call() once this forward call's backward is done."""
-        if not kwargs and all(isinstance(a, (torch.Tensor, *_SCALAR_TYPES)) for a in args):
-            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if not idx:
-                return args, kwargs
-            self._pending_backward_calls += 1
-            outs = _C.mark_post_backward(self.key, [args[i] for i in idx])
-            args = list(args)
-            for i, t in zip(idx, outs):
-                args[i] = _same_type(t, args[i])
-            return tuple(args), kwargs
-        flat, spec = tree_flatten((args, kwargs))
+        flat_args = not kwargs and all(isinstance(a, (torch.Tensor, *_SCALAR_TYPES)) for a in args)
+        flat, spec = (list(args), None) if flat_args else tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
@@ -425,7 +420,7 @@ class FSDPState:
         outs = _C.mark_post_backward(self.key, [flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = _same_type(t, flat[i])
-        return tree_unflatten(flat, spec)
+        return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
     @profiled("post_forward")
     def _post_forward(self, module, args, output):
@@ -465,8 +460,8 @@ class FSDPState:
             return
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
-        targets = self.ctx.backward_gathers(self)
-        _unshard_all(([self] if self.options.unshard_in_backward else []) + targets, self.ctx.bucketed(self))
+        targets, bucketed = self.ctx.backward_gathers(self)
+        _unshard_all(([self] if self.options.unshard_in_backward else []) + targets, bucketed)
         if self.options.unshard_in_backward:
             self.wait_unshard()
 
