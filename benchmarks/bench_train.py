@@ -47,10 +47,13 @@ CONFIGS = {
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
 # "<system>_graphed": the whole training step (forward, backward with its collectives, a
 # capturable fused AdamW step) captured once in a CUDA graph after warm-up and replayed.
-# "mfsdp_bucketed": ours with gather_bucket_bytes=32 MiB (consecutive blocks share one all-gather).
+# "mfsdp_bucketed": ours with gather_bucket_bytes=32 MiB and reduce_bucket_bytes=64 MiB
+# (consecutive blocks share one all-gather and one reduce-scatter; fp32 gradients take
+# twice the bytes of bf16 parameters, so both group the same blocks).
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
            "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed")
 GATHER_BUCKET_BYTES = 32 << 20
+REDUCE_BUCKET_BYTES = 64 << 20
 
 
 def parse_args():
@@ -128,8 +131,9 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
             else mfsdp.MixedPrecisionPolicy()
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp)
-        mfsdp.fully_shard(model, mp_policy=mp,
-                          gather_bucket_bytes=GATHER_BUCKET_BYTES if system == "mfsdp_bucketed" else 0)
+        bucketed = system == "mfsdp_bucketed"
+        mfsdp.fully_shard(model, mp_policy=mp, gather_bucket_bytes=GATHER_BUCKET_BYTES if bucketed else 0,
+                          reduce_bucket_bytes=REDUCE_BUCKET_BYTES if bucketed else 0)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False

@@ -134,6 +134,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter_flat", &Communicator::reduce_scatter_flat, py::arg("out"),
            py::arg("input"), py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_flat_coalesced", &Communicator::all_gather_flat_coalesced, py::arg("outs"),
+           py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter_flat_coalesced", &Communicator::reduce_scatter_flat_coalesced, py::arg("outs"),
+           py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
       .def("all_reduce_sum", [](const Communicator& c, at::Tensor& t) {
         py::gil_scoped_release no_gil;
         c.all_reduce(t, c10d::ReduceOp::SUM);
@@ -233,6 +237,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("can_share_reduction", &Unit::can_share_reduction)
+      .def_static("reduce_together", &Unit::reduce_together, py::arg("units"),
+                  py::call_guard<py::gil_scoped_release>(),
+                  "reduce_grads(True) for several units, those that can share it in one coalesced reduce-scatter")
       .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>());
 
   m.def("set_post_backward_callback", &set_post_backward_callback, py::arg("callback"),

@@ -93,6 +93,36 @@ void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
   finish(pg_->_reduce_scatter_base(out, in, opts));
 }
 
+void Communicator::reduce_scatter_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
+  MFSDP_CHECK(outs.size() == ins.size(), "reduce_scatter_flat_coalesced: ", outs.size(), " outputs but ", ins.size(),
+              " inputs");
+  std::vector<at::Tensor> out_list, in_list;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    check_pair("reduce_scatter_flat_coalesced", outs[i], ins[i]);
+    MFSDP_CHECK(ins[i].numel() == outs[i].numel() * size_, "reduce_scatter_flat_coalesced: input ", i, " has ",
+                ins[i].numel(), " elements, expected ", outs[i].numel(), " x ", size_);
+    if (size_ == 1) {
+      if (outs[i].data_ptr() != ins[i].data_ptr()) outs[i].copy_(ins[i]);
+    } else if (outs[i].numel() > 0) {
+      out_list.push_back(outs[i]);
+      in_list.push_back(ins[i]);
+    }
+  }
+  if (out_list.empty()) return;
+  if (out_list.size() == 1) {
+    reduce_scatter_flat(out_list[0], in_list[0]);
+    return;
+  }
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.asyncOp = false;
+  // The older name, as for all_gather_flat_coalesced.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  finish(pg_->reduce_scatter_tensor_coalesced(out_list, in_list, opts));
+#pragma GCC diagnostic pop
+}
+
 void Communicator::all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const {
   check_buffer("all_reduce", "tensor", t);
   if (size_ == 1 || t.numel() == 0) return;

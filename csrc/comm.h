@@ -70,6 +70,9 @@ class Communicator {
   void all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const;
   // out (in.numel() / size) <- SUM over ranks of this rank's segment of `in`.
   void reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const;
+  // reduce_scatter_flat for several (out, in) pairs as one collective: one c10d call,
+  // one NCCL group (pairs with no elements are skipped). Every rank passes the same sizes.
+  void reduce_scatter_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const;
   void all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const;
 
   // Uneven all-gather: rank r contributes numels[r] elements (`in`), which land at

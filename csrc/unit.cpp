@@ -56,6 +56,37 @@ struct CanRefuseAccess<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr
                                       decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
                                           std::optional<std::string>()))>> : std::true_type {};
 
+// How a coalesced collective's failure names its units: 'a', 'b', 'c'.
+std::string quoted_labels(const std::vector<Unit*>& units) {
+  std::string labels;
+  for (const Unit* u : units) labels += (labels.empty() ? "'" : ", '") + u->label() + "'";
+  return labels;
+}
+
+// Splits `units` for one coalesced collective: those `needed` (a unit listed twice
+// counts once), divided into the ones that may share it with the first such unit
+// (`eligible`, `compatible` with it) and the rest. A lone candidate joins the rest:
+// it is served by the unit's own collective.
+template <typename Needed, typename Eligible, typename Compatible>
+std::pair<std::vector<Unit*>, std::vector<Unit*>> split_for_coalescing(const std::vector<Unit*>& units,
+                                                                      const char* what, Needed needed,
+                                                                      Eligible eligible, Compatible compatible) {
+  std::vector<Unit*> together, alone;
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit* u = units[i];
+    MFSDP_CHECK(u != nullptr, what, ": a unit is None");
+    if (std::find(units.begin(), units.begin() + i, u) != units.begin() + i) continue;
+    if (!needed(*u)) continue;
+    const bool joins = eligible(*u) && (together.empty() || compatible(*together.front(), *u));
+    (joins ? together : alone).push_back(u);
+  }
+  if (together.size() == 1) {
+    alone.push_back(together.front());
+    together.clear();
+  }
+  return {std::move(together), std::move(alone)};
+}
+
 }  // namespace
 
 bool freed_storage_guard() { return CanRefuseAccess<c10::StorageImpl>::value; }
@@ -458,22 +489,15 @@ void Unit::unshard() {
 }
 
 void Unit::unshard_together(const std::vector<Unit*>& units) {
-  std::vector<Unit*> together, alone;
-  for (size_t i = 0; i < units.size(); ++i) {
-    Unit* u = units[i];
-    MFSDP_CHECK(u != nullptr, "unshard_together: a unit is None");
-    // A unit listed twice is gathered once (a second output would be written twice).
-    if (std::find(units.begin(), units.begin() + i, u) != units.begin() + i) continue;
-    if (!u->needs_gather()) continue;
-    const Unit* lead = together.empty() ? nullptr : together.front();
-    const bool fits = !u->replicated() && u->ctx_ &&
-                      (lead == nullptr || (u->ag_comm_.group().get() == lead->ag_comm_.group().get() &&
-                                           u->param_dtype_ == lead->param_dtype_ && u->ctx_ == lead->ctx_));
-    (fits ? together : alone).push_back(u);
-  }
-  if (together.size() == 1) alone.push_back(together.front());
+  auto [together, alone] = split_for_coalescing(
+      units, "unshard_together", [](Unit& u) { return u.needs_gather(); },
+      [](const Unit& u) { return !u.replicated() && u.ctx_ != nullptr; },
+      [](const Unit& lead, const Unit& u) {
+        return u.ag_comm_.group().get() == lead.ag_comm_.group().get() && u.param_dtype_ == lead.param_dtype_ &&
+               u.ctx_ == lead.ctx_;
+      });
   for (Unit* u : alone) u->unshard();
-  if (together.size() < 2) return;
+  if (together.empty()) return;
 
   Unit& lead = *together.front();
   for (Unit* u : together) {
@@ -495,10 +519,9 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
     try {
       lead.ag_comm_.all_gather_flat_coalesced(outs, ins);
     } catch (const std::exception& e) {
-      std::string labels;
-      for (Unit* u : together) labels += (labels.empty() ? "'" : ", '") + u->label_ + "'";
       throw_collective_failure(CollectivePhase::kAllGatherParams,
-                               msg("units ", labels, " (one coalesced collective of ", numel, " elements)"),
+                               msg("units ", quoted_labels(together), " (one coalesced collective of ", numel,
+                                   " elements)"),
                                lead.rank(), lead.world_size(), e);
     }
   };
@@ -675,10 +698,32 @@ Unit::GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
   return b;
 }
 
-std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
+double Unit::grad_scale() const {
   const double mean_over = static_cast<double>(world_size()) * replicate_size();
-  const double scale = 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);
-  auto issue = [&]() {
+  return 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);
+}
+
+template <typename F>
+std::shared_ptr<PendingCollective> Unit::on_reduce_stream(F&& issue) {
+  // One event per unit, recorded again each reduction: the context retires the held
+  // reduction before the next is recorded (at worst it then waits for the newer one,
+  // which is ordered after it on the same stream).
+  if (!reduction_done_) reduction_done_ = std::make_shared<PendingCollective>(device_);
+  const auto& streams = ctx().streams();
+  if (!streams.enabled()) {
+    issue();
+    return reduction_done_;
+  }
+  compute_ready_.record(current_stream(device_));
+  c10::StreamGuard guard(streams.reduce_scatter());
+  compute_ready_.block(streams.reduce_scatter());
+  issue();
+  reduction_done_->record(streams.reduce_scatter());
+  return reduction_done_;
+}
+
+std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
+  return on_reduce_stream([&]() {
     if (full_grads()) {
       run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, b.flat.numel(),
                      [&] { rs_comm_.all_reduce(b.flat, c10d::ReduceOp::SUM); });
@@ -697,24 +742,70 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
       run_collective(CollectivePhase::kAllReduceReplicas, replicate_comm_, b.reduced.numel(),
                      [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
     }
-    cast_scale_into(b.target, b.reduced, scale, b.landing == Landing::kAccumulate);
-  };
-  // One event per unit, recorded again each reduction: the context retires the held
-  // reduction before the next is recorded (at worst it then waits for the newer one,
-  // which is ordered after it on the same stream).
-  if (!reduction_done_) reduction_done_ = std::make_shared<PendingCollective>(device_);
-  auto done = reduction_done_;
-  const auto& streams = ctx().streams();
-  if (!streams.enabled()) {
-    issue();
-    return done;
+    cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate);
+  });
+}
+
+void Unit::reduce_together(const std::vector<Unit*>& units) {
+  auto [together, alone] = split_for_coalescing(
+      units, "reduce_together", [](Unit&) { return true; },
+      [](const Unit& u) { return u.can_share_reduction() && u.ctx_ != nullptr; },
+      [](const Unit& lead, const Unit& u) {
+        return u.rs_comm_.group().get() == lead.rs_comm_.group().get() && u.reduce_dtype_ == lead.reduce_dtype_ &&
+               u.ctx_ == lead.ctx_;
+      });
+  for (Unit* u : alone) u->reduce_grads(/*sync=*/true);
+  // Pack every member's gradients (the first pack retires the held reduction); units
+  // without any gradient drop out, as reduce_grads would skip them.
+  std::vector<Unit*> members;
+  std::vector<GradBuffers> buffers;
+  for (Unit* u : together) {
+    u->check_bound("reduce_grads");
+    at::Tensor flat = u->pack_grads(/*sync=*/true);
+    if (!flat.defined()) continue;
+    u->accumulated_ = at::Tensor();
+    members.push_back(u);
+    buffers.push_back(u->plan_reduction(std::move(flat), /*defer=*/false));
   }
-  compute_ready_.record(current_stream(device_));
-  c10::StreamGuard guard(streams.reduce_scatter());
-  compute_ready_.block(streams.reduce_scatter());
-  issue();
-  done->record(streams.reduce_scatter());
-  return done;
+  if (members.empty()) return;
+  Unit& lead = *members.front();
+  std::vector<at::Tensor> outs, ins;
+  int64_t numel = 0;
+  for (auto& b : buffers) {
+    outs.push_back(b.reduced);
+    ins.push_back(b.flat);
+    numel += b.flat.numel();
+  }
+  const std::string scope =
+      msg("mfsdp::reduce_scatter[", lead.label_, members.size() > 1 ? msg(" +", members.size() - 1, " units") : "", "]");
+  auto done = lead.on_reduce_stream([&]() {
+    RECORD_USER_SCOPE(scope.c_str());
+    if (lead.check_collectives_) {
+      for (size_t i = 0; i < members.size(); ++i) {
+        members[i]->check_in_step(CollectivePhase::kReduceScatterGrads, members[i]->rs_comm_, buffers[i].flat.numel());
+      }
+    }
+    try {
+      lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins);
+    } catch (const std::exception& e) {
+      throw_collective_failure(CollectivePhase::kReduceScatterGrads,
+                               msg("units ", quoted_labels(members), " (one coalesced collective of ", numel,
+                                   " elements)"),
+                               lead.rank(), lead.world_size(), e);
+    }
+    for (size_t i = 0; i < members.size(); ++i) {
+      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
+                      buffers[i].landing == Landing::kAccumulate);
+    }
+  });
+  std::vector<at::Tensor> held;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Unit& u = *members[i];
+    u.land_grads(buffers[i], *done);
+    held.insert(held.end(), {buffers[i].flat, buffers[i].reduced, buffers[i].target});
+    std::fill(u.has_grad_.begin(), u.has_grad_.end(), false);
+  }
+  lead.ctx().hold_reduction(std::move(held), std::move(done));
 }
 
 void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {

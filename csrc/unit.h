@@ -148,6 +148,15 @@ class Unit {
   // without, accumulate them locally in the reduce dtype. Returns false when there
   // was nothing to reduce.
   bool reduce_grads(bool sync);
+  // reduce_grads(true) for several units with one collective: those that reduce-scatter
+  // (not HSDP, not the full-gradient strategies) on the first such unit's reduce-scatter
+  // communicator, reduce dtype and context are packed and reduce-scattered by one
+  // coalesced collective (one c10d call), each then scaled into its own .grad; the
+  // others by their own reduction. Units without a gradient take no part.
+  static void reduce_together(const std::vector<Unit*>& units);
+  // Whether this unit's reduction can join others' in reduce_together: it reduce-scatters
+  // (not an all-reduce of full gradients) and nothing follows it (HSDP's all-reduce).
+  bool can_share_reduction() const { return !full_grads() && !replicate_comm_.defined(); }
 
   // Full-precision unsharded copy of every parameter (synchronous collective).
   std::vector<at::Tensor> gather_full_params();
@@ -210,6 +219,12 @@ class Unit {
   // Reduce on the reduce-scatter stream (then across replicas, unless deferred, adding
   // the partial sum first), then scale/cast into `target` or add into the partial sum.
   std::shared_ptr<PendingCollective> reduce(GradBuffers& b, bool defer);
+  // Runs `issue` on the reduce-scatter stream after the work queued on the current one
+  // (directly on CPU) and returns this unit's reduction event, recorded after it.
+  template <typename F>
+  std::shared_ptr<PendingCollective> on_reduce_stream(F&& issue);
+  // What reduced gradients are multiplied by: 1 / (divide factor, or the ranks averaged over).
+  double grad_scale() const;
   void land_grads(const GradBuffers& b, const PendingCollective& done);
 
   ShardingStrategy strategy_;

@@ -146,6 +146,12 @@ class FSDPModule:
         next forward, in the order recorded in the first iteration."""
         self._fsdp_state.set_options(gather_bucket_bytes=nbytes)
 
+    def set_reduce_bucket_bytes(self, nbytes: int) -> None:
+        """(root) Consecutive units whose packed gradients add up to at most `nbytes` are
+        reduce-scattered by one coalesced collective (0: one per unit). Applies from the
+        next backward, in the order recorded in the first iteration."""
+        self._fsdp_state.set_options(reduce_bucket_bytes=nbytes)
+
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units ahead to all-gather (0: no prefetch). Read by the root at its
         first forward; on the root after that, applies to its whole tree."""
@@ -494,6 +500,7 @@ def fully_shard(
     alignment: int = _C.DEFAULT_ALIGNMENT,
     prefetch_depth: int = 1,
     gather_bucket_bytes: int = 0,
+    reduce_bucket_bytes: int = 0,
     all_gather_group: Optional[dist.ProcessGroup] = None,
     reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
@@ -536,6 +543,13 @@ def fully_shard(
                      all-gathered by one coalesced collective (one c10d call for many
                      small units), in forward and backward; prefetching then runs a
                      bucket ahead. 0 (default): one all-gather per unit.
+    reduce_bucket_bytes: (root) the same for gradients: consecutive units whose packed
+                     gradients (reduce dtype) add up to at most this many bytes are
+                     reduce-scattered by one coalesced collective once the last of them
+                     (the first in forward order) is done with backward; until then
+                     their gradients wait unpacked. HSDP meshes and the full-gradient
+                     strategies (no_shard, optim) reduce per unit. 0 (default): one
+                     reduce-scatter per unit.
     all_gather_group: an explicit group (same ranks, same order) for all-gathers.
     reduce_scatter_group: an explicit group (same ranks, same order) for gradient
                      reductions (default: process_group), e.g. one per expert-parallel group.
@@ -595,6 +609,7 @@ def fully_shard(
     options = UnitOptions(
         sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
         prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
+        reduce_bucket_bytes=reduce_bucket_bytes,
         all_gather_in_start_param_sync=all_gather_in_start_param_sync,
         overlap_grad_reduce=overlap_grad_reduce,
     )

@@ -13,7 +13,8 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
     (optim, optim_grads; no_shard only when it casts), else the root (gathered through
     the whole step) plus the largest unit 1 + prefetch_depth times;
   - reduction buffers: one unit's unsharded gradients (compute dtype) and two flat
-    reduce-dtype buffers (the one being packed and the one in flight).
+    reduce-dtype buffers (the one being packed and the one in flight); with reduce
+    buckets, the same for the largest bucket's units together.
 """
 from __future__ import annotations
 
@@ -72,6 +73,11 @@ def _shard_size(mesh_or_world) -> int:
     return mesh_or_world
 
 
+def _replicates(mesh_or_world) -> bool:
+    """A (replicate, shard) mesh with more than one replica: reductions end in an all-reduce."""
+    return not isinstance(mesh_or_world, int) and mesh_or_world.ndim == 2 and mesh_or_world.size(0) > 1
+
+
 def _units(model: nn.Module, unit_modules: Sequence[Type[nn.Module]]) -> List[List[nn.Parameter]]:
     """Parameters of each unit as fully_shard_model would make them: every module of a
     unit class (innermost first) takes what no inner unit took; the root the rest."""
@@ -101,6 +107,7 @@ def estimate_memory(
     optimizer: str = "adamw",
     prefetch_depth: int = 1,
     gather_bucket_bytes: int = 0,
+    reduce_bucket_bytes: int = 0,
     alignment: int = _C.DEFAULT_ALIGNMENT,
 ) -> MemoryEstimate:
     """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
@@ -112,7 +119,10 @@ def estimate_memory(
     on the meta device: only shapes and dtypes are read. Frozen parameters get no
     gradient and no optimizer state. `gather_bucket_bytes` as in fully_shard: gathered
     units are then counted by buckets of consecutive units (module order), 1 +
-    prefetch_depth buckets at a time, the largest such window."""
+    prefetch_depth buckets at a time, the largest such window. `reduce_bucket_bytes` as
+    in fully_shard: reduction buffers are counted for the largest bucket (the root first,
+    then the other units in module order), unless the mesh replicates (HSDP) or the
+    strategy all-reduces full gradients (no_shard, optim), which reduce per unit."""
     shard = _shard_size(mesh_or_world)
     strategy = _check_strategy(sharding_strategy)
     mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
@@ -120,14 +130,15 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(f"estimate_memory: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
-    if not isinstance(gather_bucket_bytes, int) or isinstance(gather_bucket_bytes, bool) or gather_bucket_bytes < 0:
-        raise ValueError(f"estimate_memory: gather_bucket_bytes must be an int >= 0, got {gather_bucket_bytes!r}")
+    for name, value in (("gather_bucket_bytes", gather_bucket_bytes), ("reduce_bucket_bytes", reduce_bucket_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"estimate_memory: {name} must be an int >= 0, got {value!r}")
     S = _C.ShardingStrategy
     replicated = strategy == S.NO_SHARD
     keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
     params = grads = optim = 0
     gathered_all, totals = 0, []
-    largest_grad_buffers = 0
+    grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
     units = [u for u in _units(model, unit_modules or ()) if u]
     for i, unit in enumerate(units):
         orig = unit[0].dtype
@@ -146,7 +157,8 @@ def estimate_memory(
         gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered
         totals.append((gathered, i == len(units) - 1))
-        largest_grad_buffers = max(largest_grad_buffers, int(total * trainable_share) * (b_param + 2 * b_reduce))
+        grad_buffers.append(int(total * trainable_share) * (b_param + 2 * b_reduce))
+        reduce_sizes.append(total * b_reduce)
     if keeps_gathered or replicated:
         gathered_params = gathered_all
     else:
@@ -158,8 +170,16 @@ def estimate_memory(
             gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
         else:
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
+    shares_reductions = not (replicated or strategy == S.OPTIM or _replicates(mesh_or_world))
+    if reduce_bucket_bytes > 0 and shares_reductions and grad_buffers:
+        # The root runs first in forward, so it leads the first bucket.
+        order = [len(units) - 1] + list(range(len(units) - 1))
+        runs = gather_bucket_runs([reduce_sizes[i] for i in order], reduce_bucket_bytes)
+        reduction_buffers = max(sum(grad_buffers[order[i]] for i in r) for r in runs)
+    else:
+        reduction_buffers = max(grad_buffers, default=0)
     return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,
-                          reduction_buffers=largest_grad_buffers, num_units=len(units), shard_size=shard)
+                          reduction_buffers=reduction_buffers, num_units=len(units), shard_size=shard)
 
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

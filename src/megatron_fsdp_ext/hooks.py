@@ -51,8 +51,9 @@ def _cast_floating(tree, dtype: torch.dtype):
 
 
 def gather_bucket_runs(sizes: List[int], budget: int) -> List[range]:
-    """Gather buckets as index runs over `sizes` (bytes in forward order): consecutive
-    entries adding up to at most `budget`; one larger than the budget stands alone."""
+    """Buckets as index runs over `sizes` (bytes in forward order): consecutive entries
+    adding up to at most `budget`; one larger than the budget stands alone. Used for
+    gather and reduce buckets alike."""
     runs, start, total = [], 0, 0
     for i, size in enumerate(sizes):
         if i > start and total + size > budget:
@@ -62,6 +63,43 @@ def gather_bucket_runs(sizes: List[int], budget: int) -> List[range]:
     if sizes:
         runs.append(range(start, len(sizes)))
     return runs
+
+
+def _reduce_nbytes(state: "FSDPState") -> Optional[int]:
+    """Bytes of `state`'s packed gradients, or None when its reduction cannot share a
+    collective (HSDP, full-gradient strategies)."""
+    unit = state.unit
+    return unit.layout.total_numel * unit.reduce_dtype.itemsize if unit.can_share_reduction else None
+
+
+class BucketPlan:
+    """Consecutive units of the frozen forward order cut into buckets of at most
+    `budget` bytes (`size_of`; a unit whose size is None is in no bucket and splits the
+    run it is in). Planned again when the budget changes."""
+
+    def __init__(self, size_of):
+        self._size_of = size_of
+        self._budget = 0
+        self.buckets: List[List["FSDPState"]] = []
+        self._index: dict = {}
+
+    def bucket_of(self, order: List["FSDPState"], state: "FSDPState", budget: int) -> Optional[int]:
+        if budget != self._budget:
+            self._plan(order, budget)
+        return self._index.get(id(state))
+
+    def _plan(self, order: List["FSDPState"], budget: int) -> None:
+        self.buckets, run = [], []
+        sizes = [self._size_of(s) for s in order]
+        for state, size in zip(order + [None], sizes + [None]):
+            if size is not None:
+                run.append((state, size))
+                continue
+            for r in gather_bucket_runs([n for _, n in run], budget):
+                self.buckets.append([run[i][0] for i in r])
+            run = []
+        self._index = {id(s): b for b, members in enumerate(self.buckets) for s in members}
+        self._budget = budget
 
 
 class RootContext:
@@ -80,11 +118,12 @@ class RootContext:
         self.forward_order: List["FSDPState"] = []
         self._position: dict = {}
         self.order = ForwardOrder.RECORDING
-        # Gather buckets over the frozen forward order (gather_bucket_bytes > 0): lists
-        # of consecutive states, and each state's bucket index; planned for one size.
-        self._buckets: List[List["FSDPState"]] = []
-        self._bucket_index: dict = {}
-        self._planned_for = 0
+        # Gather and reduce buckets over the frozen forward order (gather_bucket_bytes,
+        # reduce_bucket_bytes > 0), and the reduce buckets whose members are held until
+        # the last of them is done with backward: bucket index -> states.
+        self._gathers = BucketPlan(lambda s: s.unit.unsharded_nbytes)
+        self._reductions = BucketPlan(_reduce_nbytes)
+        self._held: dict = {}
 
     @property
     def in_backward(self) -> bool:
@@ -120,15 +159,7 @@ class RootContext:
         nbytes = self.root.options.gather_bucket_bytes
         if nbytes <= 0 or self.recording:
             return None
-        if self._planned_for != nbytes:
-            self._plan_buckets(nbytes)
-        return self._bucket_index.get(id(state))
-
-    def _plan_buckets(self, nbytes: int) -> None:
-        runs = gather_bucket_runs([s.unit.unsharded_nbytes for s in self.forward_order], nbytes)
-        self._buckets = [self.forward_order[r.start: r.stop] for r in runs]
-        self._bucket_index = {id(s): b for b, members in enumerate(self._buckets) for s in members}
-        self._planned_for = nbytes
+        return self._gathers.bucket_of(self.forward_order, state, nbytes)
 
     def forward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
         """Units to all-gather in `state`'s pre-forward, and whether they form buckets:
@@ -138,10 +169,11 @@ class RootContext:
         if b is None:
             targets = state.forward_prefetch if state.forward_prefetch is not None else self.next_in_forward(state)
             return [state, *targets], False
-        own = self._buckets[b]
+        buckets = self._gathers.buckets
+        own = buckets[b]
         # Earlier members of its bucket already ran (and may be freed again): not them.
         rest = own[own.index(state):]
-        return rest + [s for members in self._buckets[b + 1: b + 1 + self.prefetch_depth] for s in members], True
+        return rest + [s for members in buckets[b + 1: b + 1 + self.prefetch_depth] for s in members], True
 
     def backward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
         """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced),
@@ -152,10 +184,30 @@ class RootContext:
             targets = state.backward_prefetch if state.backward_prefetch is not None \
                 else self.previous_in_forward(state)
         else:
-            targets = [s for members in reversed(self._buckets[max(0, b - self.prefetch_depth): b + 1])
+            targets = [s for members in reversed(self._gathers.buckets[max(0, b - self.prefetch_depth): b + 1])
                        for s in reversed(members) if s is not state]
         return [t for t in targets if t.backward_progress is not BackwardProgress.REDUCED
                 and t.options.unshard_in_backward], b is not None
+
+    def hold_for_reduction(self, state: "FSDPState") -> bool:
+        """With reduce buckets: hold `state`'s gradients (on its unsharded parameters)
+        until every member of its bucket is done with backward, then reduce-scatter the
+        bucket's gradients with one coalesced collective. False when `state` is in no
+        bucket of two or more: it reduces on its own."""
+        nbytes = self.root.options.reduce_bucket_bytes
+        if nbytes <= 0 or self.recording:
+            return False
+        b = self._reductions.bucket_of(self.forward_order, state, nbytes)
+        members = self._reductions.buckets[b] if b is not None else ()
+        if len(members) < 2:
+            return False
+        self._held.setdefault(b, []).append(state)
+        if all(m.backward_progress is BackwardProgress.REDUCED for m in members):
+            self._reduce_held(b)
+        return True
+
+    def _reduce_held(self, b: int) -> None:
+        _C.Unit.reduce_together([s.unit for s in self._held.pop(b)])
 
     def queue_final_callback(self) -> None:
         if self.phase is RootPhase.BACKWARD:  # queued once per backward
@@ -166,6 +218,7 @@ class RootContext:
     def abandon_backward(self) -> None:
         """Forget a backward that ended in an error: per-unit backward state reset, the
         held reduction waited for. The gradients it produced are incomplete."""
+        self._held.clear()
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
@@ -177,6 +230,10 @@ class RootContext:
         for state in reversed(self.states):
             if state.backward_progress is not BackwardProgress.REDUCED:
                 state.post_backward()
+        # Every member is reduced by now, so every bucket was; a bucket still held means
+        # a member left the forward order: reduce it anyway, in the same order on every rank.
+        for b in sorted(self._held, reverse=True):
+            self._reduce_held(b)
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
@@ -481,7 +538,9 @@ class FSDPState:
         self.ctx.queue_final_callback()
         if self.unit is None:
             return
-        self.unit.reduce_grads(self.requires_gradient_sync)
+        # Without sync the gradients only accumulate locally: nothing to bucket.
+        if not (self.requires_gradient_sync and self.ctx.hold_for_reduction(self)):
+            self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
         if self.options.reshard_after_backward:

@@ -27,6 +27,10 @@ class UnitOptions:
     # (root) Consecutive units (recorded forward order) whose gathered bytes add up to at
     # most this many share one coalesced all-gather; 0: one collective per unit.
     gather_bucket_bytes: int = 0
+    # (root) The same for gradients: consecutive units whose packed gradients add up to at
+    # most this many bytes are reduce-scattered by one coalesced collective once the last
+    # of them is done with backward. HSDP and full-gradient strategies reduce per unit.
+    reduce_bucket_bytes: int = 0
     # (root) start_param_sync() launches the first all-gathers after the optimizer step.
     all_gather_in_start_param_sync: bool = False
     # False: backward waits for each gradient reduction before going on (debugging).
@@ -38,9 +42,10 @@ class UnitOptions:
     def __post_init__(self):
         if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
-        if not isinstance(self.gather_bucket_bytes, int) or isinstance(self.gather_bucket_bytes, bool) \
-                or self.gather_bucket_bytes < 0:
-            raise ValueError(f"gather_bucket_bytes must be an int >= 0, got {self.gather_bucket_bytes!r}")
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
                      "reshard_after_backward", "unshard_in_backward"):
             if not isinstance(getattr(self, name), bool):

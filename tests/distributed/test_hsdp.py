@@ -14,10 +14,15 @@ MESHES = {
     "2x2": (2, [{"strategy": s, "micro": 2, "defer": True, "clip": 0.05} for s in EVERY_STRATEGY]
             + [{"strategy": "optim_grads_params", "micro": 2}, {"strategy": "optim_grads", "config": True},
                {"strategy": "optim_grads_params", "micro": 2, "defer": True, "timeout": 120},
-               {"strategy": "optim", "create_all_gather_group": True}]),
+               {"strategy": "optim", "create_all_gather_group": True},
+               # Buckets: gathers coalesced; reductions stay per unit (their all-reduce follows).
+               {"strategy": "optim_grads_params", "micro": 2, "defer": True, "gather_bucket_bytes": 1 << 30,
+                "reduce_bucket_bytes": 1 << 30}]),
     "4x1": (4, [{"strategy": "optim_grads_params", "micro": 2, "defer": True, "clip": 0.05},
                 {"strategy": "no_shard"}]),
-    "1x4": (1, [{"strategy": "optim_grads_params", "clip": 0.05}, {"strategy": "optim", "micro": 2, "defer": True}]),
+    "1x4": (1, [{"strategy": "optim_grads_params", "clip": 0.05}, {"strategy": "optim", "micro": 2, "defer": True},
+                # One replica: nothing follows the reduce-scatter, so the bucket shares one.
+                {"strategy": "optim_grads_params", "micro": 2, "reduce_bucket_bytes": 1 << 30}]),
 }
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A 1-GPU machine's share of the GPU checks, in one call: build from source, the `gpu`
 # tests that are meaningful at world 1 (NCCL world 1: CUDA random number generator,
-# allocator peaks, autograd threads) and the CUDA smoke test. The 2-GPU suite
+# allocator peaks, autograd threads, the bucket paths' streams and events, CUDA-graph
+# capture) and the CUDA smoke test. At world 1 every collective is a copy. The 2-GPU suite
 # (tests/gpu/run_all.sh) remains the record for anything distributed.
 # Usage (device machine, repo root): OUT=... bash tests/gpu/run_world1.sh
 set -uo pipefail
@@ -23,6 +24,12 @@ $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env
 MFSDP_GPU_WORLD=1 MFSDP_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -rA -s \
   tests/gpu/test_deferred_init_gpu.py \
   tests/distributed/test_profiler_labels.py::test_unit_trace_sees_backward_on_autograd_threads_under_nccl \
+  "tests/gpu/test_nccl.py::test_nccl_parity[gather_buckets]" \
+  "tests/gpu/test_nccl.py::test_nccl_parity[gather_buckets_bf16]" \
+  "tests/gpu/test_nccl.py::test_nccl_parity[reduce_buckets]" \
+  "tests/gpu/test_nccl.py::test_nccl_parity[buckets_bf16]" \
+  "tests/gpu/test_nccl.py::test_nccl_parity_under_stream_chaos[buckets_bf16]" \
+  tests/gpu/test_overlap.py::test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch \
   --junitxml="$OUT/junit_world1.xml" 2>&1 | tee "$OUT/pytest_world1.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 PYTHONPATH=$PWD/src timeout 300 $PY tests/gpu/sanitizer_smoke.py > "$OUT/smoke.log" 2>&1 || status=1

@@ -12,9 +12,13 @@ WORLD = gpu_world()
 NCCL_SCENARIOS = {k: v for k, v in W.PARITY_SCENARIOS.items() if k not in ("unused_params", "frozen_params")}
 NCCL_SCENARIOS["unused_frozen"] = {"unused": True, "frozen": True}
 NCCL_SCENARIOS["fused_adamw"] = {"fused": True}
-# Gather buckets: every unit in one coalesced all-gather (fp32, and bf16 cast in place).
+# Buckets: every unit in one coalesced all-gather (fp32, and bf16 cast in place) and one
+# coalesced reduce-scatter (fp32; bf16 gradients reduced in fp32; with accumulation).
 NCCL_SCENARIOS["gather_buckets"] = {"gather_bucket_bytes": 1 << 30}
 NCCL_SCENARIOS["gather_buckets_bf16"] = dict(W.PARITY_SCENARIOS["bf16_mixed_precision"], gather_bucket_bytes=1 << 30)
+NCCL_SCENARIOS["reduce_buckets"] = {"reduce_bucket_bytes": 1 << 30, "micro_batches": 2, "sync_every_micro": True}
+NCCL_SCENARIOS["buckets_bf16"] = dict(W.PARITY_SCENARIOS["bf16_mixed_precision"], gather_bucket_bytes=1 << 30,
+                                      reduce_bucket_bytes=1 << 30)
 
 
 @pytest.mark.parametrize("name", list(NCCL_SCENARIOS))
@@ -24,7 +28,7 @@ def test_nccl_parity(name):
     W.check_parity_results(results, steps=5)
 
 
-@pytest.mark.parametrize("name", ["adamw", "bf16_mixed_precision", "grad_accumulation", "gather_buckets_bf16"])
+@pytest.mark.parametrize("name", ["adamw", "bf16_mixed_precision", "grad_accumulation", "buckets_bf16"])
 def test_nccl_parity_under_stream_chaos(name):
     opts = dict(NCCL_SCENARIOS[name], steps=5)
     results = run_distributed(GW.train_parity_with_stream_chaos, WORLD, opts, backend="nccl", timeout=300)

@@ -35,6 +35,8 @@ def test_nccl_prefetch_semantics_and_param_sync():
         run_distributed(W.param_sync_modes, WORLD, on, backend="nccl", timeout=300)
 
 
-def test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch():
-    stats = run_distributed(GW.cuda_graph_training, WORLD, backend="nccl", timeout=300)[0]
+@pytest.mark.parametrize("buckets", [{}, {"gather_bucket_bytes": 1 << 30, "reduce_bucket_bytes": 1 << 30}],
+                         ids=["per_unit", "buckets"])
+def test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch(buckets):
+    stats = run_distributed(GW.cuda_graph_training, WORLD, 3, 3, buckets, backend="nccl", timeout=300)[0]
     print(stats)

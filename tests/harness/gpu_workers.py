@@ -12,7 +12,7 @@ import contextlib
 import gc
 import os
 import tempfile
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -397,17 +397,19 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
 
 # ---------------------------------------------------------------- CUDA graphs
 
-def cuda_graph_training(rank: int, world: int, warmup: int = 3, replays: int = 3) -> Dict:
+def cuda_graph_training(rank: int, world: int, warmup: int = 3, replays: int = 3, buckets: Optional[Dict] = None) -> Dict:
     """With all_gather_in_start_param_sync off (the default) nothing is launched outside
     forward/backward, so a whole training step (forward, backward with its
     reduce-scatters, a capturable AdamW step) is captured once in a CUDA graph and
     replayed on new data. Reference: a plain single-process copy of the model (no FSDP,
     no graph) trained eagerly with AdamW on the whole global batch. Every replayed loss
-    and the final parameters match it within the NCCL parity suite's fp32 tolerance."""
+    and the final parameters match it within the NCCL parity suite's fp32 tolerance.
+    `buckets`: gather_bucket_bytes / reduce_bucket_bytes (the coalesced collectives and
+    the held gradients are captured too)."""
     device = device_for_backend()
     cfg, graphed, reference = build_models({}, device)  # the parity suite's fp32 model
     initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    shard(graphed, {})
+    shard(graphed, buckets or {})
     # lr 1e-4 as in the parity suite: Adam turns rounding differences of near-zero
     # gradients (the reduction order differs from the reference's) into steps of up to lr.
     opt = torch.optim.AdamW(graphed.parameters(), lr=1e-4, weight_decay=0.1, capturable=True)

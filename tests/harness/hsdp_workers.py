@@ -94,7 +94,8 @@ def hsdp_parity(rank: int, world: int, replicate: int, scenarios: List[Dict]) ->
                 fsdp_unit_modules=[type(ref.blocks[0])], device_mesh=mesh, dp_shard_dim="shard",
                 dp_outer_dim="replicate")
         else:  # groups of their own: timeout= or create_all_gather_group=True, made for every shard group
-            extra = {k: sc[k] for k in ("timeout", "create_all_gather_group") if k in sc}
+            extra = {k: sc[k] for k in ("timeout", "create_all_gather_group", "gather_bucket_bytes",
+                                        "reduce_bucket_bytes") if k in sc}
             model = _shard(copy.deepcopy(ref), mesh, strategy, **extra)
         units = [s for s in iter_states(model) if s.unit is not None]
         assert all(s.unit.replicate_size == replicate and s.unit.world_size == world // replicate for s in units)

@@ -116,6 +116,7 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
         sharding_strategy=opts.get("strategy", "optim_grads_params"),
         prefetch_depth=opts.get("prefetch_depth", 1),
         gather_bucket_bytes=opts.get("gather_bucket_bytes", 0),
+        reduce_bucket_bytes=opts.get("reduce_bucket_bytes", 0),
         create_all_gather_group=opts.get("create_all_gather_group"),
     )
     return shard_blocks_and_root(model, **kw)
@@ -935,35 +936,40 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
     return {"gathers": len(gathers), "overlapping": n_overlapping, "buckets": len(lopt.buckets)}
 
 
-def bucketed_gather_counts(rank: int, world: int, bucket_bytes: int, via_setter: bool = False) -> Dict:
-    """All-gather collectives per training step (after the first, which records the
-    order) with gathers bucketed by `bucket_bytes`, and the units gathered in each phase.
-    Every unit is still gathered once in forward and once in backward (the root only in
-    forward: it stays unsharded)."""
+def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter: bool = False) -> Dict:
+    """Collectives per training step (after the first, which records the order) with
+    `buckets` (fully_shard's gather_bucket_bytes / reduce_bucket_bytes), the units
+    gathered in each phase and the sharded parameters that got a gradient. Every unit is
+    still gathered once in forward and once in backward (the root only in forward: it
+    stays unsharded)."""
     from .observe import count_collectives
     device = device_for_backend()
     cfg, model, _ = build_models({}, device)
-    shard(model, {"gather_bucket_bytes": 0 if via_setter else bucket_bytes})
+    shard(model, {} if via_setter else buckets)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     states = [m._fsdp_state for m in model.modules() if "_mfsdp_state" in m.__dict__]
     batches = list(global_batches(cfg, 4, 2 * world, 8, device))
     rows = slice(rank * 2, rank * 2 + 2)
+    with_grad = []
 
     def step(tokens, targets, trace=None):
         with trace.phase("fwd") if trace else contextlib.nullcontext():
             loss = model.loss(tokens[rows], targets[rows])
         with trace.phase("bwd") if trace else contextlib.nullcontext():
             loss.backward()
+        with_grad.append(sum(p.grad is not None for p in model.parameters()))
         opt.step()
         opt.zero_grad()
 
     for tokens, targets in batches[:2]:
         step(tokens, targets)
     if via_setter:  # on the root after the order was recorded: the plan follows
-        model.set_gather_bucket_bytes(bucket_bytes)
+        model.set_gather_bucket_bytes(buckets.get("gather_bucket_bytes", 0))
+        model.set_reduce_bucket_bytes(buckets.get("reduce_bucket_bytes", 0))
     with count_collectives() as counts:  # one profiler at a time: counts, then the trace
         step(*batches[2])
     with UnitTrace(states) as trace:
         step(*batches[3], trace=trace)
-    return {"all_gathers": counts.get("all_gather", 0), "units": len(states),
+    return {"all_gathers": counts.get("all_gather", 0), "reduce_scatters": counts.get("reduce_scatter", 0),
+            "units": len(states), "params": len(list(model.parameters())), "params_with_grad": with_grad[2:],
             "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd"))}

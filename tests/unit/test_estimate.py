@@ -50,6 +50,24 @@ def test_gather_buckets_count_whole_buckets():
         mfsdp.estimate_memory(m, 2, gather_bucket_bytes=-1)
 
 
+def test_reduce_buckets_count_the_largest_bucket():
+    with torch.device("meta"):
+        m = nn.Sequential(*[Block() for _ in range(5)], nn.Linear(64, 10, bias=False))
+    per_unit = mfsdp.estimate_memory(m, 4, unit_modules=[Block])
+    assert per_unit.reduction_buffers == 4096 * (4 + 2 * 4)  # a block: its gradient, packed and in flight
+    # Packed fp32 gradients: root 2,560 B, blocks 16,384 B. 40,000 bytes hold the root
+    # and two blocks, then two blocks twice: the largest bucket is the root's.
+    est = mfsdp.estimate_memory(m, 4, unit_modules=[Block], reduce_bucket_bytes=40000)
+    assert est.reduction_buffers == (640 + 2 * 4096) * (4 + 2 * 4)
+    assert est.gathered_params == per_unit.gathered_params  # gathers are not bucketed by it
+    # Strategies that all-reduce full gradients reduce per unit.
+    zero1 = dict(unit_modules=[Block], sharding_strategy="optim")
+    assert mfsdp.estimate_memory(m, 4, reduce_bucket_bytes=40000, **zero1).reduction_buffers == \
+        mfsdp.estimate_memory(m, 4, **zero1).reduction_buffers
+    with pytest.raises(ValueError, match="reduce_bucket_bytes"):
+        mfsdp.estimate_memory(m, 2, reduce_bucket_bytes=-1)
+
+
 def test_strategies_precision_and_frozen_parameters():
     bf16 = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kept = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="optim_grads", mp_policy=bf16)

@@ -1,0 +1,72 @@
+"""Gather and reduce buckets on Gloo: consecutive units share one coalesced all-gather
+(gather_bucket_bytes) and one coalesced reduce-scatter (reduce_bucket_bytes). Parity with
+one process (or FSDP2 under bf16) for the layouts and strategies that join a bucket and
+for those that must not (full gradients, HSDP: tests/distributed/test_hsdp.py), and the
+number of collectives per step."""
+import pytest
+import torch
+
+from harness import run_distributed
+from harness.workers import bucketed_collective_counts, train_parity
+
+# The test model's units in forward order: root 32,896 B, then three blocks of 50,432 B
+# (fp32 gradients); this budget makes two reduce buckets, [root, block 0] and [blocks 1, 2].
+TWO_BUCKETS = 101_000
+ONE_BUCKET = 1 << 30
+
+
+@pytest.mark.parametrize("world,opts", [
+    (2, {"gather_bucket_bytes": 1}),  # every unit a bucket of its own, gathered through the bucket path
+    (2, {"gather_bucket_bytes": ONE_BUCKET, "param_dtype": "bf16"}),  # one bucket: one coalesced, cast in place
+    (4, {"gather_bucket_bytes": ONE_BUCKET, "micro_batches": 2}),
+])
+def test_bucketed_gathers_train_like_one_process(world, opts):
+    run_distributed(train_parity, world, _with_dtypes(opts, steps=4), timeout=240)
+
+
+@pytest.mark.parametrize("world,opts", [
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "clip": 0.05}),
+    (2, {"reduce_bucket_bytes": TWO_BUCKETS, "extra_runs": [{"strategy": "optim_grads"}]}),
+    # bf16 gradients reduced in fp32, against FSDP2 under the same policy.
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "gather_bucket_bytes": ONE_BUCKET, "param_dtype": "bf16"}),
+    # Gradients accumulated without sync, then reduced in one bucket.
+    (4, {"reduce_bucket_bytes": TWO_BUCKETS, "micro_batches": 2}),
+    # A reduction every micro-batch: the second lands on the first's .grad (accumulate).
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "micro_batches": 2, "sync_every_micro": True}),
+    # A parameter that never gets a gradient (unused) and frozen ones: their .grad stays None.
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "unused": True, "frozen": True}),
+    # Full gradients (all-reduced) never join a bucket: the same results as without one.
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "strategy": "optim"}),
+])
+def test_bucketed_reductions_train_like_one_process(world, opts):
+    run_distributed(train_parity, world, _with_dtypes(opts, steps=4), timeout=240)
+
+
+def test_buckets_issue_one_collective_per_bucket():
+    plain = run_distributed(bucketed_collective_counts, 2, {}, timeout=180)[0]
+    units, params = plain["units"], plain["params"]
+    # Every unit gathered in forward, every block again in backward; one collective per
+    # unit and use, and one reduce-scatter per unit.
+    assert plain["fwd_unshards"] == units and plain["bwd_unshards"] == units - 1, plain
+    assert plain["all_gathers"] == 2 * units - 1 and plain["reduce_scatters"] == units, plain
+    gathers = run_distributed(bucketed_collective_counts, 2, {"gather_bucket_bytes": ONE_BUCKET}, timeout=180)[0]
+    assert gathers["all_gathers"] == 2 and gathers["reduce_scatters"] == units, gathers
+    assert gathers["fwd_unshards"] == units and gathers["bwd_unshards"] == units - 1, gathers
+    reductions = run_distributed(bucketed_collective_counts, 2, {"reduce_bucket_bytes": TWO_BUCKETS}, timeout=180)[0]
+    assert reductions["reduce_scatters"] == 2 and reductions["all_gathers"] == 2 * units - 1, reductions
+    both = {"gather_bucket_bytes": ONE_BUCKET, "reduce_bucket_bytes": ONE_BUCKET}
+    one = run_distributed(bucketed_collective_counts, 2, both, timeout=180)[0]
+    assert one["all_gathers"] == 2 and one["reduce_scatters"] == 1, one
+    # Every parameter still gets its gradient, every step.
+    for counts in (plain, gathers, reductions, one):
+        assert counts["params_with_grad"] == [params, params], counts
+    # The setters on the root between steps: the same plan from the next step.
+    later = run_distributed(bucketed_collective_counts, 2, both, True, timeout=180)[0]
+    assert later == one, later
+
+
+def _with_dtypes(opts, **more):
+    opts = dict(opts, **more)
+    if opts.get("param_dtype") == "bf16":
+        opts.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return opts
