@@ -51,7 +51,7 @@ CONFIGS = {
 # (consecutive blocks share one all-gather and one reduce-scatter; fp32 gradients take
 # twice the bytes of bf16 parameters, so both group the same blocks).
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
-           "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed")
+           "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed")
 GATHER_BUCKET_BYTES = 32 << 20
 REDUCE_BUCKET_BYTES = 64 << 20
 

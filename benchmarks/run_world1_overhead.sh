@@ -1,33 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, no communication at all (world 1: every collective is skipped): how far each
 # system's step is from the plain model's, i.e. its per-unit CPU and hook overhead alone.
-# Builds from source (SKIP_BUILD=1: already built), installs the carried wheels
-# (megatron-fsdp, einops), runs compare_systems.py; $OUT gets summary.json, rows.json,
-# compare.log and the logs of failed runs. Usage (device machine, repo root):
+# Same variables as run_compare.sh. Usage (device machine, repo root):
 #   OUT=... [SYSTEMS=...] [CONFIGS=...] [ROUNDS=3] bash benchmarks/run_world1_overhead.sh
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/mfsdp_out}
-PY=${PYTHON:-python3}
-WORK=$(mktemp -d)
-mkdir -p "$OUT"
-$PY -m pip install -q --no-deps .whl/*.whl > "$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
-if [ -z "${SKIP_BUILD:-}" ]; then
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-fi
-$PY -c "import torch, megatron_fsdp; print('torch', torch.__version__, torch.cuda.get_device_name(), 'megatron_fsdp', megatron_fsdp.__version__)" | tee "$OUT/env.txt"
-$PY benchmarks/compare_systems.py --nproc 1 --rounds ${ROUNDS:-3} --configs ${CONFIGS:-small_many} \
-  --systems ${SYSTEMS:-local,ddp,mfsdp,fsdp2,megatron_fsdp} --steps ${STEPS:-20} --warmup ${WARMUP:-5} \
-  --timeout ${RUN_TIMEOUT:-300} --out "$WORK/compare" 2>&1 | tee "$OUT/compare.log" | tail -14
-cp "$WORK/compare/summary.json" "$WORK/compare/rows.json" "$OUT/" 2>/dev/null
-# The full output of every run that failed, one file.
-$PY - "$WORK/compare" > "$OUT/failed_runs.log" <<'PYEOF'
-import json, sys, pathlib
-root = pathlib.Path(sys.argv[1])
-for row in json.loads((root / "rows.json").read_text()):
-    if "error" in row:
-        log = root / f"round{row['round']}" / row["config"] / row["system"] / "log.txt"
-        print(f"===== round {row['round']} {row['config']} {row['system']}: {row['error']}")
-        print(log.read_text()[-6000:] if log.exists() else "(no log)")
-PYEOF
+NPROC=1 exec bash "$(dirname "$0")/run_compare.sh"
