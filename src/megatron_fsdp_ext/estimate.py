@@ -163,7 +163,8 @@ def estimate_memory(
         gathered_params = gathered_all
     else:
         root = totals[-1][0] if totals else 0
-        blocks = [g for g, is_root in totals if not is_root]
+        # _units lists the inner units innermost-last-first: reversed, module order.
+        blocks = [g for g, is_root in totals if not is_root][::-1]
         if gather_bucket_bytes > 0:
             buckets = [sum(blocks[r.start: r.stop]) for r in gather_bucket_runs(blocks, gather_bucket_bytes)]
             window = 1 + prefetch_depth
@@ -172,8 +173,9 @@ def estimate_memory(
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
     shares_reductions = not (replicated or strategy == S.OPTIM or _replicates(mesh_or_world))
     if reduce_bucket_bytes > 0 and shares_reductions and grad_buffers:
-        # The root runs first in forward, so it leads the first bucket.
-        order = [len(units) - 1] + list(range(len(units) - 1))
+        # Forward order: the root first, then the other units in module order (_units
+        # lists them the other way round).
+        order = [len(units) - 1] + list(range(len(units) - 2, -1, -1))
         runs = gather_bucket_runs([reduce_sizes[i] for i in order], reduce_bucket_bytes)
         reduction_buffers = max(sum(grad_buffers[order[i]] for i in r) for r in runs)
     else:

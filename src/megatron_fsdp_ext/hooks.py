@@ -217,8 +217,14 @@ class RootContext:
 
     def abandon_backward(self) -> None:
         """Forget a backward that ended in an error: per-unit backward state reset, the
-        held reduction waited for. The gradients it produced are incomplete."""
+        held reduction waited for. The gradients it produced are incomplete: those still
+        on unsharded parameters (units held for a reduce bucket, or whose post-backward
+        never ran) are dropped, so the next backward does not add onto them. Gradients
+        reduced before the error stay on the sharded parameters (zero_grad clears them)."""
         self._held.clear()
+        for state in self.states:
+            for p in state.unsharded_params:
+                p.grad = None
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
@@ -230,8 +236,9 @@ class RootContext:
         for state in reversed(self.states):
             if state.backward_progress is not BackwardProgress.REDUCED:
                 state.post_backward()
-        # Every member is reduced by now, so every bucket was; a bucket still held means
-        # a member left the forward order: reduce it anyway, in the same order on every rank.
+        # A bucket whose last member to finish did not sync (requires_gradient_sync off
+        # on that unit alone) was never reduced: now, last bucket first, the same order
+        # on every rank.
         for b in sorted(self._held, reverse=True):
             self._reduce_held(b)
         self.comm.wait_reductions()

@@ -35,6 +35,8 @@ def test_bucketed_gathers_train_like_one_process(world, opts):
     (2, {"reduce_bucket_bytes": ONE_BUCKET, "micro_batches": 2, "sync_every_micro": True}),
     # A parameter that never gets a gradient (unused) and frozen ones: their .grad stays None.
     (2, {"reduce_bucket_bytes": ONE_BUCKET, "unused": True, "frozen": True}),
+    # Tied embeddings (one parameter in two slots), and a block run twice in one forward.
+    (2, {"reduce_bucket_bytes": ONE_BUCKET, "tie": True, "extra_runs": [{"tie": False, "reuse_block": True}]}),
     # Full gradients (all-reduced) never join a bucket: the same results as without one.
     (2, {"reduce_bucket_bytes": ONE_BUCKET, "strategy": "optim"}),
 ])

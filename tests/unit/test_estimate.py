@@ -68,6 +68,23 @@ def test_reduce_buckets_count_the_largest_bucket():
         mfsdp.estimate_memory(m, 2, reduce_bucket_bytes=-1)
 
 
+def test_reduce_buckets_follow_the_forward_order():
+    class Wide(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.fc = nn.Linear(64, n, bias=False)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with torch.device("meta"):  # blocks of 1024, 4096, 4096 elements after a root of 640
+        m = nn.Sequential(Wide(16), Wide(64), Wide(64), nn.Linear(64, 10, bias=False))
+    # Forward order: root 2,560 B, 4,096 B, 16,384 B, 16,384 B of packed gradients; 20,000
+    # bytes make [root, small], [big], [big]. Taken backwards, the root would pair with a big one.
+    est = mfsdp.estimate_memory(m, 4, unit_modules=[Wide], reduce_bucket_bytes=20000)
+    assert est.reduction_buffers == 4096 * (4 + 2 * 4)
+
+
 def test_strategies_precision_and_frozen_parameters():
     bf16 = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kept = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], sharding_strategy="optim_grads", mp_policy=bf16)
