@@ -112,12 +112,14 @@ def _is_sharded(state) -> bool:
 @contextlib.contextmanager
 def count_collectives():
     """Counts the library's collective scopes ("mfsdp::<collective>[<label>]") issued
-    inside the `with` block, per collective kind: e.g. counts["all_reduce_replicas"].
-    The dict is filled when the block ends."""
+    inside the `with` block, per collective kind: e.g. counts["all_reduce_replicas"];
+    and under "c10d::<op>" the process group's own dispatcher calls (what a coalesced
+    collective must reduce to one). The dict is filled when the block ends."""
     counts: Dict[str, int] = {}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield counts
     for e in prof.events():
         m = _COLLECTIVE.match(e.name)
-        if m:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+        key = m.group(1) if m else e.name if e.name.startswith("c10d::") else None
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1

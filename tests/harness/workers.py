@@ -971,5 +971,6 @@ def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter:
     with UnitTrace(states) as trace:
         step(*batches[3], trace=trace)
     return {"all_gathers": counts.get("all_gather", 0), "reduce_scatters": counts.get("reduce_scatter", 0),
+            "c10d_calls": {k: v for k, v in counts.items() if k.startswith("c10d::")},
             "units": len(states), "params": len(list(model.parameters())), "params_with_grad": with_grad[2:],
             "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd"))}
