@@ -48,21 +48,28 @@ void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
   finish(pg_->_allgather_base(out, in, opts));
 }
 
-void Communicator::all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
-  MFSDP_CHECK(outs.size() == ins.size(), "all_gather_flat_coalesced: ", outs.size(), " outputs but ", ins.size(),
-              " inputs");
-  std::vector<at::Tensor> out_list, in_list;
+void Communicator::coalesced_pairs(const char* what, bool gather, std::vector<at::Tensor>& outs,
+                                   std::vector<at::Tensor>& ins, std::vector<at::Tensor>& out_list,
+                                   std::vector<at::Tensor>& in_list) const {
+  MFSDP_CHECK(outs.size() == ins.size(), what, ": ", outs.size(), " outputs but ", ins.size(), " inputs");
   for (size_t i = 0; i < outs.size(); ++i) {
-    check_pair("all_gather_flat_coalesced", outs[i], ins[i]);
-    MFSDP_CHECK(outs[i].numel() == ins[i].numel() * size_, "all_gather_flat_coalesced: output ", i, " has ",
-                outs[i].numel(), " elements, expected ", ins[i].numel(), " x ", size_);
+    check_pair(what, outs[i], ins[i]);
+    const auto& whole = gather ? outs[i] : ins[i];
+    const auto& part = gather ? ins[i] : outs[i];
+    MFSDP_CHECK(whole.numel() == part.numel() * size_, what, gather ? ": output " : ": input ", i, " has ",
+                whole.numel(), " elements, expected ", part.numel(), " x ", size_);
     if (size_ == 1) {
-      if (!outs[i].is_same(ins[i]) && outs[i].data_ptr() != ins[i].data_ptr()) outs[i].copy_(ins[i]);
+      if (outs[i].data_ptr() != ins[i].data_ptr()) outs[i].copy_(ins[i]);
     } else if (outs[i].numel() > 0) {
       out_list.push_back(outs[i]);
       in_list.push_back(ins[i]);
     }
   }
+}
+
+void Communicator::all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
+  std::vector<at::Tensor> out_list, in_list;
+  coalesced_pairs("all_gather_flat_coalesced", /*gather=*/true, outs, ins, out_list, in_list);
   if (out_list.empty()) return;
   if (out_list.size() == 1) {
     all_gather_flat(out_list[0], in_list[0]);
@@ -70,8 +77,7 @@ void Communicator::all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std:
   }
   c10d::AllgatherOptions opts;
   opts.asyncOp = false;
-  // The older name: torch releases before the rename of allgather_into_tensor_coalesced
-  // to all_gather_single_coalesced have only this one.
+  // The older names: torch releases before the renames to *_single_coalesced have only these.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   finish(pg_->allgather_into_tensor_coalesced(out_list, in_list, opts));
@@ -94,20 +100,8 @@ void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
 }
 
 void Communicator::reduce_scatter_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
-  MFSDP_CHECK(outs.size() == ins.size(), "reduce_scatter_flat_coalesced: ", outs.size(), " outputs but ", ins.size(),
-              " inputs");
   std::vector<at::Tensor> out_list, in_list;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    check_pair("reduce_scatter_flat_coalesced", outs[i], ins[i]);
-    MFSDP_CHECK(ins[i].numel() == outs[i].numel() * size_, "reduce_scatter_flat_coalesced: input ", i, " has ",
-                ins[i].numel(), " elements, expected ", outs[i].numel(), " x ", size_);
-    if (size_ == 1) {
-      if (outs[i].data_ptr() != ins[i].data_ptr()) outs[i].copy_(ins[i]);
-    } else if (outs[i].numel() > 0) {
-      out_list.push_back(outs[i]);
-      in_list.push_back(ins[i]);
-    }
-  }
+  coalesced_pairs("reduce_scatter_flat_coalesced", /*gather=*/false, outs, ins, out_list, in_list);
   if (out_list.empty()) return;
   if (out_list.size() == 1) {
     reduce_scatter_flat(out_list[0], in_list[0]);
@@ -116,7 +110,6 @@ void Communicator::reduce_scatter_flat_coalesced(std::vector<at::Tensor>& outs, 
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.asyncOp = false;
-  // The older name, as for all_gather_flat_coalesced.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   finish(pg_->reduce_scatter_tensor_coalesced(out_list, in_list, opts));

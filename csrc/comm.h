@@ -96,6 +96,11 @@ class Communicator {
   static void finish(const c10::intrusive_ptr<c10d::Work>& work);
   void check_buffer(const char* what, const char* which, const at::Tensor& t) const;
   void check_pair(const char* what, const at::Tensor& out, const at::Tensor& in) const;
+  // The (out, in) pairs of a coalesced collective that need communication, each checked
+  // (`gather`: out holds size x in, else in holds size x out), into out_list/in_list.
+  // At world 1 each pair is copied here instead; empty pairs are dropped.
+  void coalesced_pairs(const char* what, bool gather, std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                       std::vector<at::Tensor>& out_list, std::vector<at::Tensor>& in_list) const;
   void check_segments_agree(const char* what, const c10::Device& device, const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& numels) const;
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,

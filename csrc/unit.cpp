@@ -349,6 +349,28 @@ void Unit::run_collective(CollectivePhase phase, const Communicator& comm, int64
   }
 }
 
+template <typename F>
+void Unit::run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units, const std::vector<int64_t>& numels,
+                         const Communicator& comm, F&& issue) {
+  const Unit& lead = *units.front();
+  // "mfsdp::all_gather[x]" -> "mfsdp::all_gather[x +2 units]"
+  std::string scope = lead.profile_scopes_[static_cast<size_t>(phase)];
+  if (units.size() > 1) scope.insert(scope.size() - 1, msg(" +", units.size() - 1, " units"));
+  RECORD_USER_SCOPE(scope.c_str());
+  int64_t total = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (lead.check_collectives_) units[i]->check_in_step(phase, comm, numels[i]);
+    total += numels[i];
+  }
+  try {
+    issue();
+  } catch (const std::exception& e) {
+    throw_collective_failure(phase, msg("units ", quoted_labels(units), " (one coalesced collective of ", total,
+                                        " elements)"),
+                             lead.rank(), lead.world_size(), e);
+  }
+}
+
 CommContext& Unit::ctx() {
   MFSDP_CHECK(ctx_, "fully_shard unit has no communication context (internal error: lazy init did not run)");
   return *ctx_;
@@ -505,25 +527,14 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
     u->prepare_gather();
   }
   std::vector<at::Tensor> outs, ins;
-  int64_t numel = 0;
+  std::vector<int64_t> numels;
   for (Unit* u : together) {
     outs.push_back(u->unsharded_flat_);
-    numel += u->unsharded_flat_.numel();
+    numels.push_back(u->unsharded_flat_.numel());
   }
-  const std::string scope = msg("mfsdp::all_gather[", lead.label_, " +", together.size() - 1, " units]");
   auto issue = [&] {
-    RECORD_USER_SCOPE(scope.c_str());
-    if (lead.check_collectives_) {
-      for (Unit* u : together) u->check_in_step(CollectivePhase::kAllGatherParams, u->ag_comm_, u->unsharded_flat_.numel());
-    }
-    try {
-      lead.ag_comm_.all_gather_flat_coalesced(outs, ins);
-    } catch (const std::exception& e) {
-      throw_collective_failure(CollectivePhase::kAllGatherParams,
-                               msg("units ", quoted_labels(together), " (one coalesced collective of ", numel,
-                                   " elements)"),
-                               lead.rank(), lead.world_size(), e);
-    }
+    run_coalesced(CollectivePhase::kAllGatherParams, together, numels, lead.ag_comm_,
+                  [&] { lead.ag_comm_.all_gather_flat_coalesced(outs, ins); });
   };
   const auto& streams = lead.ctx().streams();
   if (streams.enabled()) {
@@ -770,29 +781,15 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   if (members.empty()) return;
   Unit& lead = *members.front();
   std::vector<at::Tensor> outs, ins;
-  int64_t numel = 0;
+  std::vector<int64_t> numels;
   for (auto& b : buffers) {
     outs.push_back(b.reduced);
     ins.push_back(b.flat);
-    numel += b.flat.numel();
+    numels.push_back(b.flat.numel());
   }
-  const std::string scope =
-      msg("mfsdp::reduce_scatter[", lead.label_, members.size() > 1 ? msg(" +", members.size() - 1, " units") : "", "]");
   auto done = lead.on_reduce_stream([&]() {
-    RECORD_USER_SCOPE(scope.c_str());
-    if (lead.check_collectives_) {
-      for (size_t i = 0; i < members.size(); ++i) {
-        members[i]->check_in_step(CollectivePhase::kReduceScatterGrads, members[i]->rs_comm_, buffers[i].flat.numel());
-      }
-    }
-    try {
-      lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins);
-    } catch (const std::exception& e) {
-      throw_collective_failure(CollectivePhase::kReduceScatterGrads,
-                               msg("units ", quoted_labels(members), " (one coalesced collective of ", numel,
-                                   " elements)"),
-                               lead.rank(), lead.world_size(), e);
-    }
+    run_coalesced(CollectivePhase::kReduceScatterGrads, members, numels, lead.rs_comm_,
+                  [&] { lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins); });
     for (size_t i = 0; i < members.size(); ++i) {
       cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
                       buffers[i].landing == Landing::kAccumulate);

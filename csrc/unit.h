@@ -178,6 +178,12 @@ class Unit {
   template <typename F>
   void run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue);
   void check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const;
+  // One coalesced collective of `units` (the first leads, its communicator `comm`) for
+  // `phase`: under the scope "mfsdp::<collective>[<lead> +N units]", after the cross-rank
+  // check of every unit's size (`numels`) when the lead checks, a failure naming them all.
+  template <typename F>
+  static void run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units,
+                            const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && param_dtype_ == orig_dtype_; }
   bool unsharded_is_stale() const {

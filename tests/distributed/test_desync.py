@@ -95,15 +95,18 @@ def _trained_step(net, opt, x):
 
 
 def _desync(rank, world, case):
+    # "<case>+buckets": every unit in one gather and one reduce bucket (coalesced collectives).
+    case, _, variant = case.partition("+")
+    buckets = {"gather_bucket_bytes": 1 << 30, "reduce_bucket_bytes": 1 << 30} if variant == "buckets" else {}
     if case != "stall":
         # Units out of step: without the check, Gloo aborts the process on the size
         # mismatch ("collective mismatch") and NCCL hangs until its watchdog fires.
         os.environ["MFSDP_CHECK_COLLECTIVES"] = "1"
     torch.manual_seed(0)
-    net = _shard(_Net(), timeout=TIMEOUT_S)
+    net = _shard(_Net(), timeout=TIMEOUT_S, **buckets)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     x = torch.randn(4, 8)
-    _trained_step(net, opt, x)  # in step once: the failure below is mid-training
+    _trained_step(net, opt, x)  # in step once (and the order recorded): the failure below is mid-training
     start = time.monotonic()
     try:
         if case == "stall":
@@ -141,7 +144,8 @@ def _desync(rank, world, case):
     return time.monotonic() - start, None
 
 
-@pytest.mark.parametrize("case", ["stall", "skipped_backward", "units_outside_root", "extra_unit"])
+@pytest.mark.parametrize("case", ["stall", "skipped_backward", "units_outside_root", "extra_unit",
+                                  "stall+buckets", "skipped_backward+buckets"])
 def test_desynchronized_rank_fails_in_bounded_time(case):
     start = time.monotonic()
     results = run_distributed(_desync, 2, case, timeout=90)
@@ -150,12 +154,14 @@ def test_desynchronized_rank_fails_in_bounded_time(case):
     errors = [(t, m) for t, m in results if m is not None]
     assert errors, f"{case}: no rank saw an error: {results}"
     for t, m in errors:
-        if case == "stall":
-            assert "all-gather of parameters of fully_shard unit '" in m and "failed on rank" in m, m
+        if case.startswith("stall"):
+            # Bucketed, the coalesced collective names all its units.
+            unit = "units '_Net (root)', 'blocks.0', 'blocks.1'" if case.endswith("buckets") else "unit '"
+            assert f"all-gather of parameters of fully_shard {unit}" in m and "failed on rank" in m, m
         else:
             assert "collectives out of step" in m and "of fully_shard unit '" in m, m
         assert t < 5 * TIMEOUT_S, f"{case}: the error came after {t:.1f}s with timeout {TIMEOUT_S}s"
-    if case == "stall":  # the waiting rank is the one that must fail, within the timeout
+    if case.startswith("stall"):  # the waiting rank is the one that must fail, within the timeout
         t, m = results[0]
         assert m is not None and "all-gather of parameters" in m, results
         assert TIMEOUT_S - 1 <= t < 2 * TIMEOUT_S, f"rank 0 failed after {t:.1f}s"
