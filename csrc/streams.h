@@ -11,8 +11,10 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
+#include <utility>
 
 namespace mfsdp {
 
@@ -58,15 +60,25 @@ class StreamEvent {
     if (uses_side_streams(device)) event_ = std::make_unique<c10::Event>(device.type());
   }
   void record(const c10::Stream& stream) {
-    if (event_) event_->record(stream);
+    if (!event_) return;
+    event_->record(stream);
+    ++records_;
   }
-  // `stream` waits (on the device) until the last record() is done.
+  // `stream` waits (on the device) until the last record() is done. A second wait of the
+  // same stream for the same record is skipped: everything queued on `stream` after the
+  // first wait is already ordered after it (units of one bucket share one event).
   void block(const c10::Stream& stream) const {
-    if (event_) event_->block(stream);
+    if (!event_) return;
+    if (waited_ && waited_->first == stream && waited_->second == records_) return;
+    event_->block(stream);
+    waited_ = std::make_pair(stream, records_);
   }
 
  private:
   std::unique_ptr<c10::Event> event_;
+  uint64_t records_ = 0;
+  // The last (stream, record) a wait was issued for.
+  mutable std::optional<std::pair<c10::Stream, uint64_t>> waited_;
 };
 
 }  // namespace mfsdp

@@ -142,7 +142,8 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
       rs_comm_(pg),
       device_(unit_device(params, materialize_on)),
       compute_ready_(device_),
-      all_gather_done_(device_) {
+      all_gather_done_(std::make_shared<StreamEvent>(device_)),
+      gathered_(all_gather_done_) {
   MFSDP_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
               params.size(), " parameters");
   set_label(names_.size() == 1 ? names_[0] : names_[0] + ", ... (" + std::to_string(names_.size()) + " parameters)");
@@ -500,7 +501,8 @@ void Unit::unshard() {
     at::Tensor input = gather_input(/*in_place=*/true);
     run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
                    [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
-    all_gather_done_.record(streams.all_gather());
+    all_gather_done_->record(streams.all_gather());
+    gathered_ = all_gather_done_;
     state_ = UnitState::kGathering;
     return;
   }
@@ -543,8 +545,9 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
     lead.compute_ready_.block(streams.all_gather());
     for (Unit* u : together) ins.push_back(u->gather_input(/*in_place=*/true));
     issue();
+    lead.all_gather_done_->record(streams.all_gather());
     for (Unit* u : together) {
-      u->all_gather_done_.record(streams.all_gather());
+      u->gathered_ = lead.all_gather_done_;
       u->state_ = UnitState::kGathering;
     }
     return;
@@ -557,7 +560,7 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
 void Unit::wait_unshard() {
   if (state_ == UnitState::kSharded) return;
   if (state_ == UnitState::kGathering) {
-    all_gather_done_.block(current_stream(device_));
+    gathered_->block(current_stream(device_));
     state_ = UnitState::kUnsharded;
     // A `p.data = x` while the gather was in flight (e.g. an EMA swap after
     // start_param_sync) makes the gathered copy stale.

@@ -269,7 +269,11 @@ class Unit {
   uint32_t gathered_version_ = 0;  // shard version the in-flight gather read
   bool stale_ = false;             // shard_changed() since the last gather
   std::shared_ptr<CommContext> ctx_;
-  StreamEvent compute_ready_, all_gather_done_;
+  StreamEvent compute_ready_;
+  // Recorded after this unit's own all-gather; `gathered_` is the event that marks the
+  // gather in flight: this one, or the bucket lead's when gathered by unshard_together
+  // (one record and, per stream, one wait for the whole bucket).
+  std::shared_ptr<StreamEvent> all_gather_done_, gathered_;
   // Recorded by each gradient reduction of this unit (see reduce()).
   std::shared_ptr<PendingCollective> reduction_done_;
 };

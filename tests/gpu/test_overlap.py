@@ -40,3 +40,14 @@ def test_nccl_prefetch_semantics_and_param_sync():
 def test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch(buckets):
     stats = run_distributed(GW.cuda_graph_training, WORLD, 3, 3, buckets, backend="nccl", timeout=300)[0]
     print(stats)
+
+
+def test_a_gather_bucket_records_and_waits_once():
+    plain = run_distributed(GW.forward_event_calls, WORLD, {}, backend="nccl", timeout=300)[0]
+    one = run_distributed(GW.forward_event_calls, WORLD, {"gather_bucket_bytes": 1 << 30}, backend="nccl",
+                          timeout=300)[0]
+    print(plain, one)
+    units = plain["units"]
+    # Per unit: a done record and a compute-stream wait; bucketed, one of each for all.
+    assert one["cudaEventRecord"] <= plain["cudaEventRecord"] - (units - 1), (plain, one)
+    assert one["cudaStreamWaitEvent"] <= plain["cudaStreamWaitEvent"] - (units - 1), (plain, one)

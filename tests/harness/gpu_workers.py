@@ -473,3 +473,29 @@ def cuda_graph_training(rank: int, world: int, warmup: int = 3, replays: int = 3
     still = {k: v for k, v in moved.items() if ref_sd[k].dim() >= 2 and v <= 100 * tol}
     assert not still, f"weights barely moved, the comparison proves nothing: {still}"
     return {"loss_rel_errs": loss_errs, "worst_param": worst, "worst_param_rel_err": errs[worst]}
+
+
+def forward_event_calls(rank: int, world: int, buckets: Dict) -> Dict:
+    """CUDA event records and stream waits the forward issues (CUDA runtime calls under
+    the profiler, one forward after the order was recorded), and the number of units.
+    A gather bucket records one done event for all its units, and the compute stream
+    waits for it once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device_for_backend()
+    cfg, model, _ = build_models({"layers": 6}, device)
+    shard(model, buckets)
+    tokens, targets = next(iter(global_batches(cfg, 1, 2 * world, 8, device)))
+    rows = slice(2 * rank, 2 * rank + 2)
+    for _ in range(2):
+        model.loss(tokens[rows], targets[rows]).backward()
+    torch.cuda.synchronize()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.loss(tokens[rows], targets[rows])
+        torch.cuda.synchronize()
+    calls = {"cudaEventRecord": 0, "cudaStreamWaitEvent": 0}
+    for e in prof.events():
+        if e.name in calls:
+            calls[e.name] += 1
+    calls["units"] = sum(1 for m in model.modules() if "_mfsdp_state" in m.__dict__)
+    return calls
