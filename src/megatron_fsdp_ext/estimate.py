@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from . import _C
 from .api import MixedPrecisionPolicy, _check_strategy, _own_mp_policy
-from .hooks import gather_bucket_runs
+from .hooks import bucket_runs
+from .options import check_count
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "none": 0}
 
@@ -130,17 +131,16 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(f"estimate_memory: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
-    for name, value in (("gather_bucket_bytes", gather_bucket_bytes), ("reduce_bucket_bytes", reduce_bucket_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"estimate_memory: {name} must be an int >= 0, got {value!r}")
+    check_count("gather_bucket_bytes", gather_bucket_bytes, "estimate_memory: ")
+    check_count("reduce_bucket_bytes", reduce_bucket_bytes, "estimate_memory: ")
     S = _C.ShardingStrategy
     replicated = strategy == S.NO_SHARD
     keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
     params = grads = optim = 0
-    gathered_all, totals = 0, []
+    gathered_all, gathered_bytes = 0, []  # per unit
     grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
     units = [u for u in _units(model, unit_modules or ()) if u]
-    for i, unit in enumerate(units):
+    for unit in units:
         orig = unit[0].dtype
         b_orig = orig.itemsize
         b_param = (mp.param_dtype or orig).itemsize
@@ -156,28 +156,27 @@ def estimate_memory(
         optim += int(seg * trainable_share) * b_orig * _OPTIMIZER_STATES[optimizer]
         gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered
-        totals.append((gathered, i == len(units) - 1))
+        gathered_bytes.append(gathered)
         grad_buffers.append(int(total * trainable_share) * (b_param + 2 * b_reduce))
         reduce_sizes.append(total * b_reduce)
+    # Forward order: the root first, then the other units in module order (_units lists
+    # them innermost-last-first, the root last).
+    forward = [len(units) - 1] + list(range(len(units) - 2, -1, -1)) if units else []
     if keeps_gathered or replicated:
         gathered_params = gathered_all
     else:
-        root = totals[-1][0] if totals else 0
-        # _units lists the inner units innermost-last-first: reversed, module order.
-        blocks = [g for g, is_root in totals if not is_root][::-1]
+        root = gathered_bytes[forward[0]] if units else 0
+        blocks = [gathered_bytes[i] for i in forward[1:]]
         if gather_bucket_bytes > 0:
-            buckets = [sum(blocks[r.start: r.stop]) for r in gather_bucket_runs(blocks, gather_bucket_bytes)]
+            buckets = [sum(blocks[r.start: r.stop]) for r in bucket_runs(blocks, gather_bucket_bytes)]
             window = 1 + prefetch_depth
             gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
         else:
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
     shares_reductions = not (replicated or strategy == S.OPTIM or _replicates(mesh_or_world))
     if reduce_bucket_bytes > 0 and shares_reductions and grad_buffers:
-        # Forward order: the root first, then the other units in module order (_units
-        # lists them the other way round).
-        order = [len(units) - 1] + list(range(len(units) - 2, -1, -1))
-        runs = gather_bucket_runs([reduce_sizes[i] for i in order], reduce_bucket_bytes)
-        reduction_buffers = max(sum(grad_buffers[order[i]] for i in r) for r in runs)
+        runs = bucket_runs([reduce_sizes[i] for i in forward], reduce_bucket_bytes)
+        reduction_buffers = max(sum(grad_buffers[forward[i]] for i in r) for r in runs)
     else:
         reduction_buffers = max(grad_buffers, default=0)
     return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,

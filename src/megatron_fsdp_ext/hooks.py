@@ -50,7 +50,7 @@ def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def gather_bucket_runs(sizes: List[int], budget: int) -> List[range]:
+def bucket_runs(sizes: List[int], budget: int) -> List[range]:
     """Buckets as index runs over `sizes` (bytes in forward order): consecutive entries
     adding up to at most `budget`; one larger than the budget stands alone. Used for
     gather and reduce buckets alike."""
@@ -95,7 +95,7 @@ class BucketPlan:
             if size is not None:
                 run.append((state, size))
                 continue
-            for r in gather_bucket_runs([n for _, n in run], budget):
+            for r in bucket_runs([n for _, n in run], budget):
                 self.buckets.append([run[i][0] for i in r])
             run = []
         self._index = {id(s): b for b, members in enumerate(self.buckets) for s in members}
@@ -154,18 +154,21 @@ class RootContext:
             return []
         return self.forward_order[max(0, i - self.prefetch_depth): i][::-1]
 
-    def _bucket(self, state: "FSDPState") -> Optional[int]:
-        """`state`'s gather bucket, or None when gathers are not bucketed (yet)."""
-        nbytes = self.root.options.gather_bucket_bytes
+    def _bucket(self, plan: BucketPlan, nbytes: int, state: "FSDPState") -> Optional[int]:
+        """`state`'s bucket in `plan` for a budget of `nbytes`, or None when there are no
+        buckets (yet: they follow the order recorded in the first iteration)."""
         if nbytes <= 0 or self.recording:
             return None
-        return self._gathers.bucket_of(self.forward_order, state, nbytes)
+        return plan.bucket_of(self.forward_order, state, nbytes)
+
+    def _gather_bucket(self, state: "FSDPState") -> Optional[int]:
+        return self._bucket(self._gathers, self.root.options.gather_bucket_bytes, state)
 
     def forward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
         """Units to all-gather in `state`'s pre-forward, and whether they form buckets:
         itself and the prefetch targets; with buckets, the rest of its bucket and the next
         prefetch_depth buckets (members already gathered or in flight cost nothing)."""
-        b = None if state.forward_prefetch is not None else self._bucket(state)
+        b = None if state.forward_prefetch is not None else self._gather_bucket(state)
         if b is None:
             targets = state.forward_prefetch if state.forward_prefetch is not None else self.next_in_forward(state)
             return [state, *targets], False
@@ -179,7 +182,7 @@ class RootContext:
         """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced),
         and whether they form buckets: the previous units in forward order, or with
         buckets its bucket and the previous prefetch_depth buckets."""
-        b = None if state.backward_prefetch is not None else self._bucket(state)
+        b = None if state.backward_prefetch is not None else self._gather_bucket(state)
         if b is None:
             targets = state.backward_prefetch if state.backward_prefetch is not None \
                 else self.previous_in_forward(state)
@@ -194,10 +197,7 @@ class RootContext:
         until every member of its bucket is done with backward, then reduce-scatter the
         bucket's gradients with one coalesced collective. False when `state` is in no
         bucket of two or more: it reduces on its own."""
-        nbytes = self.root.options.reduce_bucket_bytes
-        if nbytes <= 0 or self.recording:
-            return False
-        b = self._reductions.bucket_of(self.forward_order, state, nbytes)
+        b = self._bucket(self._reductions, self.root.options.reduce_bucket_bytes, state)
         members = self._reductions.buckets[b] if b is not None else ()
         if len(members) < 2:
             return False

@@ -15,6 +15,12 @@ from typing import Any
 _KEEPS_PARAMS_UNSHARDED = ("no_shard", "optim", "optim_grads")
 
 
+def check_count(name: str, value, what: str = "") -> None:
+    """`value` must be an int >= 0 (not a bool); the error names `name`, after `what`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what}{name} must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class UnitOptions:
     sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP's names (api.SHARDING_STRATEGIES)
@@ -40,12 +46,8 @@ class UnitOptions:
     unshard_in_backward: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.prefetch_depth, int) or isinstance(self.prefetch_depth, bool) or self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
-        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("prefetch_depth", "gather_bucket_bytes", "reduce_bucket_bytes"):
+            check_count(name, getattr(self, name))
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
                      "reshard_after_backward", "unshard_in_backward"):
             if not isinstance(getattr(self, name), bool):
