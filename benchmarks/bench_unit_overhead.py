@@ -2,13 +2,23 @@
 
     torchrun --nproc_per_node=1 benchmarks/bench_unit_overhead.py --units 64 --out benchmarks/out/overhead
 
-A Llama model of many tiny blocks (one unit each, plus the root) is trained twice in the
-same process: plain (no sharding) and under fully_shard. Reported:
-  - step_ms for both and (sharded - plain) / units: what one unit adds to a step;
+A Llama model of many tiny blocks (one unit each, plus the root) is trained in the same
+process plain (no sharding) and under fully_shard in each of --variants:
+  - per_unit: one all-gather and one reduce-scatter per unit;
+  - bucketed: gather and reduce buckets of --bucket-units units each (bytes from the
+    units' sizes), one coalesced collective per bucket.
+Reported for each variant:
+  - step_ms and (sharded - plain) / units: what one unit adds to a step;
+  - hook_clock: wall-clock microseconds per unit per step inside the hooks' Python
+    entry points (pre_forward, post_forward, pre_backward, post_backward and the final
+    callback, C++ work they call included), taken without the profiler in separate
+    steps: what the hooks cost unprofiled; the rest of the added time is outside them
+    (the post-backward marker node, the autograd engine, the optimizer over more tensors);
   - per phase (pre_forward, post_forward, pre_backward, post_backward, and the C++
     unshard / reshard / collectives), the CPU microseconds per unit per step, from the
     library's own profiler scopes ("mfsdp::<phase>[<unit>]") over --profile-steps steps.
-    Scopes nest (a collective runs inside a hook), so the phases are not summed;
+    Scopes nest (a collective runs inside a hook), so the phases are not summed, and the
+    profiler inflates every scope;
   - with --op-table N, the N operators whose self CPU time grows most from the plain step
     to the sharded one (per unit per step, with the added calls): where the time goes.
 At world 1 every collective is skipped: what remains is the hooks' own work. With
@@ -17,6 +27,8 @@ At world 1 every collective is skipped: what remains is the hooks' own work. Wit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import re
 import statistics
@@ -29,12 +41,59 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.hooks import FSDPState, RootContext
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
 
 _SCOPE = re.compile(r"^mfsdp::([a-z_]+)\[(.*)\]$")
+
+
+VARIANTS = ("per_unit", "bucketed")
+
+# The hooks' Python entry points; every other hook method runs inside one of them.
+_HOOK_ENTRIES = (
+    (FSDPState, "_pre_forward", "pre_forward"),
+    (FSDPState, "_post_forward", "post_forward"),
+    (FSDPState, "_pre_backward_hook", "pre_backward"),
+    (FSDPState, "post_backward_of_one_call", "post_backward"),
+    (RootContext, "_final_callback", "final_callback"),
+)
+
+
+@contextlib.contextmanager
+def hook_clock():
+    """Adds up perf_counter time spent inside each hook entry point (outermost calls only)
+    while active; yields {entry: [seconds, calls]}. Active while the model is built (the
+    module hooks bind at fully_shard) and while it runs."""
+    totals = {name: [0.0, 0] for _, _, name in _HOOK_ENTRIES}
+    depth = [0]
+
+    def timed(method, name):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            if depth[0]:
+                return method(*args, **kwargs)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                row = totals[name]
+                row[0] += time.perf_counter() - t0
+                row[1] += 1
+                depth[0] -= 1
+        return run
+
+    originals = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in _HOOK_ENTRIES]
+    for (cls, attr, name), (_, _, method) in zip(_HOOK_ENTRIES, originals):
+        setattr(cls, attr, timed(method, name))
+    try:
+        yield totals
+    finally:
+        for cls, attr, method in originals:
+            setattr(cls, attr, method)
 
 
 def parse_args():
@@ -47,6 +106,10 @@ def parse_args():
     p.add_argument("--op-table", type=int, default=0, metavar="N",
                    help="also list the N operators that add the most self CPU time per unit")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--variants", default="per_unit,bucketed", help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--bucket-units", type=int, default=8,
+                   help="bucketed: units per gather and per reduce bucket (their bytes set the budgets)")
+    p.add_argument("--clock-steps", type=int, default=10, help="steps timed with the hook clock")
     p.add_argument("--out", default="benchmarks/out/overhead")
     return p.parse_args()
 
@@ -119,58 +182,98 @@ def _op_table(plain_ops, sharded_ops, units: int, top: int):
     return rows[:top]
 
 
+def _sharded(cfg, device, variant: str, bucket_units: int):
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(device)
+    for block in model.blocks:
+        mfsdp.fully_shard(block)
+    gather_bytes = reduce_bytes = 0
+    if variant == "bucketed":
+        # Units are alike: a budget of bucket_units blocks' bytes puts that many in a bucket.
+        block = model.blocks[0]._mfsdp_state.unit
+        gather_bytes = bucket_units * block.unsharded_nbytes
+        reduce_bytes = bucket_units * block.layout.total_numel * block.reduce_dtype.itemsize
+    mfsdp.fully_shard(model, gather_bucket_bytes=gather_bytes, reduce_bucket_bytes=reduce_bytes)
+    fused = device.type == "cuda" or None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+
+
+def _slowest_rank(times, device):
+    both = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both.tolist()
+
+
+def _measure_variant(cfg, tokens, device, variant, args, plain_ops):
+    units = args.units + 1
+    model, opt = _sharded(cfg, device, variant, args.bucket_units)
+    times = _slowest_rank(_step_times(model, opt, tokens, device, args.steps, args.warmup), device)
+    phases = _phase_us(model, opt, tokens, device, args.profile_steps, units)
+    ops = _op_table(plain_ops, _op_self_us(model, opt, tokens, device, args.profile_steps), units,
+                    args.op_table) if args.op_table else []
+    del model, opt
+    with hook_clock() as totals:
+        model, opt = _sharded(cfg, device, variant, args.bucket_units)
+        _step_times(model, opt, tokens, device, 2, 0)  # recording step and first bucketed one
+        for row in totals.values():
+            row[:] = [0.0, 0]
+        _step_times(model, opt, tokens, device, args.clock_steps, 0)
+    del model, opt
+    clock = {name: {"us_per_unit_per_step": sec * 1e6 / (args.clock_steps * units),
+                    "calls_per_step": calls / args.clock_steps} for name, (sec, calls) in totals.items()}
+    clock_total = sum(v["us_per_unit_per_step"] for v in clock.values())
+    return {"step_ms": statistics.median(times) * 1e3, "step_times_s": times, "phases": phases, "ops": ops,
+            "hook_clock": clock, "hook_clock_us_per_unit": clock_total}
+
+
 def main():
     args = parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        raise SystemExit(f"--variants: unknown {unknown or 'none given'}; choose from {', '.join(VARIANTS)}")
     device = init_benchmark_process(args.device, standalone_port=29563)
     cfg = LlamaConfig(vocab_size=128, d_model=args.width, n_layers=args.units, n_heads=4, ffn_hidden=2 * args.width)
     tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     tokens = tokens.to(device)
     fused = device.type == "cuda" or None
+    units = args.units + 1
 
     torch.manual_seed(0)
     plain = LlamaModel(cfg).to(device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused)
-    plain_times = _step_times(plain, plain_opt, tokens, device, args.steps, args.warmup)
+    plain_times = _slowest_rank(_step_times(plain, plain_opt, tokens, device, args.steps, args.warmup), device)
     plain_ops = _op_self_us(plain, plain_opt, tokens, device, args.profile_steps) if args.op_table else {}
     del plain, plain_opt
+    plain_ms = statistics.median(plain_times) * 1e3
 
-    torch.manual_seed(0)
-    model = LlamaModel(cfg).to(device)
-    for block in model.blocks:
-        mfsdp.fully_shard(block)
-    mfsdp.fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    times = _step_times(model, opt, tokens, device, args.steps, args.warmup)
-    phases = _phase_us(model, opt, tokens, device, args.profile_steps, args.units + 1)
-    ops = []
-    if args.op_table:
-        sharded_ops = _op_self_us(model, opt, tokens, device, args.profile_steps)
-        ops = _op_table(plain_ops, sharded_ops, args.units + 1, args.op_table)
-
-    # The slowest rank decides each step.
-    both = torch.tensor([plain_times, times], dtype=torch.float64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    plain_times, times = both.tolist()
-    plain_ms, ms = statistics.median(plain_times) * 1e3, statistics.median(times) * 1e3
-    result = {
-        "units": args.units + 1, "width": args.width, "plain_step_ms": plain_ms, "sharded_step_ms": ms,
-        "added_us_per_unit": (ms - plain_ms) * 1e3 / (args.units + 1), "phases": phases, "ops": ops,
-        "plain_step_times_s": plain_times, "sharded_step_times_s": times,
-    }
+    results = {}
+    for variant in variants:
+        r = _measure_variant(cfg, tokens, device, variant, args, plain_ops)
+        r["added_us_per_unit"] = (r["step_ms"] - plain_ms) * 1e3 / units
+        results[variant] = r
+    result = {"units": units, "width": args.width, "bucket_units": args.bucket_units,
+              "plain_step_ms": plain_ms, "plain_step_times_s": plain_times, "variants": results}
     if dist.get_rank() == 0:
-        meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps)
+        meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+                    clock_steps=args.clock_steps)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "overhead.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2))
-        print(f"{args.units + 1} units, world {dist.get_world_size()}, {device.type}: plain {plain_ms:.2f} ms, "
-              f"sharded {ms:.2f} ms, +{result['added_us_per_unit']:.1f} us per unit per step")
-        for phase, v in phases.items():
-            print(f"  {phase:>18}: {v['us_per_unit_per_step']:8.1f} us per unit per step "
-                  f"({v['calls_per_step']:.0f} calls per step)")
-        if ops:
-            print("  operators adding the most self CPU time (us per unit per step, calls per unit per step):")
-        for r in ops:
-            print(f"  {r['added_self_us_per_unit']:8.1f} {r['added_calls_per_unit']:6.1f}  {r['op'][:90]}")
+        print(f"{units} units, world {dist.get_world_size()}, {device.type}: plain {plain_ms:.2f} ms")
+        for variant, r in results.items():
+            print(f"{variant}: step {r['step_ms']:.2f} ms, +{r['added_us_per_unit']:.1f} us per unit per step; "
+                  f"inside the hooks (unprofiled) {r['hook_clock_us_per_unit']:.1f} us per unit per step")
+            for name, v in r["hook_clock"].items():
+                print(f"  clock {name:>16}: {v['us_per_unit_per_step']:8.1f} us per unit per step "
+                      f"({v['calls_per_step']:.0f} calls per step)")
+            for phase, v in r["phases"].items():
+                print(f"  scope {phase:>16}: {v['us_per_unit_per_step']:8.1f} us per unit per step "
+                      f"({v['calls_per_step']:.0f} calls per step, profiled)")
+            if r["ops"]:
+                print("  operators adding the most self CPU time (us per unit per step, calls per unit per step):")
+            for row in r["ops"]:
+                print(f"  {row['added_self_us_per_unit']:8.1f} {row['added_calls_per_unit']:6.1f}  {row['op'][:90]}")
     dist.barrier()
     dist.destroy_process_group()
 

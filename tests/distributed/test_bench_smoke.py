@@ -174,24 +174,45 @@ def test_compare_systems_runs_each_system_alone_interleaved(tmp_path):
 
 
 def test_bench_unit_overhead_tiny_cpu(tmp_path):
-    """bench_unit_overhead.py reports every hook phase from the profiler scopes, with one
-    call per unit per step where the schedule says so."""
+    """bench_unit_overhead.py reports, per variant, every hook phase from the profiler
+    scopes and the unprofiled hook clock, with one call per unit per step where the
+    schedule says so, and buckets cutting the collectives to one per bucket."""
     run_script(1, _script("bench_unit_overhead.py"), "--device", "cpu", "--units", "4", "--steps", "2",
-               "--warmup", "1", "--profile-steps", "2", "--op-table", "200", "--out", str(tmp_path), port=29578)
+               "--warmup", "1", "--profile-steps", "2", "--clock-steps", "2", "--bucket-units", "2",
+               "--op-table", "200", "--out", str(tmp_path), port=29578)
     data = json.loads((tmp_path / "overhead.json").read_text())
     result = data["result"]
-    assert result["units"] == 5 and result["plain_step_ms"] > 0 and result["sharded_step_ms"] > 0
-    phases = result["phases"]
-    for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "reshard"):
-        assert phases[phase]["us_per_unit_per_step"] > 0, phase
-    assert phases["pre_forward"]["calls_per_step"] == 5 and phases["pre_backward"]["calls_per_step"] == 5
-    assert data["meta"]["profile_steps"] == 2
-    # The operator table: sorted by added self time, one row per hook phase (not per unit),
-    # each hook's calls counted once per unit per step.
-    ops = result["ops"]
-    added = [r["added_self_us_per_unit"] for r in ops]
-    assert added == sorted(added, reverse=True)
-    hooks = {r["op"].split(" ")[0]: r for r in ops if r["op"].startswith("mfsdp::")}
-    assert hooks["mfsdp::pre_forward"]["added_calls_per_unit"] == pytest.approx(1.0)
-    assert hooks["mfsdp::pre_backward"]["added_calls_per_unit"] == pytest.approx(1.0)
-    assert not any("[" in r["op"] for r in ops if r["op"].startswith("mfsdp::"))
+    assert result["units"] == 5 and result["plain_step_ms"] > 0 and result["bucket_units"] == 2
+    assert set(result["variants"]) == {"per_unit", "bucketed"}
+    assert data["meta"]["profile_steps"] == 2 and data["meta"]["clock_steps"] == 2
+    for name, variant in result["variants"].items():
+        assert variant["step_ms"] > 0
+        phases = variant["phases"]
+        for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "reshard"):
+            assert phases[phase]["us_per_unit_per_step"] > 0, (name, phase)
+        assert phases["pre_forward"]["calls_per_step"] == 5 and phases["pre_backward"]["calls_per_step"] == 5
+        # The clock counts outermost hook calls only: one per unit per step (the root's
+        # post-backward runs in the final callback, which is clocked once a step).
+        clock = variant["hook_clock"]
+        assert {k: v["calls_per_step"] for k, v in clock.items()} == {
+            "pre_forward": 5, "post_forward": 5, "pre_backward": 5, "post_backward": 4, "final_callback": 1}
+        assert variant["hook_clock_us_per_unit"] == pytest.approx(
+            sum(v["us_per_unit_per_step"] for v in clock.values()))
+        assert all(v["us_per_unit_per_step"] > 0 for v in clock.values())
+        # The operator table: sorted by added self time, one row per hook phase (not per
+        # unit), each hook's calls counted once per unit per step.
+        ops = variant["ops"]
+        added = [r["added_self_us_per_unit"] for r in ops]
+        assert added == sorted(added, reverse=True)
+        hooks = {r["op"].split(" ")[0]: r for r in ops if r["op"].startswith("mfsdp::")}
+        assert hooks["mfsdp::pre_forward"]["added_calls_per_unit"] == pytest.approx(1.0)
+        assert hooks["mfsdp::pre_backward"]["added_calls_per_unit"] == pytest.approx(1.0)
+        assert not any("[" in r["op"] for r in ops if r["op"].startswith("mfsdp::"))
+    # Per unit: an all-gather per unit in forward and in backward (the root stays gathered)
+    # and a reduce-scatter per unit. Buckets of 2 (in forward order: root+b0, b1+b2, b3),
+    # prefetching one bucket ahead, each unshard call gathering all its targets in one
+    # collective: forward root+b0+b1+b2 then b3, backward b3+b2+b1 then b0; and 3 reductions.
+    per_unit, bucketed = result["variants"]["per_unit"]["phases"], result["variants"]["bucketed"]["phases"]
+    assert per_unit["all_gather"]["calls_per_step"] == 9 and per_unit["reduce_scatter"]["calls_per_step"] == 5
+    assert bucketed["all_gather"]["calls_per_step"] == 4 and bucketed["reduce_scatter"]["calls_per_step"] == 3
+    assert bucketed["unshard"]["calls_per_step"] == 9
