@@ -119,18 +119,56 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _step_times(model, opt, tokens, device, steps: int, warmup: int):
+_STEP_PARTS = ("forward", "backward", "optimizer", "drain")
+
+
+def _step_times(model, opt, tokens, device, steps: int, warmup: int, parts=None):
+    """Wall seconds of each step after `warmup`, from a synchronized start to the
+    synchronize that ends it. With `parts` (a dict), also each step's split into the
+    forward call, the backward call, optimizer step + zero_grad, and the drain (waiting
+    at the end for the GPU: long when the GPU, not the CPU, is behind)."""
     times = []
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
-        model.loss(tokens, tokens).backward()
+        loss = model.loss(tokens, tokens)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
         _sync(device)
+        t4 = time.perf_counter()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(t4 - t0)
+            if parts is not None:
+                for name, dt in zip(_STEP_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    parts.setdefault(name, []).append(dt)
     return times
+
+
+def _parts_ms(parts) -> dict:
+    return {name: statistics.median(v) * 1e3 for name, v in parts.items()}
+
+
+def _synchronizing_calls(model, opt, tokens, device) -> int:
+    """Host-synchronizing CUDA calls in one step, as torch's sync debug mode reports
+    them (0 on CPU): a step that waits for the GPU cannot run ahead of it."""
+    if device.type != "cuda":
+        return 0
+    import warnings
+
+    _sync(device)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step_times(model, opt, tokens, device, 1, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # The step's own closing synchronize is the one expected.
+    return sum("synchroniz" in str(w.message) for w in caught) - 1
 
 
 def _profiled_steps(model, opt, tokens, device, steps: int):
@@ -207,7 +245,9 @@ def _slowest_rank(times, device):
 def _measure_variant(cfg, tokens, device, variant, args, plain_ops):
     units = args.units + 1
     model, opt = _sharded(cfg, device, variant, args.bucket_units)
-    times = _slowest_rank(_step_times(model, opt, tokens, device, args.steps, args.warmup), device)
+    parts = {}
+    times = _slowest_rank(_step_times(model, opt, tokens, device, args.steps, args.warmup, parts), device)
+    syncs = _synchronizing_calls(model, opt, tokens, device)
     phases = _phase_us(model, opt, tokens, device, args.profile_steps, units)
     ops = _op_table(plain_ops, _op_self_us(model, opt, tokens, device, args.profile_steps), units,
                     args.op_table) if args.op_table else []
@@ -222,7 +262,8 @@ def _measure_variant(cfg, tokens, device, variant, args, plain_ops):
     clock = {name: {"us_per_unit_per_step": sec * 1e6 / (args.clock_steps * units),
                     "calls_per_step": calls / args.clock_steps} for name, (sec, calls) in totals.items()}
     clock_total = sum(v["us_per_unit_per_step"] for v in clock.values())
-    return {"step_ms": statistics.median(times) * 1e3, "step_times_s": times, "phases": phases, "ops": ops,
+    return {"step_ms": statistics.median(times) * 1e3, "step_times_s": times, "step_parts_ms": _parts_ms(parts),
+            "synchronizing_calls": syncs, "phases": phases, "ops": ops,
             "hook_clock": clock, "hook_clock_us_per_unit": clock_total}
 
 
@@ -242,7 +283,10 @@ def main():
     torch.manual_seed(0)
     plain = LlamaModel(cfg).to(device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused)
-    plain_times = _slowest_rank(_step_times(plain, plain_opt, tokens, device, args.steps, args.warmup), device)
+    plain_parts = {}
+    plain_times = _slowest_rank(_step_times(plain, plain_opt, tokens, device, args.steps, args.warmup, plain_parts),
+                                device)
+    plain_syncs = _synchronizing_calls(plain, plain_opt, tokens, device)
     plain_ops = _op_self_us(plain, plain_opt, tokens, device, args.profile_steps) if args.op_table else {}
     del plain, plain_opt
     plain_ms = statistics.median(plain_times) * 1e3
@@ -253,16 +297,23 @@ def main():
         r["added_us_per_unit"] = (r["step_ms"] - plain_ms) * 1e3 / units
         results[variant] = r
     result = {"units": units, "width": args.width, "bucket_units": args.bucket_units,
-              "plain_step_ms": plain_ms, "plain_step_times_s": plain_times, "variants": results}
+              "plain_step_ms": plain_ms, "plain_step_times_s": plain_times,
+              "plain_step_parts_ms": _parts_ms(plain_parts), "plain_synchronizing_calls": plain_syncs,
+              "variants": results}
     if dist.get_rank() == 0:
         meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                     clock_steps=args.clock_steps)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "overhead.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2))
-        print(f"{units} units, world {dist.get_world_size()}, {device.type}: plain {plain_ms:.2f} ms")
+        def split(p):
+            return ", ".join(f"{k} {v:.2f}" for k, v in p.items())
+
+        print(f"{units} units, world {dist.get_world_size()}, {device.type}: plain {plain_ms:.2f} ms "
+              f"({split(result['plain_step_parts_ms'])}; synchronizing calls {plain_syncs})")
         for variant, r in results.items():
-            print(f"{variant}: step {r['step_ms']:.2f} ms, +{r['added_us_per_unit']:.1f} us per unit per step; "
+            print(f"{variant}: step {r['step_ms']:.2f} ms ({split(r['step_parts_ms'])}; synchronizing calls "
+                  f"{r['synchronizing_calls']}), +{r['added_us_per_unit']:.1f} us per unit per step; "
                   f"inside the hooks (unprofiled) {r['hook_clock_us_per_unit']:.1f} us per unit per step")
             for name, v in r["hook_clock"].items():
                 print(f"  clock {name:>16}: {v['us_per_unit_per_step']:8.1f} us per unit per step "

@@ -185,8 +185,13 @@ def test_bench_unit_overhead_tiny_cpu(tmp_path):
     assert result["units"] == 5 and result["plain_step_ms"] > 0 and result["bucket_units"] == 2
     assert set(result["variants"]) == {"per_unit", "bucketed"}
     assert data["meta"]["profile_steps"] == 2 and data["meta"]["clock_steps"] == 2
+    parts = ["forward", "backward", "optimizer", "drain"]
+    assert list(result["plain_step_parts_ms"]) == parts and result["plain_synchronizing_calls"] == 0
     for name, variant in result["variants"].items():
-        assert variant["step_ms"] > 0
+        assert variant["step_ms"] > 0 and variant["synchronizing_calls"] == 0
+        # The parts are medians of each part, so they need not add up to the median step.
+        assert list(variant["step_parts_ms"]) == parts
+        assert sum(variant["step_parts_ms"].values()) == pytest.approx(variant["step_ms"], rel=0.5)
         phases = variant["phases"]
         for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "reshard"):
             assert phases[phase]["us_per_unit_per_step"] > 0, (name, phase)

@@ -31,6 +31,7 @@ MFSDP_GPU_WORLD=1 MFSDP_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -rA -
   "tests/gpu/test_nccl.py::test_nccl_parity_under_stream_chaos[buckets_bf16]" \
   tests/gpu/test_overlap.py::test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch \
   tests/gpu/test_overlap.py::test_a_gather_bucket_records_and_waits_once \
+  tests/gpu/test_overlap.py::test_a_training_step_never_waits_on_the_host_for_the_gpu \
   --junitxml="$OUT/junit_world1.xml" 2>&1 | tee "$OUT/pytest_world1.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 PYTHONPATH=$PWD/src timeout 300 $PY tests/gpu/sanitizer_smoke.py > "$OUT/smoke.log" 2>&1 || status=1

@@ -3,6 +3,7 @@ the CUDA allocator, prefetch semantics, and a training step captured in a CUDA g
 import os
 
 import pytest
+import torch
 
 from harness import gpu_world, run_distributed
 from harness import gpu_workers as GW
@@ -51,3 +52,14 @@ def test_a_gather_bucket_records_and_waits_once():
     # Per unit: a done record and a compute-stream wait; bucketed, one of each for all.
     assert one["cudaEventRecord"] <= plain["cudaEventRecord"] - (units - 1), (plain, one)
     assert one["cudaStreamWaitEvent"] <= plain["cudaStreamWaitEvent"] - (units - 1), (plain, one)
+
+
+@pytest.mark.parametrize("opts", [
+    {},
+    {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "gather_bucket_bytes": 1 << 30,
+     "reduce_bucket_bytes": 1 << 30},
+], ids=["fp32", "bf16", "bf16_buckets"])
+def test_a_training_step_never_waits_on_the_host_for_the_gpu(opts):
+    # Raises inside the step (sync debug mode "error") on any host-synchronizing call.
+    assert run_distributed(GW.host_synchronizations_in_a_step, WORLD, opts, backend="nccl", timeout=300)[0] == 2

@@ -22,8 +22,8 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.states import BackwardProgress
 
-from .workers import (build_models, device_for_backend, expect_error, global_batches, rel_err, shard, shard_blocks_and_root,
-                      train_parity, unique_storage_bytes)
+from .workers import (build_models, device_for_backend, expect_error, global_batches, make_optimizer, rel_err, shard,
+                      shard_blocks_and_root, train_parity, unique_storage_bytes)
 
 
 def _sleep_cycles() -> int:
@@ -499,3 +499,35 @@ def forward_event_calls(rank: int, world: int, buckets: Dict) -> Dict:
             calls[e.name] += 1
     calls["units"] = sum(1 for m in model.modules() if "_mfsdp_state" in m.__dict__)
     return calls
+
+
+def host_synchronizations_in_a_step(rank: int, world: int, opts: Dict) -> int:
+    """A steady-state training step (forward, backward, clip_grad_norm_, fused AdamW,
+    zero_grad) under torch's CUDA sync debug mode set to raise: any host-synchronizing
+    CUDA call in the library's hooks, collectives or clipping fails the step. A step that
+    waits for the GPU cannot run ahead of it, which is what keeps many small units from
+    being CPU-bound. Returns the number of steps checked."""
+    device = device_for_backend()
+    cfg, model, _ = build_models({"layers": 4}, device)
+    shard(model, opts)
+    opt = make_optimizer(model.parameters(), {"fused": True})
+    batches = list(global_batches(cfg, 4, 2 * world, 8, device))  # on the GPU before the checked steps
+    rows = slice(2 * rank, 2 * rank + 2)
+
+    def step(tokens, targets):
+        model.loss(tokens[rows], targets[rows]).backward()
+        mfsdp.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for tokens, targets in batches[:2]:  # the recording step, then the first bucketed one
+        step(tokens, targets)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for tokens, targets in batches[2:]:
+            step(tokens, targets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return len(batches) - 2
