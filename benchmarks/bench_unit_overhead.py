@@ -7,13 +7,16 @@ process plain (no sharding) and under fully_shard in each of --variants:
   - per_unit: one all-gather and one reduce-scatter per unit;
   - bucketed: gather and reduce buckets of --bucket-units units each (bytes from the
     units' sizes), one coalesced collective per bucket.
-Reported for each variant:
-  - step_ms and (sharded - plain) / units: what one unit adds to a step;
+The models take their timed steps in turn (order rotated each round), so the host's
+drifts fall on all of them alike. Reported for each variant:
+  - step_ms and (sharded - plain) / units: what one unit adds to a step, and each step
+    split into the forward call, the backward call, the optimizer and the drain (the
+    wait for the GPU at the end), plus the garbage collector's time per step;
   - hook_clock: wall-clock microseconds per unit per step inside the hooks' Python
     entry points (pre_forward, post_forward, pre_backward, post_backward and the final
-    callback, C++ work they call included), taken without the profiler in separate
-    steps: what the hooks cost unprofiled; the rest of the added time is outside them
-    (the post-backward marker node, the autograd engine, the optimizer over more tensors);
+    callback, the C++ work they call included), unprofiled, in the same timed steps:
+    the rest of the added time is outside them (the post-backward marker node, the
+    autograd engine, module-call dispatch, the optimizer);
   - per phase (pre_forward, post_forward, pre_backward, post_backward, and the C++
     unshard / reshard / collectives), the CPU microseconds per unit per step, from the
     library's own profiler scopes ("mfsdp::<phase>[<unit>]") over --profile-steps steps.
@@ -109,7 +112,6 @@ def parse_args():
     p.add_argument("--variants", default="per_unit,bucketed", help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--bucket-units", type=int, default=8,
                    help="bucketed: units per gather and per reduce bucket (their bytes set the budgets)")
-    p.add_argument("--clock-steps", type=int, default=10, help="steps timed with the hook clock")
     p.add_argument("--out", default="benchmarks/out/overhead")
     return p.parse_args()
 
@@ -122,53 +124,80 @@ def _sync(device):
 _STEP_PARTS = ("forward", "backward", "optimizer", "drain")
 
 
-def _step_times(model, opt, tokens, device, steps: int, warmup: int, parts=None):
-    """Wall seconds of each step after `warmup`, from a synchronized start to the
-    synchronize that ends it. With `parts` (a dict), also each step's split into the
+def _step(model, opt, tokens, device):
+    """One training step from a synchronized start: its wall seconds split into the
     forward call, the backward call, optimizer step + zero_grad, and the drain (waiting
     at the end for the GPU: long when the GPU, not the CPU, is behind)."""
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = model.loss(tokens, tokens)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        _sync(device)
-        t4 = time.perf_counter()
-        if i >= warmup:
-            times.append(t4 - t0)
-            if parts is not None:
-                for name, dt in zip(_STEP_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                    parts.setdefault(name, []).append(dt)
-    return times
-
-
-def _parts_ms(parts) -> dict:
-    return {name: statistics.median(v) * 1e3 for name, v in parts.items()}
-
-
-def _synchronizing_calls(model, opt, tokens, device) -> int:
-    """Host-synchronizing CUDA calls in one step, as torch's sync debug mode reports
-    them (0 on CPU): a step that waits for the GPU cannot run ahead of it."""
-    if device.type != "cuda":
-        return 0
-    import warnings
-
     _sync(device)
-    torch.cuda.set_sync_debug_mode("warn")
+    t0 = time.perf_counter()
+    loss = model.loss(tokens, tokens)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    _sync(device)
+    t4 = time.perf_counter()
+    return dict(zip(_STEP_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)))
+
+
+class _GcClock:
+    """Seconds the garbage collector ran, added to whoever is `current`."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.current = None
+        self._t0 = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.current is not None:
+            self.seconds[self.current] += time.perf_counter() - self._t0
+
+
+def _interleaved(models: dict, tokens, device, steps: int, warmup: int, clock_totals, units: int) -> dict:
+    """Steps of every model in turn (the order rotated each round), so that the host's
+    drifts (large on shared GPU hosts) fall on all of them alike: per model the step
+    times, the median of each part, the garbage collector's time and the hook clock."""
+    import gc
+
+    names = list(models)
+    times = {n: [] for n in names}
+    parts = {n: defaultdict(list) for n in names}
+    clock = {n: {k: [0.0, 0] for k in clock_totals} for n in names}
+    gc_clock = _GcClock()
+    gc.collect()  # the garbage of building the models is not the steps' to pay
+    gc.callbacks.append(gc_clock)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _step_times(model, opt, tokens, device, 1, 0)
+        for i in range(warmup + steps):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                before = {k: list(v) for k, v in clock_totals.items()}
+                gc_clock.current = name if i >= warmup else None
+                split = _step(*models[name], tokens, device)
+                gc_clock.current = None
+                if i < warmup:
+                    continue
+                times[name].append(sum(split.values()))
+                for k, v in split.items():
+                    parts[name][k].append(v)
+                for k, v in clock_totals.items():
+                    clock[name][k][0] += v[0] - before[k][0]
+                    clock[name][k][1] += v[1] - before[k][1]
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    # The step's own closing synchronize is the one expected.
-    return sum("synchroniz" in str(w.message) for w in caught) - 1
+        gc.callbacks.remove(gc_clock)
+    out = {}
+    for n in names:
+        hook = {k: {"us_per_unit_per_step": sec * 1e6 / (steps * units), "calls_per_step": calls / steps}
+                for k, (sec, calls) in clock[n].items()}
+        out[n] = {"step_times_s": _slowest_rank(times[n], device),
+                  "step_parts_ms": {k: statistics.median(v) * 1e3 for k, v in parts[n].items()},
+                  "gc_ms_per_step": gc_clock.seconds[n] * 1e3 / steps,
+                  "hook_clock": hook,
+                  "hook_clock_us_per_unit": sum(v["us_per_unit_per_step"] for v in hook.values())}
+        out[n]["step_ms"] = statistics.median(out[n]["step_times_s"]) * 1e3
+    return out
 
 
 def _profiled_steps(model, opt, tokens, device, steps: int):
@@ -242,31 +271,6 @@ def _slowest_rank(times, device):
     return both.tolist()
 
 
-def _measure_variant(cfg, tokens, device, variant, args, plain_ops):
-    units = args.units + 1
-    model, opt = _sharded(cfg, device, variant, args.bucket_units)
-    parts = {}
-    times = _slowest_rank(_step_times(model, opt, tokens, device, args.steps, args.warmup, parts), device)
-    syncs = _synchronizing_calls(model, opt, tokens, device)
-    phases = _phase_us(model, opt, tokens, device, args.profile_steps, units)
-    ops = _op_table(plain_ops, _op_self_us(model, opt, tokens, device, args.profile_steps), units,
-                    args.op_table) if args.op_table else []
-    del model, opt
-    with hook_clock() as totals:
-        model, opt = _sharded(cfg, device, variant, args.bucket_units)
-        _step_times(model, opt, tokens, device, 2, 0)  # recording step and first bucketed one
-        for row in totals.values():
-            row[:] = [0.0, 0]
-        _step_times(model, opt, tokens, device, args.clock_steps, 0)
-    del model, opt
-    clock = {name: {"us_per_unit_per_step": sec * 1e6 / (args.clock_steps * units),
-                    "calls_per_step": calls / args.clock_steps} for name, (sec, calls) in totals.items()}
-    clock_total = sum(v["us_per_unit_per_step"] for v in clock.values())
-    return {"step_ms": statistics.median(times) * 1e3, "step_times_s": times, "step_parts_ms": _parts_ms(parts),
-            "synchronizing_calls": syncs, "phases": phases, "ops": ops,
-            "hook_clock": clock, "hook_clock_us_per_unit": clock_total}
-
-
 def main():
     args = parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -282,38 +286,43 @@ def main():
 
     torch.manual_seed(0)
     plain = LlamaModel(cfg).to(device)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused)
-    plain_parts = {}
-    plain_times = _slowest_rank(_step_times(plain, plain_opt, tokens, device, args.steps, args.warmup, plain_parts),
-                                device)
-    plain_syncs = _synchronizing_calls(plain, plain_opt, tokens, device)
-    plain_ops = _op_self_us(plain, plain_opt, tokens, device, args.profile_steps) if args.op_table else {}
-    del plain, plain_opt
-    plain_ms = statistics.median(plain_times) * 1e3
-
-    results = {}
-    for variant in variants:
-        r = _measure_variant(cfg, tokens, device, variant, args, plain_ops)
-        r["added_us_per_unit"] = (r["step_ms"] - plain_ms) * 1e3 / units
-        results[variant] = r
+    models = {"plain": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused))}
+    # The clock stays on for the whole run: the timed steps pay its two perf_counter
+    # reads per hook entry (well under a microsecond each) as the clocked ones do.
+    with hook_clock() as clock_totals:
+        for variant in variants:
+            models[variant] = _sharded(cfg, device, variant, args.bucket_units)
+        for model, opt in models.values():  # the recording step and the first bucketed one
+            for _ in range(2):
+                _step(model, opt, tokens, device)
+        timed = _interleaved(models, tokens, device, args.steps, args.warmup, clock_totals, units)
+        plain_ops = _op_self_us(*models["plain"], tokens, device, args.profile_steps) if args.op_table else {}
+        results = {}
+        for variant in variants:
+            r = timed[variant]
+            r["added_us_per_unit"] = (r["step_ms"] - timed["plain"]["step_ms"]) * 1e3 / units
+            r["phases"] = _phase_us(*models[variant], tokens, device, args.profile_steps, units)
+            r["ops"] = _op_table(plain_ops, _op_self_us(*models[variant], tokens, device, args.profile_steps),
+                                 units, args.op_table) if args.op_table else []
+            results[variant] = r
+    plain_ms = timed["plain"]["step_ms"]
     result = {"units": units, "width": args.width, "bucket_units": args.bucket_units,
-              "plain_step_ms": plain_ms, "plain_step_times_s": plain_times,
-              "plain_step_parts_ms": _parts_ms(plain_parts), "plain_synchronizing_calls": plain_syncs,
-              "variants": results}
+              "plain_step_ms": plain_ms, "plain_step_times_s": timed["plain"]["step_times_s"],
+              "plain_step_parts_ms": timed["plain"]["step_parts_ms"],
+              "plain_gc_ms_per_step": timed["plain"]["gc_ms_per_step"], "variants": results}
     if dist.get_rank() == 0:
-        meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
-                    clock_steps=args.clock_steps)
+        meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "overhead.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2))
         def split(p):
             return ", ".join(f"{k} {v:.2f}" for k, v in p.items())
 
-        print(f"{units} units, world {dist.get_world_size()}, {device.type}: plain {plain_ms:.2f} ms "
-              f"({split(result['plain_step_parts_ms'])}; synchronizing calls {plain_syncs})")
+        print(f"{units} units, world {dist.get_world_size()}, {device.type}, steps interleaved: plain {plain_ms:.2f} ms "
+              f"({split(result['plain_step_parts_ms'])}; gc {result['plain_gc_ms_per_step']:.2f})")
         for variant, r in results.items():
-            print(f"{variant}: step {r['step_ms']:.2f} ms ({split(r['step_parts_ms'])}; synchronizing calls "
-                  f"{r['synchronizing_calls']}), +{r['added_us_per_unit']:.1f} us per unit per step; "
+            print(f"{variant}: step {r['step_ms']:.2f} ms ({split(r['step_parts_ms'])}; gc {r['gc_ms_per_step']:.2f}), "
+                  f"+{r['added_us_per_unit']:.1f} us per unit per step; "
                   f"inside the hooks (unprofiled) {r['hook_clock_us_per_unit']:.1f} us per unit per step")
             for name, v in r["hook_clock"].items():
                 print(f"  clock {name:>16}: {v['us_per_unit_per_step']:8.1f} us per unit per step "
