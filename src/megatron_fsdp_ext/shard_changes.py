@@ -15,6 +15,8 @@ hooks) and records that it does not otherwise; every later step of either kind c
 dict lookup. Optimizers of a process that never calls fully_shard see nothing."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -58,21 +60,42 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     return ours
 
 
+# optimizer.__dict__ key: (ids of its parameters, ((unit state ref, its parameters), ...))
+_UNITS = "_mfsdp_units"
+
+
+def _units_of(optimizer: torch.optim.Optimizer):
+    """The units whose sharded parameters `optimizer` holds, each with those parameters;
+    grouped once and again only when the optimizer's parameters change."""
+    ids = list(map(id, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+    cached = optimizer.__dict__.get(_UNITS)
+    if cached is not None and cached[0] == ids:
+        return cached[1]
+    by_state: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is not None:
+                by_state.setdefault(id(owner()), (owner, []))[1].append(p)
+    units = tuple((owner, tuple(params)) for owner, params in by_state.values())
+    optimizer.__dict__[_UNITS] = (ids, units)
+    return units
+
+
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     """After optimizer.step(): any gathered copy of the units whose parameters it
     updated (those with a gradient) is stale: kept copies (optim, optim_grads,
     no_shard with a cast) and anything gathered before the step. Needed because fused
-    optimizers change the shards without moving their version counters."""
-    seen = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            owner = getattr(p, "_mfsdp_owner", None)
-            if owner is None or p.grad is None:
-                continue
-            state = owner()
-            if state is not None and state.unit is not None and id(state) not in seen:
-                seen.add(id(state))
+    optimizers change the shards without moving their version counters. Per unit, not
+    per parameter: the first parameter with a gradient decides."""
+    for owner, params in _units_of(optimizer):
+        state = owner()
+        if state is None or state.unit is None:
+            continue
+        for p in params:
+            if p.grad is not None:
                 state.unit.shard_changed()
+                break
 
 
 def _refuse_replaced_params(optimizer, params) -> None:

@@ -41,6 +41,11 @@ def test_kept_copies_follow_fused_steps_and_data_writes(strategy, recompute):
     run_distributed(SW.kept_copies_follow_every_write, 2, strategy, recompute, timeout=180)
 
 
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_kept_copies_follow_an_optimizer_given_more_params(strategy):
+    run_distributed(SW.kept_copies_follow_added_param_groups, 2, strategy, timeout=180)
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 def test_checkpoint_odd_params_and_shape_check(tmp_path, strategy):
     run_distributed(SW.checkpoint_odd_params, 2, str(tmp_path / "ckpt"), strategy, timeout=180)

@@ -339,6 +339,30 @@ def _checkpoint_every_block(model) -> None:
     model.forward = forward
 
 
+def kept_copies_follow_added_param_groups(rank: int, world: int, strategy: str) -> None:
+    """An optimizer that first holds one block's parameters and later gets the rest
+    (add_param_group) marks the new units' kept copies stale after its steps as well:
+    the units it updates are looked up again when its parameters change."""
+    device = device_for_backend()
+    cfg, model, ref = build_models({"layers": 3}, device)
+    shard(model, {"strategy": strategy})
+    first, ref_first = list(model.blocks[0].parameters()), list(ref.blocks[0].parameters())
+    in_first = set(map(id, first)) | set(map(id, ref_first))
+    opt = torch.optim.AdamW(first, lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(ref_first, lr=1e-2, fused=True)
+    per = 2
+    for i, (tokens, targets) in enumerate(global_batches(cfg, 3, per * world, 8, device)):
+        if i == 1:
+            opt.add_param_group({"params": [q for q in model.parameters() if id(q) not in in_first]})
+            ref_opt.add_param_group({"params": [q for q in ref.parameters() if id(q) not in in_first]})
+        rows = slice(rank * per, (rank + 1) * per)
+        step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows)
+        with torch.no_grad():
+            got = model.loss(tokens[rows], targets[rows]).item()
+            want = ref.loss(tokens[rows], targets[rows]).item()
+        assert abs(got - want) <= 1e-4 * abs(want), f"{strategy} step {i}: forward used stale parameters ({got} vs {want})"
+
+
 def kept_copies_follow_every_write(rank: int, world: int, strategy: str, recompute: bool = False) -> None:
     """A kept unsharded copy (optim, optim_grads; no_shard's alias) never serves stale
     values: after a fused optimizer step (which does not move version counters), also
