@@ -339,6 +339,16 @@ def _checkpoint_every_block(model) -> None:
     model.forward = forward
 
 
+def _step_then_forward_sees_it(model, opt, ref, ref_opt, tokens, targets, rows, what: str) -> None:
+    """One step beside the reference; the next forward must see the new values (losses
+    compared on the same batch): a kept copy that was not marked stale fails here."""
+    step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows)
+    with torch.no_grad():
+        got = model.loss(tokens[rows], targets[rows]).item()
+        want = ref.loss(tokens[rows], targets[rows]).item()
+    assert abs(got - want) <= 1e-4 * abs(want), f"{what}: forward used stale parameters ({got} vs {want})"
+
+
 def kept_copies_follow_added_param_groups(rank: int, world: int, strategy: str) -> None:
     """An optimizer that first holds one block's parameters and later gets the rest
     (add_param_group) marks the new units' kept copies stale after its steps as well:
@@ -356,11 +366,7 @@ def kept_copies_follow_added_param_groups(rank: int, world: int, strategy: str) 
             opt.add_param_group({"params": [q for q in model.parameters() if id(q) not in in_first]})
             ref_opt.add_param_group({"params": [q for q in ref.parameters() if id(q) not in in_first]})
         rows = slice(rank * per, (rank + 1) * per)
-        step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows)
-        with torch.no_grad():
-            got = model.loss(tokens[rows], targets[rows]).item()
-            want = ref.loss(tokens[rows], targets[rows]).item()
-        assert abs(got - want) <= 1e-4 * abs(want), f"{strategy} step {i}: forward used stale parameters ({got} vs {want})"
+        _step_then_forward_sees_it(model, opt, ref, ref_opt, tokens, targets, rows, f"{strategy} step {i}")
 
 
 def kept_copies_follow_every_write(rank: int, world: int, strategy: str, recompute: bool = False) -> None:
@@ -378,12 +384,7 @@ def kept_copies_follow_every_write(rank: int, world: int, strategy: str, recompu
     per = 2
     for tokens, targets in global_batches(cfg, 3, per * world, 8, device):
         rows = slice(rank * per, (rank + 1) * per)
-        step_with_reference(model, opt, ref, ref_opt, tokens, targets, rows)
-        # The next forward must see the new values: compare losses on a fixed batch.
-        with torch.no_grad():
-            got = model.loss(tokens[rows], targets[rows]).item()
-            want = ref.loss(tokens[rows], targets[rows]).item()
-        assert abs(got - want) <= 1e-4 * abs(want), f"{strategy}: forward used stale parameters ({got} vs {want})"
+        _step_then_forward_sees_it(model, opt, ref, ref_opt, tokens, targets, rows, strategy)
     block = model.blocks[0]
     w = block.attn.wo.weight
     w.data = torch.zeros_like(w)  # breaks the view; the unit re-links it at the next use
