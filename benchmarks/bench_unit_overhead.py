@@ -249,6 +249,23 @@ def _op_table(plain_ops, sharded_ops, units: int, top: int):
     return rows[:top]
 
 
+def _config(units: int, width: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, d_model=width, n_layers=units, n_heads=4, ffn_hidden=2 * width)
+
+
+def _tokens(cfg: LlamaConfig, device, seed: int) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _with_adamw(model, device):
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+
+
+def _plain(cfg, device):
+    torch.manual_seed(0)
+    return _with_adamw(LlamaModel(cfg).to(device), device)
+
+
 def _sharded(cfg, device, variant: str, bucket_units: int):
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(device)
@@ -261,8 +278,7 @@ def _sharded(cfg, device, variant: str, bucket_units: int):
         gather_bytes = bucket_units * block.unsharded_nbytes
         reduce_bytes = bucket_units * block.layout.total_numel * block.reduce_dtype.itemsize
     mfsdp.fully_shard(model, gather_bucket_bytes=gather_bytes, reduce_bucket_bytes=reduce_bytes)
-    fused = device.type == "cuda" or None
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    return _with_adamw(model, device)
 
 
 def _slowest_rank(times, device):
@@ -278,15 +294,11 @@ def main():
     if unknown or not variants:
         raise SystemExit(f"--variants: unknown {unknown or 'none given'}; choose from {', '.join(VARIANTS)}")
     device = init_benchmark_process(args.device, standalone_port=29563)
-    cfg = LlamaConfig(vocab_size=128, d_model=args.width, n_layers=args.units, n_heads=4, ffn_hidden=2 * args.width)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    tokens = tokens.to(device)
-    fused = device.type == "cuda" or None
+    cfg = _config(args.units, args.width)
+    tokens = _tokens(cfg, device, seed=dist.get_rank())
     units = args.units + 1
 
-    torch.manual_seed(0)
-    plain = LlamaModel(cfg).to(device)
-    models = {"plain": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused))}
+    models = {"plain": _plain(cfg, device)}
     # The clock stays on for the whole run: the timed steps pay its two perf_counter
     # reads per hook entry (well under a microsecond each) as the clocked ones do.
     with hook_clock() as clock_totals:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -26,24 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def run(args) -> None:
-    import torch
     import torch.distributed as dist
 
-    from bench_unit_overhead import _sharded, _step
-    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+    from bench_unit_overhead import _config, _plain, _sharded, _step, _tokens
+    from run_meta import init_benchmark_process
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
-    cfg = LlamaConfig(vocab_size=128, d_model=args.width, n_layers=args.units, n_heads=4, ffn_hidden=2 * args.width)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
-    if args.variant == "plain":
-        torch.manual_seed(0)
-        plain = LlamaModel(cfg).to(device)
-        model = (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=cuda or None))
-    else:
-        model = _sharded(cfg, device, args.variant, args.bucket_units)
+    device = init_benchmark_process("auto", standalone_port=29577)
+    cfg = _config(args.units, args.width)
+    tokens = _tokens(cfg, device, seed=0)
+    model = _plain(cfg, device) if args.variant == "plain" else _sharded(cfg, device, args.variant, args.bucket_units)
     for _ in range(10):
         _step(*model, tokens, device)
     t0 = time.perf_counter()
