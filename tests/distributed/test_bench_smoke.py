@@ -4,7 +4,10 @@ from them, and the run's metadata. Timings themselves are measured on the GPU ma
 (benchmarks/RESULTS.md, raw files in benchmarks/data/)."""
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,3 +225,34 @@ def test_bench_unit_overhead_tiny_cpu(tmp_path):
     assert per_unit["all_gather"]["calls_per_step"] == 9 and per_unit["reduce_scatter"]["calls_per_step"] == 5
     assert bucketed["all_gather"]["calls_per_step"] == 4 and bucketed["reduce_scatter"]["calls_per_step"] == 3
     assert bucketed["unshard"]["calls_per_step"] == 9
+
+
+def test_spy_steps_runs_and_summarizes_per_thread(tmp_path):
+    """spy_steps.py's `run` trains a few steps on CPU; `summarize` merges py-spy's two
+    spellings of one thread, counts the stepping thread's samples only inside _step, the
+    other threads' whole, and a stack with no Python frame as such."""
+    script = _script("spy_steps.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    done = subprocess.run([sys.executable, str(script), "run", "--variant", "bucketed", "--steps", "2", "--units", "4",
+                           "--bucket-units", "2"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bucketed:" in done.stdout and "forward" in done.stdout
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        "thread (7): MainThread;<module> (a.py:1);import_it (a.py:2) 50",
+        "thread (7);<module> (a.py:1);_step (b.py:3);hook (c.py:4) 30",
+        "thread (7): MainThread;<module> (a.py:1);_step (b.py:3) 10",
+        "thread (9);post (c.py:9) 15",
+        "thread (9) 45",
+    ]) + "\n")
+    out = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, str(script), "summarize", str(raw), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert set(summary) == {"thread (7)", "thread (9)"}
+    main, engine = summary["thread (7)"], summary["thread (9)"]
+    assert main["samples"] == 40 and "import_it" not in main["inclusive_pct"]
+    assert main["inclusive_pct"]["_step"] == 100.0 and main["inclusive_pct"]["hook"] == 75.0
+    assert main["self_pct"] == {"hook": 75.0, "_step": 25.0}
+    assert engine["samples"] == 60 and engine["self_pct"] == {"(no Python frame)": 75.0, "post": 25.0}
