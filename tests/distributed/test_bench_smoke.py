@@ -4,7 +4,6 @@ from them, and the run's metadata. Timings themselves are measured on the GPU ma
 (benchmarks/RESULTS.md, raw files in benchmarks/data/)."""
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -232,9 +231,10 @@ def test_spy_steps_runs_and_summarizes_per_thread(tmp_path):
     spellings of one thread, counts the stepping thread's samples only inside _step, the
     other threads' whole, and a stack with no Python frame as such."""
     script = _script("spy_steps.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    # The environment as it is: the package imports as the tests import it (installed, or
+    # src/ on PYTHONPATH).
     done = subprocess.run([sys.executable, str(script), "run", "--variant", "bucketed", "--steps", "2", "--units", "4",
-                           "--bucket-units", "2"], capture_output=True, text=True, timeout=240, env=env)
+                           "--bucket-units", "2"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bucketed:" in done.stdout and "forward" in done.stdout
     raw = tmp_path / "spy.txt"
