@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "backend.h"
 #include "comm.h"
 #include "comm_context.h"
 #include "dtypes.h"
@@ -118,13 +119,68 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("GROUPED", VarAlgo::kGrouped)
       .value("PADDED", VarAlgo::kPadded)
       .value("ALL_REDUCE", VarAlgo::kAllReduce);
-  m.def("auto_var_algo", &auto_var_algo, py::arg("all_gather"), py::arg("cuda"), py::arg("total_numel"),
+  m.def("auto_var_algo", &auto_var_algo, py::arg("all_gather"), py::arg("grouped"), py::arg("total_numel"),
         py::arg("longest_numel"), py::arg("world"), py::arg("element_size"),
         "What VarAlgo.AUTO resolves to for an uneven collective of this shape.");
   m.attr("PADDED_ALL_GATHER_MIN_BYTES") = kPaddedAllGatherMinBytes;
   m.attr("DEFAULT_ALIGNMENT") = kDefaultAlignment;
   m.def("supported_float_dtypes", [] { return std::vector<at::ScalarType>(kSupportedFloats.begin(), kSupportedFloats.end()); },
         "The dtypes a unit may store, gather and reduce parameters in.");
+
+  py::class_<BackendCaps>(m, "BackendCaps")
+      .def(py::init([](std::string name, bool moves_data, bool enqueues_on_stream, bool flat_all_gather,
+                       bool flat_reduce_scatter, bool coalesced_all_gather, bool coalesced_reduce_scatter,
+                       bool uneven_lists) {
+             BackendCaps c;
+             c.name = std::move(name);
+             c.moves_data = moves_data;
+             c.enqueues_on_stream = enqueues_on_stream;
+             c.flat_all_gather = flat_all_gather;
+             c.flat_reduce_scatter = flat_reduce_scatter;
+             c.coalesced_all_gather = coalesced_all_gather;
+             c.coalesced_reduce_scatter = coalesced_reduce_scatter;
+             c.uneven_lists = uneven_lists;
+             return c;
+           }),
+           py::arg("name"), py::kw_only(), py::arg("moves_data") = true, py::arg("enqueues_on_stream") = false,
+           py::arg("flat_all_gather") = true, py::arg("flat_reduce_scatter") = true,
+           py::arg("coalesced_all_gather") = false, py::arg("coalesced_reduce_scatter") = false,
+           py::arg("uneven_lists") = false)
+      .def_readonly("name", &BackendCaps::name)
+      .def_readonly("moves_data", &BackendCaps::moves_data)
+      .def_readonly("enqueues_on_stream", &BackendCaps::enqueues_on_stream)
+      .def_readonly("flat_all_gather", &BackendCaps::flat_all_gather)
+      .def_readonly("flat_reduce_scatter", &BackendCaps::flat_reduce_scatter)
+      .def_readonly("coalesced_all_gather", &BackendCaps::coalesced_all_gather)
+      .def_readonly("coalesced_reduce_scatter", &BackendCaps::coalesced_reduce_scatter)
+      .def_readonly("uneven_lists", &BackendCaps::uneven_lists)
+      .def("__repr__", [](const BackendCaps& c) {
+        return msg("BackendCaps(name='", c.name, "', moves_data=", c.moves_data, ", enqueues_on_stream=",
+                   c.enqueues_on_stream, ", flat_all_gather=", c.flat_all_gather, ", flat_reduce_scatter=",
+                   c.flat_reduce_scatter, ", coalesced_all_gather=", c.coalesced_all_gather,
+                   ", coalesced_reduce_scatter=", c.coalesced_reduce_scatter, ", uneven_lists=", c.uneven_lists,
+                   ")");
+      });
+  m.def("backend_caps", [](const ProcessGroupPtr& pg, const c10::Device& device) {
+          return backend_caps(pg, device.type());
+        }, py::arg("process_group"), py::arg("device"),
+        "What the group's backend can do for tensors of `device`'s type (None: it has no backend for them).");
+  m.def("known_backend_caps", [](const std::string& name, const c10::Device& device) {
+          return known_backend_caps(name, device.type());
+        }, py::arg("name"), py::arg("device"), "The table's entry for a backend name and device type.");
+  m.def("register_backend_caps", [](const c10::Device& device, const BackendCaps& caps) {
+          register_backend_caps(device.type(), caps);
+        }, py::arg("device"), py::arg("caps"));
+  m.def("collective_counts", [] {
+          py::dict out;
+          for (int k = 0; k < kNumCollectiveKinds; ++k) {
+            const auto kind = static_cast<CollectiveKind>(k);
+            const auto c = collective_count(kind);
+            out[collective_kind_name(kind)] = py::make_tuple(c.calls, c.bytes);
+          }
+          return out;
+        }, "Collectives issued by this process, by kind: (c10d calls, bytes of each call's whole buffer).");
+  m.def("reset_collective_counts", &reset_collective_counts);
 
   py::class_<Communicator, std::unique_ptr<Communicator, DeleteWithoutGil<Communicator>>>(m, "Communicator")
       .def(py::init<ProcessGroupPtr>(), py::arg("process_group"))

@@ -1,19 +1,90 @@
 #include "comm.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 
 namespace mfsdp {
+namespace {
+
+struct AtomicCount {
+  std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> bytes{0};
+};
+std::array<AtomicCount, kNumCollectiveKinds>& counts() {
+  static std::array<AtomicCount, kNumCollectiveKinds> c;
+  return c;
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+int64_t total_nbytes(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) n += nbytes(t);
+  return n;
+}
+
+}  // namespace
+
+const char* collective_kind_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+  }
+  return "collective";
+}
+
+CollectiveCount collective_count(CollectiveKind kind) {
+  const auto& c = counts()[static_cast<size_t>(kind)];
+  return {c.calls.load(std::memory_order_relaxed), c.bytes.load(std::memory_order_relaxed)};
+}
+
+void reset_collective_counts() {
+  for (auto& c : counts()) {
+    c.calls.store(0, std::memory_order_relaxed);
+    c.bytes.store(0, std::memory_order_relaxed);
+  }
+}
 
 Communicator::Communicator(ProcessGroupPtr pg) : pg_(std::move(pg)) {
   MFSDP_CHECK(pg_, "Communicator: process group is null");
   rank_ = pg_->getRank();
   size_ = pg_->getSize();
+  cpu_caps_ = backend_caps(pg_, c10::DeviceType::CPU);
+  cuda_caps_ = backend_caps(pg_, c10::DeviceType::CUDA);
 }
 
-void Communicator::finish(const c10::intrusive_ptr<c10d::Work>& work) {
-  // NCCL with asyncOp=false may return no Work at all: the collective is already
-  // ordered on the current stream. Gloo always returns one and finishes it in wait().
-  if (work) work->wait();
+const BackendCaps* Communicator::caps(c10::DeviceType type) const {
+  if (type != c10::DeviceType::CPU && type != c10::DeviceType::CUDA) return nullptr;
+  const auto& c = type == c10::DeviceType::CPU ? cpu_caps_ : cuda_caps_;
+  return c ? &*c : nullptr;
+}
+
+const BackendCaps& Communicator::caps_for(const char* what, const at::Tensor& t) const {
+  const BackendCaps* c = caps(t.device().type());
+  MFSDP_CHECK_VALUE(c != nullptr, what, ": the process group (backend '", pg_->getBackendName(),
+                    "') has no backend for ", t.device().str(), " tensors");
+  return *c;
+}
+
+template <typename F>
+void Communicator::issue(const char* what, const BackendCaps& caps, CollectiveKind kind, int64_t bytes,
+                         F&& call) const {
+  auto& count = counts()[static_cast<size_t>(kind)];
+  count.calls.fetch_add(1, std::memory_order_relaxed);
+  count.bytes.fetch_add(bytes, std::memory_order_relaxed);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = call();
+    // NCCL with asyncOp=false may return no Work at all: the collective is already
+    // ordered on the current stream. Gloo always returns one and finishes it in wait().
+    if (work) work->wait();
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(DistBackendError, msg(what, " on backend '", caps.name, "' failed: ",
+                                          e.what_without_backtrace()));
+  }
 }
 
 void Communicator::check_buffer(const char* what, const char* which, const at::Tensor& t) const {
@@ -43,9 +114,15 @@ void Communicator::all_gather_flat(at::Tensor& out, at::Tensor& in) const {
     return;
   }
   if (out.numel() == 0) return;
+  const BackendCaps& caps = caps_for("all_gather_flat", out);
   c10d::AllgatherOptions opts;
   opts.asyncOp = false;
-  finish(pg_->_allgather_base(out, in, opts));
+  issue("all_gather_flat", caps, CollectiveKind::kAllGather, nbytes(out), [&] {
+    if (caps.flat_all_gather) return pg_->_allgather_base(out, in, opts);
+    std::vector<std::vector<at::Tensor>> outs{out.chunk(size_)};  // views: no copy-out
+    std::vector<at::Tensor> ins{in};
+    return pg_->allgather(outs, ins, opts);
+  });
 }
 
 void Communicator::coalesced_pairs(const char* what, bool gather, std::vector<at::Tensor>& outs,
@@ -71,17 +148,20 @@ void Communicator::all_gather_flat_coalesced(std::vector<at::Tensor>& outs, std:
   std::vector<at::Tensor> out_list, in_list;
   coalesced_pairs("all_gather_flat_coalesced", /*gather=*/true, outs, ins, out_list, in_list);
   if (out_list.empty()) return;
-  if (out_list.size() == 1) {
-    all_gather_flat(out_list[0], in_list[0]);
+  const BackendCaps& caps = caps_for("all_gather_flat_coalesced", out_list[0]);
+  if (out_list.size() == 1 || !caps.coalesced_all_gather) {
+    for (size_t i = 0; i < out_list.size(); ++i) all_gather_flat(out_list[i], in_list[i]);
     return;
   }
   c10d::AllgatherOptions opts;
   opts.asyncOp = false;
-  // The older names: torch releases before the renames to *_single_coalesced have only these.
+  issue("all_gather_flat_coalesced", caps, CollectiveKind::kAllGather, total_nbytes(out_list), [&] {
+    // The older names: torch releases before the renames to *_single_coalesced have only these.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  finish(pg_->allgather_into_tensor_coalesced(out_list, in_list, opts));
+    return pg_->allgather_into_tensor_coalesced(out_list, in_list, opts);
 #pragma GCC diagnostic pop
+  });
 }
 
 void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
@@ -93,48 +173,61 @@ void Communicator::reduce_scatter_flat(at::Tensor& out, at::Tensor& in) const {
     return;
   }
   if (out.numel() == 0) return;
+  const BackendCaps& caps = caps_for("reduce_scatter_flat", in);
+  if (!caps.flat_reduce_scatter) {
+    auto all = in.clone();
+    all_reduce(all, c10d::ReduceOp::SUM);
+    out.copy_(all.narrow(0, rank_ * out.numel(), out.numel()));
+    return;
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;  // SUM then scale: AVG was unreliable on Gloo
   opts.asyncOp = false;
-  finish(pg_->_reduce_scatter_base(out, in, opts));
+  issue("reduce_scatter_flat", caps, CollectiveKind::kReduceScatter, nbytes(in),
+        [&] { return pg_->_reduce_scatter_base(out, in, opts); });
 }
 
 void Communicator::reduce_scatter_flat_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) const {
   std::vector<at::Tensor> out_list, in_list;
   coalesced_pairs("reduce_scatter_flat_coalesced", /*gather=*/false, outs, ins, out_list, in_list);
   if (out_list.empty()) return;
-  if (out_list.size() == 1) {
-    reduce_scatter_flat(out_list[0], in_list[0]);
+  const BackendCaps& caps = caps_for("reduce_scatter_flat_coalesced", in_list[0]);
+  if (out_list.size() == 1 || !caps.coalesced_reduce_scatter || !caps.flat_reduce_scatter) {
+    for (size_t i = 0; i < out_list.size(); ++i) reduce_scatter_flat(out_list[i], in_list[i]);
     return;
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.asyncOp = false;
+  issue("reduce_scatter_flat_coalesced", caps, CollectiveKind::kReduceScatter, total_nbytes(in_list), [&] {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  finish(pg_->reduce_scatter_tensor_coalesced(out_list, in_list, opts));
+    return pg_->reduce_scatter_tensor_coalesced(out_list, in_list, opts);
 #pragma GCC diagnostic pop
+  });
 }
 
 void Communicator::all_reduce(at::Tensor& t, c10d::ReduceOp::RedOpType op) const {
   check_buffer("all_reduce", "tensor", t);
   if (size_ == 1 || t.numel() == 0) return;
+  const BackendCaps& caps = caps_for("all_reduce", t);
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp(op);
   opts.asyncOp = false;
-  finish(pg_->allreduce(tensors, opts));
+  issue("all_reduce", caps, CollectiveKind::kAllReduce, nbytes(t), [&] { return pg_->allreduce(tensors, opts); });
 }
 
 void Communicator::broadcast(at::Tensor& t, int root) const {
   check_buffer("broadcast", "tensor", t);
   MFSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of this group of ", size_);
   if (size_ == 1 || t.numel() == 0) return;
+  const BackendCaps& caps = caps_for("broadcast", t);
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.asyncOp = false;
-  finish(pg_->broadcast(tensors, opts));
+  issue("broadcast", caps, CollectiveKind::kBroadcast, nbytes(t), [&] { return pg_->broadcast(tensors, opts); });
 }
 
 void Communicator::check_segments(const char* what, const at::Tensor& flat,
@@ -174,9 +267,9 @@ static SegmentExtent segment_extent(const std::vector<int64_t>& numels) {
   return extent;
 }
 
-VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
+VarAlgo auto_var_algo(bool all_gather, bool grouped, int64_t total_numel, int64_t longest_numel,
                       int world, int64_t element_size) {
-  if (!cuda) return VarAlgo::kPadded;
+  if (!grouped) return VarAlgo::kPadded;
   if (!all_gather) return VarAlgo::kGrouped;
   const int64_t padded_numel = longest_numel * world;
   const bool large = total_numel * element_size >= kPaddedAllGatherMinBytes;
@@ -184,12 +277,19 @@ VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t l
   return large && balanced ? VarAlgo::kPadded : VarAlgo::kGrouped;
 }
 
+void Communicator::check_grouped_available(VarAlgo algo, const at::Tensor& t) const {
+  if (algo != VarAlgo::kGrouped) return;
+  const BackendCaps* c = caps(t.device().type());
+  MFSDP_CHECK_VALUE(c != nullptr && c->uneven_lists, "the GROUPED uneven algorithm needs a backend with uneven "
+                    "collective lists (NCCL on CUDA tensors); backend '", c ? c->name : pg_->getBackendName(),
+                    "' on ", t.device().str(), " tensors has none: use PADDED (or AUTO)");
+}
+
 VarAlgo Communicator::resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
                               const SegmentExtent& extent) const {
-  MFSDP_CHECK(algo != VarAlgo::kGrouped || t.is_cuda(),
-              "the GROUPED uneven algorithm needs CUDA tensors (NCCL); use PADDED (or AUTO) on CPU");
+  const BackendCaps& caps = caps_for(all_gather ? "all_gather_v" : "reduce_scatter_v", t);
   if (algo != VarAlgo::kAuto) return algo;
-  return auto_var_algo(all_gather, t.is_cuda(), extent.total, extent.longest, size_, t.element_size());
+  return auto_var_algo(all_gather, caps.uneven_lists, extent.total, extent.longest, size_, t.element_size());
 }
 
 std::vector<int64_t> Communicator::all_gather_host(const std::vector<int64_t>& values,
@@ -205,7 +305,8 @@ std::vector<int64_t> Communicator::all_gather_host(const std::vector<int64_t>& v
 void Communicator::check_segments_agree(const char* what, const c10::Device& device,
                                         const std::vector<int64_t>& starts,
                                         const std::vector<int64_t>& numels) const {
-  if (size_ == 1) return;
+  // Under a backend that moves nothing the exchange would compare this rank with itself.
+  if (size_ == 1 || !moves_data(device.type())) return;
   const uint64_t h = fnv1a(numels.data(), numels.size() * sizeof(int64_t),
                            fnv1a(starts.data(), starts.size() * sizeof(int64_t)));
   const auto hashes = all_gather_host({static_cast<int64_t>(h)}, device);
@@ -223,6 +324,7 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
   MFSDP_CHECK(in.numel() == numels[rank_], "all_gather_v: rank ", rank_, " passes ", in.numel(),
               " elements but its segment has ", numels[rank_]);
   MFSDP_CHECK(algo != VarAlgo::kAllReduce, "all_gather_v: kAllReduce applies to reduce_scatter_v only");
+  check_grouped_available(algo, out);
   if (verify) check_segments_agree("all_gather_v", out.device(), starts, numels);
   auto mine = out.narrow(0, starts[rank_], numels[rank_]);
   if (size_ == 1) {
@@ -238,7 +340,8 @@ void Communicator::all_gather_v(at::Tensor& out, at::Tensor& in, const std::vect
       std::vector<at::Tensor> ins{in.contiguous()};
       c10d::AllgatherOptions opts;
       opts.asyncOp = false;
-      finish(pg_->allgather(outs, ins, opts));
+      issue("all_gather_v", caps_for("all_gather_v", out), CollectiveKind::kAllGather, nbytes(out),
+            [&] { return pg_->allgather(outs, ins, opts); });
       return;
     }
     default: {  // kPadded
@@ -261,6 +364,7 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
   check_pair("reduce_scatter_v", out, in);
   MFSDP_CHECK(out.numel() == numels[rank_], "reduce_scatter_v: output has ", out.numel(),
               " elements but rank ", rank_, "'s segment has ", numels[rank_]);
+  check_grouped_available(algo, in);
   if (verify) check_segments_agree("reduce_scatter_v", in.device(), starts, numels);
   if (size_ == 1) {
     out.copy_(in.narrow(0, starts[0], numels[0]));
@@ -276,7 +380,8 @@ void Communicator::reduce_scatter_v(at::Tensor& out, at::Tensor& in, const std::
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       opts.asyncOp = false;
-      finish(pg_->reduce_scatter(outs, ins, opts));
+      issue("reduce_scatter_v", caps_for("reduce_scatter_v", in), CollectiveKind::kReduceScatter, nbytes(in),
+            [&] { return pg_->reduce_scatter(outs, ins, opts); });
       return;
     }
     case VarAlgo::kAllReduce: {

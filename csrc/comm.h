@@ -1,15 +1,24 @@
 // Communicator: the collectives FSDP needs, over one c10d::ProcessGroup.
 //
-// Contract: a collective on CUDA tensors is issued with asyncOp=false, so NCCL runs it
-// on the caller's *current* stream (set a stream guard first) and it completes in
-// stream order; the returned Work may be null and is waited only if present. A
-// collective on CPU tensors (Gloo) has completed when the call returns.
+// Contract: every collective is issued with asyncOp=false and its Work (if any) is waited
+// before the call returns. What that means depends on the backend (BackendCaps):
+//  - enqueues_on_stream (NCCL): the collective runs on the caller's *current* stream
+//    (set a stream guard first) and completes in stream order; the host never waits.
+//  - otherwise (Gloo; CPU tensors on any backend): the host waits in Work::wait until
+//    the collective is done; for CUDA tensors the caller's current stream is then made
+//    to wait for the copy back to the device, so results are again in stream order.
+//  - moves_data == false (fake): nothing moves; outputs hold whatever was there.
+// What a backend lacks is replaced by a fallback (per-pair collectives instead of a
+// coalesced one, padding instead of uneven lists, an all-reduce instead of a flat
+// reduce-scatter); a collective the backend refuses raises naming backend and collective.
 #pragma once
 
+#include "backend.h"
 #include "errors.h"
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <optional>
 #include <vector>
 
 namespace mfsdp {
@@ -22,7 +31,8 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 //  kPadded:  pad every segment to the longest, run the even collective, compact.
 //            Works on every backend; costs a copy and (max - mean) extra bytes.
 //  kAllReduce: (reduce_scatter_v only) all-reduce the whole buffer, keep our segment.
-//  kAuto:    auto_var_algo() below: chosen by backend, collective, size and imbalance.
+//  kAuto:    auto_var_algo() below: chosen by what the backend can do, collective, size
+//            and imbalance.
 enum class VarAlgo { kAuto = 0, kGrouped = 1, kPadded = 2, kAllReduce = 3 };
 
 // FNV-1a over raw bytes (chainable through `h`): the cheap fingerprint ranks exchange
@@ -41,10 +51,24 @@ inline uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934
 // at 256 MiB; reduce_scatter_v GROUPED beat PADDED and ALL_REDUCE from 16 MiB up (0.56 vs
 // 1.17 ms at 256 MiB). So: GROUPED, except PADDED for an all-gather of at least
 // kPaddedAllGatherMinBytes whose padding adds at most a third (ties go to GROUPED, which
-// allocates nothing); PADDED on CPU (Gloo has no grouped uneven collectives).
+// allocates nothing); PADDED where the backend has no uneven lists (`grouped` false:
+// Gloo, fake, unknown backends, any backend on CPU tensors).
 constexpr int64_t kPaddedAllGatherMinBytes = int64_t{256} << 20;
-VarAlgo auto_var_algo(bool all_gather, bool cuda, int64_t total_numel, int64_t longest_numel,
+VarAlgo auto_var_algo(bool all_gather, bool grouped, int64_t total_numel, int64_t longest_numel,
                       int world, int64_t element_size);
+
+// Collectives this process issued through any Communicator, by kind: c10d calls (a
+// coalesced collective is one) and bytes of the collective's whole buffer (all-gather
+// output, reduce-scatter input, all-reduce / broadcast tensor). For measurements.
+enum class CollectiveKind { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2, kBroadcast = 3 };
+constexpr int kNumCollectiveKinds = 4;
+const char* collective_kind_name(CollectiveKind kind);
+struct CollectiveCount {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+CollectiveCount collective_count(CollectiveKind kind);
+void reset_collective_counts();
 
 // Sum and maximum of an uneven collective's segment sizes.
 struct SegmentExtent {
@@ -58,6 +82,13 @@ class Communicator {
   explicit Communicator(ProcessGroupPtr pg);
 
   bool defined() const { return static_cast<bool>(pg_); }
+  // What the group's backend can do for `type` tensors; null when it has no backend for them.
+  const BackendCaps* caps(c10::DeviceType type) const;
+  // False under a backend that moves nothing (fake): cross-rank checks are skipped.
+  bool moves_data(c10::DeviceType type) const {
+    const BackendCaps* c = caps(type);
+    return c == nullptr || c->moves_data;
+  }
   int rank() const { return rank_; }
   int size() const { return size_; }
   const ProcessGroupPtr& group() const { return pg_; }
@@ -93,7 +124,13 @@ class Communicator {
   std::vector<int64_t> all_gather_host(const std::vector<int64_t>& values, const c10::Device& device) const;
 
  private:
-  static void finish(const c10::intrusive_ptr<c10d::Work>& work);
+  // The capabilities for `t`'s device; raises naming the collective when the group has
+  // no backend for it.
+  const BackendCaps& caps_for(const char* what, const at::Tensor& t) const;
+  // Calls the backend (`call` returns its Work), counts it and waits for it; a failure
+  // is rethrown naming the collective and the backend.
+  template <typename F>
+  void issue(const char* what, const BackendCaps& caps, CollectiveKind kind, int64_t bytes, F&& call) const;
   void check_buffer(const char* what, const char* which, const at::Tensor& t) const;
   void check_pair(const char* what, const at::Tensor& out, const at::Tensor& in) const;
   // The (out, in) pairs of a coalesced collective that need communication, each checked
@@ -105,10 +142,13 @@ class Communicator {
                             const std::vector<int64_t>& numels) const;
   void check_segments(const char* what, const at::Tensor& flat, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& numels) const;
+  // Refuses an explicit GROUPED where the backend has no uneven lists (at any world size).
+  void check_grouped_available(VarAlgo algo, const at::Tensor& t) const;
   VarAlgo resolve(VarAlgo algo, bool all_gather, const at::Tensor& t,
                   const SegmentExtent& extent) const;
 
   ProcessGroupPtr pg_;
+  std::optional<BackendCaps> cpu_caps_, cuda_caps_;
   int rank_ = 0;
   int size_ = 1;
 };

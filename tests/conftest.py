@@ -3,14 +3,19 @@ import os
 import pytest
 import torch
 
-from harness import gpu_world
+from harness import gpu_backend, gpu_world, gpus_needed
 
 # Set by tests/gpu/run_all.sh: on a GPU machine a `gpu` test that does not run is a
 # failure, never a skip, so a run on too few GPUs cannot pass empty.
 REQUIRE_GPU_ENV = "MFSDP_REQUIRE_GPU"
+# The skip reason of an NCCL-only test under another backend: reported, not a failure.
+NCCL_ONLY_SKIP = "NCCL-only behaviour"
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "nccl_only: a gpu test of what only NCCL does (device-stream collectives: overlap in traces, "
+        "CUDA-graph capture, no host synchronization); skipped, and reported, when MFSDP_GPU_BACKEND is gloo")
     config.addinivalue_line(
         "markers", "gpu_exclusive: a timing measurement; tests/gpu/run_all.sh runs it after the parallel GPU tests, "
         "with the GPUs to itself")
@@ -21,14 +26,20 @@ def _gpus_found() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    world = gpu_world()  # MFSDP_GPU_WORLD: run the NCCL suite on that many GPUs
+    # MFSDP_GPU_WORLD ranks on MFSDP_GPU_BACKEND: NCCL needs a GPU per rank, Gloo one GPU.
+    world, backend, needed = gpu_world(), gpu_backend(), gpus_needed()
     found = _gpus_found()
-    if found >= world:
+    if found < needed:
+        skip = pytest.mark.skip(reason=f"needs {needed} CUDA GPUs for {world} ranks on {backend}, found {found}")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason=f"needs {world} CUDA GPUs with NCCL, found {found}")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if backend != "nccl":
+        skip = pytest.mark.skip(reason=f"{NCCL_ONLY_SKIP}: runs in the NCCL suite (MFSDP_GPU_BACKEND=nccl)")
+        for item in items:
+            if "nccl_only" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -38,9 +49,12 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and "gpu" in item.keywords and os.environ.get(REQUIRE_GPU_ENV) == "1":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         reason = reason.removeprefix("Skipped: ")
+        if reason.startswith(NCCL_ONLY_SKIP) and gpu_backend() != "nccl":
+            return
         if hasattr(report, "wasxfail"):
             reason = f"xfail: {report.wasxfail}"
             del report.wasxfail
         report.outcome = "failed"
         report.longrepr = (f"{REQUIRE_GPU_ENV}=1: this gpu test did not run ({reason}); a GPU run must run "
-                           f"every gpu test ({_gpus_found()} CUDA GPUs visible, MFSDP_GPU_WORLD={gpu_world()})")
+                           f"every gpu test ({_gpus_found()} CUDA GPUs visible, MFSDP_GPU_WORLD={gpu_world()}, "
+                           f"MFSDP_GPU_BACKEND={gpu_backend()})")

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import backends
+
 
 def rank_world() -> Tuple[int, int]:
     """(global rank, world size); (0, 1) without torch.distributed."""
@@ -25,12 +27,18 @@ def rank_world() -> Tuple[int, int]:
 
 def gather_objects(obj, group=None) -> Dict[int, object]:
     """Every rank's `obj` (picklable) of `group` (None: the whole job), on every rank,
-    keyed by global rank in rank order. No collective when the group is this rank alone."""
+    keyed by global rank in rank order. No collective when the group is this rank alone.
+    Under a backend that moves no data (fake) every rank is taken to hold this rank's
+    `obj` (said once): what the others hold is not known."""
     if not (dist.is_available() and dist.is_initialized()):
         return {0: obj}
-    ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    group_or_world = dist.group.WORLD if group is None else group
+    ranks = dist.get_process_group_ranks(group_or_world)
     if len(ranks) == 1:
         return {ranks[0]: obj}
+    if not backends.moves_data(group_or_world):
+        backends.skipped_without_data("cross-rank agreement (models, checkpoints)", group_or_world)
+        return {r: obj for r in ranks}
     out: List[object] = [None] * len(ranks)
     dist.all_gather_object(out, obj, group=group)
     return dict(zip(ranks, out))
@@ -47,6 +55,9 @@ def digest_differs(lines: Iterable[str], group, device: torch.device) -> bool:
     same on every rank; no collective when the group is this rank alone."""
     world = dist.get_world_size(group)
     if world == 1:
+        return False
+    if not backends.moves_data(group, device):
+        backends.skipped_without_data("cross-rank agreement (models, checkpoints)", group)
         return False
     raw = digest(lines)
     words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]

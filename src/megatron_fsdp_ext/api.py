@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import _C, hf, shard_changes
+from . import _C, backends, hf, shard_changes
 from .hooks import FSDPState
 from .param_index import iter_states
 from .options import UnitOptions
@@ -395,24 +395,16 @@ def _fsdp_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
-def _backend_device_types(pg) -> set:
-    backend = str(dist.get_backend(pg)).lower()
-    kinds = set()
-    if "nccl" in backend:
-        kinds.add("cuda")
-    if "gloo" in backend:
-        kinds.add("cpu")
-    if not kinds:
-        raise ValueError(f"fully_shard supports NCCL and Gloo process groups, got backend '{backend}'")
-    return kinds
-
-
-def _check_devices(module: nn.Module, params: list, names: list, pg) -> Optional[torch.device]:
-    """Checks that the parameters sit on one device the group communicates; for meta
-    parameters (deferred init) returns the device their shards are allocated on: the
-    current CUDA device under NCCL, else the CPU."""
+def _check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -> Optional[torch.device]:
+    """Checks that the parameters sit on one device the group's backend communicates; for
+    meta parameters (deferred init) returns the device their shards are allocated on, as
+    FSDP2 does: the mesh's device type; without a mesh the current CUDA device when CUDA
+    is available and the backend communicates CUDA tensors, else the CPU."""
     devices = {p.device for p in params}
-    kinds = _backend_device_types(pg)
+    kinds = backends.device_types(pg)
+    if not kinds:
+        raise ValueError(f"fully_shard: the process group's backend '{backends.backend_name(pg)}' communicates "
+                         "neither cpu nor cuda tensors")
     if len(devices) > 1 and any(d.type == "meta" for d in devices):
         meta = next(n for p, n in zip(params, names) if p.is_meta)
         real = next(n for p, n in zip(params, names) if not p.is_meta)
@@ -431,11 +423,17 @@ def _check_devices(module: nn.Module, params: list, names: list, pg) -> Optional
         )
     device = next(iter(devices))
     if device.type == "meta":
-        return torch.device("cuda", torch.cuda.current_device()) if "cuda" in kinds else torch.device("cpu")
+        kind = mesh.device_type if mesh is not None else \
+            "cuda" if "cuda" in kinds and torch.cuda.is_available() else "cpu"
+        if kind not in kinds:
+            raise ValueError(f"fully_shard({type(module).__name__}): meta parameters would be materialized on "
+                             f"{kind}, which the process group's backend '{backends.backend_name(pg)}' does not "
+                             f"communicate ({'/'.join(sorted(kinds))})")
+        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
     if device.type not in kinds:
         raise ValueError(
             f"fully_shard({type(module).__name__}): parameters are on {device} but the process group's "
-            f"backend '{dist.get_backend(pg)}' communicates {'/'.join(sorted(kinds))} tensors; "
+            f"backend '{backends.backend_name(pg)}' communicates {'/'.join(sorted(kinds))} tensors; "
             f"move the module to {'cuda' if 'cuda' in kinds else 'cpu'} first"
         )
     if device.type == "cuda":
@@ -520,13 +518,20 @@ def fully_shard(
     this rank's shards (1-D), which is what the optimizer updates.
 
     Deferred init: a module built under torch.device("meta") is sharded without ever
-    existing in full: each rank allocates only its shards (on the current CUDA device
-    under NCCL, the CPU under Gloo). Then call megatron_fsdp_ext.materialize(model) (or
+    existing in full: each rank allocates only its shards, as FSDP2 does: on the mesh's
+    device type, else on the current CUDA device when CUDA is available and the group's
+    backend communicates CUDA tensors, else on the CPU. Then call
+    megatron_fsdp_ext.materialize(model) (or
     load a checkpoint: load_full_state_dict, load_safetensors, load_checkpoint) before
     the first forward.
 
     process_group:   the group parameters are sharded over; gradients are
-                     reduce-scattered on it (the reduce-scatter group).
+                     reduce-scattered on it (the reduce-scatter group). Any c10d
+                     backend that communicates the parameters' device: NCCL, Gloo
+                     (CPU or CUDA tensors, ranks sharing a GPU or not), torch's fake
+                     backend (one process simulating rank r of W: nothing moves),
+                     mixed ones ("cpu:gloo,cuda:nccl"); what a backend lacks is
+                     replaced (megatron_fsdp_ext.backends, docs/design.md).
     sharding_strategy: "optim_grads_params" (ZeRO-3, default): params gathered per use
                      and freed after; "optim_grads" (ZeRO-2) and "optim" (ZeRO-1, full
                      all-reduced gradients): params stay unsharded between steps and
@@ -554,8 +559,9 @@ def fully_shard(
     reduce_scatter_group: an explicit group (same ranks, same order) for gradient
                      reductions (default: process_group), e.g. one per expert-parallel group.
     create_all_gather_group: give all-gathers their own communicator, created once per
-                     group and cached, so they overlap reduce-scatters. Default: on for
-                     NCCL, off otherwise (Megatron-FSDP's `create_all_gather_group`).
+                     group and cached, so they overlap reduce-scatters. Default: on where
+                     collectives run on device streams and move data (NCCL), off
+                     otherwise (Megatron-FSDP's `create_all_gather_group`).
     all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
                      all-gathers right after the optimizer step; off: nothing is ever
                      launched outside forward/backward.
@@ -638,7 +644,7 @@ def fully_shard(
     sharded, unsharded = [], []
     deferred = False
     if params:
-        materialize_on = _check_devices(module, params, names, pg)
+        materialize_on = _check_devices(module, params, names, pg, mesh)
         deferred = materialize_on is not None
         for p, n in zip(params, names):
             if p.dtype not in _FLOAT_DTYPES:
@@ -680,7 +686,7 @@ def fully_shard(
             # ...) must pass all_gather_group explicitly.
             spans_job = dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None
             if create_all_gather_group is None:
-                create_all_gather_group = "nccl" in str(dist.get_backend(pg)).lower() and spans_job
+                create_all_gather_group = backends.overlaps_collectives(pg, unit.device) and spans_job
             if strategy == _C.ShardingStrategy.NO_SHARD:
                 create_all_gather_group = False  # never gathers
             if create_all_gather_group and dist.get_world_size(pg) > 1:

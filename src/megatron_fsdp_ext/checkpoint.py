@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import backends
 from .agree import digest, failures, gather_objects, raise_agreed, rank_world
 from .param_index import iter_states
 from .param_index import ParamIndex
@@ -88,6 +89,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
     every one of its parameters, and meta buffers, must then be in the dict."""
     rank = rank_world()[0]
     if broadcast_from_rank0:
+        backends.check_moves_data("load_full_state_dict(broadcast_from_rank0=True)", dist.group.WORLD)
         state_dict = _announce(module, state_dict if rank == 0 else None)
     elif state_dict is None:
         raise TypeError("load_full_state_dict: state_dict is None; pass the full state dict on every rank "

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _C
+from . import _C, backends
 from .agree import describe, failures, gather_objects, listing, merged, raise_agreed, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
     MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
@@ -203,6 +203,11 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
 
 # ----------------------------------------------------------------------------- save and load
 
+def _refuse_without_data(what: str) -> None:
+    if dist.is_available() and dist.is_initialized():
+        backends.check_moves_data(what, dist.group.WORLD)
+
+
 def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Save model (and optimizer) state to directory `path`, replacing the checkpoint
     there only once the new one is complete. Collective: call on all ranks, with the
@@ -216,6 +221,7 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     ranks raise ValueError on every rank before anything is written. `path` must be new,
     or a directory holding only a checkpoint. For storage other than a filesystem, pass
     sharded_state_dict() to torch.distributed.checkpoint.save yourself (unverified)."""
+    _refuse_without_data("save_checkpoint")
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
     what = f"save_checkpoint({path})"
@@ -308,6 +314,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     is an error naming the key); the optimizer must be of the class that was saved.
     Every error is raised on every rank. verify=False skips the manifest and hashes (for
     checkpoints written with dcp.save(sharded_state_dict(...)))."""
+    _refuse_without_data("load_checkpoint")
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
     what = f"load_checkpoint({path})"

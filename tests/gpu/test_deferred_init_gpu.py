@@ -4,11 +4,12 @@ one module (materialize), one parameter (broadcast from rank 0) or one slice
 (safetensors)."""
 import pytest
 
-from harness import gpu_world, run_distributed
+from harness import gpu_launch, gpu_world, run_distributed
 from harness import init_workers as IW
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()
+GPU = gpu_launch()  # MFSDP_GPU_BACKEND: NCCL (a GPU per rank) or Gloo (ranks share a GPU)
 
 
 def test_nccl_materialize_equals_direct_build_and_trains_alike():
@@ -16,17 +17,17 @@ def test_nccl_materialize_equals_direct_build_and_trains_alike():
 
     for opts in ({}, {"tie": True, "strategy": "optim_grads"},
                  {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}):
-        run_distributed(IW.deferred_init_parity, WORLD, opts, backend="nccl", timeout=300)
+        run_distributed(IW.deferred_init_parity, WORLD, opts, **GPU, timeout=300)
 
 
 def test_nccl_loads_into_meta_model(tmp_path):
-    run_distributed(IW.load_into_meta_model, WORLD, {"broadcast": True}, backend="nccl", timeout=300)
+    run_distributed(IW.load_into_meta_model, WORLD, {"broadcast": True}, **GPU, timeout=300)
     directory = tmp_path / "hf"
     directory.mkdir()
-    run_distributed(IW.load_safetensors_into_meta_model, WORLD, {"tie": True}, str(directory), backend="nccl",
+    run_distributed(IW.load_safetensors_into_meta_model, WORLD, {"tie": True}, str(directory), **GPU,
                     timeout=300)
 
 
 def test_nccl_deferred_init_and_loading_memory_bounds():
-    out = run_distributed(IW.deferred_init_memory, WORLD, backend="nccl", timeout=300)[0]
+    out = run_distributed(IW.deferred_init_memory, WORLD, **GPU, timeout=300)[0]
     print({k: round(v, 1) for k, v in out.items()})

@@ -4,11 +4,12 @@ replicas deferred under gradient accumulation on the CUDA side streams; checkpoi
 between HSDP and FSDP layouts."""
 import pytest
 
-from harness import gpu_world, run_distributed
+from harness import gpu_launch, gpu_world, run_distributed
 from harness.hsdp_workers import hsdp_checkpoints, hsdp_parity
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()
+GPU = gpu_launch()  # MFSDP_GPU_BACKEND: NCCL (a GPU per rank) or Gloo (ranks share a GPU)
 SCENARIOS = [{"strategy": s, "micro": 2, "defer": True, "clip": 0.05, "tol": 1e-4}
              for s in ("optim_grads_params", "optim_grads", "optim", "no_shard")]
 
@@ -17,10 +18,10 @@ SCENARIOS = [{"strategy": s, "micro": 2, "defer": True, "clip": 0.05, "tol": 1e-
 def test_nccl_hsdp_trains_like_one_process(replicate):
     if WORLD < 2:
         pytest.skip("HSDP needs two GPUs or more")
-    run_distributed(hsdp_parity, WORLD, replicate, SCENARIOS, backend="nccl", timeout=300)
+    run_distributed(hsdp_parity, WORLD, replicate, SCENARIOS, **GPU, timeout=300)
 
 
 def test_nccl_hsdp_checkpoints_move_between_meshes(tmp_path):
     if WORLD < 2:
         pytest.skip("HSDP needs two GPUs or more")
-    run_distributed(hsdp_checkpoints, WORLD, str(tmp_path), backend="nccl", timeout=300)
+    run_distributed(hsdp_checkpoints, WORLD, str(tmp_path), **GPU, timeout=300)

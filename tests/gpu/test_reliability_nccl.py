@@ -11,11 +11,12 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
-from harness import gpu_world, run_distributed
+from harness import gpu_launch, gpu_world, run_distributed
 from harness.workers import expect_error
 
 pytestmark = pytest.mark.gpu
 WORLD = gpu_world()
+GPU = gpu_launch()  # MFSDP_GPU_BACKEND: NCCL (a GPU per rank) or Gloo (ranks share a GPU)
 
 
 class _Net(nn.Module):
@@ -47,7 +48,7 @@ def _different_models(rank, world):
 
 
 def test_nccl_different_models_are_refused():
-    run_distributed(_different_models, WORLD, backend="nccl", timeout=180)
+    run_distributed(_different_models, WORLD, **GPU, timeout=180)
 
 
 def _out_of_step(rank, world):
@@ -74,7 +75,7 @@ def _out_of_step(rank, world):
 
 
 def test_nccl_out_of_step_ranks_get_a_named_error():
-    run_distributed(_out_of_step, WORLD, backend="nccl", timeout=240)
+    run_distributed(_out_of_step, WORLD, **GPU, timeout=240)
 
 
 def _uneven_tables(rank, world):
@@ -87,4 +88,4 @@ def _uneven_tables(rank, world):
 
 
 def test_nccl_all_gather_v_refuses_rank_dependent_tables():
-    run_distributed(_uneven_tables, WORLD, backend="nccl", timeout=180)
+    run_distributed(_uneven_tables, WORLD, **GPU, timeout=180)

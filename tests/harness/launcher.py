@@ -8,7 +8,7 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,26 +51,33 @@ def _mp_context():
     return _context
 
 
-def _entry(fn, rank, world_size, backend, init_file, timeout_s, args, kwargs, results, environ):
+def _entry(fn, rank, world_size, backend, device, init_file, timeout_s, args, kwargs, results, environ):
     try:
         # The server's environment is the one it started with: take the caller's current one.
         os.environ.clear()
         os.environ.update(environ)
+        if device is not None:
+            os.environ[TEST_DEVICE_ENV] = device  # workers.device_for_backend() reads it
         # A hung rank prints every thread's stack shortly before the launcher kills it.
         faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         torch.set_num_threads(1)
-        if backend == "nccl":
+        if backend == "nccl" or device == "cuda":
+            # Ranks beyond the GPU count share GPUs (Gloo only: NCCL refuses duplicates).
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        if backend == "fake":  # one process plays `rank` of world_size; nothing moves
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         try:
             out = fn(rank, world_size, *args, **kwargs)
         except BaseException:
@@ -100,13 +107,36 @@ def _abandon_process_group(backend: str) -> None:
         dist.destroy_process_group()
 
 
+# Set in each rank by run_distributed(device=...): the device its tensors live on.
+TEST_DEVICE_ENV = "MFSDP_TEST_DEVICE"
+
+
 def gpu_world() -> int:
-    """World size of the NCCL test suite: MFSDP_GPU_WORLD (default 2), one GPU per rank.
-    1 is for the single-GPU checks of tests/gpu/run_world1.sh; the suite needs >= 2."""
+    """World size of the GPU test suite: MFSDP_GPU_WORLD (default 2). 1 is for the
+    single-GPU checks of tests/gpu/run_world1.sh; the suite needs >= 2."""
     value = os.environ.get("MFSDP_GPU_WORLD", "2")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"MFSDP_GPU_WORLD must be a positive integer, got {value!r}")
     return int(value)
+
+
+def gpu_backend() -> str:
+    """Backend of the GPU test suite: MFSDP_GPU_BACKEND, "nccl" (default: one GPU per
+    rank) or "gloo" (CUDA tensors over Gloo: every rank may share one GPU)."""
+    value = os.environ.get("MFSDP_GPU_BACKEND", "nccl")
+    if value not in ("nccl", "gloo"):
+        raise ValueError(f"MFSDP_GPU_BACKEND must be 'nccl' or 'gloo', got {value!r}")
+    return value
+
+
+def gpus_needed() -> int:
+    """GPUs the GPU suite needs: one per rank under NCCL, one in all under Gloo."""
+    return gpu_world() if gpu_backend() == "nccl" else 1
+
+
+def gpu_launch() -> dict:
+    """run_distributed keyword arguments of the GPU suite: its backend, CUDA tensors."""
+    return {"backend": gpu_backend(), "device": "cuda"}
 
 
 def run_distributed(
@@ -114,49 +144,58 @@ def run_distributed(
     world_size: int,
     *args: Any,
     backend: str = "gloo",
+    device: Optional[str] = None,
     timeout: float = 180.0,
+    simulate_rank: int = 0,
     **kwargs: Any,
 ) -> List[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes and return
-    the per-rank results. Raises DistributedTestError with the failing rank's
-    traceback, or when the processes do not finish within `timeout` seconds (they
-    are killed: a hang never blocks the test suite)."""
+    the per-rank results. `device`: where the ranks' tensors live ("cuda": each rank
+    sets its CUDA device to rank % GPUs; default: cuda under NCCL, else the CPU).
+    backend="fake": one process plays rank `simulate_rank` of `world_size` under torch's
+    fake backend (collectives move nothing); the result is that rank's alone.
+    Raises DistributedTestError with the failing rank's traceback, or when the
+    processes do not finish within `timeout` seconds (they are killed: a hang never
+    blocks the test suite)."""
     ctx = _mp_context()
+    where = f"world {world_size}, {backend}" + (f" with {device} tensors" if device else "")
     fd, init_file = tempfile.mkstemp(prefix="mfsdp_init_")
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
     results = ctx.Queue()
+    ranks = [simulate_rank] if backend == "fake" else list(range(world_size))
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, backend, init_file, timeout, args, kwargs, results, dict(os.environ)),
+            args=(fn, r, world_size, backend, device, init_file, timeout, args, kwargs, results, dict(os.environ)),
             daemon=True,
         )
-        for r in range(world_size)
+        for r in ranks
     ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     outputs, failures = {}, {}
     try:
-        while len(outputs) + len(failures) < world_size:
+        while len(outputs) + len(failures) < len(ranks):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DistributedTestError(
-                    f"{fn.__name__} (world {world_size}, {backend}) timed out after {timeout:.0f}s; "
+                    f"{fn.__name__} ({where}) timed out after {timeout:.0f}s; "
                     f"ranks finished: {sorted(outputs)}; failed: {sorted(failures)}"
                 )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs and r not in failures]
+                dead = [r for r, p in zip(ranks, procs) if not p.is_alive() and r not in outputs and r not in failures]
+                exit_codes = {r: p.exitcode for r, p in zip(ranks, procs)}
                 # A rank that died without reporting (segfault, abort) fails the test.
-                if dead and all(procs[r].exitcode not in (None, 0) for r in dead):
+                if dead and all(exit_codes[r] not in (None, 0) for r in dead):
                     time.sleep(0.5)
                     if results.empty():
-                        codes = {r: procs[r].exitcode for r in dead}
+                        codes = {r: exit_codes[r] for r in dead}
                         raise DistributedTestError(
-                            f"{fn.__name__} (world {world_size}, {backend}): ranks died without a result, "
+                            f"{fn.__name__} ({where}): ranks died without a result, "
                             f"exit codes {codes}"
                         )
                 continue
@@ -169,12 +208,12 @@ def run_distributed(
         if failures:
             rank = min(failures)
             raise DistributedTestError(
-                f"{fn.__name__} (world {world_size}, {backend}) failed on rank {rank}:\n{failures[rank]}"
+                f"{fn.__name__} ({where}) failed on rank {rank}:\n{failures[rank]}"
             )
-        return [outputs[r] for r in range(world_size)]
+        return [outputs[r] for r in ranks]
     finally:
         for p in procs:
-            p.join(timeout=5 if not failures and len(outputs) == world_size else 0.1)
+            p.join(timeout=5 if not failures and len(outputs) == len(ranks) else 0.1)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Dict, List
 
 import torch
@@ -17,11 +18,15 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.states import SlotsHold
 
+from .launcher import TEST_DEVICE_ENV
 from .observe import UnitTrace
 
 
 def device_for_backend() -> torch.device:
-    if dist.get_backend() == "nccl":
+    """Where this rank's tensors live: as run_distributed(device=...) said, else cuda
+    under NCCL and the CPU otherwise."""
+    wanted = os.environ.get(TEST_DEVICE_ENV)
+    if wanted == "cuda" or (wanted is None and dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -698,7 +703,10 @@ def uneven_collectives(rank: int, world: int, algos) -> int:
     from megatron_fsdp_ext import _C
 
     device = device_for_backend()
-    comm = _C.Communicator(dist.distributed_c10d._get_default_group())
+    group = dist.distributed_c10d._get_default_group()
+    comm = _C.Communicator(group)
+    # GROUPED needs uneven collective lists (NCCL); elsewhere it must be refused by name.
+    caps = _C.backend_caps(group, device)
     checked = 0
     for trial in range(6):
         g = torch.Generator().manual_seed(100 + trial)
@@ -718,6 +726,14 @@ def uneven_collectives(rank: int, world: int, algos) -> int:
         expected_full = torch.cat(data) if total else torch.zeros(0)
         expected_rs = sum(grads)[starts[rank]:starts[rank] + numels[rank]]
         for algo in algos:
+            if algo == "GROUPED" and not caps.uneven_lists:
+                out = torch.zeros(total, device=device)
+                for call in (lambda: comm.all_gather_v(out, data[rank].to(device), starts, numels, _C.VarAlgo.GROUPED),
+                             lambda: comm.reduce_scatter_v(out[:numels[rank]], grads[rank].to(device), starts, numels,
+                                                           _C.VarAlgo.GROUPED)):
+                    expect_error(call, ValueError, "GROUPED uneven algorithm needs", f"backend '{caps.name}'")
+                checked += 1
+                continue
             if algo != "ALL_REDUCE":  # a reduce_scatter_v-only fallback
                 out = torch.full((total,), float("nan"), device=device)  # poison: every element must be written
                 comm.all_gather_v(out, data[rank].to(device), starts, numels, getattr(_C.VarAlgo, algo))
@@ -740,7 +756,8 @@ def large_all_gather_v_auto(rank: int, world: int) -> str:
     numels = [per_rank + 1000 * r for r in range(world)]  # uneven, padding well under a third
     starts = [sum(numels[:r]) for r in range(world)]
     total = sum(numels)
-    chosen = _C.auto_var_algo(True, device.type == "cuda", total, max(numels), world, 4)
+    group = dist.distributed_c10d._get_default_group()
+    chosen = _C.auto_var_algo(True, _C.backend_caps(group, device).uneven_lists, total, max(numels), world, 4)
     mine = torch.arange(starts[rank], starts[rank] + numels[rank], dtype=torch.int32, device=device)
     out = torch.full((total,), -1, dtype=torch.int32, device=device)
     comm.all_gather_v(out, mine, starts, numels, _C.VarAlgo.AUTO)

@@ -5,14 +5,15 @@ G, P = _C.VarAlgo.GROUPED, _C.VarAlgo.PADDED
 MIN = _C.PADDED_ALL_GATHER_MIN_BYTES
 
 
-def choose(all_gather=True, cuda=True, total=MIN // 4, longest=None, world=2, element_size=4):
+def choose(all_gather=True, grouped=True, total=MIN // 4, longest=None, world=2, element_size=4):
+    """grouped: the backend has uneven collective lists (NCCL on CUDA tensors)."""
     longest = total * 2 // 3 if longest is None else longest  # segments 1:2, as measured
-    return _C.auto_var_algo(all_gather, cuda, total, longest, world, element_size)
+    return _C.auto_var_algo(all_gather, grouped, total, longest, world, element_size)
 
 
-def test_cpu_is_always_padded():
-    assert choose(cuda=False, total=10) == P
-    assert choose(cuda=False, all_gather=False) == P
+def test_without_uneven_lists_always_padded():
+    assert choose(grouped=False, total=10) == P
+    assert choose(grouped=False, all_gather=False) == P
 
 
 def test_reduce_scatter_is_grouped_on_cuda_at_every_size():
