@@ -228,7 +228,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reduce_scatter_stream", [](const CommContext& c) -> py::object {
         if (!c.streams().enabled()) return py::none();
         return py::cast(c.streams().reduce_scatter());
-      });
+      })
+      .def_property("fault_delay_cycles", &CommContext::fault_delay_cycles, &CommContext::set_fault_delay_cycles,
+                    "Tests only: GPU cycles each side stream busy-waits after a collective, before its results "
+                    "land and its done event is recorded (0: off).");
 
   py::enum_<ShardingStrategy>(m, "ShardingStrategy")
       .value("NO_SHARD", ShardingStrategy::kNoShard)

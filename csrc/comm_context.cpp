@@ -2,9 +2,19 @@
 
 #include <utility>
 
+#ifdef WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 namespace mfsdp {
 
 CommContext::CommContext(c10::Device device) : device_(device), streams_(device) {}
+
+void CommContext::delay_after_collective() const {
+#ifdef WITH_CUDA
+  if (fault_delay_cycles_ > 0 && streams_.enabled()) at::cuda::sleep(fault_delay_cycles_);
+#endif
+}
 
 void CommContext::hold_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<PendingCollective> done) {
   retire();
@@ -33,6 +43,7 @@ std::shared_ptr<PendingCollective> CommContext::all_gather_v_async(const Communi
   c10::StreamGuard guard(streams_.all_gather());
   compute_ready.block(streams_.all_gather());
   comm.all_gather_v(out, in, starts, numels, algo, verify);
+  delay_after_collective();
   pending->record(streams_.all_gather());
   return pending;
 }

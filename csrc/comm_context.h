@@ -38,6 +38,16 @@ class CommContext {
   const c10::Device& device() const { return device_; }
   const StreamSet& streams() const { return streams_; }
 
+  // Fault injection for tests: with cycles > 0, every collective on a side stream is
+  // followed there by a busy-wait of that many GPU cycles before its results are landed
+  // and its done event recorded, so a consumer that does not wait for the event reads
+  // stale values. Where the host waits for the collective itself (Gloo), this is the only
+  // delay a missing wait can race with. No effect without side streams (CPU).
+  void set_fault_delay_cycles(int64_t cycles) { fault_delay_cycles_ = cycles; }
+  int64_t fault_delay_cycles() const { return fault_delay_cycles_; }
+  // Called on the side stream right after a collective.
+  void delay_after_collective() const;
+
   // One reduction in flight while the next unit's backward computes: a second one would
   // add a whole flat gradient buffer to the peak and buy no overlap.
   int64_t num_inflight_reductions() const { return inflight_ ? 1 : 0; }
@@ -67,6 +77,7 @@ class CommContext {
 
   c10::Device device_;
   StreamSet streams_;
+  int64_t fault_delay_cycles_ = 0;
   std::optional<Inflight> inflight_;
 };
 

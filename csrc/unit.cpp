@@ -503,6 +503,7 @@ void Unit::unshard() {
     at::Tensor input = gather_input(/*in_place=*/true);
     run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
                    [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
+    ctx().delay_after_collective();
     all_gather_done_->record(streams.all_gather());
     gathered_ = all_gather_done_;
     state_ = UnitState::kGathering;
@@ -547,6 +548,7 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
     lead.compute_ready_.block(streams.all_gather());
     for (Unit* u : together) ins.push_back(u->gather_input(/*in_place=*/true));
     issue();
+    lead.ctx().delay_after_collective();
     lead.all_gather_done_->record(streams.all_gather());
     for (Unit* u : together) {
       u->gathered_ = lead.all_gather_done_;
@@ -758,6 +760,7 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
       run_collective(CollectivePhase::kAllReduceReplicas, replicate_comm_, b.reduced.numel(),
                      [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
     }
+    ctx().delay_after_collective();
     cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate);
   });
 }
@@ -795,6 +798,7 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   auto done = lead.on_reduce_stream([&]() {
     run_coalesced(CollectivePhase::kReduceScatterGrads, members, numels, lead.rs_comm_,
                   [&] { lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins); });
+    lead.ctx().delay_after_collective();
     for (size_t i = 0; i < members.size(); ++i) {
       cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
                       buffers[i].landing == Landing::kAccumulate);

@@ -33,22 +33,39 @@ def _sleep_cycles() -> int:
 @contextlib.contextmanager
 def stream_chaos():
     """Fault injection, not observation: while active, delay the compute stream right
-    before every unshard and gradient reduction, and the side streams right before their
-    collectives are issued, so that any missing cross-stream wait produces wrong numbers
-    instead of passing by luck. The wrapped FSDPState methods are restored on exit."""
+    before every unshard and gradient reduction, the side streams right before their
+    collectives are issued, and (CommContext.fault_delay_cycles) the side streams right
+    after each collective, before its results land and its done event is recorded. So any
+    missing cross-stream wait produces wrong numbers instead of passing by luck, also
+    where the host itself waits for the collective (Gloo): there only what follows the
+    collective on the side stream can race. Everything is restored on exit."""
     from megatron_fsdp_ext import hooks
 
     def as_cuda_stream(s):
         return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
+    orig_unshard_all = hooks._unshard_all
     orig_unshard = hooks.FSDPState.unshard
     orig_post_backward = hooks.FSDPState.post_backward
+    contexts = []
 
-    def unshard(self):
-        if self.unit is not None and self.ctx is not None:
-            torch.cuda._sleep(_sleep_cycles())            # compute still busy when AG starts
-            with torch.cuda.stream(as_cuda_stream(self.ctx.comm.all_gather_stream())):
-                torch.cuda._sleep(_sleep_cycles())        # AG late: compute must wait for it
+    def delay_before_gathers(states):
+        ctx = next((s.ctx for s in states if s.unit is not None and s.ctx is not None), None)
+        if ctx is None:
+            return
+        if ctx.comm.fault_delay_cycles == 0:
+            ctx.comm.fault_delay_cycles = _sleep_cycles()
+            contexts.append(ctx.comm)
+        torch.cuda._sleep(_sleep_cycles())            # compute still busy when AG starts
+        with torch.cuda.stream(as_cuda_stream(ctx.comm.all_gather_stream())):
+            torch.cuda._sleep(_sleep_cycles())        # AG late: compute must wait for it
+
+    def unshard_all(states, bucketed):  # forward and backward gathers (with prefetch)
+        delay_before_gathers(states)
+        orig_unshard_all(states, bucketed)
+
+    def unshard(self):  # activation-checkpoint recompute, start_param_sync
+        delay_before_gathers([self])
         orig_unshard(self)
 
     def post_backward(self):
@@ -58,13 +75,17 @@ def stream_chaos():
                 torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
         orig_post_backward(self)
 
+    hooks._unshard_all = unshard_all
     hooks.FSDPState.unshard = unshard
     hooks.FSDPState.post_backward = post_backward
     try:
         yield
     finally:
+        hooks._unshard_all = orig_unshard_all
         hooks.FSDPState.unshard = orig_unshard
         hooks.FSDPState.post_backward = orig_post_backward
+        for comm in contexts:
+            comm.fault_delay_cycles = 0
 
 
 def train_parity_with_stream_chaos(rank: int, world: int, opts: Dict) -> Dict:

@@ -191,7 +191,15 @@ def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
-    return shard_blocks_and_root(model, fully_shard=fully_shard, mp_policy=mp)
+    model = shard_blocks_and_root(model, fully_shard=fully_shard, mp_policy=mp)
+    if dist.get_backend() == "gloo" and device_for_backend().type == "cuda":
+        # FSDP2 divides inside the collective (AVG / PREMUL_SUM), which Gloo refuses for
+        # CUDA tensors; SUM, then its own division, is the same mean. Per unit (not recursive).
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

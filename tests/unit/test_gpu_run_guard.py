@@ -25,14 +25,16 @@ def without_gpus(**extra):
     # The child imports the package from where this process found it: the install (CI,
     # where the source tree has no compiled _C) or a development checkout on PYTHONPATH.
     package_root = str(Path(megatron_fsdp_ext.__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_COMMIT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_GPU_BACKEND", "MFSDP_COMMIT")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=package_root, **extra)
     return env
 
 
-def run_pytest(tmp_path, env):
+def run_pytest(tmp_path, env, *tests):
     junit = tmp_path / "junit.xml"
-    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", GPU_TEST, "-p", "no:cacheprovider", "-p", "no:xdist",
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", *(tests or (GPU_TEST,)), "-p", "no:cacheprovider",
+                           "-p", "no:xdist",
                            f"--junitxml={junit}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return proc, load_summarizer().read_junit(junit)
 
@@ -44,7 +46,27 @@ def test_skipped_gpu_test_fails_when_gpus_are_required(tmp_path):
     # The skip happens in setup, so junit records the failure as an error.
     assert counts["failed"] + counts["errors"] == ["tests.gpu.test_nccl::test_cuda_device_errors"], counts
     assert not counts["skipped"] and counts["passed"] == 0
-    assert "MFSDP_REQUIRE_GPU=1: this gpu test did not run (needs 2 CUDA GPUs with NCCL, found 0)" in proc.stdout
+    assert "MFSDP_REQUIRE_GPU=1: this gpu test did not run (needs 2 CUDA GPUs for 2 ranks on nccl, found 0)" \
+        in proc.stdout
+
+
+NCCL_ONLY_TEST = "tests/gpu/test_overlap.py::test_a_training_step_never_waits_on_the_host_for_the_gpu"
+
+
+def test_gloo_gpu_runs_need_one_gpu_and_report_nccl_only_tests(tmp_path):
+    # Ranks share one GPU over Gloo: one GPU is needed for any world, and a test of what
+    # only NCCL does is reported as skipped with its reason (not silently, not failed).
+    env = without_gpus(MFSDP_REQUIRE_GPU="1", MFSDP_GPU_BACKEND="gloo", MFSDP_GPU_WORLD="4")
+    proc, counts = run_pytest(tmp_path, env, GPU_TEST)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "this gpu test did not run (needs 1 CUDA GPUs for 4 ranks on gloo, found 0)" in proc.stdout
+    # With GPUs hidden a test is skipped for lack of one before anything else; the
+    # NCCL-only decision needs a GPU, so the conftest is told of one (its test override).
+    env["MFSDP_TEST_GPU_COUNT"] = "1"
+    proc, counts = run_pytest(tmp_path, env, NCCL_ONLY_TEST + "[fp32]")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len(counts["skipped"]) == 1 and not counts["failed"] and not counts["errors"], counts
+    assert "NCCL-only behaviour: runs in the NCCL suite (MFSDP_GPU_BACKEND=nccl)" in proc.stdout
 
 
 def test_run_all_stops_before_building_when_gpus_are_missing(tmp_path):

@@ -1,0 +1,299 @@
+"""Size a job on one GPU: rank 0 of a world of W under torch's fake backend (collectives
+return at once and move nothing), for ours (mfsdp), FSDP2 and `local` (the plain model,
+no FSDP: the no-communication limit), each system in its own process, on the same lean
+Llama-style model (the bench model): built on the meta device and materialized (local:
+built directly), bf16 compute, fp32 master weights and gradient reduction, fused AdamW.
+
+    python benchmarks/simulate.py --points 13b@8,70b@64 --systems mfsdp,fsdp2 --out runs/sim
+
+Per system and point it measures, on this GPU: init time and init peak, the steady peak
+(max over the steps after the first), the step time (CUDA events; forward, backward and
+optimizer separately; each step ends with a device synchronize), collectives per step by
+kind with their bytes (both systems counted the same way, from the process group's own
+dispatcher calls in a profiled step; ours also by its own counters), and for ours
+estimate_memory's prediction against a measured peak. The numbers hold no communication
+time: see benchmarks/project.py for a labelled projection. A config with "/L" after it
+(70b/4@64) keeps the layer shapes and uses L layers: the depth-reduced copy on which
+local fits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name: (vocab, d_model, layers, heads, ffn, micro_batch, seq). Bench shapes; no GQA.
+CONFIGS = {
+    "small_many": (8192, 512, 48, 8, 1536, 8, 512),
+    "1.3b": (32000, 2048, 24, 16, 5504, 4, 2048),
+    "8b": (32000, 4096, 32, 32, 11008, 1, 2048),
+    "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
+    "70b": (32000, 8192, 80, 64, 28672, 1, 1024),
+    "405b": (32000, 16384, 126, 128, 53248, 1, 256),
+    "tiny": (256, 64, 2, 4, 176, 2, 32),  # CPU smoke runs
+}
+SYSTEMS = ("mfsdp", "fsdp2", "local")
+DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+
+
+def parse_config(text: str):
+    """'70b' or '70b/4' (4 layers of 70b's shape) -> (name, tuple)."""
+    name, _, layers = text.partition("/")
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+    vocab, d, n_layers, heads, ffn, mb, seq = CONFIGS[name]
+    return (vocab, d, int(layers) if layers else n_layers, heads, ffn, mb, seq)
+
+
+# ------------------------------------------------------------------------------ child
+
+def _c10d_calls(prof) -> dict:
+    """Per c10d dispatcher op of a profiled step: calls and bytes of its whole buffer
+    (all-gather output, reduce-scatter input, all-reduce tensor); None where the profiler
+    does not record the dtype (tensor lists)."""
+    out = {}
+    for e in prof.events():
+        if not e.name.startswith("c10d::"):
+            continue
+        shapes, dtypes = e.input_shapes or [], e.input_dtypes or []
+        sized = [(s, DTYPE_BYTES.get(t)) for s, t in zip(shapes, dtypes) if s and t in DTYPE_BYTES]
+        nbytes = None
+        if sized:
+            numel = max(_numel(s) for s, _ in sized)
+            nbytes = numel * sized[0][1]
+        calls, total = out.get(e.name, (0, 0))
+        out[e.name] = (calls + 1, None if total is None or nbytes is None else total + nbytes)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Clock:
+    """Event timing on CUDA (recorded on the stream), host time on the CPU (a smoke run)."""
+
+    def __init__(self, cuda: bool):
+        import torch
+        self.cuda = cuda
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.t = 0.0
+
+    def record(self):
+        if self.cuda:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_until(self, later: "_Clock") -> float:
+        return self.event.elapsed_time(later.event) if self.cuda else (later.t - self.t) * 1e3
+
+
+def child(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import megatron_fsdp_ext as mfsdp
+    from megatron_fsdp_ext import _C
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
+    cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+    with torch.device("meta"):
+        shapes = LlamaModel(cfg)
+    params = sum(p.numel() for p in shapes.parameters())
+    largest = max(p.numel() for p in shapes.parameters())
+    del shapes
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak() -> int:
+        return torch.cuda.max_memory_allocated() if cuda else 0
+
+    torch.manual_seed(0)
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    autocast = False
+    if args.system == "local":
+        with torch.device(device):  # fp32 weights, bf16 compute under autocast (as bench_train)
+            model = LlamaModel(cfg)
+        autocast = True
+    elif args.system == "mfsdp":
+        with torch.device("meta"):
+            model = LlamaModel(cfg)
+        mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            mfsdp.fully_shard(block, mp_policy=mp)
+        mfsdp.fully_shard(model, mp_policy=mp)
+        mfsdp.materialize(model)
+    elif args.system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        with torch.device("meta"):
+            model = LlamaModel(cfg)
+        mesh = init_device_mesh(device.type, (args.world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for m in model.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+    else:
+        raise SystemExit(f"unknown system {args.system!r}")
+    sync()
+    init_s = time.perf_counter() - t0
+    init_peak = peak()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, vocab, (mb, seq + 1), generator=g).to(device)
+    tokens, targets = data[:, :-1], data[:, 1:]
+
+    def step(toks=tokens, tgts=targets, events=None):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(toks)
+        if events:
+            events[1].record()
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tgts.reshape(-1))
+        loss.backward()
+        if events:
+            events[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rows, peaks = [], []
+    for i in range(args.warmup + args.steps):
+        ev = [_Clock(cuda) for _ in range(4)]
+        reset_peak()
+        ev[0].record()
+        step(events=ev)
+        ev[3].record()
+        sync()  # the clock stops once all launched work is done
+        peaks.append(peak())
+        if i >= args.warmup:
+            rows.append({"step_ms": ev[0].ms_until(ev[3]), "forward_ms": ev[0].ms_until(ev[1]),
+                         "backward_ms": ev[1].ms_until(ev[2]), "optimizer_ms": ev[2].ms_until(ev[3])})
+    before = dict(_C.collective_counts())
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    sync()
+    after = dict(_C.collective_counts())
+    ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
+    result = {
+        "system": args.system, "config": args.config, "world": args.world, "rank": args.rank, "params": params,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+        "layers": layers, "micro_batch": mb, "seq": seq,
+        "init_s": init_s, "init_peak_gib": init_peak / 2**30,
+        "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
+        "step_ms": statistics.median(r["step_ms"] for r in rows),
+        "step_ms_min": min(r["step_ms"] for r in rows), "step_ms_max": max(r["step_ms"] for r in rows),
+        "forward_ms": statistics.median(r["forward_ms"] for r in rows),
+        "backward_ms": statistics.median(r["backward_ms"] for r in rows),
+        "optimizer_ms": statistics.median(r["optimizer_ms"] for r in rows),
+        "steps": rows, "c10d_calls_per_step": _c10d_calls(prof), "our_counts_per_step": ours,
+        "largest_param_gib": largest * 4 / 2**30,
+    }
+    if args.system == "mfsdp":
+        # estimate_memory leaves activations out: its prediction is checked against a
+        # step on one sequence of 128 tokens, where what activations remain is small.
+        with torch.device("meta"):
+            meta = LlamaModel(cfg)
+        mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        est = mfsdp.estimate_memory(meta, args.world, unit_modules=[type(meta.blocks[0])], mp_policy=mp,
+                                    optimizer="adamw")
+        sync()
+        reset_peak()
+        step(tokens[:1, :128], targets[:1, :128])
+        sync()
+        small_peak = peak()
+        result.update(estimate_gib=est.total / 2**30, small_step_peak_gib=small_peak / 2**30,
+                      estimate_over_measured=est.total / small_peak if small_peak else None,
+                      estimate_components_gib={k: getattr(est, k) / 2**30 for k in (
+                          "params", "grads", "optimizer_state", "gathered_params", "reduction_buffers")})
+    return result
+
+
+# ------------------------------------------------------------------------------ parent
+
+def run_point(system: str, config: str, world: int, args) -> dict:
+    out = Path(args.out) / f"{system}_{config.replace('/', '-')}_w{world}.json"
+    cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config, "--world", str(world),
+           "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
+        print(f"  {system} {config} W={world}: {'out of memory' if oom else 'FAILED'}", flush=True)
+        return {"system": system, "config": config, "world": world, "error": "out of memory" if oom else "\n".join(tail)}
+    r = json.loads(out.read_text())
+    r["wall_s"] = time.perf_counter() - t0
+    print(f"  {system:6s} {config:10s} W={world:5d}: step {r['step_ms']:8.1f} ms, steady peak "
+          f"{r['steady_peak_gib']:6.2f} GiB, init {r['init_s']:5.1f} s / {r['init_peak_gib']:6.2f} GiB", flush=True)
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--points", default="small_many@8 1.3b@8",
+                   help="space-separated config@world[,world...] items, e.g. '70b@64,256 13b/4@8'")
+    p.add_argument("--systems", default="mfsdp,fsdp2")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rank", type=int, default=0, help="the rank the process plays")
+    p.add_argument("--out", default="runs/simulate")
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        result = child(args)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        return
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    systems = args.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; choose from {SYSTEMS}")
+    points = []
+    for item in args.points.split():
+        config, _, worlds = item.partition("@")
+        parse_config(config)
+        points += [(config, int(w)) for w in worlds.split(",")]
+    results = []
+    for config, world in points:
+        for system in systems:
+            results.append(run_point(system, config, world, args))
+            (Path(args.out) / "simulate.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    main()
