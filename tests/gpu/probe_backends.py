@@ -69,6 +69,35 @@ def _our_coalesced(rank, world, device):
     return bool(torch.equal(outs[0].cpu(), torch.cat([_values(r, 4, "cpu") for r in range(world)])))
 
 
+def _training_step(rank, world, system, bf16, force_sum):
+    """One forward/backward/AdamW step of a two-block model sharded by `system` (ours or
+    torch's FSDP2) on the Gloo group: whether FSDP2 runs there at all (with its division
+    inside the collective, or with SUM forced), and ours beside it."""
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, ffn_hidden=64)).to(device)
+    dtypes = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (world,))
+        for m in (*model.blocks, model):
+            fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(**dtypes))
+            m.set_force_sum_reduction_for_comms(force_sum)
+    else:
+        import megatron_fsdp_ext as mfsdp
+        for m in (*model.blocks, model):
+            mfsdp.fully_shard(m, mp_policy=mfsdp.MixedPrecisionPolicy(**dtypes))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 64, (2, 8), device=device)
+    model.loss(tokens, tokens).backward()
+    opt.step()
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    return True
+
+
 def _fake_semantics(rank, world, device):
     """Under fake: does an all-gather write its output, does a reduce-scatter?"""
     out = torch.full((4 * world,), -1.0, device=device)
@@ -112,6 +141,11 @@ def main() -> int:
     ours = _run(_our_coalesced, DEVICE)
     disagree += ours != "right"
     lines.append(f"| our all_gather_flat_coalesced (fallback) | {ours} | - | {'yes' if ours == 'right' else 'NO'} |")
+    lines += ["", "| training step over Gloo | result |", "|---|---|"]
+    for system, bf16, force_sum in (("fsdp2", False, False), ("fsdp2", True, False), ("fsdp2", True, True),
+                                    ("mfsdp", True, False)):
+        lines.append(f"| {system} {'bf16/fp32' if bf16 else 'fp32'}{' force_sum' if force_sum else ''} | "
+                     f"{_run(_training_step, system, bf16, force_sum)} |")
     fake = _run(_fake_semantics, DEVICE, backend="fake")
     lines += ["", f"fake backend on this torch: {fake}"]
     text = "\n".join(lines)

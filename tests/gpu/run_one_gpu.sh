@@ -6,7 +6,8 @@
 # NCCL-only tests are reported as skipped. Logs and junit files under $OUT.
 # Usage (device machine, repo root): OUT=... bash tests/gpu/run_one_gpu.sh
 #   WORLDS="2 4" (default "2"), GPU_JOBS (default 6: tests at a time, each with WORLD processes),
-#   PYTEST_ARGS / PYTEST_ARGS_<world> (e.g. -k), SKIP_BUILD=1, SKIP_PROBE=1, SUITE_TIMEOUT (s per world).
+#   TESTS_<world> (test paths or ids for that world; default tests/gpu), PYTEST_ARGS,
+#   SKIP_BUILD=1, SKIP_PROBE=1, SUITE_TIMEOUT (s per world).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MFSDP_GPU_BACKEND=gloo MFSDP_REQUIRE_GPU=1
@@ -31,10 +32,10 @@ if [ -z "${SKIP_PROBE:-}" ]; then
   grep "|" "$OUT/probe.md" 2>/dev/null || tail -5 "$OUT/probe.log"
 fi
 for world in ${WORLDS:-2}; do
-  extra_var="PYTEST_ARGS_$world"
-  echo "== gpu tests, $world ranks on one GPU over Gloo"
-  MFSDP_GPU_WORLD=$world timeout "${SUITE_TIMEOUT:-420}" $PY -m pytest tests/gpu -q -p no:cacheprovider -rs \
-    -n "${GPU_JOBS:-6}" --junitxml="$OUT/junit_gloo_w$world.xml" ${PYTEST_ARGS:-} ${!extra_var:-} \
+  tests_var="TESTS_$world"
+  echo "== gpu tests, $world ranks on one GPU over Gloo: ${!tests_var:-tests/gpu}"
+  MFSDP_GPU_WORLD=$world timeout "${SUITE_TIMEOUT:-420}" $PY -m pytest ${!tests_var:-tests/gpu} -q -p no:cacheprovider \
+    -rs -n "${GPU_JOBS:-6}" --junitxml="$OUT/junit_gloo_w$world.xml" ${PYTEST_ARGS:-} \
     > "$OUT/pytest_gloo_w$world.log" 2>&1
   rc=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gloo_w$world.log" | tail -25

@@ -25,10 +25,23 @@ def test_profiler_shows_overlap_in_a_normal_step():
         print(name, {k: v for k, v in s.items() if not isinstance(v, list)})
 
 
+# NCCL only: Gloo records its own streams on our buffers (recordDataPtrOnStream), so the
+# caching allocator hands a freed unit's memory out again only after Gloo's events
+# complete: the allocator's peak then holds one more block (measured on 1xH100: 229 vs a
+# 142.5 MiB bound). The units' own accounting is bounded on every backend:
+# test_unsharded_bytes_bounded_by_prefetch_depth.
+@pytest.mark.nccl_only
 def test_allocator_peak_memory_bounded_and_independent_of_model_depth():
     results = run_distributed(GW.allocator_memory_bound, WORLD, **GPU, timeout=300)[0]
     for name, r in results.items():
         print(name, {k: f"{v / 2**20:.1f} MiB" for k, v in r.items()})
+
+
+def test_unsharded_bytes_bounded_by_prefetch_depth():
+    for depth in (0, 1, 2):
+        peaks = [run_distributed(W.unsharded_memory_bound, WORLD, n, depth, **GPU, timeout=300)[0]
+                 for n in (4, 8)]
+        assert peaks[0]["peak_unsharded_bytes"] == peaks[1]["peak_unsharded_bytes"], (depth, peaks)
 
 
 def test_nccl_prefetch_semantics_and_param_sync():

@@ -94,15 +94,20 @@ def train_parity_with_stream_chaos(rank: int, world: int, opts: Dict) -> Dict:
 
 
 def cuda_device_errors(rank: int, world: int) -> None:
-    """Parameters not on the process group's device are refused with a clear message."""
+    """Parameters on a device the process group's backend does not communicate, on
+    another GPU than the current one, or on mixed devices are refused with a clear
+    message; CUDA parameters on a Gloo group are accepted (Gloo carries CUDA tensors)."""
+    if dist.get_backend() == "nccl":
+        m = nn.Linear(4, 4)  # CPU params, default NCCL group
+        expect_error(lambda: mfsdp.fully_shard(m), ValueError, "backend 'nccl' communicates cuda tensors",
+                     "move the module to cuda")
     gloo = dist.new_group(backend="gloo")
-    m = nn.Linear(4, 4).cuda()
-    expect_error(lambda: mfsdp.fully_shard(m, process_group=gloo), ValueError, "backend 'gloo'", "cuda")
-    m = nn.Linear(4, 4)  # CPU params, default NCCL group
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "move the module to cuda")
-    other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
-    m = nn.Linear(4, 4).to(f"cuda:{other}")
-    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "current CUDA device")
+    m = mfsdp.fully_shard(nn.Linear(4, 4).cuda(), process_group=gloo)
+    assert m.weight.device.type == "cuda"
+    if torch.cuda.device_count() > 1:
+        other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+        m = nn.Linear(4, 4).to(f"cuda:{other}")
+        expect_error(lambda: mfsdp.fully_shard(m), ValueError, "current CUDA device")
     m = nn.Sequential(nn.Linear(4, 4).cuda(), nn.Linear(4, 4))
     expect_error(lambda: mfsdp.fully_shard(m), ValueError, "different devices")
 

@@ -58,7 +58,9 @@ def _entry(fn, rank, world_size, backend, device, init_file, timeout_s, args, kw
         os.environ.update(environ)
         if device is not None:
             os.environ[TEST_DEVICE_ENV] = device  # workers.device_for_backend() reads it
-        # A hung rank prints every thread's stack shortly before the launcher kills it.
+        # A hung rank prints every thread's stack shortly before the launcher kills it; a
+        # crashing one (SIGSEGV in a backend) prints its Python stack before it dies.
+        faulthandler.enable(all_threads=True)
         faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
