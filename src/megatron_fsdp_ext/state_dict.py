@@ -117,17 +117,48 @@ def _as_dtensor(state, full: torch.Tensor) -> DTensor:
                               stride=full.stride())
 
 
+def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor:
+    """DTensor.full_tensor() through the plain c10d collectives of our Communicator: one
+    padded flat all-gather per sharded mesh dim (innermost first), after a small one of
+    the local sizes. torch's full_tensor() goes through its functional collectives,
+    which crash on some backends (Gloo with CUDA tensors, torch 2.11: SIGSEGV). Collective
+    over the DTensor's mesh; Shard and Replicate placements only."""
+    mesh, local = value.device_mesh, value.to_local()
+    if local.device.type != mesh.device_type:  # offloaded (cpu_offload=True): gather where the mesh lives
+        local = local.to(mesh.device_type)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        placement = value.placements[mesh_dim]
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard():
+            raise ValueError(f"{what}: a DTensor placed as {placement} on mesh dim {mesh_dim} cannot be gathered; "
+                             "only Shard and Replicate placements load")
+        comm = _C.Communicator(mesh.get_group(mesh_dim))
+        rows = local.movedim(placement.dim % local.dim(), 0)
+        mine = torch.tensor([rows.shape[0]], dtype=torch.int64, device=local.device)
+        sizes = torch.empty(comm.size, dtype=torch.int64, device=local.device)
+        comm.all_gather_flat(sizes, mine)
+        sizes = sizes.tolist()
+        longest = max(sizes)
+        padded = rows.new_zeros((longest, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        gathered = rows.new_empty((comm.size * longest, *rows.shape[1:]))
+        comm.all_gather_flat(gathered.view(-1), padded.view(-1))
+        pieces = [gathered[r * longest: r * longest + n] for r, n in enumerate(sizes)]
+        local = torch.cat(pieces).movedim(0, placement.dim % local.dim())
+    if tuple(local.shape) != tuple(value.shape):
+        raise ValueError(f"{what}: gathering the DTensor gave shape {tuple(local.shape)}, expected "
+                         f"{tuple(value.shape)} (ranks disagree on the local sizes)")
+    return local
+
+
 def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tensor:
     """The full tensor behind a loaded value: a DTensor (gathered: a collective over its
     mesh) or a plain tensor of the full shape. Anything else is refused."""
     if isinstance(value, DTensor):
         if tuple(value.shape) != shape:
             raise ValueError(f"{what}: the loaded DTensor has shape {tuple(value.shape)}, expected {shape}")
-        mesh, local = value.device_mesh, value.to_local()
-        if local.device.type != mesh.device_type:  # offloaded (cpu_offload=True): gather where the mesh lives
-            value = DTensor.from_local(local.to(mesh.device_type), mesh, value.placements, run_check=False,
-                                       shape=value.shape, stride=value.stride())
-        return value.full_tensor()
+        return gather_dtensor(value, what)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
     if tuple(value.shape) != shape:

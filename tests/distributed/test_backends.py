@@ -97,6 +97,10 @@ def test_mixed_backends_decide_per_device_type():
     check_parity_results(results, steps=2)
 
 
+def test_dtensor_gather_without_functional_collectives_equals_full_tensor():
+    assert run_distributed(BW.dtensor_gather_matches_full_tensor, 4, timeout=120) == [7] * 4
+
+
 @pytest.mark.parametrize("backend", ["gloo", "fake"])
 def test_meta_shards_go_where_the_backend_communicates(backend):
     import torch

@@ -132,6 +132,28 @@ def mixed_backend_devices(rank: int, world: int) -> Dict:
     return {"cpu": cpu.name, "cuda": cuda.name}
 
 
+def dtensor_gather_matches_full_tensor(rank: int, world: int) -> int:
+    """state_dict.gather_dtensor (plain collectives) equals torch's full_tensor() for
+    uneven and empty chunks, any shard dim, 1-D and 2-D meshes, nested shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from megatron_fsdp_ext.state_dict import gather_dtensor
+
+    flat = init_device_mesh("cpu", (world,))
+    square = init_device_mesh("cpu", (2, world // 2))
+    g = torch.Generator().manual_seed(0)
+    cases = [(flat, [Shard(0)], (7, 3)), (flat, [Shard(1)], (2, 5)), (flat, [Shard(0)], (2, 3)),
+             (flat, [Replicate()], (3, 3)), (square, [Replicate(), Shard(0)], (5, 4)),
+             (square, [Shard(0), Shard(1)], (6, 5)), (square, [Shard(0), Shard(0)], (9, 2))]
+    for mesh, placements, shape in cases:
+        full = torch.randn(shape, generator=g)
+        d = distribute_tensor(full, mesh, placements)
+        ours = gather_dtensor(d)
+        assert torch.equal(ours, d.full_tensor()) and torch.equal(ours, full), (placements, shape)
+    return len(cases)
+
+
 def meta_shards_follow_the_backend(rank: int, world: int, expect: str) -> Optional[str]:
     """Deferred init allocates shards on a device the group communicates."""
     with torch.device("meta"):

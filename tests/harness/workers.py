@@ -203,8 +203,16 @@ def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2 parameter, gradient or norm) as one full tensor (collective)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """A DTensor (FSDP2 parameter, gradient or norm) as one full tensor (collective).
+    torch's full_tensor() crashes with CUDA tensors on Gloo (its functional all-gather,
+    torch 2.11: SIGSEGV); there the library's plain-collective gather serves, which
+    test_backends checks against full_tensor() on the CPU."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if dist.get_backend(t.device_mesh.get_group(0)) == "gloo" and t.device.type == "cuda":
+        from megatron_fsdp_ext.state_dict import gather_dtensor
+        return gather_dtensor(t)
+    return t.full_tensor()
 
 
 def gather_full_grads(model: nn.Module, replicated: bool) -> Dict[str, torch.Tensor]:
