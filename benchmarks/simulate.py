@@ -97,7 +97,28 @@ class _Clock:
         return self.event.elapsed_time(later.event) if self.cuda else (later.t - self.t) * 1e3
 
 
-def child(args) -> dict:
+def child(args) -> None:
+    """One system and config at each of args.worlds, in this one process (the process
+    group is made again for each world); results are written after each world."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    for world in args.worlds:
+        try:
+            results.append(measure(args, world))
+        except torch.OutOfMemoryError:
+            results.append({"system": args.system, "config": args.config, "world": world, "error": "out of memory"})
+        dist.destroy_process_group()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def measure(args, world: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -110,7 +131,7 @@ def child(args) -> dict:
     if cuda:
         torch.cuda.set_device(0)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
     cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
     with torch.device("meta"):
@@ -151,7 +172,7 @@ def child(args) -> dict:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
             model = LlamaModel(cfg)
-        mesh = init_device_mesh(device.type, (args.world,))
+        mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -203,7 +224,7 @@ def child(args) -> dict:
     after = dict(_C.collective_counts())
     ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
     result = {
-        "system": args.system, "config": args.config, "world": args.world, "rank": args.rank, "params": params,
+        "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "layers": layers, "micro_batch": mb, "seq": seq,
         "init_s": init_s, "init_peak_gib": init_peak / 2**30,
@@ -222,7 +243,7 @@ def child(args) -> dict:
         with torch.device("meta"):
             meta = LlamaModel(cfg)
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        est = mfsdp.estimate_memory(meta, args.world, unit_modules=[type(meta.blocks[0])], mp_policy=mp,
+        est = mfsdp.estimate_memory(meta, world, unit_modules=[type(meta.blocks[0])], mp_policy=mp,
                                     optimizer="adamw")
         sync()
         reset_peak()
@@ -238,22 +259,28 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------ parent
 
-def run_point(system: str, config: str, world: int, args) -> dict:
-    out = Path(args.out) / f"{system}_{config.replace('/', '-')}_w{world}.json"
-    cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config, "--world", str(world),
-           "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", str(out)]
-    t0 = time.perf_counter()
+def run_system(system: str, config: str, worlds, args) -> list:
+    """`system` on `config` at every world in `worlds`, in a process of its own."""
+    out = Path(args.out) / f"{system}_{config.replace('/', '-')}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
+           "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
-        oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
-        print(f"  {system} {config} W={world}: {'out of memory' if oom else 'FAILED'}", flush=True)
-        return {"system": system, "config": config, "world": world, "error": "out of memory" if oom else "\n".join(tail)}
-    r = json.loads(out.read_text())
-    r["wall_s"] = time.perf_counter() - t0
-    print(f"  {system:6s} {config:10s} W={world:5d}: step {r['step_ms']:8.1f} ms, steady peak "
-          f"{r['steady_peak_gib']:6.2f} GiB, init {r['init_s']:5.1f} s / {r['init_peak_gib']:6.2f} GiB", flush=True)
-    return r
+    results = json.loads(out.read_text()) if out.exists() else []
+    done = {r["world"] for r in results}
+    for world in worlds:
+        if world not in done:  # the process died first: say how
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
+            results.append({"system": system, "config": config, "world": world, "error": tail})
+    for r in results:
+        if "error" in r:
+            print(f"  {system:6s} {config:10s} W={r['world']:5d}: {r['error'].splitlines()[-1][:120]}", flush=True)
+        else:
+            print(f"  {system:6s} {config:10s} W={r['world']:5d}: step {r['step_ms']:8.1f} ms, steady peak "
+                  f"{r['steady_peak_gib']:6.2f} GiB, init {r['init_s']:5.1f} s / {r['init_peak_gib']:6.2f} GiB",
+                  flush=True)
+    return results
 
 
 def main() -> None:
@@ -269,27 +296,23 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worlds", type=lambda v: [int(w) for w in v.split(",")], help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        result = child(args)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        child(args)
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {SYSTEMS}")
-    points = []
+    results = []
     for item in args.points.split():
         config, _, worlds = item.partition("@")
         parse_config(config)
-        points += [(config, int(w)) for w in worlds.split(",")]
-    results = []
-    for config, world in points:
         for system in systems:
-            results.append(run_point(system, config, world, args))
+            results += run_system(system, config, [int(w) for w in worlds.split(",")], args)
             (Path(args.out) / "simulate.json").write_text(json.dumps(results, indent=1))
 
 

@@ -256,3 +256,28 @@ def test_spy_steps_runs_and_summarizes_per_thread(tmp_path):
     assert main["inclusive_pct"]["_step"] == 100.0 and main["inclusive_pct"]["hook"] == 75.0
     assert main["self_pct"] == {"hook": 75.0, "_step": 25.0}
     assert engine["samples"] == 60 and engine["self_pct"] == {"(no Python frame)": 75.0, "post": 25.0}
+
+
+def test_simulate_tiny_cpu(tmp_path):
+    """The one-GPU sizing simulator (fake backend, one process per system, several worlds
+    per process): our own collective counters agree with the process group's calls the
+    profiler saw, FSDP2 issues as many all-gathers and reduce-scatters per step, and every
+    point reports its step split and memory fields."""
+    out = tmp_path / "sim"
+    proc = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@4,32", "--systems",
+                           "mfsdp,fsdp2", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "simulate.json").read_text())
+    assert [(r["system"], r["world"]) for r in rows] == [("mfsdp", 4), ("mfsdp", 32), ("fsdp2", 4), ("fsdp2", 32)]
+    units = 1 + 2  # the root and two blocks of "tiny"
+    for r in rows:
+        assert "error" not in r, r
+        assert len(r["steps"]) == 2 and r["step_ms"] > 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
+        calls = {k: v[0] for k, v in r["c10d_calls_per_step"].items()}
+        assert calls == {"c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, r
+    for r in rows[:2]:
+        ours = r["our_counts_per_step"]
+        assert ours["all_gather"] == r["c10d_calls_per_step"]["c10d::_allgather_base_"], r
+        assert ours["reduce_scatter"] == r["c10d_calls_per_step"]["c10d::_reduce_scatter_base_"], r
+        assert r["estimate_gib"] > 0

@@ -20,7 +20,7 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.param_index import iter_states
 
 from .observe import count_collectives
-from .workers import device_for_backend, expect_error, rel_err, shard_piece, unique_storage_bytes
+from .workers import _full, device_for_backend, expect_error, rel_err, shard_piece, unique_storage_bytes
 
 SEED = 1234
 CFG = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, ffn_hidden=72)
@@ -160,9 +160,24 @@ def _same_state(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: st
         assert torch.equal(a[k].cpu(), b[k].cpu()), f"{what}: '{k}' differs"
 
 
+def _funcol_crashes() -> bool:
+    """torch's full state dicts gather DTensors with its functional collectives, which
+    crash with CUDA tensors on Gloo (torch 2.11: SIGSEGV): there the sharded state dicts
+    are gathered by workers._full instead (plain collectives)."""
+    return dist.get_backend() == "gloo" and device_for_backend().type == "cuda"
+
+
+def _full_model(model) -> Dict[str, torch.Tensor]:
+    if _funcol_crashes():
+        return {k: _full(v) for k, v in get_model_state_dict(model).items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def _full_optim(model, opt) -> Dict[str, torch.Tensor]:
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {f"{p}.{k}": v for p, st in osd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    full = not _funcol_crashes()
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full))
+    return {f"{p}.{k}": v if full else _full(v) for p, st in osd["state"].items() for k, v in st.items()
+            if torch.is_tensor(v)}
 
 
 def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
@@ -177,7 +192,7 @@ def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
     some = next(iter(sd.values()))
     assert some.device_mesh.ndim == 2 and some.placements[0].is_replicate() and some.placements[1].is_shard(0), \
         f"HSDP state dict placements {some.placements}"
-    want_params = get_model_state_dict(hsdp, options=StateDictOptions(full_state_dict=True))
+    want_params = _full_model(hsdp)
     want_optim = _full_optim(hsdp, opt)
     dcp.save({"model": sd, "optimizer": get_optimizer_state_dict(hsdp, opt)}, checkpoint_id=f"{path}/torch")
     save_checkpoint(f"{path}/ours", hsdp, opt)
@@ -196,7 +211,7 @@ def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
                 set_optimizer_state_dict(model, o, target["optimizer"])
             else:
                 load_checkpoint(f"{path}/ours", model, o)
-            _same_state(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), want_params,
+            _same_state(_full_model(model), want_params,
                         f"{name} loading {fmt}'s checkpoint: parameters")
             _same_state(_full_optim(model, o), want_optim, f"{name} loading {fmt}'s checkpoint: optimizer state")
     # Full state dicts load into HSDP too: every rank passing it, or rank 0 streaming it.
