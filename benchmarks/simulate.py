@@ -52,20 +52,29 @@ def parse_config(text: str):
 
 # ------------------------------------------------------------------------------ child
 
+# Element sizes of what each collective carries under the simulated policy (bf16
+# parameters gathered, fp32 gradients reduced), for profilers that record no dtypes.
+POLICY_BYTES = {"all_gather": 2, "reduce_scatter": 4, "allreduce": 4}
+
+
 def _c10d_calls(prof) -> dict:
     """Per c10d dispatcher op of a profiled step: calls and bytes of its whole buffer
-    (all-gather output, reduce-scatter input, all-reduce tensor); None where the profiler
-    does not record the dtype (tensor lists)."""
+    (all-gather output, reduce-scatter input, all-reduce tensor), from the recorded shapes
+    and dtypes (torch 2.13) or, where the profiler records no dtypes (torch 2.11), the
+    policy's element size for that kind of collective; None for tensor lists."""
     out = {}
     for e in prof.events():
         if not e.name.startswith("c10d::"):
             continue
-        shapes, dtypes = e.input_shapes or [], e.input_dtypes or []
-        sized = [(s, DTYPE_BYTES.get(t)) for s, t in zip(shapes, dtypes) if s and t in DTYPE_BYTES]
+        shapes = [s for s in (e.input_shapes or []) if s]
+        dtypes = getattr(e, "input_dtypes", None) or []
         nbytes = None
-        if sized:
-            numel = max(_numel(s) for s, _ in sized)
-            nbytes = numel * sized[0][1]
+        if shapes:
+            numel = max(_numel(s) for s in shapes)
+            size = next((DTYPE_BYTES[t] for t in dtypes if t in DTYPE_BYTES), None)
+            if size is None:
+                size = next((b for k, b in POLICY_BYTES.items() if k in e.name), None)
+            nbytes = None if size is None else numel * size
         calls, total = out.get(e.name, (0, 0))
         out[e.name] = (calls + 1, None if total is None or nbytes is None else total + nbytes)
     return out
@@ -221,6 +230,10 @@ def measure(args, world: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     sync()
+    try:
+        c10d_calls = _c10d_calls(prof)
+    except Exception as e:  # a profiler API this torch lacks must not cost the timings
+        c10d_calls = {"error": repr(e)}
     after = dict(_C.collective_counts())
     ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
     result = {
@@ -234,7 +247,7 @@ def measure(args, world: int) -> dict:
         "forward_ms": statistics.median(r["forward_ms"] for r in rows),
         "backward_ms": statistics.median(r["backward_ms"] for r in rows),
         "optimizer_ms": statistics.median(r["optimizer_ms"] for r in rows),
-        "steps": rows, "c10d_calls_per_step": _c10d_calls(prof), "our_counts_per_step": ours,
+        "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
     }
     if args.system == "mfsdp":
