@@ -19,8 +19,11 @@ local fits.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -54,7 +57,7 @@ def parse_config(text: str):
 
 # Element sizes of what each collective carries under the simulated policy (bf16
 # parameters gathered, fp32 gradients reduced), for profilers that record no dtypes.
-POLICY_BYTES = {"all_gather": 2, "reduce_scatter": 4, "allreduce": 4}
+POLICY_BYTES = {"allgather": 2, "reduce_scatter": 4, "allreduce": 4}
 
 
 def _c10d_calls(prof) -> dict:
@@ -321,12 +324,17 @@ def main() -> None:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {SYSTEMS}")
     results = []
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "commit": os.environ.get("MFSDP_COMMIT"),
+            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+            "backend": f"fake (rank {args.rank} of W, one process per system and config)",
+            "steps": f"{args.warmup} warm-up + {args.steps} timed (median), then 1 profiled step"}
     for item in args.points.split():
         config, _, worlds = item.partition("@")
         parse_config(config)
         for system in systems:
             results += run_system(system, config, [int(w) for w in worlds.split(",")], args)
-            (Path(args.out) / "simulate.json").write_text(json.dumps(results, indent=1))
+            (Path(args.out) / "simulate.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -268,7 +268,9 @@ def test_simulate_tiny_cpu(tmp_path):
                            "mfsdp,fsdp2", "--steps", "2", "--warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads((out / "simulate.json").read_text())
+    data = json.loads((out / "simulate.json").read_text())
+    assert "command" in data["meta"] and "date" in data["meta"]
+    rows = data["rows"]
     assert [(r["system"], r["world"]) for r in rows] == [("mfsdp", 4), ("mfsdp", 32), ("fsdp2", 4), ("fsdp2", 32)]
     units = 1 + 2  # the root and two blocks of "tiny"
     for r in rows:

@@ -227,7 +227,12 @@ def hsdp_checkpoints(rank: int, world: int, path: str) -> None:
     _shard(meta, _mesh(2, world // 2), "optim_grads_params")
     torch.manual_seed(SEED)
     mfsdp.materialize(meta)
-    _same_state(mfsdp.full_state_dict(meta, rank0_only=False), _build(device).state_dict(),
+    # Built directly on the device the shards live on: its random number generator (CUDA's
+    # on a GPU) is the one materialize runs the initializers with.
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        direct = LlamaModel(LlamaConfig(**CFG))
+    _same_state(mfsdp.full_state_dict(meta, rank0_only=False), direct.state_dict(),
                 "HSDP materialize against a direct build")
     dist.barrier()
     if rank == 0:  # one process, no sharding at all
