@@ -21,6 +21,7 @@ from .api import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from .backends import register_backend_capabilities
 from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
@@ -71,6 +72,7 @@ __all__ = [
     "materialize",
     "estimate_memory",
     "MemoryEstimate",
+    "register_backend_capabilities",
     "register_fsdp_forward_method",
     "local_state_dict",
     "save_checkpoint",
