@@ -173,7 +173,7 @@ def main():
         torch.save({"config": cfg.__dict__, "model": state, "losses": losses}, ckpt)
         # The checkpoint loads into the plain module and reproduces the held-out loss.
         plain = LlamaModel(cfg)
-        plain.load_state_dict(torch.load(ckpt, weights_only=False)["model"], strict=True)
+        plain.load_state_dict(torch.load(ckpt, weights_only=True)["model"], strict=True)
         with torch.no_grad():
             plain_val = plain.loss(held_tokens, held_targets).item()
         png = write_loss_curve(losses, out / "loss_curve.png", world, device.type)

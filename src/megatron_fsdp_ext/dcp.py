@@ -9,11 +9,17 @@ layout needs, whatever layout wrote them: world 2 -> 4 -> 1, ZeRO-3 -> no_shard 
 Optimizer state tensors shaped like a shard are stored the same way; scalar state
 (Adam's step) and hyper-parameters are replicated. Keys:
 
-    model.<name>                  parameters (flattened) and buffers
-    meta.param_shapes             the parameters' full shapes (checked on load)
+    model.<name>                  parameters (flattened) and buffers; extra state as the
+                                  bytes of a torch.save that loads weights-only
+    meta.param_shapes             the parameters' full shapes (checked on load), JSON
     optim.state.<name>.<key>      per-parameter optimizer state
-    optim.param_groups            hyper-parameters, parameters listed by name
-    optim.class                   the optimizer's class (a checkpoint of SGD is no AdamW's)
+    optim.param_groups            hyper-parameters, parameters listed by name, JSON
+    optim.class                   the optimizer's class (a checkpoint of SGD is no AdamW's), JSON
+
+Loading runs nothing from the files (checkpoint_reader): DCP's .metadata is read through
+a restricted unpickler, values stored as bytes load weights-only, our metadata is JSON.
+Checkpoints whose metadata an earlier version pickled still load when those pickles hold
+only builtin values; one naming a class is refused with how to convert it.
 
 save_checkpoint publishes a checkpoint only once it is whole: all ranks agree on the
 directory, write into a fresh sibling directory, agree that every write succeeded, hash
@@ -27,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import shutil
 import uuid
 import warnings
@@ -40,6 +45,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _C, backends
+from .checkpoint_reader import (SafeFileSystemReader, SafeLoadPlanner, decode_json, decode_legacy_pickle,
+                                decode_object, encode_json, encode_object)
 from .agree import describe, failures, gather_objects, listing, merged, raise_agreed, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
     MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
@@ -130,23 +137,42 @@ def _by_name(infos: Dict[int, _ParamInfo]) -> Dict[str, _ParamInfo]:
     return {n: info for info in infos.values() for n in info.names}
 
 
-def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo]) -> dict:
+def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo], staged: Optional[list] = None) -> dict:
+    """The model's entries. With `staged` (loading), tensors are fresh copies that the
+    load writes into, listed as (module tensor, copy) in `staged` for _commit."""
     entries = {}
     by_name = _by_name(infos)
     with local_state_dict():  # this rank's 1-D shards: wrapped below with their ranges
         own = module.state_dict(keep_vars=True)
+
+    def target(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach()
+        if staged is None:
+            return value
+        copy = torch.empty_like(value)
+        staged.append((value, copy))
+        return copy
+
     for key, value in own.items():
         info = by_name.get(key)
         if info is not None:
-            entries[f"model.{key}"] = info.wrap(value.detach())
+            entries[f"model.{key}"] = info.wrap(target(value))
         elif _is_extra_state(key, value):
-            # Opaque to us (dicts, tensors, bytes): one pickled object, handed back to the
+            # Opaque to us (dicts, tensors, bytes): one saved object, handed back to the
             # module's set_extra_state by load_state_dict. DCP would otherwise flatten a
-            # dict into many keys or load a tensor into a temporary.
-            entries[f"model.{key}"] = pickle.dumps(value)
+            # dict into many keys or load a tensor into a temporary. What could not load
+            # weights-only (arbitrary classes) is refused here, at save.
+            entries[f"model.{key}"] = encode_object(value, f"sharded checkpoint: module state '{key}'")
         else:  # buffers and parameters of no unit: replicated
-            entries[f"model.{key}"] = value.detach()
+            entries[f"model.{key}"] = target(value)
     return entries
+
+
+def _commit(staged: list) -> None:
+    """The loaded copies into the module's tensors, once every rank read everything."""
+    with torch.no_grad():
+        for dest, copy in staged:
+            dest.copy_(copy)
 
 
 def _is_extra_state(key: str, value) -> bool:
@@ -179,7 +205,7 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
     sd = _model_entries(module, infos)
     # Parameters are stored flattened: their full shapes travel beside them, so that a
     # load can tell a [4, 2] weight from a [2, 4] one.
-    sd["meta.param_shapes"] = pickle.dumps(_param_shapes(infos))
+    sd["meta.param_shapes"] = encode_json({n: list(s) for n, s in _param_shapes(infos).items()})
     if optimizer is None:
         return sd
     group_names = _optimizer_params(optimizer, index)
@@ -194,11 +220,28 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
                     sd[entry] = info.wrap(value)
                 else:
                     sd[entry] = value
-    # Pickled: DCP would otherwise flatten the list of dicts into many keys.
-    sd["optim.param_groups"] = pickle.dumps(groups_meta)
+    # JSON text: DCP would otherwise flatten the list of dicts into many keys.
+    for i, g in enumerate(groups_meta):
+        for k, v in g.items():
+            try:
+                encode_json(v)
+            except TypeError as e:
+                raise TypeError(f"sharded checkpoint: optimizer param group {i} holds {k!r} = {v!r}: {e}; a "
+                                "checkpoint stores hyper-parameters as numbers, strings, booleans, None, tuples, lists "
+                                "and 0-d tensors") from None
+    sd["optim.param_groups"] = encode_json(groups_meta)
     # Beside the hyper-parameters: load_checkpoint refuses another optimizer class.
-    sd["optim.class"] = pickle.dumps({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
+    sd["optim.class"] = encode_json({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
     return sd
+
+
+_SMALL_ENTRIES = ("meta.param_shapes", "optim.param_groups", "optim.class")
+
+
+def _decode_small(value, key: str, path: str):
+    """One of our metadata entries: JSON text, or a builtin-only pickle of an earlier version."""
+    what = f"load_checkpoint({path}): '{key}'"
+    return decode_legacy_pickle(value, what) if isinstance(value, (bytes, bytearray)) else decode_json(value, what)
 
 
 # ----------------------------------------------------------------------------- save and load
@@ -344,7 +387,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     # nothing has been loaded into the module or the optimizer before this passes.
     own = None
     try:
-        small = {k: b"" for k in ("meta.param_shapes", "optim.param_groups", "optim.class")
+        small = {k: b"" for k in _SMALL_ENTRIES
                  if k in plan.meta and (optimizer is not None or k == "meta.param_shapes")}
         if small:
             _load(small, path, plan.reader_path)
@@ -357,11 +400,23 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             own = e
     raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
-    # The load itself; its outcome is agreed too, so that no rank carries on alone.
-    own = None
+    # The read, into copies; its outcome is agreed, so that a failure on any rank leaves
+    # every rank's module and optimizer as they were (nothing is half-loaded).
+    own, objects = None, {}
     try:
         _load(plan.target, path, plan.reader_path)
-        _apply_objects(module, plan.target, plan.objects)
+        objects = {k[len("model."):]: _decode_extra_state(plan.target[k], k, path) for k in plan.objects}
+    except Exception as e:
+        own = e
+    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
+
+    # Applied; its outcome is agreed too, so that no rank carries on alone.
+    own = None
+    try:
+        _commit(plan.staged)
+        if objects:
+            with local_state_dict():
+                module.load_state_dict(objects, strict=False)
         for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
             state.param_init = ParamInit.MATERIALIZED
         if optimizer is not None:
@@ -383,26 +438,35 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
     has_metadata = os.path.isfile(os.path.join(target_dir, ".metadata"))
     if verify and manifest is None and not has_metadata:
         raise CheckpointError(no_manifest_message(path, target_dir, False))
-    meta = dcp.FileSystemReader(target_dir).read_metadata()
+    meta = SafeFileSystemReader(target_dir).read_metadata()
     if manifest is not None:
         check_covered(path, meta, manifest)
     meta = meta.state_dict_metadata
     plan = _Plan()
     plan.meta, plan.reader_path = meta, target_dir
+    plan.meta_file = os.path.join(target_dir, ".metadata")  # what metadata-derived errors name
     plan.unverified = verify and manifest is None  # refused once the compatibility checks ran
     index, infos = _sharded_params(module, loading=True)
     plan.infos = infos
-    plan.target = _model_entries(module, infos)
+    plan.staged = []  # read into copies: a failed read leaves the module as it was
+    plan.target = _model_entries(module, infos, plan.staged)
     stored_model = {k for k in meta if k.startswith("model.")}
+    unknown = sorted(k for k in meta if not (k.startswith(("model.", "optim.state.")) or k in _SMALL_ENTRIES))
+    if unknown:  # nothing in a checkpoint is ignored: a renamed entry would drop its values silently
+        raise CheckpointError(f"load_checkpoint({path}): {plan.meta_file} lists entries no save_checkpoint writes: "
+                              f"{unknown[:5]}; the checkpoint is corrupted or not ours; nothing was loaded")
     try:
-        _check_keys("model", set(plan.target), stored_model, path)
+        _check_keys("model", set(plan.target), stored_model, plan.meta_file)
     except KeyError as e:
         if plan.unverified:  # not ours at all: say what it is and how to load it
             raise CheckpointError(no_manifest_message(path, target_dir, True) + f" (Its keys differ too: {e.args[0]})")
         raise
     plan.objects = [k for k, v in plan.target.items() if isinstance(v, bytes)]
     for key in plan.objects:
-        plan.target[key] = b""  # pickled extra state: DCP fills it in, load_state_dict applies it
+        plan.target[key] = b""  # saved extra state: DCP fills it in, load_state_dict applies it
+    # What metadata may make us allocate: no more than the data files hold.
+    plan.data_bytes = sum(os.path.getsize(os.path.join(target_dir, n)) for n in os.listdir(target_dir)
+                          if n.endswith(".distcp"))
     if optimizer is not None:
         plan.group_names = _optimizer_params(optimizer, index)
     return plan
@@ -411,7 +475,9 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
 def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: str) -> None:
     meta, infos, target = plan.meta, plan.infos, plan.target
     if "meta.param_shapes" in small:
-        saved_shapes = pickle.loads(small["meta.param_shapes"])
+        saved_shapes = _decode_small(small["meta.param_shapes"], "meta.param_shapes", path)
+        if not isinstance(saved_shapes, dict):
+            raise CheckpointError(f"load_checkpoint({path}): 'meta.param_shapes' is not a mapping of shapes")
         for name, shape in _param_shapes(infos).items():
             if name in saved_shapes and tuple(saved_shapes[name]) != shape:
                 raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
@@ -425,18 +491,18 @@ def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: st
         if info is not None:
             if size == list(info.full_shape) and len(size) != 1:
                 raise ValueError(
-                    f"load_checkpoint: '{key}' in {path} is stored in its full shape {tuple(size)}, as torch's "
-                    "state-dict helpers and FSDP2 write it, not flattened as save_checkpoint writes it; load such "
-                    "a checkpoint with torch.distributed.checkpoint: dcp.load({'model': get_model_state_dict(model), "
+                    f"load_checkpoint: '{key}' in {plan.meta_file} is stored in its full shape {tuple(size)}, as "
+                    "torch's state-dict helpers and FSDP2 write it, not flattened as save_checkpoint writes it; load "
+                    "such a checkpoint with torch.distributed.checkpoint: dcp.load({'model': get_model_state_dict(model), "
                     "...}) then set_model_state_dict / set_optimizer_state_dict"
                 )
             if size != [info.full_numel]:
                 raise ValueError(
-                    f"load_checkpoint: '{key}' holds {size[0] if len(size) == 1 else size} elements in {path}, "
-                    f"but the model's parameter has {_fmt_shape(info)}"
+                    f"load_checkpoint: '{key}' holds {size[0] if len(size) == 1 else size} elements in "
+                    f"{plan.meta_file}, but the model's parameter has {_fmt_shape(info)}"
                 )
         elif size != list(value.shape):
-            raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(size)} in {path}, "
+            raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(size)} in {plan.meta_file}, "
                              f"the model's has {tuple(value.shape)}")
     if optimizer is not None:
         _plan_optimizer(plan, small, optimizer, path)
@@ -469,10 +535,15 @@ def _check_optimizer_class(saved_class: Optional[dict], saved_groups: list, opti
 def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
     meta, target, group_names = plan.meta, plan.target, plan.group_names
     if "optim.param_groups" not in meta:
-        raise KeyError(f"load_checkpoint: {path} has no optimizer state ('optim.param_groups' is missing); "
+        raise KeyError(f"load_checkpoint: {plan.meta_file} lists no optimizer state ('optim.param_groups' is missing); "
                        "load without an optimizer or pick a checkpoint saved with one")
-    saved_groups = pickle.loads(small["optim.param_groups"])
-    saved_class = pickle.loads(small["optim.class"]) if "optim.class" in small else None
+    saved_groups = _decode_small(small["optim.param_groups"], "optim.param_groups", path)
+    saved_class = _decode_small(small["optim.class"], "optim.class", path) if "optim.class" in small else None
+    if not (isinstance(saved_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                   for g in saved_groups)):
+        raise CheckpointError(f"load_checkpoint({path}): 'optim.param_groups' is not a list of parameter groups")
+    if saved_class is not None and not isinstance(saved_class, dict):
+        raise CheckpointError(f"load_checkpoint({path}): 'optim.class' does not name a class")
     _check_optimizer_class(saved_class, saved_groups, optimizer, path)
     _check_groups(saved_groups, group_names, path)
     known = {n for names in group_names for n in names}
@@ -483,7 +554,7 @@ def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
             continue
         name, state_key = _split_state_key(key[len(prefix):], known)
         if name is None:
-            raise KeyError(f"load_checkpoint: optimizer state '{key}' in {path} belongs to no parameter of "
+            raise KeyError(f"load_checkpoint: optimizer state '{key}' in {plan.meta_file} belongs to no parameter of "
                            "this optimizer")
         stored_states.setdefault(name, {})[state_key] = (key, m)
     params_by_name = {n: p for g, names in zip(optimizer.param_groups, group_names) for p, n in zip(g["params"], names)}
@@ -496,11 +567,17 @@ def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
                 target[key] = None  # a non-tensor value: DCP fills it in
                 continue
             size, dtype = list(m.size), m.properties.dtype
+            numel = 1
+            for s in size:
+                numel *= s
+            if any(s < 0 for s in size) or numel * dtype.itemsize > plan.data_bytes:
+                raise CheckpointError(f"load_checkpoint({path}): '{key}' claims shape {tuple(size)} in "
+                                      f"{plan.meta_file}, more than the checkpoint's data files hold ({plan.data_bytes} bytes)")
             if info is not None and len(size) == 1 and size[0] == info.full_numel:
                 local[key] = torch.empty(p.shape, dtype=dtype, device=p.device)
                 target[key] = info.wrap(local[key])
             elif info is not None and len(size) == 1 and size[0] > 1:
-                raise ValueError(f"load_checkpoint: '{key}' holds {size[0]} elements in {path}, but the "
+                raise ValueError(f"load_checkpoint: '{key}' holds {size[0]} elements in {plan.meta_file}, but the "
                                  f"parameter '{name}' has {_fmt_shape(info)}")
             else:  # scalar state (Adam's step) or state of a parameter outside any unit
                 local[key] = target[key] = torch.empty(size, dtype=dtype, device=p.device)
@@ -530,17 +607,20 @@ def _load(target: dict, path: str, directory: str) -> None:
     every rank) become a CheckpointError naming the failing ranks."""
     try:
         with _quiet():
-            dcp.load(target, checkpoint_id=directory)
+            dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner())
     except CheckpointException as e:
         failed = failures(e, 0)
         raise CheckpointError(f"load_checkpoint({path}): reading failed on rank(s) {sorted(failed)}: "
                               f"{listing(failed)}") from e
 
 
-def _apply_objects(module: nn.Module, target: dict, keys: List[str]) -> None:
-    if keys:
-        with local_state_dict():
-            module.load_state_dict({k[len("model."):]: pickle.loads(target[k]) for k in keys}, strict=False)
+def _decode_extra_state(data, key: str, path: str):
+    """Extra state saved by this version (a weights-only torch.save), or by an earlier one
+    (a pickle: loaded only when it names no class)."""
+    what = f"load_checkpoint({path}): '{key}'"
+    if isinstance(data, (bytes, bytearray)) and bytes(data[:2]) == b"PK":  # torch.save's zip format
+        return decode_object(data, what)
+    return decode_legacy_pickle(data, what)
 
 
 def _split_state_key(rest: str, known: set):

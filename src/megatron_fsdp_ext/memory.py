@@ -7,9 +7,10 @@ peak-memory comparisons:
 from __future__ import annotations
 
 import argparse
-import pickle
 from collections import defaultdict
 from typing import Dict, List, Tuple
+
+from .checkpoint_reader import load_plain_pickle
 
 # Allocations made before recording began are not in the trace; `live_at_peak` counts
 # only what the trace allocated (the benchmark records from before the model is built).
@@ -62,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
     for path in args.snapshots:
         with open(path, "rb") as f:
-            snap = pickle.load(f)
+            snap = load_plain_pickle(f, path)
         peak, at, rows = live_at_peak(snap, args.device)
         print(f"{path}: peak {peak / 2**30:.3f} GiB of traced allocations at event {at}")
         for origin, count, nbytes in rows[: args.top]:

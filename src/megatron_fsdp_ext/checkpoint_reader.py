@@ -1,0 +1,340 @@
+"""Reading checkpoint bytes as data, never as code.
+
+A checkpoint is often downloaded or handed over, and its manifest proves completeness,
+not trust. So nothing read from one may run code:
+
+- DCP's `.metadata` (torch unpickles it whole) is read by `SafeFileSystemReader` through
+  an unpickler that admits only the classes DCP's metadata is made of (its dataclasses
+  and enums, torch.Size, dtypes, layouts, paths, builtin containers); anything else is a
+  CheckpointError naming the file and the class.
+- Values DCP stores as bytes (our metadata, extra state, non-tensor optimizer state; torch
+  would `torch.load(..., weights_only=False)` them) are loaded by `SafeLoadPlanner` with
+  `weights_only=True`: tensors, numbers, strings, bytes and builtin containers, plus what
+  the user put on torch's own allow-list (`torch.serialization.add_safe_globals`).
+- Our own metadata is JSON (`encode_json` / `decode_json`); module extra state is stored
+  as a weights-only `torch.save` (`encode_object` refuses at save what could not load).
+- Any failure while reading a file is a CheckpointError naming that file.
+"""
+from __future__ import annotations
+
+import enum
+import io
+import json
+import os
+import pathlib
+import pickle
+import zipfile
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.futures import Future
+
+from .checkpoint_files import CheckpointError
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_FILESYSTEM_CLASSES = {"_StorageInfo"}
+_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex"}
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+
+
+def _torch_value(name: str):
+    """torch.<name> when it is a dtype, layout or memory format (how they pickle)."""
+    value = getattr(torch, name, None)
+    return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if module == _DCP_METADATA_MODULE:
+            import torch.distributed.checkpoint.metadata as md
+            found = getattr(md, name, None)
+            if isinstance(found, type) and (hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum)):
+                return found
+        elif module == "torch.distributed.checkpoint.filesystem" and name in _DCP_FILESYSTEM_CLASSES:
+            import torch.distributed.checkpoint.filesystem as fs
+            return getattr(fs, name)
+        elif module == "torch" and name == "Size":
+            return torch.Size
+        elif module == "torch" and _torch_value(name) is not None:
+            return _torch_value(name)
+        elif module == "torch.serialization" and name == "_get_layout":
+            return _layout_by_name
+        elif module == "pathlib" and name in _PATHS:
+            return getattr(pathlib, name)
+        elif module == "builtins" and name in _BUILTINS:
+            return getattr(__import__("builtins"), name)
+        elif module == "collections" and name == "OrderedDict":
+            from collections import OrderedDict
+            return OrderedDict
+        raise CheckpointError(
+            f"{self.where}: refuses to load class {module}.{name}: a checkpoint's metadata holds only DCP's "
+            "metadata types, and loading any other class could run code from the file")
+
+
+def _layout_by_name(name: str) -> torch.layout:
+    """torch.layout from its string (how torch pickles layouts), without torch's helper."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.layout) and str(value) == name:
+            return value
+    raise ValueError(f"unknown torch layout {name!r}")
+
+
+def read_metadata_file(path: str):
+    """DCP's Metadata from the file at `path`, through the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated, garbled: data that is not a pickle of DCP's metadata
+        raise CheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from e
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's checkpoint metadata")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
+            raise CheckpointError(f"{path}: names data file {name!r}, which is not a file of the checkpoint's "
+                                  "own directory")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read through the restricted unpickler, and every
+    data file's read failure named."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = read_metadata_file(os.path.join(os.fspath(self.path), name))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner):
+        # One file at a time, so that a failure names the file it came from. Entries
+        # stored plainly (no storage transform: what save_checkpoint writes) are read here,
+        # each one's zip CRC-32 checked before torch.load reads it weights-only: a changed
+        # byte is an error, not a different value, even where no manifest vouches for the
+        # files (verify=False). Transformed entries go through DCP's own reader.
+        by_file: Dict[str, List] = {}
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CheckpointError(f"{self._metadata_file()}: lists chunk {item.storage_index.fqn} at "
+                                      f"{tuple(item.storage_index.offset or ())} but no storage for it")
+            by_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, items in by_file.items():
+            where = os.path.join(os.fspath(self.path), relative_path)
+            try:
+                plain = [i for i in items if not getattr(self.storage_data[i.storage_index],
+                                                         "transform_descriptors", None)]
+                with open(where, "rb") as f:
+                    for item in plain:
+                        self._read_plain(f, item, planner)
+                rest = [i for i in items if getattr(self.storage_data[i.storage_index], "transform_descriptors", None)]
+                if rest:
+                    super().read_data(LoadPlan(items=rest, storage_data=plan.storage_data,
+                                               planner_data=plan.planner_data), planner)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{where}: reading failed ({type(e).__name__}: {e})") from e
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensor_metadata = metadata.state_dict_metadata
+
+    def _metadata_file(self) -> str:
+        return os.path.join(os.fspath(self.path), ".metadata")
+
+    def _check_against_metadata(self, tensor: torch.Tensor, item) -> None:
+        """What the data holds must be what .metadata says it is (dtype, chunk size): a
+        changed .metadata would otherwise load other values into the right places."""
+        md = getattr(self, "_tensor_metadata", {}).get(item.storage_index.fqn)
+        chunk = next((c for c in getattr(md, "chunks", ()) if list(c.offsets) == list(item.storage_index.offset)),
+                     None)
+        if md is None or chunk is None:
+            raise CheckpointError(f"{self._metadata_file()}: no chunk of '{item.storage_index.fqn}' at "
+                                  f"{tuple(item.storage_index.offset)}")
+        if tensor.dtype != md.properties.dtype or list(tensor.shape) != list(chunk.sizes):
+            raise CheckpointError(
+                f"{self._metadata_file()}: says '{item.storage_index.fqn}' at {tuple(chunk.offsets)} is "
+                f"{md.properties.dtype} {tuple(chunk.sizes)}, but its data is {tensor.dtype} {tuple(tensor.shape)}")
+
+    def _read_plain(self, f, item, planner) -> None:
+        info = self.storage_data[item.storage_index]
+        f.seek(info.offset)
+        data = f.read(info.length)
+        if len(data) != info.length:
+            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{item.storage_index.fqn}'")
+        check_zip_crc(data, item.storage_index.fqn)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(data))
+            return
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"entry '{item.storage_index.fqn}' holds a {type(tensor).__name__}, not a tensor")
+        self._check_against_metadata(tensor, item)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        dest = planner.resolve_tensor(item).detach()
+        if dest.size() != tensor.size():
+            raise ValueError(f"entry '{item.storage_index.fqn}': a chunk of {tuple(tensor.size())} for a target of "
+                             f"{tuple(dest.size())}")
+        dest.copy_(tensor)
+        planner.commit_tensor(item, dest)
+
+
+def check_zip_crc(data: bytes, what: str) -> None:
+    """Every member of a torch.save archive matches its CRC-32 (torch.load does not check)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"entry '{what}' is not a readable torch.save archive ({e})") from e
+    if bad is not None:
+        raise ValueError(f"entry '{what}': member '{bad}' fails its CRC-32 check (the bytes changed after writing)")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with values stored as bytes loaded weights-only (torch's
+    own loads them with weights_only=False) and a failure naming the file."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as e:
+            info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
+            where = f"{getattr(info, 'relative_path', '?')} (entry '{fqn}')"
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CheckpointError(f"{where}: refused or unreadable value ({type(e).__name__}: {first})") from e
+        if self.flatten_state_dict:
+            node, path = self.original_state_dict, self.mappings[fqn]
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = loaded
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def encode_json(value) -> str:
+    """Our metadata as JSON text; tuples and 0-d tensors kept apart from lists and numbers."""
+    return json.dumps(_to_json(value), sort_keys=True)
+
+
+def decode_json(text, what: str):
+    if not isinstance(text, str):
+        raise CheckpointError(f"{what}: expected JSON text, found {type(text).__name__}")
+    try:
+        return _from_json(json.loads(text))
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{what}: unreadable JSON ({e})") from e
+
+
+def _to_json(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return {"__tensor__": value.item(), "dtype": str(value.dtype).removeprefix("torch."),
+                "device": value.device.type}
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _from_json(value):
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if "__tensor__" in value:
+            dtype = _torch_value(value["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {value['dtype']!r}")
+            return torch.tensor(value["__tensor__"], dtype=dtype)
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def encode_object(value, what: str) -> bytes:
+    """`value` (module extra state) as the bytes of a torch.save that loads weights-only;
+    anything that would not load so (arbitrary objects) is refused here, at save."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise TypeError(
+            f"{what}: holds a {type(value).__name__} that cannot be loaded without running code from the file "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); keep extra state to tensors, numbers, "
+            "strings and containers of them, or allow its classes with torch.serialization.add_safe_globals") from e
+    return data
+
+
+def decode_object(data, what: str):
+    if not isinstance(data, (bytes, bytearray)):
+        raise CheckpointError(f"{what}: expected saved bytes, found {type(data).__name__}")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{what}: refused or unreadable ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+class _NoClassUnpickler(pickle.Unpickler):
+    """Builtin values only (dicts, lists, tuples, strings, numbers, bytes): any class in
+    the stream is refused by `refusal(module, name)`."""
+
+    def __init__(self, file, refusal):
+        super().__init__(file)
+        self.refusal = refusal
+
+    def find_class(self, module, name):
+        raise self.refusal(module, name)
+
+
+def load_plain_pickle(file, what: str):
+    """A pickle of builtin values (e.g. a CUDA memory snapshot) loaded without admitting
+    any class: loading runs nothing from the file."""
+    return _NoClassUnpickler(file, lambda module, name: ValueError(
+        f"{what}: names class {module}.{name}; only builtin values are loaded (nothing from a file runs)")).load()
+
+
+def decode_legacy_pickle(data, what: str):
+    """Metadata of checkpoints written before it was JSON (pickled builtins only: dicts,
+    lists, tuples, strings, numbers) decoded without admitting any class; a pickle that
+    names a class is refused with how to convert the checkpoint."""
+
+    def refusal(module, name):
+        return CheckpointError(
+            f"{what}: this checkpoint's metadata was written by an earlier megatron_fsdp_ext as a pickle that "
+            f"names {module}.{name}; loading it could run code, so nothing was loaded. If you trust its source, "
+            "convert it once: load it with the megatron_fsdp_ext version that wrote it and save it again with "
+            "this one (save_checkpoint now writes JSON metadata and weights-only extra state)")
+
+    try:
+        return _NoClassUnpickler(io.BytesIO(bytes(data)), refusal).load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what}: unreadable ({type(e).__name__}: {e})") from e

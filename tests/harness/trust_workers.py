@@ -1,0 +1,195 @@
+"""Checkpoints as an attacker hands them over: pickles that run code, fuzzed bytes with a
+manifest recomputed to match (the manifest proves completeness, not trust)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.checkpoint_files import MANIFEST_NAME, file_digest
+from megatron_fsdp_ext.dcp import sharded_state_dict
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+
+from .workers import expect_error, shard_blocks_and_root
+
+CFG = dict(vocab_size=64, d_model=16, n_layers=1, n_heads=2, ffn_hidden=40)  # two units: the block, the root
+
+
+class Opens:
+    """Unpickling this opens (creates) the file `marker`: code run from a checkpoint."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def reseal(path: str) -> None:
+    """Rewrite the manifest so every file's sha256 and size match again, as an attacker
+    who edited the files would."""
+    where = os.path.join(path, MANIFEST_NAME)
+    with open(where) as f:
+        manifest = json.load(f)
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name != MANIFEST_NAME and os.path.isfile(os.path.join(path, name)):
+            digest, size = file_digest(os.path.join(path, name))
+            files[name] = {"sha256": digest, "size": size}
+    manifest["files"] = files
+    with open(where, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+
+
+def trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = shard_blocks_and_root(LlamaModel(LlamaConfig(**CFG)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, CFG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(seed))
+    model.loss(tokens, tokens).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def snapshot(model, opt) -> Dict[str, torch.Tensor]:
+    """This rank's shards and optimizer state, by name (no collective)."""
+    out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"o.{names[id(p)]}.{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _barrier_then(rank: int, fn) -> None:
+    if rank == 0:
+        fn()
+    dist.barrier()
+
+
+def pickle_attacks(rank: int, world: int, path: str) -> None:
+    """Both attacks of the issue fail to run code and give a clear error: DCP's .metadata
+    replaced by a pickle that opens a file, and one of our metadata entries replaced by
+    one (both in the new format and as the earlier pickled format), the manifest
+    recomputed each time. torch's own reader does run the .metadata payload (the attack is
+    live)."""
+    model, opt = trained()
+    mfsdp.save_checkpoint(f"{path}/good", model, opt)
+
+    # 1. DCP's .metadata.
+    marker = f"{path}/ran_metadata"
+    bad = f"{path}/bad_metadata"
+
+    def forge_metadata():
+        shutil.copytree(f"{path}/good", bad)
+        with open(f"{bad}/.metadata", "wb") as f:
+            pickle.dump(Opens(marker), f)
+        reseal(bad)
+
+    _barrier_then(rank, forge_metadata)
+    expect_error(lambda: mfsdp.load_checkpoint(bad, model, opt), mfsdp.CheckpointError, ".metadata",
+                 "refuses to load class", "open")
+    dist.barrier()
+    assert not os.path.exists(marker), "loading the forged .metadata ran its code"
+
+    # 2. Our metadata entry, written by DCP itself (torch.save of an object), and as the
+    # earlier format's pickled bytes.
+    for name, value in (("new", Opens(f"{path}/ran_entry_new")),
+                        ("legacy", pickle.dumps(Opens(f"{path}/ran_entry_legacy")))):
+        forged = f"{path}/bad_entry_{name}"
+        sd = sharded_state_dict(model, opt)
+        sd["meta.param_shapes"] = value
+        dcp.save(sd, checkpoint_id=forged)
+        if rank == 0:
+            shutil.copy(f"{path}/good/{MANIFEST_NAME}", forged)
+            reseal(forged)
+        dist.barrier()
+        expect_error(lambda: mfsdp.load_checkpoint(forged, model, opt), mfsdp.CheckpointError, "meta.param_shapes")
+        dist.barrier()
+        assert not os.path.exists(f"{path}/ran_entry_{name}"), f"loading the forged entry ({name}) ran its code"
+    # The model still holds what it trained to (nothing was loaded).
+    fresh = snapshot(model, opt)
+    mfsdp.load_checkpoint(f"{path}/good", model, opt)
+    assert same(snapshot(model, opt), fresh)
+
+    # Control: torch's own reader runs the .metadata payload.
+    if rank == 0:
+        try:
+            dcp.FileSystemReader(bad).read_metadata()
+        except Exception:
+            pass
+        assert os.path.exists(marker), "torch's reader did not run the payload: the attack above proves nothing"
+
+
+def _mutate(data: bytes, rng: random.Random):
+    """(new bytes, what was done): 1-4 flipped bytes, or a truncation."""
+    if rng.random() < 0.25 or len(data) < 2:
+        cut = rng.randrange(0, max(1, len(data)))
+        return data[:cut], f"truncated to {cut} of {len(data)} bytes"
+    out = bytearray(data)
+    where = sorted(rng.randrange(len(out)) for _ in range(rng.randint(1, 4)))
+    for i in where:
+        out[i] ^= 1 << rng.randrange(8)
+    return bytes(out), f"bits flipped at {where}"
+
+
+def fuzz_checkpoint(rank: int, world: int, path: str, cases: int, seed: int) -> Dict:
+    """`cases` corrupted copies of a checkpoint (each file in turn: bytes flipped or the
+    file truncated; the manifest recomputed so the hash check passes), each loaded on
+    every rank. Each load must either give exactly the saved values or raise an error
+    that names the corrupted file (the directory alone for .metadata-derived checks is
+    not enough: the file is named); a failed load leaves the model and optimizer as they
+    were. Counts per outcome, and any case that did neither."""
+    model, opt = trained(seed=1)
+    mfsdp.save_checkpoint(f"{path}/good", model, opt)
+    saved = snapshot(model, opt)
+    target, target_opt = trained(seed=2)
+    before = snapshot(target, target_opt)
+    files = sorted(n for n in os.listdir(f"{path}/good") if n != MANIFEST_NAME)
+    rng = random.Random(seed)
+    counts = {"equal": 0, "error_naming_file": 0}
+    bad_cases = []
+    for case in range(cases):
+        name = files[case % len(files)]
+        work = f"{path}/case"
+        info = [None]
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(f"{path}/good", work)
+            with open(f"{work}/{name}", "rb") as f:
+                data, what = _mutate(f.read(), rng)
+            with open(f"{work}/{name}", "wb") as f:
+                f.write(data)
+            reseal(work)
+            info[0] = what
+        dist.broadcast_object_list(info, src=0)
+        try:
+            mfsdp.load_checkpoint(work, target, target_opt)
+        except Exception as e:  # noqa: BLE001 - every error is classified below
+            text = f"{type(e).__name__}: {e}"
+            if name in text:
+                counts["error_naming_file"] += 1
+            else:
+                bad_cases.append(f"{name} {info[0]}: error not naming the file: {text[:300]}")
+            if not same(snapshot(target, target_opt), before):
+                bad_cases.append(f"{name} {info[0]}: a failed load changed the model or optimizer")
+            continue
+        if same(snapshot(target, target_opt), saved):
+            counts["equal"] += 1
+        else:
+            bad_cases.append(f"{name} {info[0]}: loaded values differ from the saved ones")
+        target, target_opt = trained(seed=2)  # back to its own values for the next case
+    return {"counts": counts, "bad": bad_cases, "files": files}
