@@ -207,5 +207,5 @@ def check_covered(path: str, meta, manifest: dict) -> None:
     needed = {".metadata"} | {getattr(s, "relative_path", None) for s in (meta.storage_data or {}).values()}
     unlisted = sorted(n for n in needed - listed if n is not None)
     if unlisted:
-        raise CheckpointError(f"load_checkpoint({path}): the checkpoint reads {unlisted[:5]}, which its manifest "
+        raise CheckpointError(f"load_checkpoint({path}): its .metadata points at {unlisted[:5]}, which its manifest "
                               "does not list: it is corrupted or was modified after the save; nothing was loaded")

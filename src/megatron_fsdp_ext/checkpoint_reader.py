@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import pickle
+import pickletools
 import zipfile
 from typing import Any, Dict, List
 
@@ -35,6 +36,9 @@ from torch.futures import Future
 from .checkpoint_files import CheckpointError
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_MAX_METADATA_BYTES = 1 << 30
+# Out-of-band buffers, persistent ids and extension codes: never in DCP's metadata.
+_REFUSED_OPCODES = {"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"}
 _DCP_FILESYSTEM_CLASSES = {"_StorageInfo"}
 _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex"}
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
@@ -90,20 +94,78 @@ def read_metadata_file(path: str):
     """DCP's Metadata from the file at `path`, through the restricted unpickler."""
     from torch.distributed.checkpoint.metadata import Metadata
     try:
+        size = os.path.getsize(path)
+        if size > _MAX_METADATA_BYTES:
+            raise ValueError(f"{size} bytes, more than any DCP metadata file this reader accepts "
+                             f"({_MAX_METADATA_BYTES})")
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+            data = f.read()
+        # Walked once first (pure Python, bounds-checked): a length field the file garbled
+        # must not make the C unpickler allocate what the file does not hold.
+        for op, _, _ in pickletools.genops(data):
+            if op.name in _REFUSED_OPCODES:
+                raise ValueError(f"pickle opcode {op.name}, which DCP's metadata never uses")
+        metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointError:
         raise
     except Exception as e:  # truncated, garbled: data that is not a pickle of DCP's metadata
         raise CheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from e
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+    if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's checkpoint metadata")
-    for info in (metadata.storage_data or {}).values():
+    try:
+        _validate(metadata)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: malformed DCP metadata ({e})") from e
+    return metadata
+
+
+def _is_size(value, ndim=None) -> bool:
+    return (isinstance(value, (torch.Size, tuple, list)) and all(isinstance(v, int) and v >= 0 for v in value)
+            and (ndim is None or len(value) == ndim))
+
+
+def _validate(metadata) -> None:
+    """Every field DCP and the loader read has the type and range it must: a field the
+    file renamed, retyped or made negative is an error here, not inside DCP."""
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise TypeError("state_dict_metadata is not a mapping")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise TypeError(f"entry key {fqn!r} is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata) or not isinstance(entry.properties, TensorProperties):
+            raise TypeError(f"entry '{fqn}' is a {type(entry).__name__}, not tensor or bytes metadata")
+        if not isinstance(entry.properties.dtype, torch.dtype) or not _is_size(entry.size):
+            raise TypeError(f"entry '{fqn}' has dtype {entry.properties.dtype!r} and size {entry.size!r}")
+        if not isinstance(entry.chunks, list):
+            raise TypeError(f"entry '{fqn}' has no chunk list")
+        for chunk in entry.chunks:
+            ndim = len(entry.size)
+            if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(chunk.offsets, ndim)
+                    and _is_size(chunk.sizes, ndim)
+                    and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size))):
+                raise ValueError(f"entry '{fqn}' of size {tuple(entry.size)} has a chunk outside it: {chunk!r}")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise TypeError("storage_data is not a mapping")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) or index.fqn not in entries:
+            raise ValueError(f"storage entry {index!r} belongs to no entry of the checkpoint")
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
-            raise CheckpointError(f"{path}: names data file {name!r}, which is not a file of the checkpoint's "
-                                  "own directory")
-    return metadata
+            raise ValueError(f"storage of '{index.fqn}' names data file {name!r}, which is not a file of the "
+                             "checkpoint's own directory")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise ValueError(f"storage of '{index.fqn}' is at offset {offset!r}, length {length!r}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            raise TypeError(f"storage of '{index.fqn}' has transform descriptors {descriptors!r}")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -147,8 +209,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                                                planner_data=plan.planner_data), planner)
             except CheckpointError:
                 raise
-            except Exception as e:
-                raise CheckpointError(f"{where}: reading failed ({type(e).__name__}: {e})") from e
+            except Exception as e:  # where the bytes are, .metadata says: either file may be at fault
+                raise CheckpointError(f"{where}: reading failed at the places .metadata gives "
+                                      f"({type(e).__name__}: {e})") from e
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -179,7 +242,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         f.seek(info.offset)
         data = f.read(info.length)
         if len(data) != info.length:
-            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{item.storage_index.fqn}'")
+            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{item.storage_index.fqn}' "
+                             f"(at bytes {info.offset}-{info.offset + info.length} per .metadata)")
         check_zip_crc(data, item.storage_index.fqn)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(data))
@@ -219,7 +283,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except Exception as e:
             info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
-            where = f"{getattr(info, 'relative_path', '?')} (entry '{fqn}')"
+            where = f"{getattr(info, 'relative_path', '?')} (entry '{fqn}', where .metadata places it)"
             first = str(e).splitlines()[0] if str(e) else ""
             raise CheckpointError(f"{where}: refused or unreadable value ({type(e).__name__}: {first})") from e
         if self.flatten_state_dict:

@@ -451,10 +451,6 @@ def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Op
     plan.staged = []  # read into copies: a failed read leaves the module as it was
     plan.target = _model_entries(module, infos, plan.staged)
     stored_model = {k for k in meta if k.startswith("model.")}
-    unknown = sorted(k for k in meta if not (k.startswith(("model.", "optim.state.")) or k in _SMALL_ENTRIES))
-    if unknown:  # nothing in a checkpoint is ignored: a renamed entry would drop its values silently
-        raise CheckpointError(f"load_checkpoint({path}): {plan.meta_file} lists entries no save_checkpoint writes: "
-                              f"{unknown[:5]}; the checkpoint is corrupted or not ours; nothing was loaded")
     try:
         _check_keys("model", set(plan.target), stored_model, plan.meta_file)
     except KeyError as e:
@@ -506,6 +502,10 @@ def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: st
                              f"the model's has {tuple(value.shape)}")
     if optimizer is not None:
         _plan_optimizer(plan, small, optimizer, path)
+    unknown = sorted(k for k in meta if not (k.startswith(("model.", "optim.state.")) or k in _SMALL_ENTRIES))
+    if unknown and not plan.unverified:  # nothing is ignored: a renamed entry would drop its values silently
+        raise KeyError(f"load_checkpoint({path}): {plan.meta_file} lists entries no save_checkpoint writes: "
+                       f"{unknown[:5]}; the checkpoint is corrupted or not ours; nothing was loaded")
     if plan.unverified:
         raise CheckpointError(no_manifest_message(path, plan.reader_path, True))
 

@@ -193,3 +193,85 @@ def fuzz_checkpoint(rank: int, world: int, path: str, cases: int, seed: int) -> 
             bad_cases.append(f"{name} {info[0]}: loaded values differ from the saved ones")
         target, target_opt = trained(seed=2)  # back to its own values for the next case
     return {"counts": counts, "bad": bad_cases, "files": files}
+
+
+class Tag:
+    """An arbitrary class a module keeps as extra state."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _KeepsState(torch.nn.Module):
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def get_extra_state(self):
+        return self.state
+
+    def set_extra_state(self, state):
+        self.state = state
+
+
+def extra_state_allow_list(rank: int, world: int, path: str) -> None:
+    """Extra state of tensors, numbers, strings and containers round-trips; an arbitrary
+    class is refused at save, naming the key, unless it is on torch's weights-only
+    allow-list (torch.serialization.safe_globals), which the load honours too."""
+    def build(state):
+        model, opt = trained()
+        model.keeper = _KeepsState(state)
+        return model, opt
+
+    model, opt = build({"step": 7, "note": "warm", "scale": torch.tensor([2.5])})
+    mfsdp.save_checkpoint(f"{path}/plain", model, opt)
+    fresh, fresh_opt = build(None)
+    mfsdp.load_checkpoint(f"{path}/plain", fresh, fresh_opt)
+    got = fresh.keeper.state
+    assert got["step"] == 7 and got["note"] == "warm" and torch.equal(got["scale"], torch.tensor([2.5])), got
+
+    model, opt = build({"tag": Tag("x")})
+    expect_error(lambda: mfsdp.save_checkpoint(f"{path}/tagged", model, opt), TypeError, "keeper._extra_state",
+                 "cannot be loaded without running code", "add_safe_globals")
+    assert not os.path.exists(f"{path}/tagged"), "a refused save wrote the checkpoint"
+    with torch.serialization.safe_globals([Tag]):
+        mfsdp.save_checkpoint(f"{path}/tagged", model, opt)
+        fresh, fresh_opt = build(None)
+        mfsdp.load_checkpoint(f"{path}/tagged", fresh, fresh_opt)
+    assert isinstance(fresh.keeper.state["tag"], Tag) and fresh.keeper.state["tag"].name == "x"
+    fresh, fresh_opt = build(None)  # off the allow-list again: refused at load, naming the entry
+    expect_error(lambda: mfsdp.load_checkpoint(f"{path}/tagged", fresh, fresh_opt), mfsdp.CheckpointError,
+                 "model.keeper._extra_state")
+    assert fresh.keeper.state is None, "a refused load applied extra state"
+
+
+def legacy_format(rank: int, world: int, path: str) -> None:
+    """Checkpoints whose metadata and extra state an earlier version pickled: builtin-only
+    pickles still load (the same values); a pickle naming a class is refused with how to
+    convert, and runs nothing."""
+    model, opt = trained()
+    model.keeper = _KeepsState({"step": 3})
+    sd = sharded_state_dict(model, opt)
+    # What the earlier version wrote: pickle.dumps of the same builtin values.
+    sd["meta.param_shapes"] = pickle.dumps({k: tuple(v) for k, v in json.loads(sd["meta.param_shapes"]).items()})
+    sd["optim.param_groups"] = pickle.dumps([{**{k: tuple(v["__tuple__"]) if isinstance(v, dict) else v
+                                                 for k, v in g.items()}} for g in json.loads(sd["optim.param_groups"])])
+    sd["optim.class"] = pickle.dumps(json.loads(sd["optim.class"]))
+    sd["model.keeper._extra_state"] = pickle.dumps({"step": 3})
+    dcp.save(sd, checkpoint_id=f"{path}/legacy")
+    fresh, fresh_opt = trained(seed=5)
+    fresh.keeper = _KeepsState(None)
+    mfsdp.load_checkpoint(f"{path}/legacy", fresh, fresh_opt, verify=False)
+    assert same(snapshot(fresh, fresh_opt), snapshot(model, opt)) and fresh.keeper.state == {"step": 3}
+    assert fresh_opt.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
+
+    marker = f"{path}/ran_legacy_extra_state"
+    sd["model.keeper._extra_state"] = pickle.dumps({"step": Opens(marker)})
+    dcp.save(sd, checkpoint_id=f"{path}/legacy_class")
+    other, other_opt = trained(seed=6)
+    other.keeper = _KeepsState(None)
+    expect_error(lambda: mfsdp.load_checkpoint(f"{path}/legacy_class", other, other_opt, verify=False),
+                 mfsdp.CheckpointError, "model.keeper._extra_state", "a pickle that names", "open",
+                 "save it again with this one")
+    dist.barrier()
+    assert not os.path.exists(marker), "loading a legacy pickle ran its code"
