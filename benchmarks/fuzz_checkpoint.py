@@ -9,11 +9,16 @@ every case that neither loaded exactly nor failed naming the file.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import run_distributed  # noqa: E402
@@ -29,7 +34,10 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = run_distributed(fuzz_checkpoint, 2, tmp, args.cases, args.seed, timeout=max(600, args.cases))[0]
-    out.update(cases=args.cases, seed=args.seed, seconds=round(time.perf_counter() - start, 1))
+    out.update(cases=args.cases, seed=args.seed, seconds=round(time.perf_counter() - start, 1),
+               meta={"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "host": platform.node(), "torch": torch.__version__,
+                     "commit": os.environ.get("MFSDP_COMMIT"), "command": " ".join(sys.argv)})
     print(json.dumps({k: v for k, v in out.items() if k != "bad"}, indent=1))
     for line in out["bad"]:
         print("BAD:", line)

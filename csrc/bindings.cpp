@@ -229,6 +229,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (!c.streams().enabled()) return py::none();
         return py::cast(c.streams().reduce_scatter());
       })
+      .def_property_readonly("nonfinite_flag", [](const CommContext& c) -> py::object {
+        if (!c.nonfinite_flag().defined()) return py::none();
+        return py::cast(c.nonfinite_flag());
+      }, "1-element device tensor: 1 once a checked gradient held NaN/Inf (None before any check).")
       .def_property("fault_delay_cycles", &CommContext::fault_delay_cycles, &CommContext::set_fault_delay_cycles,
                     "Tests only: GPU cycles each side stream busy-waits after a collective, before its results "
                     "land and its done event is recorded (0: off).");
@@ -260,6 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("label", &Unit::label)
       .def("set_label", &Unit::set_label, py::arg("label"))
       .def_property("check_collectives", &Unit::check_collectives, &Unit::set_check_collectives)
+      .def_property("check_nonfinite", &Unit::check_nonfinite, &Unit::set_check_nonfinite)
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
       .def_property_readonly("shard_index", &Unit::shard_index)

@@ -16,6 +16,22 @@ void CommContext::delay_after_collective() const {
 #endif
 }
 
+void CommContext::check_nonfinite(const std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> checked;
+  for (const auto& g : grads) {
+    if (g.defined() && g.numel() > 0) checked.push_back(g);
+  }
+  if (checked.empty()) return;
+  if (!nonfinite_.defined()) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(device_);
+    nonfinite_ = at::zeros({1}, opts);
+    one_ = at::ones({1}, opts);
+  }
+  // torch's fused AMP check: sets the flag on any non-finite element; the scale of 1
+  // leaves the values as they are.
+  at::_amp_foreach_non_finite_check_and_unscale_(checked, nonfinite_, one_);
+}
+
 void CommContext::hold_reduction(std::vector<at::Tensor> buffers, std::shared_ptr<PendingCollective> done) {
   retire();
   inflight_ = Inflight{std::move(buffers), std::move(done)};

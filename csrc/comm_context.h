@@ -48,6 +48,14 @@ class CommContext {
   // Called on the side stream right after a collective.
   void delay_after_collective() const;
 
+  // Non-finite gradient check (check_for_nan_in_grad): one fused kernel over `grads` on
+  // the current stream sets the context's flag to 1 if any element is NaN or +-Inf. No
+  // host synchronization: the flag is read (and reset) at the optimizer step.
+  void check_nonfinite(const std::vector<at::Tensor>& grads);
+  // The flag (a 1-element float tensor on the device, 0 while every checked gradient was
+  // finite); undefined before the first check.
+  const at::Tensor& nonfinite_flag() const { return nonfinite_; }
+
   // One reduction in flight while the next unit's backward computes: a second one would
   // add a whole flat gradient buffer to the peak and buy no overlap.
   int64_t num_inflight_reductions() const { return inflight_ ? 1 : 0; }
@@ -78,6 +86,7 @@ class CommContext {
   c10::Device device_;
   StreamSet streams_;
   int64_t fault_delay_cycles_ = 0;
+  at::Tensor nonfinite_, one_;  // the flag, and the scale the fused check multiplies by (1)
   std::optional<Inflight> inflight_;
 };
 

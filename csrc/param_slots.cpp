@@ -1,5 +1,7 @@
 #include "param_slots.h"
 
+#include <torch/csrc/autograd/python_variable.h>
+
 namespace mfsdp {
 
 void ParamSlots::add(py::dict params_dict, py::str name, int64_t param_index) {
@@ -23,6 +25,16 @@ void ParamSlots::set_objects(std::vector<py::object> sharded, std::vector<py::ob
 
 std::vector<int64_t> ParamSlots::install(bool unsharded) {
   MFSDP_CHECK(objects_set_, "ParamSlots.install: set_objects was not called");
+  if (unsharded) {
+    // The user freezes and unfreezes the parameters they see (the sharded ones); the
+    // unsharded ones autograd sees follow at every install, so a frozen parameter gets no
+    // gradient and an unfrozen one gets one again.
+    for (size_t i = 0; i < sharded_.size(); ++i) {
+      const bool wanted = THPVariable_Unpack(sharded_[i].ptr()).requires_grad();
+      at::Tensor u = THPVariable_Unpack(unsharded_[i].ptr());
+      if (u.requires_grad() != wanted) u.set_requires_grad(wanted);
+    }
+  }
   std::vector<int64_t> replaced;
   const auto& want = unsharded ? unsharded_ : sharded_;
   const auto& other = unsharded ? sharded_ : unsharded_;

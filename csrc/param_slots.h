@@ -18,6 +18,7 @@ class ParamSlots {
   void set_objects(std::vector<py::object> sharded, std::vector<py::object> unsharded);
   // Put the unsharded (or sharded) objects into every slot. A slot holding neither
   // object was re-assigned by the user: it is left alone and its index returned.
+  // Installing the unsharded objects first gives each the sharded one's requires_grad.
   std::vector<int64_t> install(bool unsharded);
   int64_t size() const { return static_cast<int64_t>(slots_.size()); }
   int64_t param_index(int64_t slot) const { return slots_.at(slot).index; }

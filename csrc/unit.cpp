@@ -317,15 +317,18 @@ void Unit::set_label(std::string label) {
   labels_by_hash()[label_hash_] = label_;
 }
 
-void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const {
+void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel, int64_t together) const {
   // Under a backend that moves nothing (fake) every rank would only see itself.
   if (!comm.moves_data(device_.type())) return;
   const int n = comm.size();
-  const std::vector<int64_t> mine{label_hash_, static_cast<int64_t>(phase), numel};
+  const std::vector<int64_t> mine{label_hash_, static_cast<int64_t>(phase), numel, together};
   const auto all = comm.all_gather_host(mine, device_);
+  const auto how = [](int64_t units) {
+    return units > 1 ? msg(", in one collective of ", units, " units") : std::string();
+  };
   for (int r = 0; r < n; ++r) {
-    const int64_t* theirs = all.data() + 3 * r;
-    if (theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2]) continue;
+    const int64_t* theirs = all.data() + 4 * r;
+    if (std::equal(mine.begin(), mine.end(), theirs)) continue;
     std::string their_label = "(a unit this rank does not have)";
     {
       std::lock_guard<std::mutex> lock(labels_mutex());
@@ -335,9 +338,11 @@ void Unit::check_in_step(CollectivePhase phase, const Communicator& comm, int64_
     const auto their_phase = static_cast<CollectivePhase>(theirs[1]);
     C10_THROW_ERROR(DistBackendError,
                     msg("megatron_fsdp_ext: collectives out of step: rank ", comm.rank(), " is at the ",
-                        phase_name(phase), " of fully_shard unit '", label_, "' (", numel, " elements) but rank ", r,
-                        " is at the ", phase_name(their_phase), " of unit '", their_label, "' (", theirs[2],
-                        " elements).", kDesyncHint));
+                        phase_name(phase), " of fully_shard unit '", label_, "' (", numel, " elements", how(together),
+                        ") but rank ", r, " is at the ", phase_name(their_phase), " of unit '", their_label, "' (",
+                        theirs[2], " elements", how(theirs[3]), ").", kDesyncHint,
+                        together != theirs[3] ? " Ranks that bucket differently (gather_bucket_bytes, "
+                                                "reduce_bucket_bytes) are out of step too." : ""));
   }
 }
 
@@ -362,7 +367,9 @@ void Unit::run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units,
   RECORD_USER_SCOPE(scope.c_str());
   int64_t total = 0;
   for (size_t i = 0; i < units.size(); ++i) {
-    if (lead.check_collectives_) units[i]->check_in_step(phase, comm, numels[i]);
+    if (lead.check_collectives_) {
+      units[i]->check_in_step(phase, comm, numels[i], static_cast<int64_t>(units.size()));
+    }
     total += numels[i];
   }
   try {
@@ -443,10 +450,10 @@ void Unit::allocate_unsharded() {
   // Allocated on the current (compute) stream: the memory is then only ever reused in
   // that stream's order, so freeing it needs no record_stream.
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
+  allow_access(impl);  // also for a unit of zero-size parameters, whose 0 bytes are "allocated" already
   if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
   c10::Allocator* alloc = impl->allocator();
   MFSDP_CHECK(alloc != nullptr, "unsharded storage has no allocator");
-  allow_access(impl);
   impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));
   impl->set_nbytes(unsharded_nbytes_);
 }
@@ -762,6 +769,7 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
     }
     ctx().delay_after_collective();
     cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate);
+    if (check_nonfinite_) ctx().check_nonfinite({b.target});
   });
 }
 
@@ -799,10 +807,13 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     run_coalesced(CollectivePhase::kReduceScatterGrads, members, numels, lead.rs_comm_,
                   [&] { lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins); });
     lead.ctx().delay_after_collective();
+    std::vector<at::Tensor> checked;  // one fused check for the bucket
     for (size_t i = 0; i < members.size(); ++i) {
       cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
                       buffers[i].landing == Landing::kAccumulate);
+      if (members[i]->check_nonfinite_) checked.push_back(buffers[i].target);
     }
+    if (!checked.empty()) lead.ctx().check_nonfinite(checked);
   });
   std::vector<at::Tensor> held;
   for (size_t i = 0; i < members.size(); ++i) {

@@ -76,6 +76,10 @@ class Unit {
   // size mismatch) or two different units' collectives silently paired. Costs one
   // small all-gather and a host sync per collective.
   void set_check_collectives(bool on) { check_collectives_ = on; }
+  // check_for_nan_in_grad: every reduced gradient shard is checked for NaN/Inf on the
+  // reduce-scatter stream, into the context's flag (CommContext::check_nonfinite).
+  void set_check_nonfinite(bool on) { check_nonfinite_ = on; }
+  bool check_nonfinite() const { return check_nonfinite_; }
   // Reduced gradients are the sum over ranks divided by this (FSDP2's
   // set_gradient_divide_factor); 0: the group size, i.e. the mean.
   void set_gradient_divide_factor(double factor);
@@ -177,7 +181,9 @@ class Unit {
   // is rethrown naming this unit, the phase and the likely causes.
   template <typename F>
   void run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue);
-  void check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel) const;
+  // `together`: how many units share the collective (a bucket), 1 for a unit's own; ranks
+  // that bucket differently are out of step too.
+  void check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel, int64_t together = 1) const;
   // One coalesced collective of `units` (the first leads, its communicator `comm`) for
   // `phase`: under the scope "mfsdp::<collective>[<lead> +N units]", after the cross-rank
   // check of every unit's size (`numels`) when the lead checks, a failure naming them all.
@@ -248,6 +254,7 @@ class Unit {
   std::string reshard_scope_ = "mfsdp::reshard";
   std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
+  bool check_nonfinite_ = false;
   double grad_divide_factor_ = 0;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<ShardSlice> slices_;

@@ -28,6 +28,7 @@ from .config import FSDPConfig, fully_shard_model
 from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
 from .estimate import MemoryEstimate, estimate_memory
 from .materialize import materialize
+from .nonfinite import NonFiniteGradientError, check_for_nan_in_grad
 from .safetensors_io import load_safetensors
 from .state_dict import local_state_dict
 
@@ -72,6 +73,8 @@ __all__ = [
     "materialize",
     "estimate_memory",
     "MemoryEstimate",
+    "NonFiniteGradientError",
+    "check_for_nan_in_grad",
     "register_backend_capabilities",
     "register_fsdp_forward_method",
     "local_state_dict",

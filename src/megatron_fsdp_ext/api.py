@@ -107,8 +107,10 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward accumulates gradients locally without communication
         (gradient accumulation); the next backward with True reduces everything."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
         for state in self._states(recurse):
-            state.requires_gradient_sync = bool(requires_gradient_sync)
+            state.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -143,14 +145,24 @@ class FSDPModule:
     def set_gather_bucket_bytes(self, nbytes: int) -> None:
         """(root) Consecutive units whose gathered parameters add up to at most `nbytes`
         are all-gathered by one coalesced collective (0: one per unit). Applies from the
-        next forward, in the order recorded in the first iteration."""
-        self._fsdp_state.set_options(gather_bucket_bytes=nbytes)
+        next forward, in the order recorded in the first iteration. Only the root's value
+        is used: on another unit this raises (at once, or at the first forward)."""
+        self._set_root_option("set_gather_bucket_bytes", gather_bucket_bytes=nbytes)
 
     def set_reduce_bucket_bytes(self, nbytes: int) -> None:
         """(root) Consecutive units whose packed gradients add up to at most `nbytes` are
         reduce-scattered by one coalesced collective (0: one per unit). Applies from the
-        next backward, in the order recorded in the first iteration."""
-        self._fsdp_state.set_options(reduce_bucket_bytes=nbytes)
+        next backward, in the order recorded in the first iteration. Only the root's
+        value is used: on another unit this raises (at once, or at the first forward)."""
+        self._set_root_option("set_reduce_bucket_bytes", reduce_bucket_bytes=nbytes)
+
+    def _set_root_option(self, setter: str, **change) -> None:
+        state = self._fsdp_state
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(f"{setter}: {state.label} is not the root of its model ({state.ctx.root.label}); only "
+                             f"the root's setting is used, so call {setter} on the root")
+        state.set_options(**change)
+        state.root_setters_called.add(setter)  # checked at lazy init if this unit turns out not to be the root
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units ahead to all-gather (0: no prefetch). Read by the root at its
@@ -504,6 +516,7 @@ def fully_shard(
     create_all_gather_group: Optional[bool] = None,
     all_gather_in_start_param_sync: bool = False,
     overlap_grad_reduce: bool = True,
+    check_for_nan_in_grad: bool = False,
     mesh=None,
     offload_policy=None,
     shard_placement_fn=None,
@@ -565,6 +578,12 @@ def fully_shard(
     all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
                      all-gathers right after the optimizer step; off: nothing is ever
                      launched outside forward/backward.
+    check_for_nan_in_grad: (Megatron's) every reduced gradient shard of this unit is
+                     checked for NaN/Inf by one fused kernel on the reduce-scatter
+                     stream (no host synchronization); optimizer.step() (and
+                     clip_grad_norm_) then refuses to run on them, on every rank,
+                     raising NonFiniteGradientError naming the rank, unit and parameter.
+                     The check's one host read happens at that step. Off by default.
     overlap_grad_reduce: False: backward waits for each unit's gradient reduction
                      before going on (no overlap; for debugging and measurements).
     mesh:            a DeviceMesh instead of process_group. 1-D: its group shards. 2-D
@@ -617,7 +636,7 @@ def fully_shard(
         prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
         reduce_bucket_bytes=reduce_bucket_bytes,
         all_gather_in_start_param_sync=all_gather_in_start_param_sync,
-        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_grad_reduce=overlap_grad_reduce, check_for_nan_in_grad=check_for_nan_in_grad,
     )
     for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):
         if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(pg):
@@ -669,6 +688,7 @@ def fully_shard(
         # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
         # before every collective; see Unit::set_check_collectives.
         unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
+        unit.check_nonfinite = check_for_nan_in_grad
         # HSDP: the mesh's shard groups, one per replica, so that groups made for one
         # can be made for all (new_group is collective over the job).
         shard_groups = (mesh.mesh.reshape(-1, mesh.size(1)).tolist()

@@ -95,8 +95,8 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
         raise TypeError("load_full_state_dict: state_dict is None; pass the full state dict on every rank "
                         "(or only on rank 0 with broadcast_from_rank0=True)")
     plan, own = None, None
-    try:
-        plan = _plan_full_load(module, state_dict, strict)
+    try:  # streamed: the other ranks hold meta placeholders; rank 0 checks the values
+        plan = _plan_full_load(module, state_dict, strict, placeholders=broadcast_from_rank0 and rank != 0)
     except Exception as e:
         own = e
     _agree_on_keys(module, state_dict, own)
@@ -177,9 +177,20 @@ def _replace_meta(module: nn.Module, key: str, value: torch.Tensor) -> None:
         owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old.requires_grad)
 
 
-def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
+def _check_value(key: str, value, placeholders: bool) -> None:
+    """A value to load must be a tensor with data (a meta tensor holds none), unless the
+    dict holds placeholders (shapes only: streamed values, safetensors)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"load_full_state_dict: '{key}' is a {type(value).__name__}, not a tensor; nothing was loaded")
+    if value.is_meta and not placeholders:
+        raise ValueError(f"load_full_state_dict: '{key}' is a meta tensor, which holds no values (a model built on "
+                         "the meta device and never materialized?); nothing was loaded")
+
+
+def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool, placeholders: bool = False):
     """The local checks, no collective: returns the units, each one's values (None where
-    the dict lacks a parameter) and the replicated (key, target, value) triples."""
+    the dict lacks a parameter) and the replicated (key, target, value) triples. Every
+    value is checked here, before anything is written."""
     index = _param_index(module, loading=True)
     for state in index.states:
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
@@ -213,6 +224,7 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
                 unit_values.append(None)
                 continue
             value = state_dict[keys[0]]
+            _check_value(keys[0], value, placeholders)
             if tuple(value.shape) != tuple(u.shape):
                 raise ValueError(
                     f"load_full_state_dict: '{keys[0]}' has shape {tuple(value.shape)}, "
@@ -227,6 +239,8 @@ def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool):
         if key in sharded_keys or key not in own:
             continue
         target = own[key]
+        if isinstance(target, torch.Tensor):
+            _check_value(key, value, placeholders)
         if tuple(target.shape) != tuple(value.shape):
             raise ValueError(
                 f"load_full_state_dict: '{key}' has shape {tuple(value.shape)}, expected {tuple(target.shape)}"

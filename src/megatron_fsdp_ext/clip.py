@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
+from .nonfinite import check_nonfinite_grads
 
 
 def clip_grad_norm_(
@@ -18,7 +19,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their global norm, like torch.nn.utils.clip_grad_norm_, where
     the norm of sharded gradients is combined across the shards' process group and
-    replicated (unsharded) parameters are counted once. Returns the total norm."""
+    replicated (unsharded) parameters are counted once. Returns the total norm. Units
+    with check_for_nan_in_grad refuse NaN/Inf gradients here first (on every rank)."""
     if isinstance(parameters, nn.Module):
         params = list(parameters.parameters())
     elif isinstance(parameters, torch.Tensor):  # one tensor, as torch's accepts (not its rows)
@@ -26,6 +28,8 @@ def clip_grad_norm_(
     else:
         params = list(parameters)
     norm_type = float(norm_type)
+    owners = {id(o()): o() for o in (getattr(p, "_mfsdp_owner", None) for p in params) if o is not None}
+    check_nonfinite_grads(owners.values(), "clip_grad_norm_")
     sharded, replicated, groups = [], [], {}
     for p in params:
         if p.grad is None:

@@ -58,6 +58,11 @@ class FSDPConfig:
     fp16: bool = False
     """Gather parameters and compute in float16."""
 
+    check_for_nan_in_grad: bool = False
+    """Megatron's: a NaN or Inf in a reduced gradient stops optimizer.step() (and
+    clip_grad_norm_) on every rank with NonFiniteGradientError naming the rank, unit and
+    parameter (fully_shard(check_for_nan_in_grad=True))."""
+
     collective_timeout: Optional[Union[float, datetime.timedelta]] = None
     """Seconds (or a timedelta) any FSDP collective may wait before failing with an error
     naming the unit and phase (fully_shard(timeout=...)); None: the process group's timeout."""
@@ -150,6 +155,14 @@ def _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group):
     if dp_outer_dim is not None:
         if dp_shard_dim is None:
             raise ValueError("fully_shard_model: dp_outer_dim (replicate) needs dp_shard_dim (shard) as well")
+        if dp_outer_dim == dp_shard_dim:
+            raise ValueError(f"fully_shard_model: dp_outer_dim and dp_shard_dim both name {dp_shard_dim!r}; the "
+                             "replicate and shard dimensions must differ")
+        if names.index(dp_outer_dim) > names.index(dp_shard_dim):
+            raise ValueError(
+                f"fully_shard_model: device_mesh has dimensions {names}, with dp_shard_dim={dp_shard_dim!r} before "
+                f"dp_outer_dim={dp_outer_dim!r}; hybrid sharding needs the replicate (outer) dimension first, as "
+                "Megatron-FSDP and FSDP2 lay it out: build the mesh as (..., outer, ..., shard, ...)")
         return device_mesh[(dp_outer_dim, dp_shard_dim)]
     if dp_shard_dim is not None:
         return device_mesh[dp_shard_dim]
@@ -197,6 +210,7 @@ def fully_shard_model(
         create_all_gather_group=config.create_all_gather_group,
         all_gather_in_start_param_sync=config.fsdp_all_gather_in_start_param_sync,
         overlap_grad_reduce=config.overlap_grad_reduce,
+        check_for_nan_in_grad=config.check_for_nan_in_grad,
         timeout=config.collective_timeout,
     )
     if kinds:

@@ -26,9 +26,15 @@ def unit_signature(name: str, state) -> str:
         f"{n} {tuple(u.shape)} {str(p.dtype).removeprefix('torch.')}"
         for n, u, p in zip(state.names, state.unsharded_params, state.sharded_params)
     )
-    options = (f"strategy={state.options.sharding_strategy} param_dtype={unit.param_dtype} "
+    o = state.options
+    # Everything that decides which collectives run, of what size, in which order.
+    options = (f"strategy={o.sharding_strategy} param_dtype={unit.param_dtype} "
                f"reduce_dtype={unit.reduce_dtype} alignment={unit.layout.alignment} "
-               f"ranks={dist.get_process_group_ranks(state.process_group)}")
+               f"ranks={dist.get_process_group_ranks(state.process_group)} "
+               f"reshard_after_forward={o.reshard_after_forward} prefetch_depth={o.prefetch_depth} "
+               f"gather_bucket_bytes={o.gather_bucket_bytes} reduce_bucket_bytes={o.reduce_bucket_bytes} "
+               f"unshard_in_backward={o.unshard_in_backward} reshard_after_backward={o.reshard_after_backward} "
+               f"all_gather_in_start_param_sync={o.all_gather_in_start_param_sync}")
     return f"{head}: {options}; params: {params}"
 
 
@@ -63,7 +69,8 @@ def _raise_first_difference(lines: List[str], group) -> None:
         their_line = theirs[i] if i < len(theirs) else "(no such unit)"
         raise ValueError(
             f"fully_shard: ranks built different models (they must build the same modules, parameters, "
-            f"shapes, dtypes and sharding options, in the same order); first difference at unit #{i}:\n"
+            f"shapes, dtypes and sharding options, in the same order; options that decide the collectives, such as "
+            f"gather_bucket_bytes, must be equal too); first difference at unit #{i}:\n"
             f"  rank {me}: {mine_line}\n  rank {other}: {their_line}"
         )
     raise AssertionError("digests differed but every rank's unit list is equal")  # a hash collision

@@ -5,10 +5,11 @@ sharding; add them from a single-GPU measurement of one micro-batch.
 
 The accounting follows what the units allocate (unit.h, unit.cpp):
   - shards: each unit's flat layout segment, in the parameters' own dtype;
-  - sharded gradients: the same segment in that dtype (ZeRO-1 with a full-precision
-    reduction keeps the whole flat gradient alive behind its segment; no_shard keeps all);
-  - optimizer state: per element of the shard, in the parameters' dtype (AdamW: 2, SGD
-    with momentum: 1, "none": 0);
+  - sharded gradients: the whole segment in that dtype for a unit with any trainable
+    parameter (ZeRO-1 with a full-precision reduction keeps the whole flat gradient alive
+    behind its segment; no_shard keeps all);
+  - optimizer state: per element of each trainable parameter's shard, in the parameters'
+    dtype (AdamW: 2, SGD with momentum: 1, "none": 0), the largest over ranks;
   - gathered parameters, in the compute dtype: every unit under strategies that keep them
     (optim, optim_grads; no_shard only when it casts), else the root (gathered through
     the whole step) plus the largest unit 1 + prefetch_depth times;
@@ -79,11 +80,23 @@ def _replicates(mesh_or_world) -> bool:
     return not isinstance(mesh_or_world, int) and mesh_or_world.ndim == 2 and mesh_or_world.size(0) > 1
 
 
-def _units(model: nn.Module, unit_modules: Sequence[Type[nn.Module]]) -> List[List[nn.Parameter]]:
+def _full_numel(p: torch.Tensor) -> int:
+    """The parameter's full numel: a model already sharded holds 1-D shards, whose unit
+    knows the full shape."""
+    owner = getattr(p, "_mfsdp_owner", None)
+    state = owner() if owner is not None else None
+    if state is not None:
+        for s, u in zip(state.sharded_params, state.unsharded_params):
+            if s is p:
+                return u.numel()
+    return p.numel()
+
+
+def _units(model: nn.Module, unit_modules) -> List[List[nn.Parameter]]:
     """Parameters of each unit as fully_shard_model would make them: every module of a
     unit class (innermost first) takes what no inner unit took; the root the rest."""
     claimed, units = set(), []
-    kinds = tuple(unit_modules)
+    kinds = (unit_modules,) if isinstance(unit_modules, type) else tuple(unit_modules)
     for k in kinds:
         if not (isinstance(k, type) and issubclass(k, nn.Module)):
             raise TypeError(f"estimate_memory: unit_modules must hold nn.Module classes, got {k!r}")
@@ -129,14 +142,14 @@ def estimate_memory(
     mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
-    if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise ValueError(f"estimate_memory: prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    check_count("prefetch_depth", prefetch_depth, "estimate_memory: ")
     check_count("gather_bucket_bytes", gather_bucket_bytes, "estimate_memory: ")
     check_count("reduce_bucket_bytes", reduce_bucket_bytes, "estimate_memory: ")
     S = _C.ShardingStrategy
     replicated = strategy == S.NO_SHARD
     keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
-    params = grads = optim = 0
+    params = grads = 0
+    optim_by_rank = [0] * (1 if replicated else shard)  # optimizer state is per parameter: exact per rank
     gathered_all, gathered_bytes = 0, []  # per unit
     grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
     units = [u for u in _units(model, unit_modules or ()) if u]
@@ -145,20 +158,27 @@ def estimate_memory(
         b_orig = orig.itemsize
         b_param = (mp.param_dtype or orig).itemsize
         b_reduce = (mp.reduce_dtype or mp.param_dtype or orig).itemsize
-        numels = [p.numel() for p in unit]
+        numels = [_full_numel(p) for p in unit]
         layout = _C.FlatLayout.even(numels, 1 if replicated else shard, alignment)
         seg, total = layout.max_segment_numel, layout.total_numel
-        trainable = sum(n for p, n in zip(unit, numels) if p.requires_grad)
-        trainable_share = trainable / max(1, sum(numels))
+        trains = [p.requires_grad for p in unit]
         params += seg * b_orig
+        # A unit with any gradient holds its whole segment of gradients (one flat buffer
+        # behind the .grad views; ZeRO-1 with a full-precision reduction the whole flat one).
         full_grad_kept = strategy == S.OPTIM and b_reduce == b_orig
-        grads += int((total if full_grad_kept else seg) * trainable_share) * b_orig
-        optim += int(seg * trainable_share) * b_orig * _OPTIMIZER_STATES[optimizer]
+        if any(trains):
+            grads += (total if full_grad_kept else seg) * b_orig
+        for r in range(len(optim_by_rank)):
+            optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
         gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered
         gathered_bytes.append(gathered)
-        grad_buffers.append(int(total * trainable_share) * (b_param + 2 * b_reduce))
+        # One unit's unsharded gradients (compute dtype, trainable parameters only) and
+        # two flat reduce-dtype buffers (the one being packed, the one in flight).
+        trainable = sum(n for n, t in zip(numels, trains) if t)
+        grad_buffers.append(trainable * b_param + 2 * total * b_reduce if trainable else 0)
         reduce_sizes.append(total * b_reduce)
+    optim = max(optim_by_rank, default=0) * _OPTIMIZER_STATES[optimizer]
     # Forward order: the root first, then the other units in module order (_units lists
     # them innermost-last-first, the root last).
     forward = [len(units) - 1] + list(range(len(units) - 2, -1, -1)) if units else []

@@ -304,6 +304,8 @@ class FSDPState:
         self.reshard_after_forward = options.reshard_after_forward
         # Switched every micro-batch under gradient accumulation: state, not an option.
         self.requires_gradient_sync = True
+        # Setters of root-only options called on this unit (refused at lazy init unless root).
+        self.root_setters_called = set()
         # Explicit prefetch targets (set_modules_to_*_prefetch); None: recorded order.
         self.forward_prefetch: Optional[List["FSDPState"]] = None
         self.backward_prefetch: Optional[List["FSDPState"]] = None
@@ -359,6 +361,11 @@ class FSDPState:
                  for name, m in self.module.named_modules() if "_mfsdp_state" in m.__dict__]
         states = [s for _, s in named]
         check_materialized(states, "forward (or unshard())")
+        for name, s in named:
+            if s is not self and s.root_setters_called:
+                raise ValueError(f"{sorted(s.root_setters_called)[0]} was called on {name or s.module_kind}, which is "
+                                 f"not the root of its model ({self.module_kind}); only the root's setting is used, "
+                                 "so call it on the root")
         device = next((s.unit.device for s in states if s.unit is not None), torch.device("cpu"))
         for name, s in named:
             if s.unit is not None and s.unit.device != device:

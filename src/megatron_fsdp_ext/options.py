@@ -44,12 +44,15 @@ class UnitOptions:
     # FSDP2's set_reshard_after_backward / set_unshard_in_backward.
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
+    # Megatron's check_for_nan_in_grad: reduced gradient shards are checked for NaN/Inf on
+    # the device; the optimizer step (or clip_grad_norm_) refuses to run on them.
+    check_for_nan_in_grad: bool = False
 
     def __post_init__(self):
         for name in ("prefetch_depth", "gather_bucket_bytes", "reduce_bucket_bytes"):
             check_count(name, getattr(self, name))
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
-                     "reshard_after_backward", "unshard_in_backward"):
+                     "reshard_after_backward", "unshard_in_backward", "check_for_nan_in_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.reshard_after_forward and self.keeps_params_unsharded:

@@ -11,7 +11,9 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from .agree import failures, gather_objects, raise_agreed, rank_world
 from .checkpoint import _agree_on_keys, _plan_full_load, _replace_meta
+from .checkpoint_files import check_same_path
 from .states import ParamInit
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -55,13 +57,17 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover - transformers brings it
         raise ImportError("load_safetensors needs the safetensors package: pip install safetensors") from e
+    check_same_path("load_safetensors", gather_objects(os.path.abspath(os.fspath(path))))
     handles: Dict[str, object] = {}
     where: Dict[str, str] = {}
     placeholders: Dict[str, torch.Tensor] = {}
     plan, own = None, None
     try:
         for f in _files(path):
-            handles[f] = h = safe_open(f, framework="pt", device="cpu")
+            try:
+                handles[f] = h = safe_open(f, framework="pt", device="cpu")
+            except Exception as e:  # truncated or not a safetensors file: say which
+                raise ValueError(f"load_safetensors: {f} is not a readable safetensors file ({e})") from e
             for key in h.keys():
                 if key in where:
                     raise ValueError(f"load_safetensors: '{key}' is in both {where[key]} and {f}")
@@ -71,13 +77,17 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
                 if dtype is None:
                     raise ValueError(f"load_safetensors: '{key}' in {f} has dtype {info.get_dtype()}, not supported")
                 placeholders[key] = torch.empty(tuple(info.get_shape()), dtype=dtype, device="meta")
-        plan = _plan_full_load(module, placeholders, strict)
+        plan = _plan_full_load(module, placeholders, strict, placeholders=True)
     except Exception as e:
         own = e
     _agree_on_keys(module, placeholders, own)
     key_of = {id(v): k for k, v in placeholders.items()}
     states, values, replicated = plan
-    with torch.no_grad():
+    # Read everything this rank needs first (its slices, the replicated values), agreed
+    # across ranks: a file that fails to read on any rank leaves every rank's module as
+    # it was.
+    own, slices_read, whole_read = None, [], []
+    try:
         for state, unit_values in zip(states, values):
             slices = state.unit.layout.shard_slices(state.unit.shard_index)
             for i, value in enumerate(unit_values):
@@ -85,12 +95,28 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
                 if value is None or piece.numel == 0:
                     continue
                 key = key_of[id(value)]
-                local = _rows_for(handles[where[key]], key, tuple(value.shape), piece.param_offset, piece.numel)
-                state.unit.shard_changed(i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
-            state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
+                slices_read.append((state, i, _read(where[key], lambda: _rows_for(
+                    handles[where[key]], key, tuple(value.shape), piece.param_offset, piece.numel))))
         for key, target, value in replicated:
-            whole = handles[where[key]].get_tensor(key)
+            whole_read.append((key, target, _read(where[key], lambda: handles[where[key]].get_tensor(key))))
+    except Exception as e:
+        own = e
+    raise_agreed("load_safetensors", own, gather_objects(failures(own, rank_world()[0])).values(),
+                 tail="; nothing was loaded")
+    with torch.no_grad():
+        for state, i, local in slices_read:
+            state.unit.shard_changed(i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
+        for state in states:
+            state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
+        for key, target, whole in whole_read:
             if target.is_meta:
                 _replace_meta(module, key, whole.to(device=states[0].unit.device, dtype=target.dtype))
             else:
                 target.copy_(whole)
+
+
+def _read(path: str, read):
+    try:
+        return read()
+    except Exception as e:
+        raise ValueError(f"load_safetensors: reading {path} failed ({e})") from e

@@ -20,6 +20,7 @@ import itertools
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .nonfinite import check_nonfinite_grads
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
@@ -39,7 +40,9 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
     seen = optimizer.__dict__.get(_ADOPTED)
     # add_param_group may bring sharded parameters to an optimizer checked before.
     if seen is None or seen[1] != len(optimizer.param_groups):
-        adopt(optimizer)
+        seen = (adopt(optimizer),)
+    if seen[0]:  # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
+        check_nonfinite_grads((owner() for owner, _ in _units_of(optimizer)), f"{type(optimizer).__name__}.step()")
 
 
 def adopt(optimizer: torch.optim.Optimizer) -> bool:

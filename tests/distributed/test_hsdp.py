@@ -41,8 +41,9 @@ def test_hsdp_misuse_is_refused():
     run_distributed(hsdp_errors, 4, timeout=120)
 
 
-@pytest.mark.parametrize("strategy,bf16", [("optim_grads_params", False), ("optim_grads_params", True),
-                                           ("optim_grads", True), ("optim", False),
-                                           ("no_shard", True)])
-def test_estimate_memory_equals_what_the_units_hold(strategy, bf16):
-    run_distributed(estimate_matches_what_units_hold, 4, strategy, bf16, timeout=180)
+@pytest.mark.parametrize("strategy,bf16,frozen", [("optim_grads_params", False, False),
+                                                  ("optim_grads_params", True, False), ("optim_grads", True, False),
+                                                  ("optim", False, False), ("no_shard", True, False),
+                                                  ("optim_grads_params", False, True), ("optim", False, True)])
+def test_estimate_memory_equals_what_the_units_hold(strategy, bf16, frozen):
+    run_distributed(estimate_matches_what_units_hold, 4, strategy, bf16, frozen, timeout=180)

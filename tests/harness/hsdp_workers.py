@@ -269,26 +269,40 @@ def hsdp_errors(rank: int, world: int) -> None:
     expect_error(lambda: model.set_requires_all_reduce(0), TypeError, "set_requires_all_reduce expects a bool")
 
 
-def estimate_matches_what_units_hold(rank: int, world: int, strategy: str, bf16: bool) -> Dict:
+def _freeze_some(model) -> None:
+    """Part of a block and the root: units that are partly frozen."""
+    model.blocks[1].attn.wqkv.weight.requires_grad_(False)
+    model.norm.weight.requires_grad_(False)
+
+
+def estimate_matches_what_units_hold(rank: int, world: int, strategy: str, bf16: bool, frozen: bool = False) -> Dict:
     """estimate_memory on a meta model equals, component by component, the bytes the
     sharded model really holds (largest over ranks): shards, gradients after backward,
     optimizer state after a step, gathered parameters (kept copies, or ZeRO-3's replayed
-    peak of unsharded bytes)."""
+    peak of unsharded bytes); with partly frozen units too; and estimate_memory on the
+    model once sharded gives the same."""
     from .observe import UnitTrace
 
     device = device_for_backend()
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     with torch.device("meta"):
         meta = LlamaModel(LlamaConfig(**{**CFG, "n_layers": 3}))
+    if frozen:
+        _freeze_some(meta)
     block = type(meta.blocks[0])
     est = mfsdp.estimate_memory(meta, world, unit_modules=[block], sharding_strategy=strategy, mp_policy=mp,
                                 optimizer="adamw")
     torch.manual_seed(SEED)
     model = LlamaModel(LlamaConfig(**{**CFG, "n_layers": 3})).to(device)
+    if frozen:
+        _freeze_some(model)
     mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy, bf16=bf16,
                                                     grad_reduce_in_fp32=bf16), fsdp_unit_modules=[block])
     states = [s for s in iter_states(model) if s.unit is not None]
     assert est.num_units == len(states), (est.num_units, len(states))
+    again = mfsdp.estimate_memory(model, world, unit_modules=block, sharding_strategy=strategy, mp_policy=mp,
+                                  optimizer="adamw")  # sharded now: 1-D shards, their units know full shapes
+    assert again == est, f"estimate_memory on the sharded model: {again} != on its meta twin: {est}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, CFG["vocab_size"], (2, 8), device=device)
     root = model._fsdp_state

@@ -123,6 +123,8 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
         gather_bucket_bytes=opts.get("gather_bucket_bytes", 0),
         reduce_bucket_bytes=opts.get("reduce_bucket_bytes", 0),
         create_all_gather_group=opts.get("create_all_gather_group"),
+        check_for_nan_in_grad=opts.get("check_for_nan_in_grad", False),
+        timeout=opts.get("timeout"),
     )
     return shard_blocks_and_root(model, **kw)
 
