@@ -51,7 +51,9 @@ CONFIGS = {
 # (consecutive blocks share one all-gather and one reduce-scatter; fp32 gradients take
 # twice the bytes of bf16 parameters, so both group the same blocks).
 SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
-           "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed")
+           "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed",
+           "mfsdp_nancheck")
+# "mfsdp_nancheck": ours with check_for_nan_in_grad=True (its cost against "mfsdp").
 GATHER_BUCKET_BYTES = 32 << 20
 REDUCE_BUCKET_BYTES = 64 << 20
 
@@ -126,14 +128,15 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
     with torch.device("meta" if meta_init else device):
         model = LlamaModel(cfg)
     bf16 = device.type == "cuda"
-    if system in ("mfsdp", "mfsdp_bucketed"):
+    if system in ("mfsdp", "mfsdp_bucketed", "mfsdp_nancheck"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
+        check = system == "mfsdp_nancheck"
         for block in model.blocks:
-            mfsdp.fully_shard(block, mp_policy=mp)
+            mfsdp.fully_shard(block, mp_policy=mp, check_for_nan_in_grad=check)
         bucketed = system == "mfsdp_bucketed"
         mfsdp.fully_shard(model, mp_policy=mp, gather_bucket_bytes=GATHER_BUCKET_BYTES if bucketed else 0,
-                          reduce_bucket_bytes=REDUCE_BUCKET_BYTES if bucketed else 0)
+                          reduce_bucket_bytes=REDUCE_BUCKET_BYTES if bucketed else 0, check_for_nan_in_grad=check)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False
