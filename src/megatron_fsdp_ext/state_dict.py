@@ -18,6 +18,8 @@ conversion off and gives this rank's 1-D shards as they are (no collective).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -119,8 +121,8 @@ def _as_dtensor(state, full: torch.Tensor) -> DTensor:
 
 def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor:
     """DTensor.full_tensor() through the plain c10d collectives of our Communicator: one
-    padded flat all-gather per sharded mesh dim (innermost first), after a small one of
-    the local sizes. torch's full_tensor() goes through its functional collectives,
+    uneven all-gather (all_gather_v) per sharded mesh dim (innermost first), after a small
+    one of the local sizes. torch's full_tensor() goes through its functional collectives,
     which crash on some backends (Gloo with CUDA tensors, torch 2.11: SIGSEGV). Collective
     over the DTensor's mesh; Shard and Replicate placements only."""
     mesh, local = value.device_mesh, value.to_local()
@@ -139,13 +141,13 @@ def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor
         sizes = torch.empty(comm.size, dtype=torch.int64, device=local.device)
         comm.all_gather_flat(sizes, mine)
         sizes = sizes.tolist()
-        longest = max(sizes)
-        padded = rows.new_zeros((longest, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        gathered = rows.new_empty((comm.size * longest, *rows.shape[1:]))
-        comm.all_gather_flat(gathered.view(-1), padded.view(-1))
-        pieces = [gathered[r * longest: r * longest + n] for r, n in enumerate(sizes)]
-        local = torch.cat(pieces).movedim(0, placement.dim % local.dim())
+        row_numel = math.prod(rows.shape[1:])
+        numels = [n * row_numel for n in sizes]
+        starts = list(itertools.accumulate(numels[:-1], initial=0))
+        gathered = rows.new_empty((sum(sizes), *rows.shape[1:]))
+        # The sizes came from every rank just now: the segment table is the same everywhere.
+        comm.all_gather_v(gathered.view(-1), rows.contiguous().view(-1), starts, numels, verify=False)
+        local = gathered.movedim(0, placement.dim % local.dim())
     if tuple(local.shape) != tuple(value.shape):
         raise ValueError(f"{what}: gathering the DTensor gave shape {tuple(local.shape)}, expected "
                          f"{tuple(value.shape)} (ranks disagree on the local sizes)")
