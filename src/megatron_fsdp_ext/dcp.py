@@ -32,6 +32,7 @@ file handling (manifest, hashes, renames, rank agreement) lives in checkpoint_fi
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import uuid
@@ -567,10 +568,7 @@ def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
                 target[key] = None  # a non-tensor value: DCP fills it in
                 continue
             size, dtype = list(m.size), m.properties.dtype
-            numel = 1
-            for s in size:
-                numel *= s
-            if any(s < 0 for s in size) or numel * dtype.itemsize > plan.data_bytes:
+            if any(s < 0 for s in size) or math.prod(size) * dtype.itemsize > plan.data_bytes:
                 raise CheckpointError(f"load_checkpoint({path}): '{key}' claims shape {tuple(size)} in "
                                       f"{plan.meta_file}, more than the checkpoint's data files hold ({plan.data_bytes} bytes)")
             if info is not None and len(size) == 1 and size[0] == info.full_numel:
