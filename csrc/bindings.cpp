@@ -11,6 +11,7 @@
 #include "pack.h"
 #include "param_slots.h"
 #include "post_backward.h"
+#include "strategy.h"
 #include "unit.h"
 
 namespace py = pybind11;
@@ -237,11 +238,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "Tests only: GPU cycles each side stream busy-waits after a collective, before its results "
                     "land and its done event is recorded (0: off).");
 
+  // The strategy carries its meaning (csrc/strategy.h): Python asks these properties.
   py::enum_<ShardingStrategy>(m, "ShardingStrategy")
       .value("NO_SHARD", ShardingStrategy::kNoShard)
       .value("OPTIM", ShardingStrategy::kOptim)
       .value("OPTIM_GRADS", ShardingStrategy::kOptimGrads)
-      .value("OPTIM_GRADS_PARAMS", ShardingStrategy::kOptimGradsParams);
+      .value("OPTIM_GRADS_PARAMS", ShardingStrategy::kOptimGradsParams)
+      .def_static("from_name", &strategy_from_name, py::arg("name"),
+                  "The strategy with this Megatron-FSDP name; an unknown name raises ValueError.")
+      .def_property_readonly("megatron_name", [](ShardingStrategy s) { return std::string(traits(s).name); })
+      .def_property_readonly("replicated", [](ShardingStrategy s) { return traits(s).replicated; },
+                             "Every rank holds every parameter in full; nothing is gathered.")
+      .def_property_readonly("gathers", [](ShardingStrategy s) { return traits(s).gathers(); },
+                             "Parameters are all-gathered before use.")
+      .def_property_readonly("keeps_unsharded", [](ShardingStrategy s) { return traits(s).keeps_unsharded; },
+                             "The unsharded parameters stay allocated between uses (False: ZeRO-3).")
+      .def_property_readonly("keeps_gathered", [](ShardingStrategy s) { return traits(s).keeps_gathered(); },
+                             "A gathered copy is kept between uses (optim, optim_grads).")
+      .def_property_readonly("full_grads", [](ShardingStrategy s) { return traits(s).full_grads; },
+                             "Gradients are all-reduced in full, one unit at a time (False: reduce-scattered).");
+  m.def("sharding_strategies", [] {
+    std::vector<ShardingStrategy> all;
+    for (const auto& t : kStrategies) all.push_back(t.strategy);
+    return all;
+  }, "Every strategy, in the order of csrc/strategy.h's table.");
 
   py::enum_<UnitState>(m, "UnitState")
       .value("SHARDED", UnitState::kSharded)

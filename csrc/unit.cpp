@@ -135,7 +135,7 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
     : strategy_(strategy),
       // Replicated: one segment holding everything, kept by every rank.
       layout_(FlatLayout::even(numels_of(params),
-                               strategy == ShardingStrategy::kNoShard ? 1 : (pg ? pg->getSize() : 1),
+                               traits(strategy).replicated ? 1 : (pg ? pg->getSize() : 1),
                                alignment)),
       names_(std::move(names)),
       ag_comm_(pg),

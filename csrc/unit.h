@@ -26,19 +26,12 @@
 #include "comm.h"
 #include "comm_context.h"
 #include "layout.h"
+#include "strategy.h"
 #include "streams.h"
 
 namespace mfsdp {
 
 enum class UnitState { kSharded = 0, kGathering = 1, kUnsharded = 2 };
-
-// What is sharded across the group (Megatron-FSDP's names). Optimizer state is always
-// sharded except under kNoShard, where every rank holds and updates everything.
-//   kNoShard          params and grads replicated; grads all-reduced; no gather at all
-//   kOptim            ZeRO-1: full grads (all-reduced); params stay unsharded between steps
-//   kOptimGrads       ZeRO-2: grads reduce-scattered; params stay unsharded between steps
-//   kOptimGradsParams ZeRO-3: grads reduce-scattered; params gathered per use, then freed
-enum class ShardingStrategy { kNoShard = 0, kOptim = 1, kOptimGrads = 2, kOptimGradsParams = 3 };
 
 // What a unit's collective is for: named in errors, compared across ranks by the
 // collective check (set_check_collectives).
@@ -166,7 +159,7 @@ class Unit {
   std::vector<at::Tensor> gather_full_params();
 
  private:
-  bool replicated() const { return strategy_ == ShardingStrategy::kNoShard; }
+  bool replicated() const { return traits(strategy_).replicated; }
   // unshard()'s first step: whether a gather is due (not in flight, no up-to-date
   // copy; `p.data = x` writes adopted first).
   bool needs_gather();
@@ -200,9 +193,7 @@ class Unit {
   bool adopt_data_writes();
   // Whether sharded parameter i still views its slot of the flat shard.
   bool views_its_slot(size_t i) const;
-  bool full_grads() const {
-    return strategy_ == ShardingStrategy::kNoShard || strategy_ == ShardingStrategy::kOptim;
-  }
+  bool full_grads() const { return traits(strategy_).full_grads; }
   void allocate_unsharded();
   void free_unsharded();
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that

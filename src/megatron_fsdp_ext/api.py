@@ -18,27 +18,11 @@ from . import _C, backends, hf, shard_changes
 from .hooks import FSDPState
 from .param_index import iter_states
 from .options import UnitOptions
+from .strategy import sharding_strategy as strategy_named
 from .state_dict import ModuleStateDictHooks
 
 # The dtypes units store, gather and reduce in (csrc/dtypes.h: one definition).
 _FLOAT_DTYPES = tuple(_C.supported_float_dtypes())
-
-# Megatron-FSDP's names for what is sharded (see csrc/unit.h, ShardingStrategy).
-SHARDING_STRATEGIES = {
-    "no_shard": _C.ShardingStrategy.NO_SHARD,
-    "optim": _C.ShardingStrategy.OPTIM,
-    "optim_grads": _C.ShardingStrategy.OPTIM_GRADS,
-    "optim_grads_params": _C.ShardingStrategy.OPTIM_GRADS_PARAMS,
-}
-
-
-def _check_strategy(name) -> "_C.ShardingStrategy":
-    if name not in SHARDING_STRATEGIES:
-        raise ValueError(
-            f"unknown sharding_strategy {name!r}; choose from {', '.join(repr(k) for k in SHARDING_STRATEGIES)}"
-        )
-    return SHARDING_STRATEGIES[name]
-
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -626,9 +610,9 @@ def fully_shard(
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    strategy = _check_strategy(sharding_strategy)
+    strategy = strategy_named(sharding_strategy)
     if reshard_after_forward is None:  # free after forward only where the strategy gathers per use
-        reshard_after_forward = strategy == _C.ShardingStrategy.OPTIM_GRADS_PARAMS
+        reshard_after_forward = not strategy.keeps_unsharded
     # Checked here, before any work: contradictions (reshard_after_forward=True with a
     # strategy that keeps parameters unsharded), depth, flags.
     options = UnitOptions(
@@ -695,7 +679,7 @@ def fully_shard(
                         if replicate_group is not None and _mesh_covers_job(mesh) else None)
         if timeout is not None and dist.get_world_size(pg) > 1:
             reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout, shard_groups)
-            if strategy != _C.ShardingStrategy.NO_SHARD:
+            if strategy.gathers:
                 all_gather_group = _group_for(pg, "all_gather", timeout, shard_groups)
         if timeout is not None and replicate_group is not None and shard_groups is not None:
             replicate_groups = mesh.mesh.reshape(-1, mesh.size(1)).t().tolist()
@@ -707,8 +691,8 @@ def fully_shard(
             spans_job = dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None
             if create_all_gather_group is None:
                 create_all_gather_group = backends.overlaps_collectives(pg, unit.device) and spans_job
-            if strategy == _C.ShardingStrategy.NO_SHARD:
-                create_all_gather_group = False  # never gathers
+            if not strategy.gathers:
+                create_all_gather_group = False
             if create_all_gather_group and dist.get_world_size(pg) > 1:
                 if not spans_job:
                     raise ValueError(

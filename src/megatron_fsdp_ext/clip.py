@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _C
 from .nonfinite import check_nonfinite_grads
 
 
@@ -36,7 +35,7 @@ def clip_grad_norm_(
             continue
         owner = getattr(p, "_mfsdp_owner", None)
         state = owner() if owner is not None else None
-        if state is not None and state.unit is not None and state.unit.strategy == _C.ShardingStrategy.NO_SHARD:
+        if state is not None and state.unit is not None and state.unit.strategy.replicated:
             replicated.append(p.grad)  # every rank holds the whole (all-reduced) gradient
         elif state is not None:
             groups[id(state.process_group)] = state.process_group

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import SHARDING_STRATEGIES, MixedPrecisionPolicy, _check_strategy, _check_timeout, fully_shard
+from .api import MixedPrecisionPolicy, _check_timeout, fully_shard
+from .strategy import SHARDING_STRATEGIES, sharding_strategy
 
 
 @dataclass
@@ -73,7 +74,7 @@ class FSDPConfig:
     gradient shards (HSDP); "optim" (outer optimizer sharding) is not supported yet."""
 
     def __post_init__(self):
-        _check_strategy(self.data_parallel_sharding_strategy)
+        sharding_strategy(self.data_parallel_sharding_strategy)
         if self.outer_dp_sharding_strategy == "optim":
             raise NotImplementedError(
                 "FSDPConfig.outer_dp_sharding_strategy='optim' (optimizer state sharded across the outer "

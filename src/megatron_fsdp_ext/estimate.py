@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from .api import MixedPrecisionPolicy, _check_strategy, _own_mp_policy
+from .api import MixedPrecisionPolicy, _own_mp_policy
+from .strategy import sharding_strategy as strategy_named
 from .hooks import bucket_runs
 from .options import check_count
 
@@ -138,16 +139,15 @@ def estimate_memory(
     then the other units in module order), unless the mesh replicates (HSDP) or the
     strategy all-reduces full gradients (no_shard, optim), which reduce per unit."""
     shard = _shard_size(mesh_or_world)
-    strategy = _check_strategy(sharding_strategy)
+    strategy = strategy_named(sharding_strategy)
     mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
     check_count("prefetch_depth", prefetch_depth, "estimate_memory: ")
     check_count("gather_bucket_bytes", gather_bucket_bytes, "estimate_memory: ")
     check_count("reduce_bucket_bytes", reduce_bucket_bytes, "estimate_memory: ")
-    S = _C.ShardingStrategy
-    replicated = strategy == S.NO_SHARD
-    keeps_gathered = strategy in (S.OPTIM, S.OPTIM_GRADS)
+    replicated = strategy.replicated
+    keeps_gathered = strategy.keeps_gathered
     params = grads = 0
     optim_by_rank = [0] * (1 if replicated else shard)  # optimizer state is per parameter: exact per rank
     gathered_all, gathered_bytes = 0, []  # per unit
@@ -165,7 +165,7 @@ def estimate_memory(
         params += seg * b_orig
         # A unit with any gradient holds its whole segment of gradients (one flat buffer
         # behind the .grad views; ZeRO-1 with a full-precision reduction the whole flat one).
-        full_grad_kept = strategy == S.OPTIM and b_reduce == b_orig
+        full_grad_kept = strategy.full_grads and b_reduce == b_orig
         if any(trains):
             grads += (total if full_grad_kept else seg) * b_orig
         for r in range(len(optim_by_rank)):
@@ -193,7 +193,7 @@ def estimate_memory(
             gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
         else:
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
-    shares_reductions = not (replicated or strategy == S.OPTIM or _replicates(mesh_or_world))
+    shares_reductions = not (strategy.full_grads or _replicates(mesh_or_world))
     if reduce_bucket_bytes > 0 and shares_reductions and grad_buffers:
         runs = bucket_runs([reduce_sizes[i] for i in forward], reduce_bucket_bytes)
         reduction_buffers = max(sum(grad_buffers[forward[i]] for i in r) for r in runs)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Strategies under which a unit keeps its gathered parameters between uses.
-_KEEPS_PARAMS_UNSHARDED = ("no_shard", "optim", "optim_grads")
+from .strategy import sharding_strategy
 
 
 def check_count(name: str, value, what: str = "") -> None:
@@ -23,7 +22,7 @@ def check_count(name: str, value, what: str = "") -> None:
 
 @dataclass(frozen=True)
 class UnitOptions:
-    sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP's names (api.SHARDING_STRATEGIES)
+    sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP's names (strategy.SHARDING_STRATEGIES)
     mp_policy: Any = None  # api.MixedPrecisionPolicy
     # Free the gathered parameters after forward (the root never does: its backward
     # starts right after; FSDPState.reshard_after_forward is the effective value).
@@ -49,6 +48,7 @@ class UnitOptions:
     check_for_nan_in_grad: bool = False
 
     def __post_init__(self):
+        sharding_strategy(self.sharding_strategy)
         for name in ("prefetch_depth", "gather_bucket_bytes", "reduce_bucket_bytes"):
             check_count(name, getattr(self, name))
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
@@ -61,5 +61,10 @@ class UnitOptions:
                 "parameters unsharded between uses; use 'optim_grads_params' to free them after forward")
 
     @property
+    def strategy(self):
+        """The strategy as `_C.ShardingStrategy`, whose properties say what it means."""
+        return sharding_strategy(self.sharding_strategy)
+
+    @property
     def keeps_params_unsharded(self) -> bool:
-        return self.sharding_strategy in _KEEPS_PARAMS_UNSHARDED
+        return self.strategy.keeps_unsharded

@@ -71,7 +71,7 @@ def _mesh(state, device_type: str) -> DeviceMesh:
 
 
 def _replicated(state) -> bool:
-    return state.unit.strategy == _C.ShardingStrategy.NO_SHARD
+    return state.unit.strategy.replicated
 
 
 def _local_piece(state, index: int, full: torch.Tensor) -> torch.Tensor:

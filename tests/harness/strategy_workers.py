@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 from megatron_fsdp_ext.param_index import iter_states
 from megatron_fsdp_ext.states import SlotsHold
@@ -55,7 +56,16 @@ def strategy_api(rank: int, world: int, strategy: str) -> Dict:
     opt = _adamw(model.parameters())
     per = 2
     batches = list(global_batches(cfg, 2, per * world, 8, device))
-    _train(model, opt, cfg, batches, rank, world, per)
+    _train(model, opt, cfg, batches[:1], rank, world, per)
+    # The collectives of one steady step say what the strategy shards (Megatron-FSDP's
+    # definitions): no_shard never gathers; no_shard and optim (ZeRO-1) all-reduce full
+    # gradients; optim_grads and optim_grads_params reduce-scatter them.
+    before = dict(_C.collective_counts())
+    _train(model, opt, cfg, batches[1:], rank, world, per)
+    calls = {k: v[0] - before[k][0] for k, v in _C.collective_counts().items()}
+    gathers, full_grads = strategy != "no_shard", strategy in ("no_shard", "optim")
+    assert (calls["all_gather"] > 0) == gathers, (strategy, calls)
+    assert (calls["all_reduce"] > 0) == full_grads and (calls["reduce_scatter"] > 0) != full_grads, (strategy, calls)
     held = [s.unit.unsharded_storage_bytes for s in states]
     if strategy == "optim_grads_params":
         assert held == [0] * len(held), f"ZeRO-3 keeps unsharded params between steps: {held}"
