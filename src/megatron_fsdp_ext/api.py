@@ -1,12 +1,8 @@
-"""Public API: fully_shard, FSDPModule methods and the mixed-precision policy."""
+"""Public API: fully_shard (construction: construct.py) and the FSDPModule methods."""
 from __future__ import annotations
 
-import datetime
 import functools
-import math
-import os
 import weakref
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -14,44 +10,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import _C, backends, hf, shard_changes
+from . import _C, hf, shard_changes
+from .construct import (CommGroups, check_devices, check_fsdp2_only_options, check_target, collect_params,
+                        groups_from_mesh, make_unit)
 from .hooks import FSDPState
+from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
-from .options import UnitOptions
-from .strategy import sharding_strategy as strategy_named
 from .state_dict import ModuleStateDictHooks
-
-# The dtypes units store, gather and reduce in (csrc/dtypes.h: one definition).
-_FLOAT_DTYPES = tuple(_C.supported_float_dtypes())
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes for the unsharded parameters, the gradient reduction and the outputs.
-
-    param_dtype:  dtype parameters are all-gathered and computed in (None: as stored).
-    reduce_dtype: dtype gradients are reduce-scattered in (None: param_dtype).
-    output_dtype: dtype floating outputs of the module are cast to (None: unchanged).
-    cast_forward_inputs: cast floating inputs to param_dtype before forward.
-    The sharded master parameters always stay in their original dtype.
-    """
-
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    output_dtype: Optional[torch.dtype] = None
-    cast_forward_inputs: bool = True
-
-    def __post_init__(self):
-        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-            value = getattr(self, field)
-            if value is None:
-                continue
-            if not isinstance(value, torch.dtype):
-                raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype, got {value!r}")
-            if value not in _FLOAT_DTYPES:
-                raise ValueError(
-                    f"MixedPrecisionPolicy.{field} must be a floating-point dtype "
-                    f"(one of {', '.join(str(d) for d in _FLOAT_DTYPES)}), got {value}"
-                )
+from .strategy import sharding_strategy as strategy_named
 
 
 class UnshardHandle:
@@ -287,100 +253,6 @@ def _states_of(modules, what: str):
     return states
 
 
-def _own_mp_policy(policy) -> MixedPrecisionPolicy:
-    """Ours as is; torch's FSDP2 MixedPrecisionPolicy converted field by field."""
-    if isinstance(policy, MixedPrecisionPolicy):
-        return policy
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-
-    if isinstance(policy, TorchPolicy):
-        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                                    output_dtype=policy.output_dtype,
-                                    cast_forward_inputs=policy.cast_forward_inputs)
-    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (ours or torch.distributed.fsdp's), "
-                    f"got {type(policy).__name__}")
-
-
-def _groups_from_mesh(mesh, process_group):
-    """(shard group, replicate group or None) from fully_shard's mesh/process_group.
-    A 2-D mesh follows FSDP2: dim 0 replicates, dim 1 shards (HSDP)."""
-    if mesh is None:
-        return process_group, None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if process_group is not None:
-        raise ValueError("pass either mesh or process_group, not both")
-    if mesh.ndim == 1:
-        return mesh.get_group(), None
-    if mesh.ndim != 2:
-        raise ValueError(
-            f"fully_shard(mesh=...) takes a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for hybrid "
-            f"sharding; got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''} (flatten or slice it first)")
-    rows = mesh.mesh
-    if not bool((rows.sort(dim=-1).values == rows).all()):
-        # Groups order their ranks ascending: a row listed otherwise would pair each shard
-        # with another replica's different segment in the all-reduce across replicas.
-        raise ValueError(f"fully_shard(mesh=...): every shard row of the mesh must list its ranks in "
-                         f"ascending order, got {rows.tolist()}")
-    return mesh.get_group(1), mesh.get_group(0)
-
-
-def _mesh_covers_job(mesh) -> bool:
-    """Whether `mesh.mesh` lists every rank of the job (not a slice of a larger mesh, where
-    other ranks would see other rows and groups made from them would differ)."""
-    return mesh.mesh.numel() == dist.get_world_size()
-
-
-def _check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
-    if offload_policy is not None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        if isinstance(offload_policy, CPUOffloadPolicy) or not isinstance(offload_policy, OffloadPolicy):
-            raise NotImplementedError(
-                f"offload_policy={offload_policy!r}: CPU offloading of parameters is not supported; "
-                "pass None (or OffloadPolicy()) and keep parameters on the accelerator")
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "shard_placement_fn is not supported: a unit shards its parameters as one flat buffer "
-            "(contiguous ranges per rank), not parameter by parameter on a chosen dim")
-
-
-# Second communicator per process group for all-gathers, created once and cached so
-# that all-gather and reduce-scatter can run concurrently (NCCL serialises the
-# collectives of one communicator). Groups with a bounded timeout (fully_shard(timeout=))
-# are cached the same way, one per role: separate all-gather and reduce-scatter groups
-# also make a rank that skipped backward wait in the other collective instead of
-# pairing mismatched ones.
-_GROUPS: dict = {}
-
-
-def _group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None, shard_groups=None):
-    """The cached `role` communicator over pg's ranks. new_group() is collective over the
-    default group, so when pg is one of several shard groups (HSDP), `shard_groups` lists
-    the ranks of all of them and every rank creates them all, in the same order."""
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    rows = tuple(tuple(r) for r in shard_groups) if shard_groups is not None else (ranks,)
-    key = (dist.get_backend(pg), rows, role, timeout)
-    if key not in _GROUPS:
-        extra = {} if timeout is None else {"timeout": timeout}
-        made = {row: dist.new_group(ranks=list(row), backend=key[0], **extra) for row in rows}
-        _GROUPS[key] = made[ranks]
-    return _GROUPS[key]
-
-
-def _check_timeout(timeout) -> Optional[datetime.timedelta]:
-    if timeout is None:
-        return None
-    value = timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout) if math.isfinite(timeout) else None
-    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {value!r}")
-    return timeout
-
-
 _CLASS_CACHE: dict = {}
 
 
@@ -389,98 +261,6 @@ def _fsdp_class(cls: type) -> type:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
                                  {"__module__": cls.__module__, **hf.overrides_for(cls)})
     return _CLASS_CACHE[cls]
-
-
-def _check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -> Optional[torch.device]:
-    """Checks that the parameters sit on one device the group's backend communicates; for
-    meta parameters (deferred init) returns the device their shards are allocated on, as
-    FSDP2 does: the mesh's device type; without a mesh the current CUDA device when CUDA
-    is available and the backend communicates CUDA tensors, else the CPU."""
-    devices = {p.device for p in params}
-    kinds = backends.device_types(pg)
-    if not kinds:
-        raise ValueError(f"fully_shard: the process group's backend '{backends.backend_name(pg)}' communicates "
-                         "neither cpu nor cuda tensors")
-    if len(devices) > 1 and any(d.type == "meta" for d in devices):
-        meta = next(n for p, n in zip(params, names) if p.is_meta)
-        real = next(n for p, n in zip(params, names) if not p.is_meta)
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): parameter '{meta}' is on the meta device but '{real}' is "
-            "not; for deferred init build the whole module under torch.device('meta'), then call "
-            "megatron_fsdp_ext.materialize(model) after fully_shard")
-    if len(devices) > 1:
-        by_dev = {}
-        for p, n in zip(params, names):
-            by_dev.setdefault(str(p.device), n)
-        listing = ", ".join(f"'{n}' on {d}" for d, n in by_dev.items())
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): parameters are on different devices ({listing}); "
-            "move the module to one device first"
-        )
-    device = next(iter(devices))
-    if device.type == "meta":
-        kind = mesh.device_type if mesh is not None else \
-            "cuda" if "cuda" in kinds and torch.cuda.is_available() else "cpu"
-        if kind not in kinds:
-            raise ValueError(f"fully_shard({type(module).__name__}): meta parameters would be materialized on "
-                             f"{kind}, which the process group's backend '{backends.backend_name(pg)}' does not "
-                             f"communicate ({'/'.join(sorted(kinds))})")
-        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
-    if device.type not in kinds:
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): parameters are on {device} but the process group's "
-            f"backend '{backends.backend_name(pg)}' communicates {'/'.join(sorted(kinds))} tensors; "
-            f"move the module to {'cuda' if 'cuda' in kinds else 'cpu'} first"
-        )
-    if device.type == "cuda":
-        current = torch.cuda.current_device()
-        if device.index != current:
-            raise ValueError(
-                f"fully_shard({type(module).__name__}): parameters are on {device} but the current CUDA "
-                f"device is cuda:{current}; call torch.cuda.set_device(local_rank) before building the model"
-            )
-    return None
-
-
-def _collect(module: nn.Module, ignored: set):
-    """The parameters this call owns and every slot (module._parameters, name) holding them.
-
-    Subtrees of already-sharded modules belong to their own units and are skipped; a
-    parameter of such a unit found outside it is a tie across units, which one unit's
-    swap could not serve, so it is refused.
-    """
-    params, names, index_of = [], [], {}
-    slots = []  # (params_dict, name, index)
-    keys = []  # (state_dict key relative to `module`, index): every slot, tied ones included
-
-    def visit(mod: nn.Module, prefix: str, is_top: bool):
-        if not is_top and "_mfsdp_state" in mod.__dict__:
-            return
-        for name, p in mod._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            # _mfsdp_owner marks both the sharded parameter and the original it replaced
-            # (a tied original can still sit in a module outside the unit's subtree).
-            owner = getattr(p, "_mfsdp_owner", None)
-            if owner is not None:
-                raise ValueError(
-                    f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
-                    f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
-                    "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
-                    "is tied to a module of another unit (tied parameters must live in one unit)"
-                )
-            if id(p) not in index_of:
-                index_of[id(p)] = len(params)
-                params.append(p)
-                names.append(prefix + name)
-            slots.append((mod._parameters, name, index_of[id(p)]))
-            keys.append((prefix + name, index_of[id(p)]))
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
-    visit(module, "", True)
-    return params, names, slots, keys
 
 
 def fully_shard(
@@ -587,22 +367,10 @@ def fully_shard(
                      `process_group` must span all ranks. None: the group's own timeout.
     mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard(list of modules): one unit spanning several sibling modules is not supported; "
-            "call fully_shard on their common parent, or on each module separately")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "fully_shard needs an initialized default process group: call "
-            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
-        )
-    if "_mfsdp_state" in module.__dict__:
-        raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
-    mp_policy = _own_mp_policy(mp_policy)
-    process_group, replicate_group = _groups_from_mesh(mesh, process_group)
-    _check_fsdp2_only_options(offload_policy, shard_placement_fn)
+    check_target(module)
+    mp_policy = as_mp_policy(mp_policy)
+    process_group, replicate_group = groups_from_mesh(mesh, process_group)
+    check_fsdp2_only_options(offload_policy, shard_placement_fn)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
@@ -614,7 +382,7 @@ def fully_shard(
     if reshard_after_forward is None:  # free after forward only where the strategy gathers per use
         reshard_after_forward = not strategy.keeps_unsharded
     # Checked here, before any work: contradictions (reshard_after_forward=True with a
-    # strategy that keeps parameters unsharded), depth, flags.
+    # strategy that keeps parameters unsharded), depth, flags, groups.
     options = UnitOptions(
         sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
         prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
@@ -622,93 +390,21 @@ def fully_shard(
         all_gather_in_start_param_sync=all_gather_in_start_param_sync,
         overlap_grad_reduce=overlap_grad_reduce, check_for_nan_in_grad=check_for_nan_in_grad,
     )
-    for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):
-        if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(pg):
-            raise ValueError(
-                f"{what} spans ranks {dist.get_process_group_ranks(group)} but the process group parameters are "
-                f"sharded over spans {dist.get_process_group_ranks(pg)}; it must hold the same ranks in the same order"
-            )
-    if all_gather_group is not None and create_all_gather_group:
-        raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
-    timeout = _check_timeout(timeout)
-    if timeout is not None and (all_gather_group is not None or reduce_scatter_group is not None):
-        raise ValueError("pass either timeout= or explicit all_gather_group/reduce_scatter_group, not both "
-                         "(create your groups with torch.distributed.new_group(..., timeout=...) instead)")
-    if timeout is not None and dist.get_world_size(pg) != dist.get_world_size() and \
-            (replicate_group is None or not _mesh_covers_job(mesh)):
-        raise ValueError("timeout= needs a process group spanning all ranks (new_group is collective over the "
-                         "default group); for a subgroup, create groups with new_group(..., timeout=...) on every "
-                         "rank and pass them as all_gather_group= and reduce_scatter_group=")
+    groups = CommGroups(pg, replicate_group, mesh, all_gather_group, reduce_scatter_group,
+                        create_all_gather_group, timeout)
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
-    ignored = {id(p) for p in (ignored_params or ())}
-    params, names, slots, keys = _collect(module, ignored)
-    unit = None
-    sharded, unsharded = [], []
-    deferred = False
+    params, names, slots, keys = collect_params(module, {id(p) for p in (ignored_params or ())})
+    unit, sharded, unsharded, deferred = None, [], [], False
     if params:
-        materialize_on = _check_devices(module, params, names, pg, mesh)
+        materialize_on = check_devices(module, params, names, pg, mesh)
         deferred = materialize_on is not None
-        for p, n in zip(params, names):
-            if p.dtype not in _FLOAT_DTYPES:
-                kind = "unsupported floating" if p.is_floating_point() else "non-floating"
-                raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
-                                 f"{', '.join(str(d) for d in _FLOAT_DTYPES)} parameters")
-        unit = _C.Unit(
-            [p.detach() for p in params], names, pg, alignment,
-            mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on,
-        )
-        for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
-            s = nn.Parameter(sview, requires_grad=p.requires_grad)
-            u = nn.Parameter(uview, requires_grad=p.requires_grad)
-            # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
-            for k, v in p.__dict__.items():
-                if not k.startswith("_mfsdp"):
-                    setattr(s, k, v)
-                    setattr(u, k, v)
-            sharded.append(s)
-            unsharded.append(u)
-        unit.bind_params(sharded, unsharded)
-        # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
-        # before every collective; see Unit::set_check_collectives.
-        unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
-        unit.check_nonfinite = check_for_nan_in_grad
-        # HSDP: the mesh's shard groups, one per replica, so that groups made for one
-        # can be made for all (new_group is collective over the job).
-        shard_groups = (mesh.mesh.reshape(-1, mesh.size(1)).tolist()
-                        if replicate_group is not None and _mesh_covers_job(mesh) else None)
-        if timeout is not None and dist.get_world_size(pg) > 1:
-            reduce_scatter_group = _group_for(pg, "reduce_scatter", timeout, shard_groups)
-            if strategy.gathers:
-                all_gather_group = _group_for(pg, "all_gather", timeout, shard_groups)
-        if timeout is not None and replicate_group is not None and shard_groups is not None:
-            replicate_groups = mesh.mesh.reshape(-1, mesh.size(1)).t().tolist()
-            replicate_group = _group_for(replicate_group, "replicate", timeout, replicate_groups)
-        if all_gather_group is None:
-            # new_group() is collective over the default group, so only a group spanning
-            # the whole job gets one automatically; per-rank subgroups (expert-parallel,
-            # ...) must pass all_gather_group explicitly.
-            spans_job = dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None
-            if create_all_gather_group is None:
-                create_all_gather_group = backends.overlaps_collectives(pg, unit.device) and spans_job
-            if not strategy.gathers:
-                create_all_gather_group = False
-            if create_all_gather_group and dist.get_world_size(pg) > 1:
-                if not spans_job:
-                    raise ValueError(
-                        "create_all_gather_group=True needs a process group spanning all ranks "
-                        "(new_group is collective over the default group); for a subgroup, create the "
-                        "all-gather group on every rank yourself and pass all_gather_group="
-                    )
-                all_gather_group = _group_for(pg, "all_gather", shard_groups=shard_groups)
-        if replicate_group is not None:
-            unit.set_replicate_group(replicate_group)
-        if all_gather_group is not None:
-            unit.set_all_gather_group(all_gather_group)
-        if reduce_scatter_group is not None:
-            unit.set_reduce_scatter_group(reduce_scatter_group)
+        unit, sharded, unsharded = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on,
+                                             check_for_nan_in_grad)
+        groups.connect(unit, strategy)
 
-    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options, check_group=reduce_scatter_group,
+    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options,
+                      check_group=groups.reduce_scatter_group,
                       deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import MixedPrecisionPolicy, _check_timeout, fully_shard
+from .api import fully_shard
+from .options import MixedPrecisionPolicy, as_timeout
 from .strategy import SHARDING_STRATEGIES, sharding_strategy
 
 
@@ -85,7 +86,7 @@ class FSDPConfig:
         if self.bf16 and self.fp16:
             raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
         try:
-            _check_timeout(self.collective_timeout)  # the rule fully_shard(timeout=...) applies
+            as_timeout(self.collective_timeout)  # the rule fully_shard(timeout=...) applies
         except ValueError as e:
             raise ValueError(f"FSDPConfig.collective_timeout: {e}") from None
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):

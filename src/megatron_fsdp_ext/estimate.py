@@ -20,13 +20,13 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Type
+from typing import Iterable, List, Optional, Type
 
 import torch
 import torch.nn as nn
 
 from . import _C
-from .api import MixedPrecisionPolicy, _own_mp_policy
+from .options import MixedPrecisionPolicy, as_mp_policy
 from .strategy import sharding_strategy as strategy_named
 from .hooks import bucket_runs
 from .options import check_count
@@ -140,7 +140,7 @@ def estimate_memory(
     strategy all-reduces full gradients (no_shard, optim), which reduce per unit."""
     shard = _shard_size(mesh_or_world)
     strategy = strategy_named(sharding_strategy)
-    mp = _own_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
+    mp = as_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
     check_count("prefetch_depth", prefetch_depth, "estimate_memory: ")

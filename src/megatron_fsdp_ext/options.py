@@ -1,4 +1,7 @@
-"""UnitOptions: how one fully_shard unit behaves, as one frozen object.
+"""The frozen objects fully_shard's options become: UnitOptions (how one unit behaves),
+MixedPrecisionPolicy (its dtypes), and the argument checks they share (counts, timeouts).
+
+UnitOptions: how one fully_shard unit behaves, as one frozen object.
 
 fully_shard builds it and hands it to the unit's FSDPState; the FSDPModule setters
 (set_reshard_after_forward, set_prefetch_depth, ...) replace it whole through
@@ -8,9 +11,14 @@ not options: they live on FSDPState (states.py).
 """
 from __future__ import annotations
 
+import datetime
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import torch
+
+from . import _C
 from .strategy import sharding_strategy
 
 
@@ -23,7 +31,7 @@ def check_count(name: str, value, what: str = "") -> None:
 @dataclass(frozen=True)
 class UnitOptions:
     sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP's names (strategy.SHARDING_STRATEGIES)
-    mp_policy: Any = None  # api.MixedPrecisionPolicy
+    mp_policy: Any = None  # MixedPrecisionPolicy
     # Free the gathered parameters after forward (the root never does: its backward
     # starts right after; FSDPState.reshard_after_forward is the effective value).
     reshard_after_forward: bool = True
@@ -68,3 +76,61 @@ class UnitOptions:
     @property
     def keeps_params_unsharded(self) -> bool:
         return self.strategy.keeps_unsharded
+
+
+# The dtypes units store, gather and reduce in (csrc/dtypes.h: one definition).
+FLOAT_DTYPES = tuple(_C.supported_float_dtypes())
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the unsharded parameters, the gradient reduction and the outputs.
+
+    param_dtype:  dtype parameters are all-gathered and computed in (None: as stored).
+    reduce_dtype: dtype gradients are reduce-scattered in (None: param_dtype).
+    output_dtype: dtype floating outputs of the module are cast to (None: unchanged).
+    cast_forward_inputs: cast floating inputs to param_dtype before forward.
+    The sharded master parameters always stay in their original dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype, got {value!r}")
+            if value not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{field} must be a floating-point dtype "
+                    f"(one of {', '.join(str(d) for d in FLOAT_DTYPES)}), got {value}"
+                )
+
+
+def as_mp_policy(policy) -> MixedPrecisionPolicy:
+    """Ours as is; torch's FSDP2 MixedPrecisionPolicy converted field by field."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                    output_dtype=policy.output_dtype,
+                                    cast_forward_inputs=policy.cast_forward_inputs)
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (ours or torch.distributed.fsdp's), "
+                    f"got {type(policy).__name__}")
+
+
+def as_timeout(timeout) -> Optional[datetime.timedelta]:
+    if timeout is None:
+        return None
+    value = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout) if math.isfinite(timeout) else None
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {value!r}")
+    return timeout

@@ -1,0 +1,292 @@
+"""How fully_shard builds a unit: the checks on its arguments, the parameters it claims,
+the device their shards live on, the C++ Unit and its communicators. api.fully_shard
+calls these in order; nothing here keeps state except the cache of created groups."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _C, backends
+from .options import FLOAT_DTYPES, as_timeout
+
+def groups_from_mesh(mesh, process_group):
+    """(shard group, replicate group or None) from fully_shard's mesh/process_group.
+    A 2-D mesh follows FSDP2: dim 0 replicates, dim 1 shards (HSDP)."""
+    if mesh is None:
+        return process_group, None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if process_group is not None:
+        raise ValueError("pass either mesh or process_group, not both")
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard(mesh=...) takes a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for hybrid "
+            f"sharding; got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''} (flatten or slice it first)")
+    rows = mesh.mesh
+    if not bool((rows.sort(dim=-1).values == rows).all()):
+        # Groups order their ranks ascending: a row listed otherwise would pair each shard
+        # with another replica's different segment in the all-reduce across replicas.
+        raise ValueError(f"fully_shard(mesh=...): every shard row of the mesh must list its ranks in "
+                         f"ascending order, got {rows.tolist()}")
+    return mesh.get_group(1), mesh.get_group(0)
+
+
+def mesh_covers_job(mesh) -> bool:
+    """Whether `mesh.mesh` lists every rank of the job (not a slice of a larger mesh, where
+    other ranks would see other rows and groups made from them would differ)."""
+    return mesh.mesh.numel() == dist.get_world_size()
+
+
+def check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
+    if offload_policy is not None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if isinstance(offload_policy, CPUOffloadPolicy) or not isinstance(offload_policy, OffloadPolicy):
+            raise NotImplementedError(
+                f"offload_policy={offload_policy!r}: CPU offloading of parameters is not supported; "
+                "pass None (or OffloadPolicy()) and keep parameters on the accelerator")
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "shard_placement_fn is not supported: a unit shards its parameters as one flat buffer "
+            "(contiguous ranges per rank), not parameter by parameter on a chosen dim")
+
+
+# Second communicator per process group for all-gathers, created once and cached so
+# that all-gather and reduce-scatter can run concurrently (NCCL serialises the
+# collectives of one communicator). Groups with a bounded timeout (fully_shard(timeout=))
+# are cached the same way, one per role: separate all-gather and reduce-scatter groups
+# also make a rank that skipped backward wait in the other collective instead of
+# pairing mismatched ones.
+_GROUPS: dict = {}
+
+
+def group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None, shard_groups=None):
+    """The cached `role` communicator over pg's ranks. new_group() is collective over the
+    default group, so when pg is one of several shard groups (HSDP), `shard_groups` lists
+    the ranks of all of them and every rank creates them all, in the same order."""
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    rows = tuple(tuple(r) for r in shard_groups) if shard_groups is not None else (ranks,)
+    key = (dist.get_backend(pg), rows, role, timeout)
+    if key not in _GROUPS:
+        extra = {} if timeout is None else {"timeout": timeout}
+        made = {row: dist.new_group(ranks=list(row), backend=key[0], **extra) for row in rows}
+        _GROUPS[key] = made[ranks]
+    return _GROUPS[key]
+
+
+def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -> Optional[torch.device]:
+    """Checks that the parameters sit on one device the group's backend communicates; for
+    meta parameters (deferred init) returns the device their shards are allocated on, as
+    FSDP2 does: the mesh's device type; without a mesh the current CUDA device when CUDA
+    is available and the backend communicates CUDA tensors, else the CPU."""
+    devices = {p.device for p in params}
+    kinds = backends.device_types(pg)
+    if not kinds:
+        raise ValueError(f"fully_shard: the process group's backend '{backends.backend_name(pg)}' communicates "
+                         "neither cpu nor cuda tensors")
+    if len(devices) > 1 and any(d.type == "meta" for d in devices):
+        meta = next(n for p, n in zip(params, names) if p.is_meta)
+        real = next(n for p, n in zip(params, names) if not p.is_meta)
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameter '{meta}' is on the meta device but '{real}' is "
+            "not; for deferred init build the whole module under torch.device('meta'), then call "
+            "megatron_fsdp_ext.materialize(model) after fully_shard")
+    if len(devices) > 1:
+        by_dev = {}
+        for p, n in zip(params, names):
+            by_dev.setdefault(str(p.device), n)
+        listing = ", ".join(f"'{n}' on {d}" for d, n in by_dev.items())
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameters are on different devices ({listing}); "
+            "move the module to one device first"
+        )
+    device = next(iter(devices))
+    if device.type == "meta":
+        kind = mesh.device_type if mesh is not None else \
+            "cuda" if "cuda" in kinds and torch.cuda.is_available() else "cpu"
+        if kind not in kinds:
+            raise ValueError(f"fully_shard({type(module).__name__}): meta parameters would be materialized on "
+                             f"{kind}, which the process group's backend '{backends.backend_name(pg)}' does not "
+                             f"communicate ({'/'.join(sorted(kinds))})")
+        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+    if device.type not in kinds:
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): parameters are on {device} but the process group's "
+            f"backend '{backends.backend_name(pg)}' communicates {'/'.join(sorted(kinds))} tensors; "
+            f"move the module to {'cuda' if 'cuda' in kinds else 'cpu'} first"
+        )
+    if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if device.index != current:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): parameters are on {device} but the current CUDA "
+                f"device is cuda:{current}; call torch.cuda.set_device(local_rank) before building the model"
+            )
+    return None
+
+
+def collect_params(module: nn.Module, ignored: set):
+    """The parameters this call owns and every slot (module._parameters, name) holding them.
+
+    Subtrees of already-sharded modules belong to their own units and are skipped; a
+    parameter of such a unit found outside it is a tie across units, which one unit's
+    swap could not serve, so it is refused.
+    """
+    params, names, index_of = [], [], {}
+    slots = []  # (params_dict, name, index)
+    keys = []  # (state_dict key relative to `module`, index): every slot, tied ones included
+
+    def visit(mod: nn.Module, prefix: str, is_top: bool):
+        if not is_top and "_mfsdp_state" in mod.__dict__:
+            return
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            # _mfsdp_owner marks both the sharded parameter and the original it replaced
+            # (a tied original can still sit in a module outside the unit's subtree).
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is not None:
+                raise ValueError(
+                    f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
+                    f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
+                    "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
+                    "is tied to a module of another unit (tied parameters must live in one unit)"
+                )
+            if id(p) not in index_of:
+                index_of[id(p)] = len(params)
+                params.append(p)
+                names.append(prefix + name)
+            slots.append((mod._parameters, name, index_of[id(p)]))
+            keys.append((prefix + name, index_of[id(p)]))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    visit(module, "", True)
+    return params, names, slots, keys
+
+
+def check_target(module) -> None:
+    """`module` can become a unit: an nn.Module not sharded yet, with torch.distributed up."""
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard(list of modules): one unit spanning several sibling modules is not supported; "
+            "call fully_shard on their common parent, or on each module separately")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fully_shard needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
+    if "_mfsdp_state" in module.__dict__:
+        raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
+
+
+class CommGroups:
+    """The groups a unit communicates on, checked together before any work: the shard
+    group `pg`, the replicate group (HSDP), explicit or created all-gather and
+    reduce-scatter groups, and the collective timeout they are created with."""
+
+    def __init__(self, pg, replicate_group, mesh, all_gather_group, reduce_scatter_group,
+                 create_all_gather_group: Optional[bool], timeout):
+        for what, group in (("all_gather_group", all_gather_group), ("reduce_scatter_group", reduce_scatter_group)):
+            if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(pg):
+                raise ValueError(
+                    f"{what} spans ranks {dist.get_process_group_ranks(group)} but the process group parameters "
+                    f"are sharded over spans {dist.get_process_group_ranks(pg)}; it must hold the same ranks in "
+                    "the same order"
+                )
+        if all_gather_group is not None and create_all_gather_group:
+            raise ValueError("pass either all_gather_group or create_all_gather_group=True, not both")
+        timeout = as_timeout(timeout)
+        if timeout is not None and (all_gather_group is not None or reduce_scatter_group is not None):
+            raise ValueError("pass either timeout= or explicit all_gather_group/reduce_scatter_group, not both "
+                             "(create your groups with torch.distributed.new_group(..., timeout=...) instead)")
+        if timeout is not None and dist.get_world_size(pg) != dist.get_world_size() and \
+                (replicate_group is None or not mesh_covers_job(mesh)):
+            raise ValueError("timeout= needs a process group spanning all ranks (new_group is collective over "
+                             "the default group); for a subgroup, create groups with new_group(..., timeout=...) "
+                             "on every rank and pass them as all_gather_group= and reduce_scatter_group=")
+        self.pg, self.replicate_group, self.mesh = pg, replicate_group, mesh
+        self.all_gather_group, self.reduce_scatter_group = all_gather_group, reduce_scatter_group
+        self.create_all_gather_group, self.timeout = create_all_gather_group, timeout
+
+    def connect(self, unit, strategy) -> None:
+        """Give `unit` its communicators, creating (and caching) those it needs: groups
+        with the timeout, and an all-gather group of its own where collectives overlap."""
+        pg, mesh, timeout = self.pg, self.mesh, self.timeout
+        replicate_group = self.replicate_group
+        # HSDP: the mesh's shard groups, one per replica, so that groups made for one
+        # can be made for all (new_group is collective over the job).
+        shard_groups = (mesh.mesh.reshape(-1, mesh.size(1)).tolist()
+                        if replicate_group is not None and mesh_covers_job(mesh) else None)
+        if timeout is not None and dist.get_world_size(pg) > 1:
+            self.reduce_scatter_group = group_for(pg, "reduce_scatter", timeout, shard_groups)
+            if strategy.gathers:
+                self.all_gather_group = group_for(pg, "all_gather", timeout, shard_groups)
+        if timeout is not None and replicate_group is not None and shard_groups is not None:
+            replicate_groups = mesh.mesh.reshape(-1, mesh.size(1)).t().tolist()
+            replicate_group = group_for(replicate_group, "replicate", timeout, replicate_groups)
+        if self.all_gather_group is None:
+            # new_group() is collective over the default group, so only a group spanning
+            # the whole job gets one automatically; per-rank subgroups (expert-parallel,
+            # ...) must pass all_gather_group explicitly.
+            spans_job = dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None
+            create = self.create_all_gather_group
+            if create is None:
+                create = backends.overlaps_collectives(pg, unit.device) and spans_job
+            if create and strategy.gathers and dist.get_world_size(pg) > 1:
+                if not spans_job:
+                    raise ValueError(
+                        "create_all_gather_group=True needs a process group spanning all ranks "
+                        "(new_group is collective over the default group); for a subgroup, create the "
+                        "all-gather group on every rank yourself and pass all_gather_group="
+                    )
+                self.all_gather_group = group_for(pg, "all_gather", shard_groups=shard_groups)
+        if replicate_group is not None:
+            unit.set_replicate_group(replicate_group)
+        if self.all_gather_group is not None:
+            unit.set_all_gather_group(self.all_gather_group)
+        if self.reduce_scatter_group is not None:
+            unit.set_reduce_scatter_group(self.reduce_scatter_group)
+
+
+def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy, materialize_on,
+              check_for_nan_in_grad: bool):
+    """The C++ Unit over `params` and the parameter objects the module will show: sharded
+    (1-D views of this rank's shard) and unsharded (views of the gathered buffer), both
+    keeping the originals' requires_grad and user attributes."""
+    for p, n in zip(params, names):
+        if p.dtype not in FLOAT_DTYPES:
+            kind = "unsupported floating" if p.is_floating_point() else "non-floating"
+            raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
+                             f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
+    unit = _C.Unit([p.detach() for p in params], names, pg, alignment,
+                   mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
+    sharded, unsharded = [], []
+    for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
+        s = nn.Parameter(sview, requires_grad=p.requires_grad)
+        u = nn.Parameter(uview, requires_grad=p.requires_grad)
+        # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
+        for k, v in p.__dict__.items():
+            if not k.startswith("_mfsdp"):
+                setattr(s, k, v)
+                setattr(u, k, v)
+        sharded.append(s)
+        unsharded.append(u)
+    unit.bind_params(sharded, unsharded)
+    # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
+    # before every collective; see Unit::set_check_collectives.
+    unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
+    unit.check_nonfinite = check_for_nan_in_grad
+    return unit, sharded, unsharded
