@@ -437,12 +437,19 @@ void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::T
   auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
   {
     at::NoGradGuard no_grad;
-    if (s.numel > 0) {
-      const auto src = full ? value->reshape({-1}).narrow(0, s.param_offset, s.numel) : value->reshape({-1});
-      slot.copy_(src);
-    }
+    if (s.numel > 0) slot.copy_(full ? local_piece(i, *value) : value->reshape({-1}));
   }
   if (!views_its_slot(static_cast<size_t>(i))) sharded_params_[i].set_data(slot);
+}
+
+at::Tensor Unit::local_piece(int64_t index, const at::Tensor& full) const {
+  MFSDP_CHECK_VALUE(index >= 0 && index < layout_.num_params(), "local_piece: parameter index ", index,
+                    " out of range [0, ", layout_.num_params(), ")");
+  const auto& s = slices_[index];
+  MFSDP_CHECK_VALUE(full.numel() == layout_.param_numel(index), "parameter '", names_[index], "' of fully_shard unit '",
+                    label_, "': a full value of shape ", full.sizes(), " (", full.numel(),
+                    " elements) for a parameter of shape ", shapes_[index], " (", layout_.param_numel(index), " elements)");
+  return full.reshape({-1}).narrow(0, s.param_offset, s.numel);
 }
 
 void Unit::allocate_unsharded() {

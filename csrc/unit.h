@@ -139,6 +139,10 @@ class Unit {
   //    sharded parameter viewing it again, and the kept copy is stale.
   // Every rank must see the same changes: the next use of the unit gathers again.
   void shard_changed(std::optional<int64_t> index = std::nullopt, const std::optional<at::Tensor>& value = {});
+  // This rank's 1-D piece of parameter `index` cut from `full`, its full value (any shape
+  // of the full element count): a view, no copy. The one place a full value becomes a
+  // shard piece: shard_changed, state-dict loads and materialize use it.
+  at::Tensor local_piece(int64_t index, const at::Tensor& full) const;
 
   // Move the gradients sitting on the unsharded params into this unit. With `sync`,
   // reduce-scatter them (plus anything accumulated earlier) into the sharded .grad;

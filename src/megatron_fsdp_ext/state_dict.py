@@ -74,14 +74,6 @@ def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
 
-def _local_piece(state, index: int, full: torch.Tensor) -> torch.Tensor:
-    """This rank's 1-D piece of parameter `index` cut from its full value."""
-    if _replicated(state):
-        return full.reshape(-1)
-    piece = state.unit.layout.shard_slice(index, state.unit.shard_index)
-    return full.reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
-
-
 def _gather_full(state, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
     """Full values of the unit's parameters from every rank's 1-D pieces (None: zeros).
     Collective over the unit's group; the result lives on the unit's device."""
@@ -230,7 +222,7 @@ class ModuleStateDictHooks:
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
             full = _full_value(value, tuple(state.unsharded_params[i].shape), shard.numel(),
                                f"load_state_dict '{prefix + key}'")
-            state_dict[prefix + key] = _local_piece(state, i, full)
+            state_dict[prefix + key] = state.unit.local_piece(i, full)
 
 
 # ---------------------------------------------------------------- optimizer hooks
@@ -337,5 +329,5 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
             continue
         full = _full_value(v, tuple(state.unsharded_params[index].shape), shard.numel(),
                            f"{what}: state '{name}' of '{state.names[index]}'")
-        out[name] = _local_piece(state, index, full).to(shard.device).clone()
+        out[name] = state.unit.local_piece(index, full).to(shard.device).clone()
     return out
