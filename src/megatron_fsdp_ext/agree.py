@@ -4,12 +4,12 @@ rank, or the ranks that go on wait forever for the ones that raised.
 
 The pattern: each rank checks locally, one small collective tells everyone what every
 rank found, and every rank raises alike, naming the ranks (global ranks) that differ
-or failed.
+or failed. Agreement runs it around a block of local steps.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -110,3 +110,70 @@ def raise_agreed(what: str, own: Optional[BaseException], infos: Iterable[Option
             own.add_note(f"{what}: also failed on {listing(others)}")
         raise own
     raise error(f"{what}: failed on rank(s) {sorted(failed)}: {listing(failed)}{tail}") from own
+
+
+class Agreement:
+    """The local steps in its block, agreed on by every rank of `group`: a failure on any
+    rank raises on every rank, and the ranks go on past the block together or not at all.
+
+        with Agreement("load_checkpoint(ckpt)", error=CheckpointError) as checked:
+            ...  # local steps, no collective
+        ...      # reached on every rank, or on none
+
+    Collective: every rank of `group` must run the block (an exception that is not an
+    Exception, such as KeyboardInterrupt, skips the collective and leaves the others
+    waiting). On leaving it, one gather_objects over `group` sends each rank's
+    failures() (None when its block finished) and its share; then, on every rank:
+
+    1. `check(shared, group)`, if given, sees every rank's share ({global rank: share})
+       and may raise: a disagreement it finds outranks any failure (it sees the same
+       shares on every rank, so it raises alike);
+    2. if any rank failed: `fail(failed, own)` if given ({global rank: description}, this
+       rank's exception or None; it must raise), else raise_agreed: a rank whose block
+       failed re-raises its own exception (same object, type and message) with a note
+       naming the other failing ranks; the others raise `error` naming every failing
+       rank, followed by `tail`. A CheckpointException (DCP has already gathered it on
+       every rank) counts for the ranks it names, and becomes `error` on every rank.
+
+    Otherwise every rank goes on past the block, and `shared` holds every rank's share in
+    rank order. An exception of the block is never swallowed.
+
+    `share` (picklable): what this rank sends besides its failure; the block may set it
+    (`checked.share = ...`); a callable is called on leaving the block, so it reads what
+    the block left, also when the block failed. `group`: a process group, None (the whole
+    job), or a list of groups agreed on in turn (one gather each, the steps above after
+    each; `shared` collects them all). An empty list agrees on nothing: the block's
+    exception, if any, propagates on this rank alone. Without torch.distributed, or in a
+    group of one rank, there is no collective (nor under a backend that moves no data:
+    see gather_objects).
+    """
+
+    def __init__(self, what: str, *, group: Union[None, object, Sequence[object]] = None,
+                 error: type = RuntimeError, tail: str = "", share: Any = None,
+                 check: Optional[Callable[[Dict[int, Any], Any], None]] = None,
+                 fail: Optional[Callable[[Dict[int, str], Optional[BaseException]], None]] = None):
+        self.what, self.error, self.tail = what, error, tail
+        self.groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        self.share, self.check, self.fail = share, check, fail
+        self.shared: Dict[int, Any] = {}
+
+    def __enter__(self) -> "Agreement":
+        return self
+
+    def __exit__(self, kind, own, traceback) -> bool:
+        if own is not None and not isinstance(own, (Exception, CheckpointException)):
+            return False  # KeyboardInterrupt, SystemExit: not ours to agree on
+        share = self.share() if callable(self.share) else self.share
+        mine = (failures(own, rank_world()[0]), share)
+        for group in self.groups:
+            gathered = gather_objects(mine, group)
+            shared = {r: s for r, (_, s) in gathered.items()}
+            self.shared.update(shared)
+            if self.check is not None:
+                self.check(shared, group)
+            infos = [f for f, _ in gathered.values()]
+            if merged(infos):
+                if self.fail is not None:
+                    self.fail(merged(infos), own)
+                raise_agreed(self.what, own, infos, error=self.error, tail=self.tail)
+        return False  # nothing failed, or no group saw it (no group at all): it raises here
