@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import backends
-from .agree import digest, failures, gather_objects, raise_agreed, rank_world
+from .agree import Agreement, digest, gather_objects, rank_world
 from .param_index import iter_states
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
@@ -45,22 +45,23 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
     return sd
 
 
-def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseException]) -> None:
-    """Every rank that shares a unit's process group must pass the same keys (so that all
-    issue the same all-gathers) and must have passed the local checks: one small
-    collective per process group (usually one) tells, and every rank raises alike."""
+def agree_on_keys(module: nn.Module, state_dict: dict) -> Agreement:
+    """The agreement around a load's local checks (its block): every rank that shares a
+    unit's process group must pass the same keys (so that all issue the same all-gathers)
+    and must have passed the local checks. One small collective per process group
+    (usually one; none without units or torch.distributed) sends the digest of the keys
+    `state_dict` holds when the block ends (the block may fill it); different keys
+    outrank a failure; every rank raises alike."""
     groups = []
     if dist.is_available() and dist.is_initialized():
         for state in iter_states(module):
             if state.unit is not None and state.process_group is not None and \
                     all(g is not state.process_group for g in groups):
                 groups.append(state.process_group)
-    keys = sorted(state_dict)
-    mine = (digest(keys), failures(own, rank_world()[0]))
-    for group in groups:
-        seen = gather_objects(mine, group)
-        if len({d for d, _ in seen.values()}) > 1:
-            sets = {r: set(k) for r, k in gather_objects(keys, group).items()}  # only on this error path
+
+    def same_keys(digests: dict, group) -> None:
+        if len(set(digests.values())) > 1:
+            sets = {r: set(k) for r, k in gather_objects(sorted(state_dict), group).items()}  # only on this error path
             first = min(k for k in set().union(*sets.values()) if not all(k in s for s in sets.values()))
             have = [r for r, s in sets.items() if first in s]
             lack = [r for r, s in sets.items() if first not in s]
@@ -68,9 +69,9 @@ def _agree_on_keys(module: nn.Module, state_dict: dict, own: Optional[BaseExcept
                 f"load_full_state_dict: the ranks passed different keys: '{first}' is in the state dict of "
                 f"rank(s) {have} but not of rank(s) {lack}; every rank must pass the same keys (nothing was loaded)"
             )
-        raise_agreed("load_full_state_dict", own, [f for _, f in seen.values()], tail="; nothing was loaded")
-    if own is not None:
-        raise own
+
+    return Agreement("load_full_state_dict", group=groups, share=lambda: digest(sorted(state_dict)), check=same_keys,
+                     tail="; nothing was loaded")
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, strict: bool = True,
@@ -94,13 +95,10 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
     elif state_dict is None:
         raise TypeError("load_full_state_dict: state_dict is None; pass the full state dict on every rank "
                         "(or only on rank 0 with broadcast_from_rank0=True)")
-    plan, own = None, None
-    try:  # streamed: the other ranks hold meta placeholders; rank 0 checks the values
-        plan = _plan_full_load(module, state_dict, strict, placeholders=broadcast_from_rank0 and rank != 0)
-    except Exception as e:
-        own = e
-    _agree_on_keys(module, state_dict, own)
-    states, values, replicated = plan
+    # Streamed: the other ranks hold meta placeholders; rank 0 checks the values.
+    with agree_on_keys(module, state_dict):
+        states, values, replicated = plan_full_load(module, state_dict, strict,
+                                                    placeholders=broadcast_from_rank0 and rank != 0)
     # Every rank of a unit's group loads the same units in the same order (the keys agree),
     # one parameter at a time: at most one full parameter is on the device at once (when
     # streamed), and a parameter absent from the dict (strict=False) keeps its shard.
@@ -116,7 +114,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
             device = target.device if not target.is_meta else states[0].unit.device
             v = _fetch(value, device, target.dtype, broadcast_from_rank0)
             if target.is_meta:
-                _replace_meta(module, key, v.to(device=device, dtype=target.dtype))
+                replace_meta(module, key, v.to(device=device, dtype=target.dtype))
             else:
                 target.copy_(v)
 
@@ -166,7 +164,7 @@ def _fetch(value, device: torch.device, dtype: torch.dtype, broadcast: bool):
     return t
 
 
-def _replace_meta(module: nn.Module, key: str, value: torch.Tensor) -> None:
+def replace_meta(module: nn.Module, key: str, value: torch.Tensor) -> None:
     """Put a loaded value where a meta buffer (or meta parameter outside any unit) was."""
     owner_path, _, name = key.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
@@ -187,7 +185,7 @@ def _check_value(key: str, value, placeholders: bool) -> None:
                          "the meta device and never materialized?); nothing was loaded")
 
 
-def _plan_full_load(module: nn.Module, state_dict: dict, strict: bool, placeholders: bool = False):
+def plan_full_load(module: nn.Module, state_dict: dict, strict: bool, placeholders: bool = False):
     """The local checks, no collective: returns the units, each one's values (None where
     the dict lacks a parameter) and the replicated (key, target, value) triples. Every
     value is checked here, before anything is written."""

@@ -32,6 +32,7 @@ file handling (manifest, hashes, renames, rank agreement) lives in checkpoint_fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import _C, backends
 from .checkpoint_reader import (SafeFileSystemReader, SafeLoadPlanner, decode_json, decode_legacy_pickle,
                                 decode_object, encode_json, encode_object)
-from .agree import describe, failures, gather_objects, listing, merged, raise_agreed, rank_world
+from .agree import Agreement, describe, failures, gather_objects, listing, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
     MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
@@ -269,21 +270,19 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
     what = f"save_checkpoint({path})"
-    sd, own = None, None
-    try:
+    token = uuid.uuid4().hex[:16] if rank == 0 else None
+
+    def same_path(shared: Dict[int, Tuple[str, Optional[str]]], _) -> None:  # outranks any failure
+        check_same_path("save_checkpoint", {r: p for r, (p, _token) in shared.items()})
+
+    with Agreement(what, error=CheckpointError, share=(target, token), check=same_path) as prepared:
         sd = sharded_state_dict(module, optimizer)
         if rank == 0:
             check_replaceable(target)
-    except Exception as e:
-        own = e
-    token = uuid.uuid4().hex[:16] if rank == 0 else None
-    agreed = gather_objects((target, token, failures(own, rank)))
-    check_same_path("save_checkpoint", {r: a[0] for r, a in agreed.items()})
-    raise_agreed(what, own, [a[2] for a in agreed.values()], error=CheckpointError)
-    token = agreed[0][1]
+    token = prepared.shared[0][1]
     tmp = sibling(target, "tmp", token)
 
-    def abort(failed: Dict[int, str], cause: Optional[BaseException], stage: str):
+    def abort(stage: str, failed: Dict[int, str], cause: Optional[BaseException]):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()  # the temporary directory is gone on return, on every rank
@@ -293,42 +292,28 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                               f"{kept}") from cause
 
     # 1. Write. DCP gathers a failed write into a CheckpointException on every rank.
-    own, files = None, None
-    try:
+    with Agreement(what, fail=functools.partial(abort, "writing the checkpoint")) as written:
         with _quiet():
             dcp.save(sd, checkpoint_id=tmp)
         if rank == 0:  # every rank's write has finished once dcp.save returns on rank 0
-            files = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
-    except (Exception, CheckpointException) as e:
-        own = e
-    agreed = gather_objects((failures(own, rank), files))
-    failed = merged(a[0] for a in agreed.values())
-    if failed:
-        abort(failed, own, "writing the checkpoint")
-    files = agreed[0][1]
+            written.share = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
+    files = written.shared[0]
 
     # 2. Hash: each rank the files it wrote (rank 0 also the metadata).
-    own, digests = None, {}
-    try:
+    with Agreement(what, share={}, fail=functools.partial(abort, "hashing the written files")) as hashed:
         for name in files:
             m = WRITER.match(name)
             writer = int(m.group(1)) if m and int(m.group(1)) < world else 0
             if writer == rank:
-                digests[name] = file_digest(os.path.join(tmp, name))
-    except Exception as e:
-        own = e
-    agreed = gather_objects((failures(own, rank), digests))
-    failed = merged(a[0] for a in agreed.values())
-    if failed:
-        abort(failed, own, "hashing the written files")
+                hashed.share[name] = file_digest(os.path.join(tmp, name))
 
     # 3. Publish (rank 0), then tell everyone how it went: this is also the final barrier.
     outcome = None
     if rank == 0:
         try:
             everything: Dict[str, Tuple[str, int]] = {}
-            for a in agreed.values():
-                everything.update(a[1])
+            for digests in hashed.shared.values():
+                everything.update(digests)
             publish(target, tmp, token, everything, world)
         except Exception as e:
             outcome = describe(e)
@@ -364,56 +349,42 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     what = f"load_checkpoint({path})"
     check_same_path("load_checkpoint", gather_objects(target))
 
-    # Local checks: integrity (this rank's share of the hashes), then what the metadata
-    # alone tells. Agreed in one collective; a corrupted file outranks any other error.
-    own, bad, plan = None, [], None
-    try:
+    # Local checks: integrity (this rank's share of the hashes: the corrupted files it
+    # found), then what the metadata alone tells. Agreed in one collective; a corrupted
+    # file outranks any other error.
+    def refuse_corrupted(shared: Dict[int, List[str]], _) -> None:
+        bad = [line for lines in shared.values() for line in lines]
+        if bad:
+            more = f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""
+            raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing "
+                                  f"was loaded: {bad[0]}{more}")
+
+    with Agreement(what, error=CheckpointError, share=[], check=refuse_corrupted) as checked:
         if not os.path.isdir(target):
             raise FileNotFoundError(f"{what}: no checkpoint directory at {target}{moved_aside(target)}")
         manifest = read_manifest(path, target) if verify else None
         if manifest is not None:
-            bad = verify_share(target, manifest, rank, world)
-        if not bad:
+            checked.share = verify_share(target, manifest, rank, world)
+        if not checked.share:
             plan = _plan(path, target, module, optimizer, manifest, verify)
-    except Exception as e:
-        own = e
-    agreed = gather_objects((bad, failures(own, rank))).values()
-    bad = [line for a in agreed for line in a[0]]
-    if bad:
-        raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing was "
-                              f"loaded: {bad[0]}" + (f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""))
-    raise_agreed(what, own, [a[1] for a in agreed], error=CheckpointError)
 
     # Checks that read small objects (shapes, optimizer class and groups), agreed again:
     # nothing has been loaded into the module or the optimizer before this passes.
-    own = None
-    try:
+    with Agreement(what, error=CheckpointError):
         small = {k: b"" for k in _SMALL_ENTRIES
                  if k in plan.meta and (optimizer is not None or k == "meta.param_shapes")}
         if small:
             _load(small, path, plan.reader_path)
-    except Exception as e:
-        own = e
-    if own is None:
-        try:
-            _check_plan(plan, small, module, optimizer, path)
-        except Exception as e:
-            own = e
-    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
+        _check_plan(plan, small, module, optimizer, path)
 
     # The read, into copies; its outcome is agreed, so that a failure on any rank leaves
     # every rank's module and optimizer as they were (nothing is half-loaded).
-    own, objects = None, {}
-    try:
+    with Agreement(what, error=CheckpointError):
         _load(plan.target, path, plan.reader_path)
         objects = {k[len("model."):]: _decode_extra_state(plan.target[k], k, path) for k in plan.objects}
-    except Exception as e:
-        own = e
-    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
     # Applied; its outcome is agreed too, so that no rank carries on alone.
-    own = None
-    try:
+    with Agreement(what, error=CheckpointError):
         _commit(plan.staged)
         if objects:
             with local_state_dict():
@@ -422,9 +393,6 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             state.param_init = ParamInit.MATERIALIZED
         if optimizer is not None:
             _apply_optimizer(plan, small, optimizer)
-    except Exception as e:
-        own = e
-    raise_agreed(what, own, gather_objects(failures(own, rank)).values(), error=CheckpointError)
 
 
 class _Plan:

@@ -11,8 +11,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from .agree import failures, gather_objects, raise_agreed, rank_world
-from .checkpoint import _agree_on_keys, _plan_full_load, _replace_meta
+from .agree import Agreement, gather_objects
+from .checkpoint import agree_on_keys, plan_full_load, replace_meta
 from .checkpoint_files import check_same_path
 from .states import ParamInit
 
@@ -61,8 +61,7 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
     handles: Dict[str, object] = {}
     where: Dict[str, str] = {}
     placeholders: Dict[str, torch.Tensor] = {}
-    plan, own = None, None
-    try:
+    with agree_on_keys(module, placeholders):  # the keys of the files, as far as they were read
         for f in _files(path):
             try:
                 handles[f] = h = safe_open(f, framework="pt", device="cpu")
@@ -77,17 +76,13 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
                 if dtype is None:
                     raise ValueError(f"load_safetensors: '{key}' in {f} has dtype {info.get_dtype()}, not supported")
                 placeholders[key] = torch.empty(tuple(info.get_shape()), dtype=dtype, device="meta")
-        plan = _plan_full_load(module, placeholders, strict, placeholders=True)
-    except Exception as e:
-        own = e
-    _agree_on_keys(module, placeholders, own)
+        states, values, replicated = plan_full_load(module, placeholders, strict, placeholders=True)
     key_of = {id(v): k for k, v in placeholders.items()}
-    states, values, replicated = plan
     # Read everything this rank needs first (its slices, the replicated values), agreed
     # across ranks: a file that fails to read on any rank leaves every rank's module as
     # it was.
-    own, slices_read, whole_read = None, [], []
-    try:
+    slices_read, whole_read = [], []
+    with Agreement("load_safetensors", tail="; nothing was loaded"):
         for state, unit_values in zip(states, values):
             slices = state.unit.layout.shard_slices(state.unit.shard_index)
             for i, value in enumerate(unit_values):
@@ -99,10 +94,6 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
                     handles[where[key]], key, tuple(value.shape), piece.param_offset, piece.numel))))
         for key, target, value in replicated:
             whole_read.append((key, target, _read(where[key], lambda: handles[where[key]].get_tensor(key))))
-    except Exception as e:
-        own = e
-    raise_agreed("load_safetensors", own, gather_objects(failures(own, rank_world()[0])).values(),
-                 tail="; nothing was loaded")
     with torch.no_grad():
         for state, i, local in slices_read:
             state.unit.shard_changed(i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
@@ -110,7 +101,7 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
             state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
         for key, target, whole in whole_read:
             if target.is_meta:
-                _replace_meta(module, key, whole.to(device=states[0].unit.device, dtype=target.dtype))
+                replace_meta(module, key, whole.to(device=states[0].unit.device, dtype=target.dtype))
             else:
                 target.copy_(whole)
 
