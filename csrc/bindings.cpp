@@ -287,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("check_nonfinite", &Unit::check_nonfinite, &Unit::set_check_nonfinite)
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
+      .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
+           py::call_guard<py::gil_scoped_release>())
       .def("local_piece", &Unit::local_piece, py::arg("index"), py::arg("full"),
            "This rank's 1-D piece (a view) of parameter `index`'s full value.")
       .def_property_readonly("shard_index", &Unit::shard_index)

@@ -857,10 +857,37 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
 std::vector<at::Tensor> Unit::gather_full_params() {
   check_bound("gather_full_params");
   adopt_data_writes();
-  auto full = at::empty({layout_.total_numel()}, sharded_flat_.options());
-  if (replicated()) full.copy_(sharded_flat_);
-  else run_collective(CollectivePhase::kAllGatherFullParams, ag_comm_, full.numel(),
-                      [&] { ag_comm_.all_gather_flat(full, sharded_flat_); });
+  return gather_segments(sharded_flat_);
+}
+
+std::vector<at::Tensor> Unit::gather_full(const std::vector<std::optional<at::Tensor>>& pieces,
+                                          at::ScalarType dtype) {
+  check_bound("gather_full");
+  MFSDP_CHECK_VALUE(static_cast<int64_t>(pieces.size()) == layout_.num_params(), "gather_full: ", pieces.size(),
+                    " pieces for the ", layout_.num_params(), " parameters of unit '", label_, "'");
+  auto segment = at::zeros({sharded_flat_.numel()}, sharded_flat_.options().dtype(dtype));
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (!pieces[i]) continue;
+    const auto& s = slices_[i];
+    MFSDP_CHECK_VALUE(pieces[i]->numel() == s.numel, "gather_full: the piece of parameter '", names_[i],
+                      "' of unit '", label_, "' has ", pieces[i]->numel(), " elements; this rank holds ", s.numel);
+    if (s.numel > 0) segment.narrow(0, s.shard_offset, s.numel).copy_(pieces[i]->reshape({-1}));
+  }
+  return gather_segments(segment);
+}
+
+std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
+  auto full = at::empty({layout_.total_numel()}, segment.options());
+  if (replicated()) {
+    full.copy_(segment);
+  } else {
+    if (ctx_ == nullptr && !check_collectives_) {
+      check_in_step(CollectivePhase::kAllGatherFullParams, ag_comm_, full.numel());
+    }
+    run_collective(CollectivePhase::kAllGatherFullParams, ag_comm_, full.numel(),
+                   [&] { ag_comm_.all_gather_flat(full, segment); });
+  }
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));

@@ -161,6 +161,11 @@ class Unit {
 
   // Full-precision unsharded copy of every parameter (synchronous collective).
   std::vector<at::Tensor> gather_full_params();
+  // Full values, shaped like the parameters, of per-parameter state laid out like them
+  // (optimizer state): `pieces[i]` is this rank's 1-D piece of parameter i (none: zeros),
+  // gathered in `dtype` on the unit's device (synchronous collective). With
+  // gather_full_params, the one way a unit is gathered for state dicts and checkpoints.
+  std::vector<at::Tensor> gather_full(const std::vector<std::optional<at::Tensor>>& pieces, at::ScalarType dtype);
 
  private:
   bool replicated() const { return traits(strategy_).replicated; }
@@ -172,6 +177,10 @@ class Unit {
   // The all-gather input: the shard, cast into this rank's slot of the output when the
   // dtypes differ and `in_place` (side-stream path), else cast into a new tensor.
   at::Tensor gather_input(bool in_place);
+  // Every rank's `segment` (this rank's, laid out like the shard) gathered into full
+  // values shaped like the parameters. Before lazy init (no context yet: the layouts were
+  // not compared across ranks) the ranks first check they gather the same sizes.
+  std::vector<at::Tensor> gather_segments(at::Tensor segment);
   // Refuses `what` until bind_params() gave the unit its parameter objects.
   void check_bound(const char* what) const;
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)

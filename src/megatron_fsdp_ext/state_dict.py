@@ -74,27 +74,6 @@ def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
 
-def _gather_full(state, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
-    """Full values of the unit's parameters from every rank's 1-D pieces (None: zeros).
-    Collective over the unit's group; the result lives on the unit's device."""
-    unit, device = state.unit, state.unit.device
-    shapes = [tuple(u.shape) for u in state.unsharded_params]
-    if _replicated(state):
-        return [torch.zeros(s, dtype=dtype, device=device) if t is None else t.detach().to(device, dtype).view(s)
-                for t, s in zip(pieces, shapes)]
-    layout, rank = unit.layout, unit.shard_index
-    segment = torch.zeros(layout.segment_numels[rank], dtype=dtype, device=device)
-    for i, t in enumerate(pieces):
-        if t is not None:
-            piece = layout.shard_slice(i, rank)
-            segment[piece.shard_offset: piece.shard_offset + piece.numel].copy_(t.detach().reshape(-1))
-    flat = torch.empty(layout.total_numel, dtype=dtype, device=device)
-    # Layouts are checked across ranks at lazy init; before it, check this one.
-    _C.Communicator(state.process_group).all_gather_v(
-        flat, segment, layout.segment_starts, layout.segment_numels, verify=state.ctx is None)
-    return [flat[o: o + n].view(s) for o, n, s in zip(layout.offsets, layout.numels, shapes)]
-
-
 def _as_dtensor(state, full: torch.Tensor) -> DTensor:
     """`full` as FSDP2 stores it: dim 0 chunked over the shard group (torch.chunk sizes),
     replicated over HSDP's replicate dim."""
@@ -275,7 +254,7 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             pieces: List[Optional[torch.Tensor]] = [None] * len(state.sharded_params)
             for i, key in index_to_key.items():
                 pieces[i] = states.get(key, {}).get(name)
-            full = _gather_full(state, pieces, keys[name])
+            full = state.unit.gather_full(pieces, keys[name])
             for i, key in index_to_key.items():
                 if key in states and name in states[key]:
                     f = full[i].to(states[key][name].device)
