@@ -9,6 +9,7 @@
 #include "dtypes.h"
 #include "layout.h"
 #include "pack.h"
+#include "param_spec.h"
 #include "param_slots.h"
 #include "post_backward.h"
 #include "strategy.h"
@@ -263,6 +264,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return all;
   }, "Every strategy, in the order of csrc/strategy.h's table.");
 
+  py::enum_<GatherTransform>(m, "GatherTransform")
+      .value("NONE", GatherTransform::kNone)
+      .value("CAST", GatherTransform::kCast);
+
+  py::class_<ParamSpec>(m, "ParamSpec", "One parameter of a unit as the library sees it (csrc/param_spec.h).")
+      .def_readonly("name", &ParamSpec::name)
+      .def_property_readonly("shape", [](const ParamSpec& p) { return py::tuple(py::cast(p.shape)); })
+      .def_property_readonly("numel", &ParamSpec::numel)
+      .def_property_readonly("dtype", [](const ParamSpec& p) { return py::cast(p.dtype); })
+      .def_property_readonly("gather_dtype", [](const ParamSpec& p) { return py::cast(p.gather_dtype); })
+      .def_readonly("transform", &ParamSpec::transform)
+      .def_readonly("storage_device", &ParamSpec::storage_device)
+      .def_readonly("slice", &ParamSpec::slice)
+      .def("__repr__", [](const ParamSpec& p) {
+        std::string shape = "(";
+        for (size_t d = 0; d < p.shape.size(); ++d) shape += std::to_string(p.shape[d]) + (p.shape.size() == 1 ? "," : d + 1 < p.shape.size() ? ", " : "");
+        shape += ")";
+        return "ParamSpec('" + p.name + "', shape=" + shape + ", dtype=" + c10::toString(p.dtype) +
+               ", gather=" + gather_transform_name(p.transform) + ":" + c10::toString(p.gather_dtype) +
+               ", device=" + p.storage_device.str() + ", slice=[" + std::to_string(p.slice.param_offset) + "+" +
+               std::to_string(p.slice.numel) + "])";
+      });
+
   py::enum_<UnitState>(m, "UnitState")
       .value("SHARDED", UnitState::kSharded)
       .value("GATHERING", UnitState::kGathering)
@@ -287,6 +311,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("check_nonfinite", &Unit::check_nonfinite, &Unit::set_check_nonfinite)
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
+      .def_property_readonly("param_specs", &Unit::param_specs, py::return_value_policy::reference_internal)
+      .def_property_readonly("gather_transform", &Unit::gather_transform)
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())
       .def("local_piece", &Unit::local_piece, py::arg("index"), py::arg("full"),

@@ -137,27 +137,25 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
       layout_(FlatLayout::even(numels_of(params),
                                traits(strategy).replicated ? 1 : (pg ? pg->getSize() : 1),
                                alignment)),
-      names_(std::move(names)),
       ag_comm_(pg),
       rs_comm_(pg),
       device_(unit_device(params, materialize_on)),
       compute_ready_(device_),
       all_gather_done_(std::make_shared<StreamEvent>(device_)),
       gathered_(all_gather_done_) {
-  MFSDP_CHECK(names_.size() == params.size(), "Unit: ", names_.size(), " names for ",
+  MFSDP_CHECK(names.size() == params.size(), "Unit: ", names.size(), " names for ",
               params.size(), " parameters");
-  set_label(names_.size() == 1 ? names_[0] : names_[0] + ", ... (" + std::to_string(names_.size()) + " parameters)");
+  set_label(names.size() == 1 ? names[0] : names[0] + ", ... (" + std::to_string(names.size()) + " parameters)");
   orig_dtype_ = params.front().scalar_type();
   const bool deferred = params.front().device().is_meta();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    MFSDP_CHECK(p.device() == params.front().device(), "parameter '", names_[i], "' is on ", p.device(),
-                " but parameter '", names_[0], "' is on ", params.front().device(),
+    MFSDP_CHECK(p.device() == params.front().device(), "parameter '", names[i], "' is on ", p.device(),
+                " but parameter '", names[0], "' is on ", params.front().device(),
                 "; all parameters of one fully_shard unit must be on one device");
-    MFSDP_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names_[i], "' has dtype ",
-                p.scalar_type(), " but '", names_[0], "' has ", orig_dtype_,
+    MFSDP_CHECK(p.scalar_type() == orig_dtype_, "parameter '", names[i], "' has dtype ",
+                p.scalar_type(), " but '", names[0], "' has ", orig_dtype_,
                 "; one fully_shard unit needs a single parameter dtype");
-    shapes_.emplace_back(p.sizes().vec());
   }
   MFSDP_CHECK(is_supported_float(orig_dtype_), "fully_shard needs ", kSupportedFloatNames, " parameters, got ",
               orig_dtype_);
@@ -167,19 +165,24 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
   MFSDP_CHECK(is_supported_float(reduce_dtype_), "reduce_dtype must be ", kSupportedFloatNames, ", got ",
               reduce_dtype_);
 
-  slices_ = layout_.shard_slices(shard_index());
+  transform_ = param_dtype_ == orig_dtype_ ? GatherTransform::kNone : GatherTransform::kCast;
+  const auto slices = layout_.shard_slices(shard_index());
+  for (size_t i = 0; i < params.size(); ++i) {
+    specs_.push_back(ParamSpec{std::move(names[i]), params[i].sizes().vec(), orig_dtype_, param_dtype_, transform_,
+                               device_, slices[i]});
+  }
   const auto opts = params.front().options().device(device_).requires_grad(false);
   sharded_flat_ = at::zeros({layout_.segment_numel(shard_index())}, opts);
   {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
-      const auto& s = slices_[i];
+      const auto& s = specs_[i].slice;
       if (s.numel == 0) continue;
       auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
       if (deferred) {
         slot.fill_(std::numeric_limits<double>::quiet_NaN());  // unset until materialized: loud if read
       } else {
-        slot.copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));
+        slot.copy_(local_piece(static_cast<int64_t>(i), params[i].detach()));
       }
     }
   }
@@ -206,7 +209,7 @@ int64_t Unit::unsharded_storage_bytes() const {
 
 std::vector<at::Tensor> Unit::sharded_views() const {
   std::vector<at::Tensor> out;
-  for (const auto& s : slices_) out.push_back(sharded_flat_.narrow(0, s.shard_offset, s.numel));
+  for (const auto& p : specs_) out.push_back(sharded_flat_.narrow(0, p.slice.shard_offset, p.slice.numel));
   return out;
 }
 
@@ -220,7 +223,7 @@ std::vector<at::Tensor> Unit::unsharded_views() const {
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
                                                       unsharded_flat_.key_set(), unsharded_flat_.dtype());
-    v.unsafeGetTensorImpl()->set_sizes_and_strides(shapes_[i], c10::contiguous_strides(shapes_[i]),
+    v.unsafeGetTensorImpl()->set_sizes_and_strides(specs_[i].shape, c10::contiguous_strides(specs_[i].shape),
                                                    layout_.param_offset(i));
     out.push_back(std::move(v));
   }
@@ -235,12 +238,12 @@ void Unit::bind_params(std::vector<at::Tensor> sharded_params,
   for (size_t i = 0; i < n; ++i) {
     const auto& s = sharded_params[i];
     const auto& u = unsharded_params[i];
-    MFSDP_CHECK(s.defined() && s.dim() == 1 && s.numel() == slices_[i].numel && s.scalar_type() == orig_dtype_,
-                "bind_params: sharded parameter '", names_[i], "' must be a 1-D ", orig_dtype_, " tensor of ",
-                slices_[i].numel, " elements (one of sharded_views())");
-    MFSDP_CHECK(u.defined() && u.sizes().vec() == shapes_[i] && u.scalar_type() == param_dtype_,
-                "bind_params: unsharded parameter '", names_[i], "' must be a ", param_dtype_, " tensor of shape ",
-                shapes_[i], " (one of unsharded_views())");
+    MFSDP_CHECK(s.defined() && s.dim() == 1 && s.numel() == specs_[i].slice.numel && s.scalar_type() == orig_dtype_,
+                "bind_params: sharded parameter '", specs_[i].name, "' must be a 1-D ", orig_dtype_, " tensor of ",
+                specs_[i].slice.numel, " elements (one of sharded_views())");
+    MFSDP_CHECK(u.defined() && u.sizes().vec() == specs_[i].shape && u.scalar_type() == param_dtype_,
+                "bind_params: unsharded parameter '", specs_[i].name, "' must be a ", param_dtype_, " tensor of shape ",
+                specs_[i].shape, " (one of unsharded_views())");
   }
   sharded_params_ = std::move(sharded_params);
   unsharded_params_ = std::move(unsharded_params);
@@ -388,7 +391,7 @@ CommContext& Unit::ctx() {
 
 bool Unit::views_its_slot(size_t i) const {
   const auto& p = sharded_params_[i];
-  const auto& s = slices_[i];
+  const auto& s = specs_[i].slice;
   if (p.numel() != s.numel || p.scalar_type() != orig_dtype_) return false;
   // An empty tensor's data_ptr() is null: an empty slice is intact while it still
   // shares the flat shard's storage. Checking that too keeps the answer the same on
@@ -404,11 +407,11 @@ bool Unit::adopt_data_writes() {
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (views_its_slot(i)) continue;
     const auto& p = sharded_params_[i];
-    const auto& s = slices_[i];
+    const auto& s = specs_[i].slice;
     MFSDP_CHECK(p.numel() == s.numel && p.dim() == 1,
-                "sharded parameter '", names_[i], "' was replaced by a tensor of shape ",
+                "sharded parameter '", specs_[i].name, "' was replaced by a tensor of shape ",
                 p.sizes(), "; its shard has shape [", s.numel,
-                "] (full shape ", shapes_[i],
+                "] (full shape ", specs_[i].shape,
                 "). Update sharded parameters in place (e.g. `with torch.no_grad(): p.copy_(x)`) "
                 "or use load_full_state_dict()");
     shard_changed(static_cast<int64_t>(i), p.detach());
@@ -427,12 +430,12 @@ void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::T
   const int64_t i = *index;
   MFSDP_CHECK(i >= 0 && i < layout_.num_params(), "shard_changed: parameter index ", i, " out of range [0, ",
               layout_.num_params(), ")");
-  MFSDP_CHECK(value && value->defined(), "shard_changed: parameter '", names_[i], "' needs its new value");
-  const auto& s = slices_[i];
-  const bool full = value->sizes().vec() == shapes_[i];
-  MFSDP_CHECK_VALUE(full || (value->dim() == 1 && value->numel() == s.numel), "parameter '", names_[i],
+  MFSDP_CHECK(value && value->defined(), "shard_changed: parameter '", specs_[i].name, "' needs its new value");
+  const auto& s = specs_[i].slice;
+  const bool full = value->sizes().vec() == specs_[i].shape;
+  MFSDP_CHECK_VALUE(full || (value->dim() == 1 && value->numel() == s.numel), "parameter '", specs_[i].name,
               "' of fully_shard unit '", label_, "' was replaced by one of shape ", value->sizes(),
-              ", but the sharded parameter has full shape ", shapes_[i], " (this rank's shard: [", s.numel,
+              ", but the sharded parameter has full shape ", specs_[i].shape, " (this rank's shard: [", s.numel,
               "]); a replacement must keep the shape (or build the model again before fully_shard)");
   auto slot = sharded_flat_.narrow(0, s.shard_offset, s.numel);
   {
@@ -445,10 +448,10 @@ void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::T
 at::Tensor Unit::local_piece(int64_t index, const at::Tensor& full) const {
   MFSDP_CHECK_VALUE(index >= 0 && index < layout_.num_params(), "local_piece: parameter index ", index,
                     " out of range [0, ", layout_.num_params(), ")");
-  const auto& s = slices_[index];
-  MFSDP_CHECK_VALUE(full.numel() == layout_.param_numel(index), "parameter '", names_[index], "' of fully_shard unit '",
+  const auto& s = specs_[index].slice;
+  MFSDP_CHECK_VALUE(full.numel() == layout_.param_numel(index), "parameter '", specs_[index].name, "' of fully_shard unit '",
                     label_, "': a full value of shape ", full.sizes(), " (", full.numel(),
-                    " elements) for a parameter of shape ", shapes_[index], " (", layout_.param_numel(index), " elements)");
+                    " elements) for a parameter of shape ", specs_[index].shape, " (", layout_.param_numel(index), " elements)");
   return full.reshape({-1}).narrow(0, s.param_offset, s.numel);
 }
 
@@ -491,7 +494,7 @@ void Unit::prepare_gather() {
 }
 
 at::Tensor Unit::gather_input(bool in_place) {
-  if (param_dtype_ == orig_dtype_) return sharded_flat_;
+  if (transform_ == GatherTransform::kNone) return sharded_flat_;
   if (!in_place) return sharded_flat_.to(param_dtype_);
   // Cast straight into this rank's slot of the output: an in-place all-gather.
   const int r = ag_comm_.rank();
@@ -611,8 +614,8 @@ at::Tensor Unit::flat_grad_behind_views() const {
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (!has_grad_[i]) continue;
     const auto& g = sharded_params_[i].grad();
-    if (!g.defined() || g.scalar_type() != orig_dtype_ || g.numel() != slices_[i].numel) return {};
-    if (slices_[i].numel == 0) continue;  // an empty view may not share the storage object
+    if (!g.defined() || g.scalar_type() != orig_dtype_ || g.numel() != specs_[i].slice.numel) return {};
+    if (specs_[i].slice.numel == 0) continue;  // an empty view may not share the storage object
     if (!storage) {
       storage = g.storage();
       const auto numel = static_cast<int64_t>(storage.nbytes() / g.element_size());
@@ -626,7 +629,7 @@ at::Tensor Unit::flat_grad_behind_views() const {
     } else if (!g.storage().is_alias_of(storage)) {
       return {};
     }
-    auto* expect = static_cast<const char*>(storage.data()) + (base + slices_[i].shard_offset) * g.element_size();
+    auto* expect = static_cast<const char*>(storage.data()) + (base + specs_[i].slice.shard_offset) * g.element_size();
     if (static_cast<const char*>(g.const_data_ptr()) != expect) return {};
   }
   if (!storage) return {};
@@ -674,7 +677,7 @@ at::Tensor Unit::pack_grads(bool sync) {
   for (int64_t i = 0; i < n; ++i) {
     const auto& g = unsharded_params_[i].grad();
     if (g.defined()) {
-      MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", names_[i], "' has ",
+      MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", specs_[i].name, "' has ",
                   g.numel(), " elements, expected ", layout_.param_numel(i));
       grads[i] = g;
       any = true;
@@ -840,7 +843,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
     at::NoGradGuard no_grad;
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      auto view = b.target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+      auto view = b.target.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
       auto& g = sharded_params_[i].mutable_grad();
       if (g.defined()) g.add_(view.view_as(g));
       else g = view;
@@ -849,7 +852,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
     // Views only: the current stream reads them after the final callback's wait.
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      sharded_params_[i].mutable_grad() = b.target.narrow(0, slices_[i].shard_offset, slices_[i].numel);
+      sharded_params_[i].mutable_grad() = b.target.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
     }
   }
 }
@@ -869,8 +872,8 @@ std::vector<at::Tensor> Unit::gather_full(const std::vector<std::optional<at::Te
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (!pieces[i]) continue;
-    const auto& s = slices_[i];
-    MFSDP_CHECK_VALUE(pieces[i]->numel() == s.numel, "gather_full: the piece of parameter '", names_[i],
+    const auto& s = specs_[i].slice;
+    MFSDP_CHECK_VALUE(pieces[i]->numel() == s.numel, "gather_full: the piece of parameter '", specs_[i].name,
                       "' of unit '", label_, "' has ", pieces[i]->numel(), " elements; this rank holds ", s.numel);
     if (s.numel > 0) segment.narrow(0, s.shard_offset, s.numel).copy_(pieces[i]->reshape({-1}));
   }
@@ -890,7 +893,7 @@ std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
   }
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
-    out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(shapes_[i]));
+    out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(specs_[i].shape));
   }
   return out;
 }

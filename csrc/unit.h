@@ -26,6 +26,7 @@
 #include "comm.h"
 #include "comm_context.h"
 #include "layout.h"
+#include "param_spec.h"
 #include "strategy.h"
 #include "streams.h"
 
@@ -61,6 +62,8 @@ class Unit {
        std::optional<c10::Device> materialize_on = std::nullopt);
 
   const FlatLayout& layout() const { return layout_; }
+  const std::vector<ParamSpec>& param_specs() const { return specs_; }
+  GatherTransform gather_transform() const { return transform_; }
   // How errors name this unit (the module's path once the root knows it).
   const std::string& label() const { return label_; }
   void set_label(std::string label);
@@ -197,7 +200,7 @@ class Unit {
   static void run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units,
                             const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
   // No-shard without a cast: the unsharded params are the shards themselves.
-  bool aliases_shard() const { return replicated() && param_dtype_ == orig_dtype_; }
+  bool aliases_shard() const { return replicated() && transform_ == GatherTransform::kNone; }
   bool unsharded_is_stale() const {
     return !aliases_shard() && (stale_ || sharded_flat_._version() != gathered_version_);
   }
@@ -245,7 +248,9 @@ class Unit {
 
   ShardingStrategy strategy_;
   FlatLayout layout_;
-  std::vector<std::string> names_;
+  // One per parameter, in the unit's order: what every step below reads about it.
+  std::vector<ParamSpec> specs_;
+  GatherTransform transform_ = GatherTransform::kNone;  // the unit's (one stored and one gathered dtype)
   std::string label_;
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
@@ -260,8 +265,6 @@ class Unit {
   bool check_collectives_ = false;
   bool check_nonfinite_ = false;
   double grad_divide_factor_ = 0;
-  std::vector<std::vector<int64_t>> shapes_;
-  std::vector<ShardSlice> slices_;
   Communicator ag_comm_, rs_comm_;
   Communicator replicate_comm_;  // undefined unless HSDP
   bool requires_all_reduce_ = true;

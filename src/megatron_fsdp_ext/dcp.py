@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _C, backends
+from . import backends
 from .checkpoint_reader import (SafeFileSystemReader, SafeLoadPlanner, decode_json, decode_legacy_pickle,
                                 decode_object, encode_json, encode_object)
 from .agree import Agreement, describe, failures, gather_objects, listing, rank_world
@@ -100,9 +100,10 @@ class _ParamInfo:
         self.name = names[0]
         self.names = names  # tied parameters have several
         self.param = state.sharded_params[index]
-        self.full_shape = tuple(state.unsharded_params[index].shape)
-        self.full_numel = unit.layout.numels[index]
-        self.replicated = unit.strategy == _C.ShardingStrategy.NO_SHARD
+        spec = unit.param_specs[index]
+        self.full_shape = spec.shape
+        self.full_numel = spec.numel
+        self.replicated = unit.strategy.replicated
         group = state.process_group
         if dist.get_world_size(group) * unit.replicate_size != dist.get_world_size():
             # Units of different data-parallel groups (tensor/expert parallelism) would

@@ -84,9 +84,9 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
     slices_read, whole_read = [], []
     with Agreement("load_safetensors", tail="; nothing was loaded"):
         for state, unit_values in zip(states, values):
-            slices = state.unit.layout.shard_slices(state.unit.shard_index)
+            specs = state.unit.param_specs
             for i, value in enumerate(unit_values):
-                piece = slices[i]
+                piece = specs[i].slice
                 if value is None or piece.numel == 0:
                     continue
                 key = key_of[id(value)]

@@ -24,8 +24,8 @@ MUTATIONS = [
      "return 2.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);",
      [PARITY], []),
     ("shard offset off by one element", "csrc/unit.cpp",
-     "slot.copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset, s.numel));",
-     "slot.copy_(params[i].detach().reshape({-1}).narrow(0, s.param_offset > 0 ? s.param_offset - 1 : 0, s.numel));",
+     "  return full.reshape({-1}).narrow(0, s.param_offset, s.numel);",
+     "  return full.reshape({-1}).narrow(0, s.param_offset > 0 ? s.param_offset - 1 : 0, s.numel);",
      [PARITY], []),
     # The optimizer's stream does not wait for the gradient reduction: stream chaos (a
     # delay on the reduce-scatter stream after the collective, before the gradients land)

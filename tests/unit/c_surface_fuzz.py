@@ -125,7 +125,12 @@ def fixed_cases(pg):
             attempt(unit.reduce_grads, True)
             attempt(unit.reduce_grads, False)
             attempt(unit.gather_full_params)
+            attempt(unit.gather_full, [None, None], torch.float32)
             attempt(unit.shard_changed, 0, torch.ones(6, 4))
+            for index, full in ((-1, torch.ones(6, 4)), (2, torch.ones(5)), (2**40, torch.ones(1)), (0, torch.ones(5)),
+                                (1, torch.ones(6, 4)), (0, torch.ones(0))):
+                attempt(unit.local_piece, index, full)
+            attempt(lambda: [repr(s) for s in unit.param_specs])
             attempt(unit.reshard)
             attempt(unit.set_context, None)
             attempt(unit.set_all_gather_group, None)
@@ -155,6 +160,10 @@ def fixed_cases(pg):
             for full in ([torch.ones(6, 4)], [torch.ones(4, 6), torch.ones(5)], [torch.ones(6, 4), torch.ones(5, 1)],
                          [torch.ones(6, 4, dtype=torch.int64), torch.ones(5)], [torch.ones(1).expand(6, 4), torch.ones(5)]):
                 attempt(lambda: [unit.shard_changed(i, t) for i, t in enumerate(full)])
+            for pieces in ([], [None], [torch.ones(3), None], [torch.ones(10**6), None],
+                           [torch.ones(24, dtype=torch.int64), torch.ones(5)], [None, None, None]):
+                attempt(unit.gather_full, pieces, torch.float32)
+            attempt(unit.gather_full, [None, None], torch.int64)
             # Gradients of the wrong size on the unsharded parameters.
             unit.unshard()
             unit.wait_unshard()

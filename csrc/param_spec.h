@@ -1,0 +1,43 @@
+// ParamSpec: one parameter of a unit as every part of the library sees it. The unit's
+// views, the shard cut (local_piece), the gather's copy-out and gradient landing read
+// these fields, and Python reads them as `Unit.param_specs`. A new kind of parameter
+// becomes a new field or value here: an FP8 gather a GatherTransform, offloaded storage
+// a storage_device other than the unit's, tensor-parallel placements a field holding the
+// local tensor's outer placements (docs/design.md, "Adding a parameter kind").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "layout.h"
+
+namespace mfsdp {
+
+// How the sharded (master) value becomes the gathered copy the forward computes with.
+enum class GatherTransform {
+  kNone = 0,  // gathered as stored
+  kCast = 1,  // cast to the unit's param dtype before the all-gather (mixed precision)
+};
+inline const char* gather_transform_name(GatherTransform transform) {
+  return transform == GatherTransform::kCast ? "cast" : "none";
+}
+
+struct ParamSpec {
+  std::string name;            // the name fully_shard found it under first (tied names: param_index.py)
+  std::vector<int64_t> shape;  // the local full shape: what the module computes with
+  at::ScalarType dtype;        // the stored (sharded master) dtype
+  at::ScalarType gather_dtype; // the gathered copy's dtype
+  GatherTransform transform;   // how dtype becomes gather_dtype
+  c10::Device storage_device;  // where the shard and its gradient live
+  ShardSlice slice;            // this rank's piece of the parameter, and where it sits in the shard
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    return n;
+  }
+};
+
+}  // namespace mfsdp
