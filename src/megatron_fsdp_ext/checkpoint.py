@@ -108,7 +108,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
                 full = _fetch(value, state.unit.device, state.unit.orig_dtype, broadcast_from_rank0)
                 state.unit.shard_changed(i, full)  # copies this rank's slice
                 del full
-        state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
+        state.mark_loaded()  # a deferred unit is loaded whole (checked in the plan)
     with torch.no_grad():
         for key, target, value in replicated:
             device = target.device if not target.is_meta else states[0].unit.device

@@ -55,7 +55,6 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .param_index import iter_states
-from .states import ParamInit
 from .param_index import ParamIndex
 from .state_dict import local_state_dict
 
@@ -391,7 +390,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             with local_state_dict():
                 module.load_state_dict(objects, strict=False)
         for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
-            state.param_init = ParamInit.MATERIALIZED
+            state.mark_loaded()
         if optimizer is not None:
             _apply_optimizer(plan, small, optimizer)
 

@@ -406,6 +406,11 @@ class FSDPState:
         self.unit.reshard()
         self._install(unsharded=False)
 
+    def mark_loaded(self) -> None:
+        """Every parameter of this unit now holds its value (materialize, or a load that
+        wrote the whole unit): the one writer of param_init after construction."""
+        self.param_init = ParamInit.MATERIALIZED
+
     @property
     def keeps_params_unsharded(self) -> bool:
         """Strategies other than optim_grads_params keep the unsharded copy between uses."""

@@ -84,7 +84,7 @@ def materialize(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]
         raise RuntimeError(f"materialize: no module of {type(module).__name__} holds parameter(s) {missing[:5]}; "
                            "they were left without values")
     for s in deferred.values():
-        s.param_init = ParamInit.MATERIALIZED
+        s.mark_loaded()
     return module
 
 

@@ -14,7 +14,6 @@ import torch.nn as nn
 from .agree import Agreement, gather_objects
 from .checkpoint import agree_on_keys, plan_full_load, replace_meta
 from .checkpoint_files import check_same_path
-from .states import ParamInit
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -98,7 +97,7 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
         for state, i, local in slices_read:
             state.unit.shard_changed(i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
         for state in states:
-            state.param_init = ParamInit.MATERIALIZED  # a deferred unit is loaded whole (checked in the plan)
+            state.mark_loaded()  # a deferred unit is loaded whole (checked in the plan)
         for key, target, whole in whole_read:
             if target.is_meta:
                 replace_meta(module, key, whole.to(device=states[0].unit.device, dtype=target.dtype))

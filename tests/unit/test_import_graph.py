@@ -80,3 +80,16 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path):
     edges, private = import_graph(tmp_path)
     assert find_cycle(edges) in (["a", "b", "a"], ["b", "a", "b"])
     assert private == ["b.py imports a._hidden (line 2)"]
+
+
+def test_only_the_state_writes_param_init():
+    """A unit's ParamInit has one writer (FSDPState: construction and mark_loaded); the
+    loaders call mark_loaded instead of assigning it."""
+    writers = []
+    for path in _package_dir().glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            writers += [f"{path.name}:{node.lineno}" for t in targets
+                        if isinstance(t, ast.Attribute) and t.attr == "param_init"]
+    assert writers and all(w.startswith("hooks.py:") for w in writers), writers
