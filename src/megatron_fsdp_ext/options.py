@@ -12,6 +12,7 @@ not options: they live on FSDPState (states.py).
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -68,12 +69,14 @@ class UnitOptions:
                 f"reshard_after_forward=True contradicts sharding_strategy={self.sharding_strategy!r}, which keeps "
                 "parameters unsharded between uses; use 'optim_grads_params' to free them after forward")
 
-    @property
+    # Cached: read in the hooks every step (a frozen instance never changes; the setters
+    # make a new one).
+    @functools.cached_property
     def strategy(self):
         """The strategy as `_C.ShardingStrategy`, whose properties say what it means."""
         return sharding_strategy(self.sharding_strategy)
 
-    @property
+    @functools.cached_property
     def keeps_params_unsharded(self) -> bool:
         return self.strategy.keeps_unsharded
 
