@@ -5,8 +5,8 @@ compared in one place):
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy     # FSDP2
     from megatron_fsdp_ext import fully_shard, MixedPrecisionPolicy          # ours
 
-Everything else is torch: a 1-D DeviceMesh, fully_shard per block then the root,
-torch's MixedPrecisionPolicy fields, get_state_dict / set_state_dict and
+Everything else is torch: a 1-D DeviceMesh, fully_shard per block, [norm, output] as one
+unit (torchtitan's own grouping), then the root, torch's MixedPrecisionPolicy fields, get_state_dict / set_state_dict and
 torch.distributed.checkpoint in torchtitan's {"model", "optimizer"} layout.
 
     torchrun --nproc_per_node=2 examples/torchtitan_style.py --impl mfsdp --out runs/titan
@@ -108,6 +108,8 @@ def main():
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_cuda else None, reduce_dtype=torch.float32)
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    # As torchtitan's apply_fsdp: the final norm and the output projection as one unit.
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
@@ -132,6 +134,7 @@ def main():
     fresh = Transformer(args.vocab, args.dim, args.heads, args.layers).to(device)
     for layer in fresh.layers.values():
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard([fresh.norm, fresh.output], mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(fresh, mesh=mesh, mp_policy=mp)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3, weight_decay=0.1)
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)

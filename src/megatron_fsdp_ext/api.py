@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -264,7 +264,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, List[nn.Module]],
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     sharding_strategy: str = "optim_grads_params",
@@ -291,7 +291,10 @@ def fully_shard(
     forward/backward and reduce their gradients.
 
     Call it bottom-up: each transformer block first, then the root. Returns `module`,
-    whose class now also derives from FSDPModule. `module.parameters()` then yields
+    whose class now also derives from FSDPModule. A list of modules (FSDP2's, e.g.
+    torchtitan's [model.norm, model.output]) makes one unit of them all: gathered before
+    the first of them runs in a forward, released after the last; their parent must be
+    sharded too (a unit of several modules is never the root). `module.parameters()` then yields
     this rank's shards (1-D), which is what the optimizer updates.
 
     Deferred init: a module built under torch.device("meta") is sharded without ever
@@ -367,7 +370,7 @@ def fully_shard(
                      `process_group` must span all ranks. None: the group's own timeout.
     mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
     """
-    check_target(module)
+    modules = check_target(module)
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)
     check_fsdp2_only_options(offload_policy, shard_placement_fn)
@@ -394,24 +397,25 @@ def fully_shard(
                         create_all_gather_group, timeout)
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
-    params, names, slots, keys = collect_params(module, {id(p) for p in (ignored_params or ())})
+    params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
     unit, sharded, unsharded, deferred = None, [], [], False
     if params:
-        materialize_on = check_devices(module, params, names, pg, mesh)
+        materialize_on = check_devices(modules[0], params, names, pg, mesh)
         deferred = materialize_on is not None
         unit, sharded, unsharded = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on,
                                              check_for_nan_in_grad)
         groups.connect(unit, strategy)
 
-    state = FSDPState(module, unit, names, sharded, unsharded, slots, pg, options,
+    state = FSDPState(modules, unit, names, sharded, unsharded, slots, pg, options,
                       check_group=groups.reduce_scatter_group,
                       deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
         p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
-    module.__dict__["_mfsdp_state"] = state
-    state.state_dict_hooks = ModuleStateDictHooks(state, keys)
-    module.__class__ = _fsdp_class(type(module))
+    for m, module_keys in zip(modules, keys):
+        m.__dict__["_mfsdp_state"] = state
+        ModuleStateDictHooks(state, m, module_keys)
+        m.__class__ = _fsdp_class(type(m))
     shard_changes.ensure_step_hook_registered()
     return module

@@ -134,8 +134,10 @@ def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -
     return None
 
 
-def collect_params(module: nn.Module, ignored: set):
-    """The parameters this call owns and every slot (module._parameters, name) holding them.
+def collect_params(modules: list, ignored: set):
+    """The parameters this call owns (the unit of `modules`: one, or FSDP2's list of
+    several) and every slot (module._parameters, name) holding them; the state-dict keys
+    per module, relative to it.
 
     Subtrees of already-sharded modules belong to their own units and are skipped; a
     parameter of such a unit found outside it is a tie across units, which one unit's
@@ -143,7 +145,7 @@ def collect_params(module: nn.Module, ignored: set):
     """
     params, names, index_of = [], [], {}
     slots = []  # (params_dict, name, index)
-    keys = []  # (state_dict key relative to `module`, index): every slot, tied ones included
+    keys = []  # per module: (state_dict key relative to it, index): every slot, tied ones included
 
     def visit(mod: nn.Module, prefix: str, is_top: bool):
         if not is_top and "_mfsdp_state" in mod.__dict__:
@@ -166,30 +168,44 @@ def collect_params(module: nn.Module, ignored: set):
                 params.append(p)
                 names.append(prefix + name)
             slots.append((mod._parameters, name, index_of[id(p)]))
-            keys.append((prefix + name, index_of[id(p)]))
+            keys[-1].append((prefix[len(top):] + name, index_of[id(p)]))
         for child_name, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{child_name}.", False)
 
-    visit(module, "", True)
+    for k, module in enumerate(modules):
+        # A unit of several modules names its parameters by the module's position.
+        top = f"{k}." if len(modules) > 1 else ""
+        keys.append([])
+        visit(module, top, True)
     return params, names, slots, keys
 
 
-def check_target(module) -> None:
-    """`module` can become a unit: an nn.Module not sharded yet, with torch.distributed up."""
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard(list of modules): one unit spanning several sibling modules is not supported; "
-            "call fully_shard on their common parent, or on each module separately")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+def check_target(module) -> list:
+    """The modules of the unit: `module`, or FSDP2's list of several (gathered before the
+    first of them runs, resharded after the last). Each an nn.Module not sharded yet,
+    none inside another, with torch.distributed up."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fully_shard needs an initialized default process group: call "
             "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
         )
-    if "_mfsdp_state" in module.__dict__:
-        raise ValueError(f"fully_shard was already called on this {type(module).__name__} module")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+    for m in modules:
+        if "_mfsdp_state" in m.__dict__:
+            raise ValueError(f"fully_shard was already called on this {type(m).__name__} module")
+        for other in modules:
+            if other is not m and any(sub is other for sub in m.modules()):
+                raise ValueError(f"fully_shard([...]): {type(other).__name__} is inside {type(m).__name__}; a unit of "
+                                 "several modules takes modules that do not contain each other")
+    return modules
 
 
 class CommGroups:

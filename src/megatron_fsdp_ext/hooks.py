@@ -110,6 +110,9 @@ class RootContext:
     def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device):
         self.root = root
         self.states = states
+        # Units of several modules (fully_shard([...])): the root resets their bookkeeping
+        # of which members ran at the start of every forward.
+        self.group_states = [s for s in states if len(s._module_refs) > 1]
         self.device = device
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
@@ -284,10 +287,13 @@ _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
 class FSDPState:
-    def __init__(self, module, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
+    def __init__(self, modules, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
                  check_group=None, deferred: bool = False, device_mesh=None):
-        self._module_ref = weakref.ref(module)
-        self.module_kind = type(module).__name__
+        # A unit of several modules (FSDP2's fully_shard([...])) is gathered before the
+        # first of them runs in a forward and released after the last (_group_pending).
+        self._module_refs = [weakref.ref(m) for m in modules]
+        self._group_pending: set = set()
+        self.module_kind = "+".join(type(m).__name__ for m in modules)
         self.label = self.module_kind  # the module's path in the model, once lazy init ran
         # The group this unit's collectives wait on longest (its reduce-scatter group):
         # the cross-rank consistency check runs there, under the same timeout.
@@ -337,17 +343,38 @@ class FSDPState:
         # The hooks drive C++ units Dynamo cannot trace: disabled for it, they run eagerly
         # outside any graph (as FSDP2's do), so `block.compile(fullgraph=True)` traces the
         # block alone and a whole-model torch.compile breaks its graphs only here.
-        self._handles = [
-            module.register_forward_pre_hook(run_outside_dynamo(self._pre_forward), prepend=True, with_kwargs=True),
-            module.register_forward_hook(run_outside_dynamo(self._post_forward), prepend=False),
-        ]
+        self._handles = [h for m in modules for h in (
+            m.register_forward_pre_hook(run_outside_dynamo(self._pre_forward), prepend=True, with_kwargs=True),
+            m.register_forward_hook(run_outside_dynamo(self._post_forward), prepend=False),
+        )]
 
     def __str__(self) -> str:
         return f"{self.module_kind} (unit of {len(self.names)} parameters)"
 
     @property
     def module(self) -> nn.Module:
-        return self._module_ref()
+        """The unit's module (the first, for a unit of several)."""
+        return self._module_refs[0]()
+
+    @property
+    def modules(self) -> List[nn.Module]:
+        return [ref() for ref in self._module_refs]
+
+    def _group_starts(self) -> bool:
+        """Whether this module's forward is the first of the unit's modules in this pass."""
+        if len(self._module_refs) == 1:
+            return True
+        if self._group_pending:
+            return False
+        self._group_pending = {id(ref()) for ref in self._module_refs}
+        return True
+
+    def _group_ends(self, module) -> bool:
+        """Whether this module's forward is the last of the unit's modules in this pass."""
+        if len(self._module_refs) == 1:
+            return True
+        self._group_pending.discard(id(module))
+        return not self._group_pending
 
     # ------------------------------------------------------------ lazy init
 
@@ -357,8 +384,18 @@ class FSDPState:
         on it alone) is taken over."""
         if self.ctx is not None:
             return
-        named = [(name or f"{self.module_kind} (root)", m.__dict__["_mfsdp_state"])
-                 for name, m in self.module.named_modules() if "_mfsdp_state" in m.__dict__]
+        if len(self._module_refs) > 1:
+            raise ValueError(
+                f"fully_shard([...]) unit of {self.module_kind} would be the root of its model (its forward ran "
+                "first, or unshard() was called on it before any root): a unit of several modules is gathered "
+                "around its members' forwards only; call fully_shard on their common parent too, as torchtitan "
+                "does with the whole model")
+        named, seen = [], set()  # a unit of several modules once, named by its first member
+        for name, m in self.module.named_modules():
+            s = m.__dict__.get("_mfsdp_state")
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                named.append((name or f"{self.module_kind} (root)", s))
         states = [s for _, s in named]
         check_materialized(states, "forward (or unshard())")
         for name, s in named:
@@ -470,15 +507,19 @@ class FSDPState:
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
         if self.method_active:
             return args, kwargs
-        self.ctx.record_forward(self)
-        # Issue the next units' all-gathers before waiting on ours: they run on the
-        # all-gather stream while this unit computes. Not in a forward re-run inside
-        # backward (activation checkpointing): the next units are done there.
-        if self.ctx.in_backward:
-            self.unshard()
-        else:
-            _unshard_all(*self.ctx.forward_gathers(self))
-        self.wait_unshard()
+        if self.is_root:
+            for s in self.ctx.group_states:  # a member that did not run last time must not block this one
+                s._group_pending.clear()
+        if self._group_starts():
+            self.ctx.record_forward(self)
+            # Issue the next units' all-gathers before waiting on ours: they run on the
+            # all-gather stream while this unit computes. Not in a forward re-run inside
+            # backward (activation checkpointing): the next units are done there.
+            if self.ctx.in_backward:
+                self.unshard()
+            else:
+                _unshard_all(*self.ctx.forward_gathers(self))
+            self.wait_unshard()
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -505,7 +546,8 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         # A forward re-run inside backward (activation checkpointing) keeps the unit
         # gathered: its backward comes right after.
-        if (self.reshard_after_forward or not grad_enabled) and not self.ctx.in_backward:
+        if self._group_ends(module) and (self.reshard_after_forward or not grad_enabled) and \
+                not self.ctx.in_backward:
             self.release()
         if self.is_root and not grad_enabled:
             # No backward follows: a prefetched unit that did not run must not stay gathered.

@@ -154,13 +154,13 @@ def _is_the_shard(value, shard) -> bool:
 # ---------------------------------------------------------------- module hooks
 
 class ModuleStateDictHooks:
-    """The state-dict hooks of one fully_shard module; `keys` maps each state_dict key
-    (relative to the module) of the unit's parameters to the parameter's index."""
+    """The state-dict hooks of one module of a fully_shard unit (a unit of several modules
+    has one per module); `keys` maps each state_dict key (relative to the module) of the
+    unit's parameters to the parameter's index."""
 
-    def __init__(self, state, keys: List[Tuple[str, int]]):
+    def __init__(self, state, module, keys: List[Tuple[str, int]]):
         self.state = state
         self.keys = keys
-        module = state.module
         # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
         module.register_state_dict_post_hook(lambda *a: self._post_state_dict(*a))
         module.register_load_state_dict_pre_hook(lambda *a: self._pre_load(*a))

@@ -72,8 +72,8 @@ def _fsdp2_arguments(rank, world):
         mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy())
     with pytest.raises(NotImplementedError, match="shard_placement_fn"):
         mfsdp.fully_shard(m, shard_placement_fn=lambda p: None)
-    with pytest.raises(NotImplementedError, match="list of modules"):
-        mfsdp.fully_shard([m[0], m[2]])
+    with pytest.raises(ValueError, match="same module twice"):
+        mfsdp.fully_shard([m[0], m[0]])
     with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
         mfsdp.fully_shard(m, mp_policy="bf16")
     assert not isinstance(m, mfsdp.FSDPModule)  # every refusal left the module untouched
