@@ -37,7 +37,7 @@ def _loss(net, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _group_parity(rank, world, reshard_after_forward):
+def _group_parity(rank, world, reshard_after_forward, path):
     import megatron_fsdp_ext as mfsdp
     from megatron_fsdp_ext.param_index import owner_of
 
@@ -100,12 +100,24 @@ def _group_parity(rank, world, reshard_after_forward):
     reloaded = mfsdp.full_state_dict(again, rank0_only=False)
     for key, value in full.items():
         torch.testing.assert_close(reloaded[key], value, msg=key)
+    # Our sharded checkpoint, model and optimizer, into a fresh model of the same units.
+    mfsdp.save_checkpoint(path, net, opt)
+    third = Net()
+    for block in third.blocks:
+        mfsdp.fully_shard(block)
+    mfsdp.fully_shard([third.norm, third.head])
+    mfsdp.fully_shard(third)
+    third_opt = torch.optim.AdamW(third.parameters(), lr=1e-2)
+    mfsdp.load_checkpoint(path, third, third_opt)
+    loaded = mfsdp.full_state_dict(third, rank0_only=False)
+    for key, value in full.items():
+        torch.testing.assert_close(loaded[key], value, msg=key)
     return losses
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_unit_of_several_modules_trains_like_plain_pytorch(reshard_after_forward):
-    results = run_distributed(_group_parity, 2, reshard_after_forward, timeout=180)
+def test_unit_of_several_modules_trains_like_plain_pytorch(reshard_after_forward, tmp_path):
+    results = run_distributed(_group_parity, 2, reshard_after_forward, str(tmp_path / "ckpt"), timeout=180)
     assert results[0] == results[1]
 
 
