@@ -311,7 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("check_nonfinite", &Unit::check_nonfinite, &Unit::set_check_nonfinite)
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
-      .def_property_readonly("param_specs", &Unit::param_specs, py::return_value_policy::reference_internal)
+      .def_property_readonly("param_specs", &Unit::param_specs, py::return_value_policy::copy)
       .def_property_readonly("gather_transform", &Unit::gather_transform)
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())

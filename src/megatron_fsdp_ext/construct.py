@@ -190,7 +190,8 @@ def check_target(module) -> list:
         raise ValueError("fully_shard got an empty list of modules")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+            raise TypeError(f"fully_shard expects an nn.Module{' in its list' if len(modules) > 1 else ''}, "
+                            f"got {type(m).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fully_shard needs an initialized default process group: call "
