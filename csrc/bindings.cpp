@@ -278,10 +278,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("storage_device", &ParamSpec::storage_device)
       .def_readonly("slice", &ParamSpec::slice)
       .def("__repr__", [](const ParamSpec& p) {
-        std::string shape = "(";
-        for (size_t d = 0; d < p.shape.size(); ++d) shape += std::to_string(p.shape[d]) + (p.shape.size() == 1 ? "," : d + 1 < p.shape.size() ? ", " : "");
-        shape += ")";
-        return "ParamSpec('" + p.name + "', shape=" + shape + ", dtype=" + c10::toString(p.dtype) +
+        return "ParamSpec('" + p.name + "', shape=" + c10::str(c10::IntArrayRef(p.shape)) + ", dtype=" + c10::toString(p.dtype) +
                ", gather=" + gather_transform_name(p.transform) + ":" + c10::toString(p.gather_dtype) +
                ", device=" + p.storage_device.str() + ", slice=[" + std::to_string(p.slice.param_offset) + "+" +
                std::to_string(p.slice.numel) + "])";
@@ -312,6 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
       .def_property_readonly("param_specs", &Unit::param_specs, py::return_value_policy::copy)
+      .def("param_spec", [](const Unit& u, int64_t index) { return u.param_specs().at(index); }, py::arg("index"),
+           "param_specs[index] without copying the others.")
       .def_property_readonly("gather_transform", &Unit::gather_transform)
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())

@@ -172,8 +172,9 @@ class Agreement:
             if self.check is not None:
                 self.check(shared, group)
             infos = [f for f, _ in gathered.values()]
-            if merged(infos):
+            failed = merged(infos)
+            if failed:
                 if self.fail is not None:
-                    self.fail(merged(infos), own)
+                    self.fail(failed, own)
                 raise_agreed(self.what, own, infos, error=self.error, tail=self.tail)
         return False  # nothing failed, or no group saw it (no group at all): it raises here

@@ -99,7 +99,7 @@ class _ParamInfo:
         self.name = names[0]
         self.names = names  # tied parameters have several
         self.param = state.sharded_params[index]
-        spec = unit.param_specs[index]
+        spec = unit.param_spec(index)
         self.full_shape = spec.shape
         self.full_numel = spec.numel
         self.replicated = unit.strategy.replicated

@@ -356,10 +356,6 @@ class FSDPState:
         """The unit's module (the first, for a unit of several)."""
         return self._module_refs[0]()
 
-    @property
-    def modules(self) -> List[nn.Module]:
-        return [ref() for ref in self._module_refs]
-
     def _group_starts(self) -> bool:
         """Whether this module's forward is the first of the unit's modules in this pass."""
         if len(self._module_refs) == 1:

@@ -101,7 +101,8 @@ def _initialize_module(m: nn.Module, path: str, init_fn, deferred: dict, written
         state, i = owner_of(p)
         if state is not None:
             if id(state) in deferred:
-                full = _blank(state.unit.param_specs[i].shape, state.unit.param_specs[i].dtype, device)
+                spec = state.unit.param_spec(i)
+                full = _blank(spec.shape, spec.dtype, device)
                 swaps.append((name, p, full, state, i, (id(state), i) in written))
         elif p.is_meta:
             fresh.append((m._parameters, name, nn.Parameter(_blank(p.shape, p.dtype, device), p.requires_grad)))

@@ -84,6 +84,7 @@ class UnitOptions:
 # The dtypes units store, gather and reduce in (csrc/dtypes.h: one definition).
 FLOAT_DTYPES = tuple(_C.supported_float_dtypes())
 
+
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Dtypes for the unsharded parameters, the gradient reduction and the outputs.

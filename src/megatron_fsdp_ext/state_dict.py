@@ -199,7 +199,7 @@ class ModuleStateDictHooks:
             shard, value = state.sharded_params[i], state_dict[prefix + key]
             if _is_the_shard(value, shard):
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
-            full = _full_value(value, state.unit.param_specs[i].shape, shard.numel(),
+            full = _full_value(value, state.unit.param_spec(i).shape, shard.numel(),
                                f"load_state_dict '{prefix + key}'")
             state_dict[prefix + key] = state.unit.local_piece(i, full)
 
@@ -306,7 +306,7 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
             continue
         if keep_local and not isinstance(v, DTensor) and v.shape == shard.shape:
             continue
-        full = _full_value(v, state.unit.param_specs[index].shape, shard.numel(),
+        full = _full_value(v, state.unit.param_spec(index).shape, shard.numel(),
                            f"{what}: state '{name}' of '{state.names[index]}'")
         out[name] = state.unit.local_piece(index, full).to(shard.device).clone()
     return out

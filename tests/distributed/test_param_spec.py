@@ -33,6 +33,13 @@ def _specs_match(rank, world, param_dtype):
         assert torch.equal(piece, shard.detach()), name
         assert torch.equal(piece, full.reshape(-1)[spec.slice.param_offset: spec.slice.param_offset + spec.slice.numel])
         covered += spec.slice.numel
+    for k, spec in enumerate(specs):  # one spec by index: the same record
+        one = unit.param_spec(k)
+        assert (one.name, one.shape, one.slice.param_offset, one.slice.numel) == \
+            (spec.name, spec.shape, spec.slice.param_offset, spec.slice.numel)
+    with pytest.raises(IndexError):
+        unit.param_spec(len(specs))
+    assert repr(specs[0]).startswith(f"ParamSpec('0.weight', shape=[7, 5], dtype=Float"), repr(specs[0])
     with pytest.raises(ValueError, match=r"a full value of shape \[3, 3\] \(9 elements\) for a parameter of shape"):
         unit.local_piece(0, torch.zeros(3, 3))
     return covered
