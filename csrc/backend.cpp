@@ -24,11 +24,13 @@ std::map<Key, BackendCaps> builtin_table() {
   nccl.enqueues_on_stream = true;
   nccl.coalesced_all_gather = nccl.coalesced_reduce_scatter = true;
   nccl.uneven_lists = true;
+  nccl.all_to_all = true;
   table[{"nccl", c10::DeviceType::CUDA}] = nccl;
 
   // Gloo: every collective runs on the host in a worker thread; Work::wait blocks.
   BackendCaps gloo_cpu = caps("gloo");
   gloo_cpu.coalesced_all_gather = gloo_cpu.coalesced_reduce_scatter = true;
+  gloo_cpu.all_to_all = true;
   table[{"gloo", c10::DeviceType::CPU}] = gloo_cpu;
   // CUDA tensors are copied to pinned host memory and back. Its coalesced all-gather has
   // no CUDA path (it hands device pointers to the host algorithm: pytorch#152645,
@@ -36,6 +38,7 @@ std::map<Key, BackendCaps> builtin_table() {
   // Uneven allgather lists are refused on either device.
   BackendCaps gloo_cuda = caps("gloo");
   gloo_cuda.coalesced_reduce_scatter = true;
+  gloo_cuda.all_to_all = true;  // staged through host memory like its other collectives
   table[{"gloo", c10::DeviceType::CUDA}] = gloo_cuda;
 
   // torch's fake backend: one process plays rank r of W; collectives return at once and

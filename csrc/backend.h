@@ -34,6 +34,9 @@ struct BackendCaps {
   // Uneven allgather / reduce_scatter with one view per rank (an NCCL group of
   // broadcasts / reduces). Without it the uneven collectives pad every segment.
   bool uneven_lists = false;
+  // alltoall_base with per-rank split sizes. Without it, state dicts gather whole units
+  // to cut FSDP2's rows instead of exchanging only the rows (csrc/row_exchange.h).
+  bool all_to_all = false;
 };
 
 // The capabilities of `pg`'s backend for `device_type` tensors; nullopt when the group

@@ -12,6 +12,7 @@
 #include "param_spec.h"
 #include "param_slots.h"
 #include "post_backward.h"
+#include "row_exchange.h"
 #include "strategy.h"
 #include "unit.h"
 
@@ -92,6 +93,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shard_slices", &FlatLayout::shard_slices, py::arg("rank"))
       .def("__repr__", &FlatLayout::describe);
 
+  py::class_<ExchangePiece>(m, "ExchangePiece")
+      .def_readonly("peer", &ExchangePiece::peer)
+      .def_readonly("param", &ExchangePiece::param)
+      .def_readonly("src_offset", &ExchangePiece::src_offset)
+      .def_readonly("dst_offset", &ExchangePiece::dst_offset)
+      .def_readonly("numel", &ExchangePiece::numel);
+  py::class_<RowExchangePlan>(m, "RowExchangePlan")
+      .def_readonly("send", &RowExchangePlan::send)
+      .def_readonly("recv", &RowExchangePlan::recv)
+      .def_readonly("send_splits", &RowExchangePlan::send_splits)
+      .def_readonly("recv_splits", &RowExchangePlan::recv_splits);
+  m.def(
+      "row_exchange_plan",
+      [](const FlatLayout& layout, const std::vector<int64_t>& rows, int64_t rank, bool to_rows, int64_t only) {
+        return row_exchange_plan(layout, rows, rank, to_rows ? ExchangeDirection::kToRows : ExchangeDirection::kFromRows,
+                                 only);
+      },
+      py::arg("layout"), py::arg("rows"), py::arg("rank"), py::arg("to_rows"), py::arg("only") = -1,
+      "The pieces one rank sends and receives to move between the layout and FSDP2's rows (row_exchange.h).");
+  m.def("row_slice", &row_slice, py::arg("layout"), py::arg("rows"), py::arg("param"), py::arg("rank"),
+        "The elements of a parameter a rank holds under FSDP2's Shard(0) placement.");
   m.def(
       "balance_owners",
       [](const std::vector<double>& costs, int64_t world_size, std::vector<double> loads) {
@@ -132,7 +154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<BackendCaps>(m, "BackendCaps")
       .def(py::init([](std::string name, bool moves_data, bool enqueues_on_stream, bool flat_all_gather,
                        bool flat_reduce_scatter, bool coalesced_all_gather, bool coalesced_reduce_scatter,
-                       bool uneven_lists) {
+                       bool uneven_lists, bool all_to_all) {
              BackendCaps c;
              c.name = std::move(name);
              c.moves_data = moves_data;
@@ -142,12 +164,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.coalesced_all_gather = coalesced_all_gather;
              c.coalesced_reduce_scatter = coalesced_reduce_scatter;
              c.uneven_lists = uneven_lists;
+             c.all_to_all = all_to_all;
              return c;
            }),
            py::arg("name"), py::kw_only(), py::arg("moves_data") = true, py::arg("enqueues_on_stream") = false,
            py::arg("flat_all_gather") = true, py::arg("flat_reduce_scatter") = true,
            py::arg("coalesced_all_gather") = false, py::arg("coalesced_reduce_scatter") = false,
-           py::arg("uneven_lists") = false)
+           py::arg("uneven_lists") = false, py::arg("all_to_all") = false)
       .def_readonly("name", &BackendCaps::name)
       .def_readonly("moves_data", &BackendCaps::moves_data)
       .def_readonly("enqueues_on_stream", &BackendCaps::enqueues_on_stream)
@@ -156,6 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("coalesced_all_gather", &BackendCaps::coalesced_all_gather)
       .def_readonly("coalesced_reduce_scatter", &BackendCaps::coalesced_reduce_scatter)
       .def_readonly("uneven_lists", &BackendCaps::uneven_lists)
+      .def_readonly("all_to_all", &BackendCaps::all_to_all)
       .def("__repr__", [](const BackendCaps& c) {
         return msg("BackendCaps(name='", c.name, "', moves_data=", c.moves_data, ", enqueues_on_stream=",
                    c.enqueues_on_stream, ", flat_all_gather=", c.flat_all_gather, ", flat_reduce_scatter=",
@@ -313,6 +337,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "param_specs[index] without copying the others.")
       .def_property_readonly("gather_transform", &Unit::gather_transform)
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("exchanges_rows", &Unit::exchanges_rows)
+      .def("to_row_chunks", &Unit::to_row_chunks, py::arg("pieces"), py::arg("dtype"),
+           "This rank's FSDP2 (torch.chunk, dim 0) rows of every parameter (pieces=[]: the parameters "
+           "themselves), by one all-to-all over the unit's group.",
+           py::call_guard<py::gil_scoped_release>())
+      .def("piece_from_rows", &Unit::piece_from_rows, py::arg("index"), py::arg("rows"),
+           "This rank's 1-D piece of parameter `index` from every rank's FSDP2 rows of it (one all-to-all).",
            py::call_guard<py::gil_scoped_release>())
       .def("local_piece", &Unit::local_piece, py::arg("index"), py::arg("full"),
            "This rank's 1-D piece (a view) of parameter `index`'s full value.")

@@ -32,6 +32,7 @@ const char* collective_kind_name(CollectiveKind kind) {
     case CollectiveKind::kReduceScatter: return "reduce_scatter";
     case CollectiveKind::kAllReduce: return "all_reduce";
     case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAllToAll: return "all_to_all";
   }
   return "collective";
 }
@@ -228,6 +229,38 @@ void Communicator::broadcast(at::Tensor& t, int root) const {
   opts.rootRank = root;
   opts.asyncOp = false;
   issue("broadcast", caps, CollectiveKind::kBroadcast, nbytes(t), [&] { return pg_->broadcast(tensors, opts); });
+}
+
+void Communicator::all_to_all_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& out_splits,
+                                const std::vector<int64_t>& in_splits) const {
+  check_pair("all_to_all_v", out, in);
+  MFSDP_CHECK(static_cast<int>(out_splits.size()) == size_ && static_cast<int>(in_splits.size()) == size_,
+              "all_to_all_v: expected ", size_, " output and input splits, got ", out_splits.size(), " and ",
+              in_splits.size());
+  int64_t out_total = 0, in_total = 0;
+  for (int r = 0; r < size_; ++r) {
+    MFSDP_CHECK(out_splits[r] >= 0 && in_splits[r] >= 0, "all_to_all_v: negative split for rank ", r);
+    out_total += out_splits[r];
+    in_total += in_splits[r];
+  }
+  MFSDP_CHECK(out.numel() == out_total && in.numel() == in_total, "all_to_all_v: output has ", out.numel(),
+              " elements and input ", in.numel(), ", the splits add up to ", out_total, " and ", in_total);
+  if (size_ == 1) {
+    if (out_total > 0 && out.data_ptr() != in.data_ptr()) out.copy_(in);
+    return;
+  }
+  const BackendCaps& caps = caps_for("all_to_all_v", out);
+  MFSDP_CHECK(caps.all_to_all, "all_to_all_v: backend '", caps.name, "' has no all-to-all for ", out.device().type(),
+              " tensors (register_backend_capabilities(..., all_to_all=True) if it does)");
+  std::vector<int64_t> outs(out_splits), ins(in_splits);
+  c10d::AllToAllOptions opts;
+  opts.asyncOp = false;
+  issue("all_to_all_v", caps, CollectiveKind::kAllToAll, nbytes(in), [&] {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return pg_->alltoall_base(out, in, outs, ins, opts);  // the name every torch this builds against has
+#pragma GCC diagnostic pop
+  });
 }
 
 void Communicator::check_segments(const char* what, const at::Tensor& flat,

@@ -60,8 +60,8 @@ VarAlgo auto_var_algo(bool all_gather, bool grouped, int64_t total_numel, int64_
 // Collectives this process issued through any Communicator, by kind: c10d calls (a
 // coalesced collective is one) and bytes of the collective's whole buffer (all-gather
 // output, reduce-scatter input, all-reduce / broadcast tensor). For measurements.
-enum class CollectiveKind { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2, kBroadcast = 3 };
-constexpr int kNumCollectiveKinds = 4;
+enum class CollectiveKind { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2, kBroadcast = 3, kAllToAll = 4 };
+constexpr int kNumCollectiveKinds = 5;
 const char* collective_kind_name(CollectiveKind kind);
 struct CollectiveCount {
   int64_t calls = 0;
@@ -119,6 +119,12 @@ class Communicator {
                         const std::vector<int64_t>& numels, VarAlgo algo = VarAlgo::kAuto,
                         bool verify = false) const;
   void broadcast(at::Tensor& t, int root) const;
+  // Every rank sends in_splits[q] elements of `in` (in rank order) to rank q and receives
+  // out_splits[p] elements from rank p into `out` (in rank order). The splits must pair
+  // up across ranks (what p sends q is what q expects from p); callers derive them from
+  // one plan every rank computes alike. Needs caps().all_to_all.
+  void all_to_all_v(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& out_splits,
+                    const std::vector<int64_t>& in_splits) const;
   // Every rank's `values` (the same length on every rank), in rank order, on the host:
   // the small synchronous exchange behind the cross-rank checks. Staged on `device`.
   std::vector<int64_t> all_gather_host(const std::vector<int64_t>& values, const c10::Device& device) const;

@@ -292,6 +292,7 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kAllReduceGrads: return "all-reduce of gradients";
     case CollectivePhase::kAllGatherFullParams: return "all-gather of full parameters";
     case CollectivePhase::kAllReduceReplicas: return "all-reduce of gradient shards across replicas";
+    case CollectivePhase::kExchangeRows: return "exchange of state-dict rows";
   }
   return "collective";
 }
@@ -311,7 +312,7 @@ void Unit::set_label(std::string label) {
                        "is unsharded again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the "
                        "sharded parameter / model.state_dict() instead.");
   static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full",
-                                             "all_reduce_replicas"};
+                                             "all_reduce_replicas", "exchange_rows"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
   unshard_scope_ = msg("mfsdp::unshard[", label_, "]");
@@ -895,6 +896,96 @@ std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     out.push_back(full.narrow(0, layout_.param_offset(i), layout_.param_numel(i)).view(specs_[i].shape));
   }
+  return out;
+}
+
+}  // namespace mfsdp
+
+namespace mfsdp {
+
+bool Unit::exchanges_rows() const {
+  if (replicated()) return false;
+  for (const auto& spec : specs_) {
+    if (spec.shape.empty()) return false;
+  }
+  const BackendCaps* caps = ag_comm_.caps(device_.type());
+  return caps != nullptr && caps->all_to_all;
+}
+
+std::vector<int64_t> Unit::row_counts() const {
+  std::vector<int64_t> rows;
+  for (const auto& spec : specs_) rows.push_back(spec.shape.empty() ? 1 : spec.shape[0]);
+  return rows;
+}
+
+template <typename Src, typename Dst>
+void Unit::exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& parts, Dst&& dest) {
+  MFSDP_CHECK(exchanges_rows(), "unit '", label_, "' cannot exchange state-dict rows (replicated, a 0-dim "
+              "parameter, or a backend without all-to-all): gather it instead");
+  at::NoGradGuard no_grad;
+  const auto options = sharded_flat_.options().dtype(dtype);
+  std::vector<at::Tensor> cut;
+  for (const auto& p : plan.send) cut.push_back(parts(p).narrow(0, p.src_offset, p.numel).to(options));
+  auto send = cut.empty() ? at::empty({0}, options) : at::cat(cut);
+  int64_t received = 0;
+  for (auto n : plan.recv_splits) received += n;
+  auto recv = at::empty({received}, options);
+  // Every rank checks the same size (the unit's), since what each sends differs.
+  if (ctx_ == nullptr && !check_collectives_) {
+    check_in_step(CollectivePhase::kExchangeRows, ag_comm_, layout_.total_numel());
+  }
+  run_collective(CollectivePhase::kExchangeRows, ag_comm_, layout_.total_numel(),
+                 [&] { ag_comm_.all_to_all_v(recv, send, plan.recv_splits, plan.send_splits); });
+  int64_t offset = 0;
+  for (const auto& p : plan.recv) {
+    dest(p).narrow(0, p.dst_offset, p.numel).copy_(recv.narrow(0, offset, p.numel));
+    offset += p.numel;
+  }
+}
+
+std::vector<at::Tensor> Unit::to_row_chunks(const std::vector<std::optional<at::Tensor>>& pieces,
+                                            at::ScalarType dtype) {
+  check_bound("to_row_chunks");
+  const int64_t n = layout_.num_params();
+  MFSDP_CHECK_VALUE(pieces.empty() || static_cast<int64_t>(pieces.size()) == n, "to_row_chunks: ", pieces.size(),
+                    " pieces for the ", n, " parameters of unit '", label_, "'");
+  adopt_data_writes();
+  const auto rows = row_counts();
+  std::vector<at::Tensor> sources, out;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = specs_[i].slice;
+    at::Tensor src = pieces.empty() ? sharded_flat_.narrow(0, s.shard_offset, s.numel) : at::Tensor();
+    if (!pieces.empty() && pieces[i]) {
+      MFSDP_CHECK_VALUE(pieces[i]->numel() == s.numel, "to_row_chunks: the piece of parameter '", specs_[i].name,
+                        "' of unit '", label_, "' has ", pieces[i]->numel(), " elements; this rank holds ", s.numel);
+      src = pieces[i]->reshape({-1});
+    }
+    sources.push_back(src.defined() ? src : at::zeros({s.numel}, sharded_flat_.options().dtype(dtype)));
+    std::vector<int64_t> shape(specs_[i].shape);
+    const RowRange mine = chunk_rows(rows[i], layout_.world_size(), shard_index());
+    shape[0] = mine.end - mine.begin;
+    out.push_back(at::empty(shape, sharded_flat_.options().dtype(dtype)));
+  }
+  const auto plan = row_exchange_plan(layout_, rows, shard_index(), ExchangeDirection::kToRows);
+  exchange(plan, dtype, [&](const ExchangePiece& p) { return sources[p.param]; },
+           [&](const ExchangePiece& p) { return out[p.param].view({-1}); });
+  return out;
+}
+
+at::Tensor Unit::piece_from_rows(int64_t index, const at::Tensor& rows_value) {
+  check_bound("piece_from_rows");
+  MFSDP_CHECK_VALUE(index >= 0 && index < layout_.num_params(), "piece_from_rows: parameter index ", index,
+                    " out of range [0, ", layout_.num_params(), ")");
+  const auto rows = row_counts();
+  const ShardSlice mine = row_slice(layout_, rows, index, shard_index());
+  MFSDP_CHECK_VALUE(rows_value.numel() == mine.numel, "parameter '", specs_[index].name, "' of fully_shard unit '",
+                    label_, "': rank ", shard_index(), " holds ", mine.numel, " elements of its rows, got a value of ",
+                    rows_value.numel());
+  auto source = rows_value.reshape({-1});
+  auto out = at::empty({specs_[index].slice.numel}, rows_value.options());
+  const auto plan = row_exchange_plan(layout_, rows, shard_index(), ExchangeDirection::kFromRows, index);
+  exchange(plan, rows_value.scalar_type(), [&](const ExchangePiece&) { return source; },
+           [&](const ExchangePiece&) { return out; });
   return out;
 }
 

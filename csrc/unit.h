@@ -27,6 +27,7 @@
 #include "comm_context.h"
 #include "layout.h"
 #include "param_spec.h"
+#include "row_exchange.h"
 #include "strategy.h"
 #include "streams.h"
 
@@ -42,6 +43,7 @@ enum class CollectivePhase {
   kAllReduceGrads = 2,
   kAllGatherFullParams = 3,
   kAllReduceReplicas = 4,  // HSDP: reduced gradient shards across the replicas
+  kExchangeRows = 5,       // state dicts: our layout pieces <-> FSDP2's rows (row_exchange.h)
 };
 const char* phase_name(CollectivePhase phase);
 
@@ -169,6 +171,18 @@ class Unit {
   // gathered in `dtype` on the unit's device (synchronous collective). With
   // gather_full_params, the one way a unit is gathered for state dicts and checkpoints.
   std::vector<at::Tensor> gather_full(const std::vector<std::optional<at::Tensor>>& pieces, at::ScalarType dtype);
+  // Whether to_row_chunks / piece_from_rows exchange rows (one all-to-all moving 1/world of
+  // the unit): the unit is sharded, every parameter has a dim 0, and the backend has an
+  // all-to-all. Otherwise state dicts gather the unit (gather_full) and cut the rows.
+  bool exchanges_rows() const;
+  // FSDP2's Shard(0) rows of per-parameter state laid out like the parameters (`pieces`
+  // as in gather_full; none: the parameters themselves): element i is this rank's
+  // torch.chunk rows of parameter i, shaped [rows, *shape[1:]], in `dtype`. Collective
+  // over the unit's group (needs exchanges_rows()).
+  std::vector<at::Tensor> to_row_chunks(const std::vector<std::optional<at::Tensor>>& pieces, at::ScalarType dtype);
+  // The reverse for parameter `index`: this rank's 1-D piece of it, from every rank's
+  // torch.chunk rows (`rows`: this rank's). Collective over the unit's group.
+  at::Tensor piece_from_rows(int64_t index, const at::Tensor& rows);
 
  private:
   bool replicated() const { return traits(strategy_).replicated; }
@@ -184,6 +198,13 @@ class Unit {
   // values shaped like the parameters. Before lazy init (no context yet: the layouts were
   // not compared across ranks) the ranks first check they gather the same sizes.
   std::vector<at::Tensor> gather_segments(at::Tensor segment);
+  // Every parameter's dim 0 (the rows FSDP2 chunks).
+  std::vector<int64_t> row_counts() const;
+  // Runs one exchange of `plan` over the unit's all-gather group: `parts(piece)` gives the
+  // source part a send piece is cut from, `dest(piece)` the destination part a received
+  // piece lands in.
+  template <typename Src, typename Dst>
+  void exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& parts, Dst&& dest);
   // Refuses `what` until bind_params() gave the unit its parameter objects.
   void check_bound(const char* what) const;
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)
@@ -255,8 +276,9 @@ class Unit {
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
   // which unit every collective belongs to. Built in set_label, off the hot path.
-  std::array<std::string, 5> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
-                                             "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas"};
+  std::array<std::string, 6> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+                                             "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas",
+                                             "mfsdp::exchange_rows"};
   // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
   // (or casting) its parameters and when it frees them; tests replay these from a trace.
   std::string unshard_scope_ = "mfsdp::unshard";

@@ -77,7 +77,8 @@ def check_moves_data(what: str, group) -> None:
 def register_backend_capabilities(name: str, device_type: str, *, moves_data: bool = True,
                                   enqueues_on_stream: bool = False, flat_all_gather: bool = True,
                                   flat_reduce_scatter: bool = True, coalesced_all_gather: bool = False,
-                                  coalesced_reduce_scatter: bool = False, uneven_lists: bool = False) -> None:
+                                  coalesced_reduce_scatter: bool = False, uneven_lists: bool = False,
+                                  all_to_all: bool = False) -> None:
     """Declare what backend `name` (as its Backend.getBackendName() says) can do for
     `device_type` tensors, for units made from now on in this process: a backend of your
     own, or one whose entry is wrong for your build. Unknown backends otherwise get the
@@ -89,7 +90,9 @@ def register_backend_capabilities(name: str, device_type: str, *, moves_data: bo
         never waits for it (enables a separate all-gather communicator by default).
     flat_all_gather / flat_reduce_scatter: _allgather_base / _reduce_scatter_base.
     coalesced_all_gather / coalesced_reduce_scatter: the *_tensor_coalesced collectives.
-    uneven_lists: allgather / reduce_scatter with uneven per-rank tensors."""
+    uneven_lists: allgather / reduce_scatter with uneven per-rank tensors.
+    all_to_all: alltoall_base with split sizes (state dicts then exchange FSDP2's rows
+        instead of gathering whole units)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_backend_capabilities: name must be a non-empty string, got {name!r}")
     if device_type not in _DEVICE_TYPES:
@@ -98,5 +101,6 @@ def register_backend_capabilities(name: str, device_type: str, *, moves_data: bo
     caps = _C.BackendCaps(name, moves_data=moves_data, enqueues_on_stream=enqueues_on_stream,
                           flat_all_gather=flat_all_gather, flat_reduce_scatter=flat_reduce_scatter,
                           coalesced_all_gather=coalesced_all_gather,
-                          coalesced_reduce_scatter=coalesced_reduce_scatter, uneven_lists=uneven_lists)
+                          coalesced_reduce_scatter=coalesced_reduce_scatter, uneven_lists=uneven_lists,
+                          all_to_all=all_to_all)
     _C.register_backend_caps(torch.device(device_type), caps)

@@ -10,10 +10,14 @@ broadcast_from_rank0) and FSDP2 checkpoints therefore work unchanged, at any wor
 of any other shape, so nothing loads into the wrong elements.
 
 Our shards are flat ranges of a unit's buffer, which no DTensor placement describes, so
-both directions gather: state_dict() is a collective over each unit's group (every rank
-calls it, as with FSDP1's state dicts), holding one unit unsharded at a time. The
-parameters the optimizer updates stay plain 1-D tensors. `local_state_dict()` turns the
-conversion off and gives this rank's 1-D shards as they are (no collective).
+both directions move data: state_dict() is a collective over each unit's group (every
+rank calls it, as with FSDP1's state dicts). Each unit's pieces and FSDP2's rows are
+exchanged by one all-to-all in which every element moves once (Unit.to_row_chunks /
+piece_from_rows), so a rank receives 1/world of a unit, not all of it; where that cannot
+be (a backend without all-to-all, a 0-dim parameter, a DTensor placed otherwise) the unit
+is gathered whole and cut. The parameters the optimizer updates stay plain 1-D tensors.
+`local_state_dict()` turns the conversion off and gives this rank's 1-D shards as they are
+(no collective).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -72,6 +77,66 @@ def _mesh(state, device_type: str) -> DeviceMesh:
 
 def _replicated(state) -> bool:
     return state.unit.strategy.replicated
+
+
+def _placements(mesh: DeviceMesh) -> list:
+    """FSDP2's: dim 0 chunked over the shard group, replicated over HSDP's replicate dim."""
+    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+
+
+def _rows_as_dtensor(state, rows: torch.Tensor, shape) -> DTensor:
+    """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
+    mesh = _mesh(state, rows.device.type)
+    return DTensor.from_local(rows, mesh, _placements(mesh), run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -> list:
+    """Every parameter's value (`pieces`: per-parameter state laid out like the shards;
+    [] for the parameters themselves) as state dicts give it, on `device`: FSDP2's
+    DTensors, or full tensors for replicated strategies. One collective over the unit's
+    group."""
+    unit = state.unit
+    if not _replicated(state) and unit.exchanges_rows:
+        rows = unit.to_row_chunks(pieces, dtype)
+        return [_rows_as_dtensor(state, r.to(device), unit.param_spec(i).shape) for i, r in enumerate(rows)]
+    full = unit.gather_full_params() if not pieces else unit.gather_full(pieces, dtype)
+    full = [f.to(device=device, dtype=dtype) for f in full]
+    return full if _replicated(state) else [_as_dtensor(state, f) for f in full]
+
+
+def _exchangeable(state, value: DTensor, index: int) -> bool:
+    """Whether `value` is placed as our state dicts place parameter `index` (same ranks,
+    FSDP2's placements, this rank's torch.chunk rows), so its rows can come back by the
+    exchange instead of a gather."""
+    unit = state.unit
+    if _replicated(state) or not unit.exchanges_rows:
+        return False
+    mesh = value.device_mesh
+    ours = _mesh(state, mesh.device_type)
+    if mesh.ndim != ours.ndim or list(value.placements) != _placements(ours):
+        return False
+    for dim in range(mesh.ndim):
+        if dist.get_process_group_ranks(mesh.get_group(dim)) != dist.get_process_group_ranks(ours.get_group(dim)):
+            return False
+    shape = unit.param_spec(index).shape
+    world, rank = ours.size(ours.ndim - 1), ours.get_local_rank(ours.ndim - 1)
+    rows = -(-shape[0] // world)
+    expect = max(0, min(shape[0], (rank + 1) * rows) - min(shape[0], rank * rows))
+    return tuple(value.to_local().shape) == (expect, *shape[1:])
+
+
+def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Tensor:
+    """This rank's 1-D piece of parameter `index` from a loaded value: FSDP2-placed
+    DTensors by the exchange, anything else gathered (a collective) and cut."""
+    if isinstance(value, DTensor) and tuple(value.shape) == tuple(state.unit.param_spec(index).shape) \
+            and _exchangeable(state, value, index):
+        local = value.to_local()
+        if local.device.type != value.device_mesh.device_type:  # offloaded copies: exchange where the mesh lives
+            local = local.to(value.device_mesh.device_type)
+        return state.unit.piece_from_rows(index, local.contiguous())
+    full = _full_value(value, state.unit.param_spec(index).shape, local_numel, what)
+    return state.unit.local_piece(index, full)
 
 
 def _as_dtensor(state, full: torch.Tensor) -> DTensor:
@@ -174,14 +239,10 @@ class ModuleStateDictHooks:
             return
         check_materialized([state], "state_dict()")
         check_resharded(state, "state_dict()")
-        full = state.unit.gather_full_params()
-        converted: Dict[int, object] = {}
+        first = state_dict[present[0][0]]
+        values = _row_values(state, [], first.dtype, first.device)
         for key, i in present:
-            value = state_dict[key]
-            if i not in converted:
-                f = full[i].to(value.dtype)
-                converted[i] = f if _replicated(state) else _as_dtensor(state, f)
-            state_dict[key] = converted[i]
+            state_dict[key] = values[i]
 
     def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                   unexpected_keys, error_msgs) -> None:
@@ -199,9 +260,7 @@ class ModuleStateDictHooks:
             shard, value = state.sharded_params[i], state_dict[prefix + key]
             if _is_the_shard(value, shard):
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
-            full = _full_value(value, state.unit.param_spec(i).shape, shard.numel(),
-                               f"load_state_dict '{prefix + key}'")
-            state_dict[prefix + key] = state.unit.local_piece(i, full)
+            state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
 
 
 # ---------------------------------------------------------------- optimizer hooks
@@ -254,11 +313,11 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             pieces: List[Optional[torch.Tensor]] = [None] * len(state.sharded_params)
             for i, key in index_to_key.items():
                 pieces[i] = states.get(key, {}).get(name)
-            full = state.unit.gather_full(pieces, keys[name])
+            device = next(p.device for p in pieces if p is not None)
+            values = _row_values(state, pieces, keys[name], device)
             for i, key in index_to_key.items():
                 if key in states and name in states[key]:
-                    f = full[i].to(states[key][name].device)
-                    states[key][name] = f if _replicated(state) else _as_dtensor(state, f)
+                    states[key][name] = values[i]
     return state_dict
 
 
@@ -306,7 +365,6 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
             continue
         if keep_local and not isinstance(v, DTensor) and v.shape == shard.shape:
             continue
-        full = _full_value(v, state.unit.param_spec(index).shape, shard.numel(),
-                           f"{what}: state '{name}' of '{state.names[index]}'")
-        out[name] = state.unit.local_piece(index, full).to(shard.device).clone()
+        piece = _piece_of(state, index, v, shard.numel(), f"{what}: state '{name}' of '{state.names[index]}'")
+        out[name] = piece.to(shard.device).clone()
     return out

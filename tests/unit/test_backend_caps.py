@@ -7,7 +7,7 @@ from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.backends import register_backend_capabilities
 
 FIELDS = ("moves_data", "enqueues_on_stream", "flat_all_gather", "flat_reduce_scatter", "coalesced_all_gather",
-          "coalesced_reduce_scatter", "uneven_lists")
+          "coalesced_reduce_scatter", "uneven_lists", "all_to_all")
 
 
 def caps(name, device):
@@ -27,6 +27,7 @@ def test_gloo_on_cuda_has_no_coalesced_all_gather():
     assert caps("gloo", "cpu")["coalesced_all_gather"]
     for device in ("cpu", "cuda"):
         c = caps("gloo", device)
+        assert c["all_to_all"]
         # The host waits for Gloo; uneven lists are refused; flat collectives exist.
         assert c["moves_data"] and not c["enqueues_on_stream"] and not c["uneven_lists"]
         assert c["flat_all_gather"] and c["flat_reduce_scatter"]
@@ -35,14 +36,14 @@ def test_gloo_on_cuda_has_no_coalesced_all_gather():
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fake_moves_nothing(device):
     c = caps("fake", device)
-    assert not c["moves_data"] and not c["uneven_lists"]
+    assert not c["moves_data"] and not c["uneven_lists"] and not c["all_to_all"]
 
 
 def test_an_unknown_backend_gets_the_plain_collectives_only():
     c = caps("somebody_elses_backend", "cuda")
     assert c == {"moves_data": True, "enqueues_on_stream": False, "flat_all_gather": False,
                  "flat_reduce_scatter": False, "coalesced_all_gather": False, "coalesced_reduce_scatter": False,
-                 "uneven_lists": False}
+                 "uneven_lists": False, "all_to_all": False}
     assert caps("nccl", "cpu") == c  # NCCL has no CPU path: nothing is assumed
 
 
