@@ -1,25 +1,26 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), reshardable across
-world sizes and sharding strategies.
+world sizes and sharding strategies, and interchangeable with FSDP2's.
 
-Every parameter of a fully_shard unit is stored under its module name as one 1-D
-tensor of its full numel; each rank writes only its contiguous range of it. The
-ranges come from the unit's FlatLayout (every rank can compute every rank's slice), so
-saving needs no collective per parameter. Loading reads whatever ranges the current
-layout needs, whatever layout wrote them: world 2 -> 4 -> 1, ZeRO-3 -> no_shard -> ZeRO-3.
-Optimizer state tensors shaped like a shard are stored the same way; scalar state
-(Adam's step) and hyper-parameters are replicated. Keys:
+A checkpoint holds the state dicts torch's helpers give (get_model_state_dict,
+get_optimizer_state_dict): every parameter, and every optimizer state tensor shaped like
+one, is a DTensor of its full shape placed as FSDP2 places it, so DCP stores it once, in
+its full shape, whatever the layout that wrote it. The keys are DCP's flattening of
+{"model": ..., "optimizer": ...}, the layout torchtitan and torch's DCP recipe write,
+plus two of ours:
 
-    model.<name>                  parameters (flattened) and buffers; extra state as the
-                                  bytes of a torch.save that loads weights-only
-    meta.param_shapes             the parameters' full shapes (checked on load), JSON
-    optim.state.<name>.<key>      per-parameter optimizer state
-    optim.param_groups            hyper-parameters, parameters listed by name, JSON
-    optim.class                   the optimizer's class (a checkpoint of SGD is no AdamW's), JSON
+    model.<name>                          parameters and buffers; extra state as one entry,
+                                          the bytes of a torch.save that loads weights-only
+    optimizer.state.<name>.<key>          per-parameter optimizer state
+    optimizer.param_groups.<i>.<key>      hyper-parameters, and the group's parameter names
+    meta.format                           {"format": "torch_state_dict", "version": 2}, JSON
+    meta.optimizer_class                  the optimizer's class (SGD's state is no AdamW's), JSON
 
-Loading runs nothing from the files (checkpoint_reader): DCP's .metadata is read through
-a restricted unpickler, values stored as bytes load weights-only, our metadata is JSON.
-Checkpoints whose metadata an earlier version pickled still load when those pickles hold
-only builtin values; one naming a class is refused with how to convert it.
+torch's dcp.load with the same helpers reads these checkpoints (into FSDP2 or plain
+models), and load_checkpoint(..., verify=False) reads theirs. Checkpoints of the flat
+format that save_checkpoint wrote before (dcp_flat) still load.
+
+Loading runs nothing from the files (checkpoint_reader): DCP's .metadata is read through a
+restricted unpickler, values stored as bytes load weights-only, our metadata is JSON.
 
 save_checkpoint publishes a checkpoint only once it is whole: all ranks agree on the
 directory, write into a fresh sibling directory, agree that every write succeeded, hash
@@ -31,219 +32,103 @@ file handling (manifest, hashes, renames, rank agreement) lives in checkpoint_fi
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import os
 import shutil
 import uuid
-import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
-from . import backends
-from .checkpoint_reader import (SafeFileSystemReader, SafeLoadPlanner, decode_json, decode_legacy_pickle,
-                                decode_object, encode_json, encode_object)
-from .agree import Agreement, describe, failures, gather_objects, listing, rank_world
+from . import backends, shard_changes
+from .agree import Agreement, describe, gather_objects, listing, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
     MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
+from .checkpoint_reader import SafeFileSystemReader, decode_json, decode_object, encode_json, encode_object
+from .dcp_flat import (check_groups, check_keys, check_optimizer_class, finish_load, is_flat_format, plan_load, quiet,
+                       read_into)
 from .param_index import iter_states
-from .param_index import ParamIndex
-from .state_dict import local_state_dict
+
+FORMAT = {"format": "torch_state_dict", "version": 2}
+_FORMAT_KEY = "meta.format"
+_CLASS_KEY = "meta.optimizer_class"
+_OURS = (_FORMAT_KEY, _CLASS_KEY)
 
 
-@contextlib.contextmanager
-def _quiet():
-    """DCP warns on every ShardedTensor that the type is deprecated in favour of DTensor;
-    DTensor cannot describe our uneven, layout-given ranges, so the warning is noise."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
-        yield
+# ----------------------------------------------------------------------------- the state dict
 
-
-def _sharded_tensor(local: torch.Tensor, full_numel: int, ranges: List[Tuple[int, int, int]]):
-    """A 1-D ShardedTensor of `full_numel` elements; `ranges` lists (rank, offset, numel)
-    of every rank's piece, this rank's piece being `local`."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    device = "cpu" if local.device.type == "cpu" else f"cuda:{local.device.index}"
-    rank = dist.get_rank()
-    metas, local_shards = [], []
-    for r, offset, numel in ranges:
-        meta = ShardMetadata(shard_offsets=[offset], shard_sizes=[numel], placement=f"rank:{r}/{device}")
-        metas.append(meta)
-        if r == rank:
-            local_shards.append(Shard(tensor=local, metadata=meta))
-    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    global_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([full_numel]), tensor_properties=props)
-    with warnings.catch_warnings():  # ShardedTensor is DCP's type for arbitrary chunks
-        warnings.simplefilter("ignore")
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_meta)
-
-
-class _ParamInfo:
-    """Where one sharded parameter's piece sits in the full (flattened) parameter."""
-
-    def __init__(self, state, index: int, names: List[str]):
+def _check_covers_world(module: nn.Module) -> None:
+    """Units of different data-parallel groups (tensor or expert parallelism) would write
+    different values under the same keys; DCP keeps one. HSDP replicas hold the same
+    values, so keeping one of them is right."""
+    world = dist.get_world_size()
+    for state in iter_states(module):
         unit = state.unit
-        self.name = names[0]
-        self.names = names  # tied parameters have several
-        self.param = state.sharded_params[index]
-        spec = unit.param_spec(index)
-        self.full_shape = spec.shape
-        self.full_numel = spec.numel
-        self.replicated = unit.strategy.replicated
-        group = state.process_group
-        if dist.get_world_size(group) * unit.replicate_size != dist.get_world_size():
-            # Units of different data-parallel groups (tensor/expert parallelism) would
-            # write different values under the same keys and offsets; DCP keeps one.
-            # HSDP replicas are fine: they hold the same values, so keeping one is right.
+        if unit is not None and unit.world_size * unit.replicate_size != world:
             raise NotImplementedError(
-                f"sharded checkpoint: {state} is sharded over {dist.get_world_size(group)} of "
-                f"{dist.get_world_size()} ranks and replicated {unit.replicate_size}x; sharded checkpoints "
-                "need units whose shards and replicas cover the whole job (use full_state_dict for other layouts)"
-            )
-        # (global rank, offset, numel) of every non-empty piece in this rank's replica; the
-        # other replicas describe the same offsets with their own ranks.
-        self.ranges = []
-        if not self.replicated:
-            for r in range(unit.world_size):
-                piece = unit.layout.shard_slice(index, r)
-                if piece.numel > 0:
-                    self.ranges.append((dist.get_global_rank(group, r), piece.param_offset, piece.numel))
-
-    def wrap(self, local: torch.Tensor):
-        """What DCP sees for `local` (the param or a state tensor shaped like it)."""
-        if self.replicated or not self.ranges:
-            return local  # every rank holds all of it (or it is empty): DCP writes it once
-        return _sharded_tensor(local, self.full_numel, self.ranges)
+                f"sharded checkpoint: {state} is sharded over {unit.world_size} of {world} ranks and replicated "
+                f"{unit.replicate_size}x; sharded checkpoints need units whose shards and replicas cover the whole "
+                "job (use full_state_dict for other layouts)")
 
 
-def _sharded_params(module: nn.Module, loading: bool = False) -> Tuple[ParamIndex, Dict[int, _ParamInfo]]:
-    index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first",
-                       loading=loading)
-    return index, {pid: _ParamInfo(*param) for pid, param in index.params.items()}
-
-
-def _by_name(infos: Dict[int, _ParamInfo]) -> Dict[str, _ParamInfo]:
-    return {n: info for info in infos.values() for n in info.names}
-
-
-def _model_entries(module: nn.Module, infos: Dict[int, _ParamInfo], staged: Optional[list] = None) -> dict:
-    """The model's entries. With `staged` (loading), tensors are fresh copies that the
-    load writes into, listed as (module tensor, copy) in `staged` for _commit."""
-    entries = {}
-    by_name = _by_name(infos)
-    with local_state_dict():  # this rank's 1-D shards: wrapped below with their ranges
-        own = module.state_dict(keep_vars=True)
-
-    def target(value: torch.Tensor) -> torch.Tensor:
-        value = value.detach()
-        if staged is None:
-            return value
-        copy = torch.empty_like(value)
-        staged.append((value, copy))
-        return copy
-
-    for key, value in own.items():
-        info = by_name.get(key)
-        if info is not None:
-            entries[f"model.{key}"] = info.wrap(target(value))
-        elif _is_extra_state(key, value):
-            # Opaque to us (dicts, tensors, bytes): one saved object, handed back to the
-            # module's set_extra_state by load_state_dict. DCP would otherwise flatten a
-            # dict into many keys or load a tensor into a temporary. What could not load
-            # weights-only (arbitrary classes) is refused here, at save.
-            entries[f"model.{key}"] = encode_object(value, f"sharded checkpoint: module state '{key}'")
-        else:  # buffers and parameters of no unit: replicated
-            entries[f"model.{key}"] = target(value)
-    return entries
-
-
-def _commit(staged: list) -> None:
-    """The loaded copies into the module's tensors, once every rank read everything."""
-    with torch.no_grad():
-        for dest, copy in staged:
-            dest.copy_(copy)
-
-
-def _is_extra_state(key: str, value) -> bool:
-    return key.endswith("_extra_state") or not isinstance(value, torch.Tensor)
-
-
-def _param_shapes(infos: Dict[int, _ParamInfo]) -> Dict[str, tuple]:
-    return {n: info.full_shape for n, info in _by_name(infos).items()}
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer, index: ParamIndex) -> List[List[str]]:
-    groups = []
+def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    mine = {id(p) for p in module.parameters()}
     for g in optimizer.param_groups:
-        missing = [p for p in g["params"] if not index.names_of(p)]
+        missing = [p for p in g["params"] if id(p) not in mine]
         if missing:
             raise ValueError(
                 "sharded checkpoint: the optimizer holds a parameter that is not in the module "
-                f"(shape {tuple(missing[0].shape)}); build the optimizer from module.parameters()"
-            )
-        groups.append([index.names_of(p)[0] for p in g["params"]])
-    return groups
+                f"(shape {tuple(missing[0].shape)}); build the optimizer from module.parameters()")
+
+
+def _check_loadable(tree: dict, what: str) -> None:
+    """Values DCP stores as bytes (extra state, hyper-parameters) load weights-only: what
+    could not (arbitrary classes) is refused here, at save, naming the key."""
+    flat, _ = flatten_state_dict(tree)
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            encode_object(value, f"{what}: '{key}'")
+
+
+def _is_extra_state(key: str) -> bool:
+    return key.endswith("._extra_state") or key == "_extra_state"
 
 
 def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-    """The state dict to hand to torch.distributed.checkpoint.save (collective-free), for
-    storage other than a filesystem directory. Such a checkpoint has no manifest: nothing
-    verifies it is whole or intact (load_checkpoint(..., verify=False) reads one from a
-    directory unverified)."""
-    index, infos = _sharded_params(module)
-    sd = _model_entries(module, infos)
-    # Parameters are stored flattened: their full shapes travel beside them, so that a
-    # load can tell a [4, 2] weight from a [2, 4] one.
-    sd["meta.param_shapes"] = encode_json({n: list(s) for n, s in _param_shapes(infos).items()})
-    if optimizer is None:
-        return sd
-    group_names = _optimizer_params(optimizer, index)
-    groups_meta = []
-    for g, names in zip(optimizer.param_groups, group_names):
-        groups_meta.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-        for p, name in zip(g["params"], names):
-            info = infos.get(id(p))
-            for key, value in optimizer.state.get(p, {}).items():
-                entry = f"optim.state.{name}.{key}"
-                if isinstance(value, torch.Tensor) and info is not None and value.shape == p.shape and value.dim() == 1:
-                    sd[entry] = info.wrap(value)
-                else:
-                    sd[entry] = value
-    # JSON text: DCP would otherwise flatten the list of dicts into many keys.
-    for i, g in enumerate(groups_meta):
-        for k, v in g.items():
-            try:
-                encode_json(v)
-            except TypeError as e:
-                raise TypeError(f"sharded checkpoint: optimizer param group {i} holds {k!r} = {v!r}: {e}; a "
-                                "checkpoint stores hyper-parameters as numbers, strings, booleans, None, tuples, lists "
-                                "and 0-d tensors") from None
-    sd["optim.param_groups"] = encode_json(groups_meta)
-    # Beside the hyper-parameters: load_checkpoint refuses another optimizer class.
-    sd["optim.class"] = encode_json({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
+    """What save_checkpoint hands to torch.distributed.checkpoint.save: torch's
+    get_model_state_dict (and get_optimizer_state_dict) of the sharded model, under
+    "model" (and "optimizer"), plus our format and optimizer-class entries. Collective (the
+    state dicts gather each unit in turn): call on all ranks. For storage other than a
+    filesystem directory, pass it to dcp.save yourself; such a checkpoint has no manifest,
+    so nothing verifies it is whole (load_checkpoint(..., verify=False) reads it)."""
+    _check_covers_world(module)
+    if optimizer is not None:
+        _check_optimizer_params(module, optimizer)
+        shard_changes.adopt(optimizer)  # its state dict speaks full shapes even before its first step
+    model_sd = get_model_state_dict(module)
+    for key in model_sd:
+        if _is_extra_state(key):
+            # One opaque entry (a torch.save that loads weights-only), as the module's
+            # get_extra_state gave it: DCP would otherwise flatten a dict into keys that
+            # a model whose extra state differs in structure could not load into.
+            model_sd[key] = encode_object(model_sd[key], f"sharded checkpoint: module state '{key}'")
+    sd = {"model": model_sd, _FORMAT_KEY: encode_json(FORMAT)}
+    if optimizer is not None:
+        sd["optimizer"] = get_optimizer_state_dict(module, optimizer)
+        _check_loadable(sd["optimizer"], "sharded checkpoint: optimizer state")
+        # Beside the hyper-parameters: load_checkpoint refuses another optimizer class.
+        sd[_CLASS_KEY] = encode_json({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
     return sd
-
-
-_SMALL_ENTRIES = ("meta.param_shapes", "optim.param_groups", "optim.class")
-
-
-def _decode_small(value, key: str, path: str):
-    """One of our metadata entries: JSON text, or a builtin-only pickle of an earlier version."""
-    what = f"load_checkpoint({path}): '{key}'"
-    return decode_legacy_pickle(value, what) if isinstance(value, (bytes, bytearray)) else decode_json(value, what)
 
 
 # ----------------------------------------------------------------------------- save and load
@@ -293,7 +178,7 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
 
     # 1. Write. DCP gathers a failed write into a CheckpointException on every rank.
     with Agreement(what, fail=functools.partial(abort, "writing the checkpoint")) as written:
-        with _quiet():
+        with quiet():
             dcp.save(sd, checkpoint_id=tmp)
         if rank == 0:  # every rank's write has finished once dcp.save returns on rank 0
             written.share = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
@@ -325,11 +210,6 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         raise CheckpointError(f"{what}: publishing the checkpoint failed on rank 0 ({outcome}); {kept}")
 
 
-def _fmt_shape(info: _ParamInfo) -> str:
-    return f"shape {info.full_shape} ({info.full_numel} elements)"
-
-
-
 def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     verify: bool = True) -> None:
     """Load a checkpoint written by save_checkpoint, under any world size and sharding
@@ -342,7 +222,8 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     file otherwise); keys must match exactly (a missing or extra key, or a shape mismatch,
     is an error naming the key); the optimizer must be of the class that was saved.
     Every error is raised on every rank. verify=False skips the manifest and hashes (for
-    checkpoints written with dcp.save(sharded_state_dict(...)))."""
+    checkpoints written with dcp.save(sharded_state_dict(...)), or by torch's helpers
+    under the same keys). Checkpoints of the earlier flat format load too."""
     _refuse_without_data("load_checkpoint")
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
@@ -366,262 +247,156 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         if manifest is not None:
             checked.share = verify_share(target, manifest, rank, world)
         if not checked.share:
-            plan = _plan(path, target, module, optimizer, manifest, verify)
+            meta = _read_metadata(path, target, manifest, verify)
+            unverified = verify and manifest is None  # refused once the compatibility checks ran
+            for state in iter_states(module):
+                if state.unit is not None:
+                    state.reshard()  # any gathered copy would be stale after the load
+            if optimizer is not None:
+                # Its state dicts speak full shapes from now on, before its first step too.
+                shard_changes.adopt(optimizer)
+            flat_plan = plan_load(path, target, module, optimizer, meta, unverified) if is_flat_format(meta) else None
+    if flat_plan is not None:
+        finish_load(flat_plan, path, module, optimizer)
+    else:
+        _load_state_dicts(path, target, module, optimizer, meta, unverified)
 
-    # Checks that read small objects (shapes, optimizer class and groups), agreed again:
-    # nothing has been loaded into the module or the optimizer before this passes.
-    with Agreement(what, error=CheckpointError):
-        small = {k: b"" for k in _SMALL_ENTRIES
-                 if k in plan.meta and (optimizer is not None or k == "meta.param_shapes")}
-        if small:
-            _load(small, path, plan.reader_path)
-        _check_plan(plan, small, module, optimizer, path)
 
-    # The read, into copies; its outcome is agreed, so that a failure on any rank leaves
-    # every rank's module and optimizer as they were (nothing is half-loaded).
-    with Agreement(what, error=CheckpointError):
-        _load(plan.target, path, plan.reader_path)
-        objects = {k[len("model."):]: _decode_extra_state(plan.target[k], k, path) for k in plan.objects}
+def _read_metadata(path: str, target: str, manifest: Optional[dict], verify: bool):
+    if verify and manifest is None and not os.path.isfile(os.path.join(target, ".metadata")):
+        raise CheckpointError(no_manifest_message(path, target, False))
+    meta = SafeFileSystemReader(target).read_metadata()
+    if manifest is not None:
+        check_covered(path, meta, manifest)
+    return meta.state_dict_metadata
 
-    # Applied; its outcome is agreed too, so that no rank carries on alone.
+
+def _copies(tree):
+    """The state dict's containers and plain tensors copied (the DTensors our state-dict
+    hooks return are fresh already): DCP reads into these, so that a failed read leaves
+    the model and optimizer as they were."""
+    if isinstance(tree, dict):
+        return {k: _copies(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copies(v) for v in tree)
+    if isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor):
+        return tree.detach().clone()
+    return tree
+
+
+def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, meta, unverified: bool) -> None:
+    """A checkpoint of torch's state dicts: read into the state dicts torch's helpers give
+    (a collective), checked against the metadata first; each stage agreed on every rank."""
+    what = f"load_checkpoint({path})"
+    meta_file = os.path.join(directory, ".metadata")
+    with Agreement(what, error=CheckpointError):  # before any state dict is made
+        _check_covers_world(module)
+        small = {k: "" for k in _OURS if k in meta and (optimizer is not None or k == _FORMAT_KEY)}
+        read_into(small, path, directory)
+        _check_format(path, meta_file, small)
+        if optimizer is not None:
+            _check_optimizer_params(module, optimizer)
+            _check_optimizer_class(path, meta_file, meta, small, optimizer)
+    # torch's get_optimizer_state_dict gives a fresh optimizer its state (a step with zero
+    # gradients and lr 0): a load refused after that takes it back.
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        targets = {"model": _copies(get_model_state_dict(module))}
+        extra = [k for k in targets["model"] if _is_extra_state(k)]
+        for key in extra:
+            targets["model"][key] = b""  # read as saved (opaque bytes), decoded below
+        if optimizer is not None:
+            targets["optimizer"] = _copies(get_optimizer_state_dict(module, optimizer))
+        flat, _ = flatten_state_dict(targets)
+        with Agreement(what, error=CheckpointError):
+            groups = {k: [] for k in _group_keys(flat) if k in meta}
+            if groups:
+                read_into(groups, path, directory)
+            try:
+                _check_against_metadata(path, meta_file, meta, flat, groups, optimizer)
+            except (KeyError, ValueError) as e:
+                if unverified:  # not ours at all: say what it is and how to load it
+                    raise CheckpointError(no_manifest_message(path, directory, True) + f" (It differs too: {e})") from e
+                raise
+            if unverified:
+                raise CheckpointError(no_manifest_message(path, directory, True))
+        with Agreement(what, error=CheckpointError):
+            read_into(targets, path, directory)
+            for key in extra:
+                targets["model"][key] = decode_object(targets["model"][key], f"{what}: 'model.{key}'")
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()
+        raise
     with Agreement(what, error=CheckpointError):
-        _commit(plan.staged)
-        if objects:
-            with local_state_dict():
-                module.load_state_dict(objects, strict=False)
+        set_model_state_dict(module, targets["model"])
         for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
             state.mark_loaded()
         if optimizer is not None:
-            _apply_optimizer(plan, small, optimizer)
+            set_optimizer_state_dict(module, optimizer, targets["optimizer"])
 
 
-class _Plan:
-    pass
-
-
-def _plan(path: str, target_dir: str, module: nn.Module, optimizer, manifest: Optional[dict], verify: bool) -> _Plan:
-    """What the metadata alone tells (no data read): the keys match, the targets to load into."""
-    for state in iter_states(module):
-        if state.unit is not None:
-            state.reshard()  # any gathered copy would be stale after the load
-    has_metadata = os.path.isfile(os.path.join(target_dir, ".metadata"))
-    if verify and manifest is None and not has_metadata:
-        raise CheckpointError(no_manifest_message(path, target_dir, False))
-    meta = SafeFileSystemReader(target_dir).read_metadata()
-    if manifest is not None:
-        check_covered(path, meta, manifest)
-    meta = meta.state_dict_metadata
-    plan = _Plan()
-    plan.meta, plan.reader_path = meta, target_dir
-    plan.meta_file = os.path.join(target_dir, ".metadata")  # what metadata-derived errors name
-    plan.unverified = verify and manifest is None  # refused once the compatibility checks ran
-    index, infos = _sharded_params(module, loading=True)
-    plan.infos = infos
-    plan.staged = []  # read into copies: a failed read leaves the module as it was
-    plan.target = _model_entries(module, infos, plan.staged)
-    stored_model = {k for k in meta if k.startswith("model.")}
-    try:
-        _check_keys("model", set(plan.target), stored_model, plan.meta_file)
-    except KeyError as e:
-        if plan.unverified:  # not ours at all: say what it is and how to load it
-            raise CheckpointError(no_manifest_message(path, target_dir, True) + f" (Its keys differ too: {e.args[0]})")
-        raise
-    plan.objects = [k for k, v in plan.target.items() if isinstance(v, bytes)]
-    for key in plan.objects:
-        plan.target[key] = b""  # saved extra state: DCP fills it in, load_state_dict applies it
-    # What metadata may make us allocate: no more than the data files hold.
-    plan.data_bytes = sum(os.path.getsize(os.path.join(target_dir, n)) for n in os.listdir(target_dir)
-                          if n.endswith(".distcp"))
-    if optimizer is not None:
-        plan.group_names = _optimizer_params(optimizer, index)
-    return plan
-
-
-def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: str) -> None:
-    meta, infos, target = plan.meta, plan.infos, plan.target
-    if "meta.param_shapes" in small:
-        saved_shapes = _decode_small(small["meta.param_shapes"], "meta.param_shapes", path)
-        if not isinstance(saved_shapes, dict):
-            raise CheckpointError(f"load_checkpoint({path}): 'meta.param_shapes' is not a mapping of shapes")
-        for name, shape in _param_shapes(infos).items():
-            if name in saved_shapes and tuple(saved_shapes[name]) != shape:
-                raise ValueError(f"load_checkpoint: 'model.{name}' has shape {tuple(saved_shapes[name])} in {path}, "
-                                 f"the model's parameter has shape {shape}")
-    by_name = _by_name(infos)
-    for key, value in target.items():
-        if key in plan.objects:
-            continue
-        size = list(getattr(meta[key], "size", []))
-        info = by_name.get(key.removeprefix("model."))
-        if info is not None:
-            if size == list(info.full_shape) and len(size) != 1:
-                raise ValueError(
-                    f"load_checkpoint: '{key}' in {plan.meta_file} is stored in its full shape {tuple(size)}, as "
-                    "torch's state-dict helpers and FSDP2 write it, not flattened as save_checkpoint writes it; load "
-                    "such a checkpoint with torch.distributed.checkpoint: dcp.load({'model': get_model_state_dict(model), "
-                    "...}) then set_model_state_dict / set_optimizer_state_dict"
-                )
-            if size != [info.full_numel]:
-                raise ValueError(
-                    f"load_checkpoint: '{key}' holds {size[0] if len(size) == 1 else size} elements in "
-                    f"{plan.meta_file}, but the model's parameter has {_fmt_shape(info)}"
-                )
-        elif size != list(value.shape):
-            raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(size)} in {plan.meta_file}, "
-                             f"the model's has {tuple(value.shape)}")
-    if optimizer is not None:
-        _plan_optimizer(plan, small, optimizer, path)
-    unknown = sorted(k for k in meta if not (k.startswith(("model.", "optim.state.")) or k in _SMALL_ENTRIES))
-    if unknown and not plan.unverified:  # nothing is ignored: a renamed entry would drop its values silently
-        raise KeyError(f"load_checkpoint({path}): {plan.meta_file} lists entries no save_checkpoint writes: "
-                       f"{unknown[:5]}; the checkpoint is corrupted or not ours; nothing was loaded")
-    if plan.unverified:
-        raise CheckpointError(no_manifest_message(path, plan.reader_path, True))
-
-
-def _check_optimizer_class(saved_class: Optional[dict], saved_groups: list, optimizer, path: str) -> None:
-    mine = type(optimizer)
-    if saved_class is not None:
-        if saved_class.get("name") != mine.__qualname__:
-            raise ValueError(
-                f"load_checkpoint({path}): the checkpoint was saved from {saved_class.get('name')} "
-                f"({saved_class.get('module')}); this optimizer is {mine.__qualname__} ({mine.__module__}): its state "
-                f"and hyper-parameters do not apply. Build a {saved_class.get('name')} to resume, or load the model "
-                "alone (load_checkpoint(path, model)); nothing was loaded")
+def _check_format(path: str, meta_file: str, small: dict) -> None:
+    """A checkpoint that is not of the flat format names its format; torch's helpers
+    write none (its keys are then checked like ours)."""
+    if _FORMAT_KEY not in small:
         return
-    # Older checkpoints do not name the class: hyper-parameters this optimizer does not
-    # have betray another one (SGD's momentum in AdamW, AdamW's betas in SGD).
-    saved_keys = {k for g in saved_groups for k in g if k != "params"}
-    my_keys = {k for g in optimizer.param_groups for k in g if k != "params"} | set(optimizer.defaults)
-    foreign = sorted(saved_keys - my_keys)
-    if foreign:
-        raise ValueError(
-            f"load_checkpoint({path}): the checkpoint's optimizer has hyper-parameters {foreign}, which this "
-            f"{mine.__qualname__} does not have: it was saved from another optimizer class (this checkpoint does "
-            f"not name it). Build the same optimizer to resume, or load the model alone; nothing was loaded")
+    fmt = decode_json(small[_FORMAT_KEY], f"load_checkpoint({path}): '{_FORMAT_KEY}'")
+    if not isinstance(fmt, dict) or fmt.get("format") != FORMAT["format"]:
+        raise CheckpointError(f"load_checkpoint({path}): '{_FORMAT_KEY}' in {meta_file} names format {fmt!r}, not "
+                              f"{FORMAT['format']!r}; nothing was loaded")
+    if not isinstance(fmt.get("version"), int) or fmt["version"] > FORMAT["version"]:
+        raise CheckpointError(f"load_checkpoint({path}): the checkpoint is of format version {fmt.get('version')!r}; "
+                              f"this version of megatron_fsdp_ext reads up to {FORMAT['version']}: upgrade it")
 
 
-def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
-    meta, target, group_names = plan.meta, plan.target, plan.group_names
-    if "optim.param_groups" not in meta:
-        raise KeyError(f"load_checkpoint: {plan.meta_file} lists no optimizer state ('optim.param_groups' is missing); "
-                       "load without an optimizer or pick a checkpoint saved with one")
-    saved_groups = _decode_small(small["optim.param_groups"], "optim.param_groups", path)
-    saved_class = _decode_small(small["optim.class"], "optim.class", path) if "optim.class" in small else None
-    if not (isinstance(saved_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                                                   for g in saved_groups)):
-        raise CheckpointError(f"load_checkpoint({path}): 'optim.param_groups' is not a list of parameter groups")
-    if saved_class is not None and not isinstance(saved_class, dict):
-        raise CheckpointError(f"load_checkpoint({path}): 'optim.class' does not name a class")
-    _check_optimizer_class(saved_class, saved_groups, optimizer, path)
-    _check_groups(saved_groups, group_names, path)
-    known = {n for names in group_names for n in names}
-    prefix = "optim.state."
-    stored_states: Dict[str, Dict[str, object]] = {}
-    for key, m in meta.items():
-        if not key.startswith(prefix):
+def _check_optimizer_class(path: str, meta_file: str, meta, small: dict, optimizer) -> None:
+    if not any(k.startswith("optimizer.param_groups.") for k in meta):
+        raise KeyError(f"load_checkpoint: {meta_file} lists no optimizer state ('optimizer.param_groups' is "
+                       "missing); load without an optimizer or pick a checkpoint saved with one")
+    if _CLASS_KEY not in small:
+        if _FORMAT_KEY not in small:
+            return  # written by torch's helpers: another optimizer's hyper-parameters differ in their keys
+        raise CheckpointError(f"load_checkpoint({path}): {meta_file} names no optimizer class ('{_CLASS_KEY}')")
+    saved_class = decode_json(small[_CLASS_KEY], f"load_checkpoint({path}): '{_CLASS_KEY}'")
+    if not isinstance(saved_class, dict):
+        raise CheckpointError(f"load_checkpoint({path}): '{_CLASS_KEY}' does not name a class")
+    check_optimizer_class(saved_class, [], optimizer, path)
+
+
+def _group_keys(entries) -> List[str]:
+    """'optimizer.param_groups.<i>.params' keys of `entries`, in group order."""
+    found = [k for k in entries if k.startswith("optimizer.param_groups.") and k.endswith(".params")]
+    return sorted(found, key=lambda k: int(k.split(".")[2]))
+
+
+def _check_against_metadata(path: str, meta_file: str, meta, flat: dict, groups: dict, optimizer) -> None:
+    """Keys, shapes and kinds of the targets against the checkpoint's metadata, and the
+    optimizer's parameter groups (`groups`: as saved): nothing is read before these pass."""
+    def keys(prefix):
+        return ({k for k in flat if k.startswith(prefix)},
+                {k for k in meta if k.startswith(prefix) and k not in _OURS})
+
+    check_keys("model", *keys("model."), path)
+    if optimizer is not None:
+        saved_groups = [{"params": groups[k]} for k in _group_keys(groups)]
+        mine = [flat[k] for k in _group_keys(flat)]
+        if any(not isinstance(g["params"], list) for g in saved_groups):
+            raise CheckpointError(f"load_checkpoint({path}): the checkpoint's parameter groups do not list names")
+        check_groups(saved_groups, mine, path)
+        check_keys("optimizer", *keys("optimizer."), path)
+    unknown = sorted(k for k in meta if not k.startswith(("model.", "optimizer.")) and k not in _OURS)
+    if unknown:  # nothing is ignored: a renamed entry would drop its values silently
+        raise KeyError(f"load_checkpoint({path}): {meta_file} lists entries no save_checkpoint writes: "
+                       f"{unknown[:5]}; the checkpoint is corrupted or not ours; nothing was loaded")
+    for key, value in flat.items():
+        if key not in meta:
             continue
-        name, state_key = _split_state_key(key[len(prefix):], known)
-        if name is None:
-            raise KeyError(f"load_checkpoint: optimizer state '{key}' in {plan.meta_file} belongs to no parameter of "
-                           "this optimizer")
-        stored_states.setdefault(name, {})[state_key] = (key, m)
-    params_by_name = {n: p for g, names in zip(optimizer.param_groups, group_names) for p, n in zip(g["params"], names)}
-    info_by_name = _by_name(plan.infos)
-    local: Dict[str, object] = {}  # what each state key lands in on this rank
-    for name, entries in stored_states.items():
-        p, info = params_by_name[name], info_by_name.get(name)
-        for state_key, (key, m) in entries.items():
-            if not hasattr(m, "size"):
-                target[key] = None  # a non-tensor value: DCP fills it in
-                continue
-            size, dtype = list(m.size), m.properties.dtype
-            if any(s < 0 for s in size) or math.prod(size) * dtype.itemsize > plan.data_bytes:
-                raise CheckpointError(f"load_checkpoint({path}): '{key}' claims shape {tuple(size)} in "
-                                      f"{plan.meta_file}, more than the checkpoint's data files hold ({plan.data_bytes} bytes)")
-            if info is not None and len(size) == 1 and size[0] == info.full_numel:
-                local[key] = torch.empty(p.shape, dtype=dtype, device=p.device)
-                target[key] = info.wrap(local[key])
-            elif info is not None and len(size) == 1 and size[0] > 1:
-                raise ValueError(f"load_checkpoint: '{key}' holds {size[0]} elements in {plan.meta_file}, but the "
-                                 f"parameter '{name}' has {_fmt_shape(info)}")
-            else:  # scalar state (Adam's step) or state of a parameter outside any unit
-                local[key] = target[key] = torch.empty(size, dtype=dtype, device=p.device)
-    plan.stored_states, plan.local, plan.saved_groups = stored_states, local, saved_groups
-
-
-def _apply_optimizer(plan: _Plan, small: dict, optimizer) -> None:
-    target, group_names = plan.target, plan.group_names
-    index = {}
-    for names in group_names:
-        for n in names:
-            index[n] = len(index)
-    osd_state = {}
-    for name, entries in plan.stored_states.items():
-        osd_state[index[name]] = {state_key: plan.local.get(key, target[key]) for state_key, (key, _) in entries.items()}
-    osd_groups = []
-    for saved, names in zip(plan.saved_groups, group_names):
-        g = {k: v for k, v in saved.items() if k != "params"}
-        g["params"] = [index[n] for n in names]
-        osd_groups.append(g)
-    with local_state_dict():  # the entries are already this rank's pieces
-        optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
-
-
-def _load(target: dict, path: str, directory: str) -> None:
-    """dcp.load, whose failures (gathered from every rank into a CheckpointException on
-    every rank) become a CheckpointError naming the failing ranks."""
-    try:
-        with _quiet():
-            dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner())
-    except CheckpointException as e:
-        failed = failures(e, 0)
-        raise CheckpointError(f"load_checkpoint({path}): reading failed on rank(s) {sorted(failed)}: "
-                              f"{listing(failed)}") from e
-
-
-def _decode_extra_state(data, key: str, path: str):
-    """Extra state saved by this version (a weights-only torch.save), or by an earlier one
-    (a pickle: loaded only when it names no class)."""
-    what = f"load_checkpoint({path}): '{key}'"
-    if isinstance(data, (bytes, bytearray)) and bytes(data[:2]) == b"PK":  # torch.save's zip format
-        return decode_object(data, what)
-    return decode_legacy_pickle(data, what)
-
-
-def _split_state_key(rest: str, known: set):
-    """'blocks.0.w.weight.exp_avg' -> ('blocks.0.w.weight', 'exp_avg'). State keys may
-    contain dots themselves ('ema.decay'), so the longest known parameter name that
-    prefixes `rest` wins."""
-    parts = rest.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        name = ".".join(parts[:cut])
-        if name in known:
-            return name, ".".join(parts[cut:])
-    return None, None
-
-
-def _check_groups(saved_groups, group_names, path: str) -> None:
-    saved = [s["params"] for s in saved_groups]
-    for i, (old, new) in enumerate(zip(saved, group_names)):
-        extra, missing = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-        if extra:
-            raise KeyError(f"load_checkpoint({path}): optimizer group {i} in the checkpoint has parameter "
-                           f"'{extra[0]}', which is not in this optimizer's group {i}")
-        if missing:
-            raise KeyError(f"load_checkpoint({path}): this optimizer's group {i} has parameter '{missing[0]}', "
-                           f"which is not in the checkpoint's group {i}")
-    if len(saved) != len(group_names):
-        raise ValueError(f"load_checkpoint({path}): the checkpoint's optimizer has {len(saved)} parameter groups, "
-                         f"this optimizer has {len(group_names)}; build the optimizer the same way")
-
-
-def _check_keys(what: str, expected: set, stored: set, path: str) -> None:
-    missing, extra = sorted(expected - stored), sorted(stored - expected)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if extra:
-            parts.append(f"in the checkpoint but not in the {what}: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-        raise KeyError(f"load_checkpoint({path}): {what} keys differ; " + "; ".join(parts))
+        stored = meta[key]
+        if isinstance(value, torch.Tensor):
+            if isinstance(stored, BytesStorageMetadata):
+                raise ValueError(f"load_checkpoint: '{key}' is not a tensor in {meta_file}; the model's is a tensor "
+                                 f"of shape {tuple(value.shape)}")
+            if list(stored.size) != list(value.shape):
+                raise ValueError(f"load_checkpoint: '{key}' has shape {tuple(stored.size)} in {meta_file}, the "
+                                 f"model's has {tuple(value.shape)}")

@@ -311,7 +311,8 @@ def test_load_full_state_dict_keys_differing_across_ranks_raise_everywhere():
 def sgd_into_adamw(rank, world, root):
     import torch.distributed.checkpoint as dcp
 
-    from megatron_fsdp_ext.dcp import _quiet, sharded_state_dict
+    from harness.flat_format import flat_state_dict
+    from megatron_fsdp_ext.dcp_flat import quiet
 
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -324,10 +325,11 @@ def sgd_into_adamw(rank, world, root):
     expect_error(lambda: load_checkpoint(path, fresh, adamw), ValueError,
                  "the checkpoint was saved from SGD", "this optimizer is AdamW", "nothing was loaded")
     _assert_same(_snapshot(fresh, adamw), before, "a refused load changed the model or optimizer")
-    # A checkpoint that does not name its optimizer (older ones): told by the hyper-parameters.
-    unnamed = sharded_state_dict(model, sgd)
+    # A checkpoint of the flat format that does not name its optimizer (older ones): told
+    # by the hyper-parameters.
+    unnamed = flat_state_dict(model, sgd)
     del unnamed["optim.class"]
-    with _quiet():
+    with quiet():
         dcp.save(unnamed, checkpoint_id=os.path.join(root, "unnamed"))
     expect_error(lambda: load_checkpoint(os.path.join(root, "unnamed"), fresh, adamw, verify=False), ValueError,
                  "hyper-parameters ['dampening', 'momentum', 'nesterov']", "this AdamW does not have")

@@ -6,6 +6,7 @@ with FSDP2. Every value is compared with a plain single-process model trained on
 data (the reference), and resumed training must continue exactly as the reference does:
 AdamW moments that load into the wrong elements change the next step."""
 import copy
+import os
 
 import pytest
 import torch
@@ -138,13 +139,18 @@ def _full(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt):
-    """Load torchtitan's {"model", "optimizer"} DCP checkpoint into `model`/`opt` through
-    torch's helpers; both must equal the reference, and one more step must too."""
+def _load_with_torch(model, opt, ckpt_dir):
+    """torchtitan's {"model", "optimizer"} DCP checkpoint through torch's helpers."""
     target = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
     dcp.load(target, checkpoint_id=ckpt_dir)
     set_model_state_dict(model, target["model"])
     set_optimizer_state_dict(model, opt, target["optimizer"])
+
+
+def _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt, load=_load_with_torch):
+    """Load a DCP checkpoint into `model`/`opt` (through torch's helpers, or `load`);
+    both must equal the reference, and one more step must too."""
+    load(model, opt, ckpt_dir)
     _assert_model_equal(_full(model), ref)
     _assert_optim_equal(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
                         ref, ref_opt)
@@ -239,23 +245,34 @@ def test_plain_dcp_save_load_even_split(tmp_path):
     assert run_distributed(_plain_dcp_even_split, 2, str(tmp_path / "ckpt"), timeout=120) == [True, True]
 
 
-def _save_then_check(rank, world, strategy, ckpt_dir):
+def _save_then_check(rank, world, strategy, ckpt_dir, ours=False):
+    """Train two steps and save: through torch's helpers, or with ours (save_checkpoint)."""
     model = _shard(_net(), strategy)
     opt = _opt(model)
     _train(model, opt, 2, rows=_my_rows())
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=ckpt_dir)
+    if ours:
+        mfsdp.save_checkpoint(ckpt_dir, model, opt)
+    else:
+        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=ckpt_dir)
     return True
 
 
-def _load_and_resume(rank, world, strategy, ckpt_dir, fsdp2):
+def _load_with_ours(model, opt, ckpt_dir):
+    mfsdp.load_checkpoint(ckpt_dir, model, opt, verify=False)
+
+
+def _load_and_resume(rank, world, strategy, ckpt_dir, fsdp2, ours=False):
+    """Load the checkpoint into FSDP2 or our model, through torch's helpers or (ours)
+    load_checkpoint; a checkpoint torch's helpers wrote has no manifest, so ours refuses
+    it unless verify=False."""
     ref, ref_opt = _reference(2)
     model = _fsdp2(_net(seed=9)) if fsdp2 else _shard(_net(seed=9), strategy)
     opt = _opt(model)
-    if not fsdp2:  # our own loader names the format it cannot read, and what reads it
-        with pytest.raises(ValueError, match="stored in its full shape.*set_model_state_dict"):
+    if ours and not os.path.exists(os.path.join(ckpt_dir, "mfsdp_manifest.json")):
+        with pytest.raises(mfsdp.CheckpointError, match="has no mfsdp_manifest.json.*verify=False"):
             mfsdp.load_checkpoint(ckpt_dir, model, opt)
-    _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt)
+    _load_check_and_resume(model, opt, ckpt_dir, ref, ref_opt, _load_with_ours if ours else _load_with_torch)
     return True
 
 
@@ -272,14 +289,20 @@ def test_checkpoint_resharded_across_world_sizes_and_strategies(tmp_path):
     ckpt = str(tmp_path / "w4")
     assert run_distributed(_save_then_check, 4, "optim_grads_params", ckpt, timeout=180) == [True] * 4
     assert run_distributed(_load_and_resume, 2, "optim", ckpt, False, timeout=180) == [True] * 2
+    # save_checkpoint writes the same state dicts: torch's helpers and ours read it at another world.
+    saved = str(tmp_path / "w4_ours")
+    assert run_distributed(_save_then_check, 4, "optim_grads_params", saved, True, timeout=180) == [True] * 4
+    assert run_distributed(_load_and_resume, 2, "optim", saved, False, timeout=180) == [True] * 2
+    assert run_distributed(_load_and_resume, 2, "no_shard", saved, False, True, timeout=180) == [True] * 2
 
 
 def test_checkpoints_interchange_with_fsdp2(tmp_path):
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "fsdp2")
-    assert run_distributed(_save_then_check, 2, "optim_grads_params", ours, timeout=180) == [True] * 2
+    assert run_distributed(_save_then_check, 2, "optim_grads_params", ours, True, timeout=180) == [True] * 2
     assert run_distributed(_load_and_resume, 2, None, ours, True, timeout=180) == [True] * 2  # FSDP2 loads ours
     assert run_distributed(_fsdp2_save, 2, theirs, timeout=180) == [True] * 2
-    assert run_distributed(_load_and_resume, 4, "optim_grads_params", theirs, False, timeout=180) == [True] * 4
+    assert run_distributed(_load_and_resume, 4, "optim_grads_params", theirs, False, True,
+                           timeout=180) == [True] * 4  # ours loads FSDP2's with load_checkpoint
 
 
 def _plain_load_and_refusals(rank, world):
@@ -313,6 +336,64 @@ def _plain_load_and_refusals(rank, world):
 
 def test_plain_load_state_dict_and_refusals(tmp_path):
     assert run_distributed(_plain_load_and_refusals, 2, timeout=120) == [True, True]
+
+
+def _rows_exchanged_not_gathered(rank, world):
+    """state_dict() moves each unit's rows by one all-to-all (every element once), not by
+    gathering the unit; the result, and what loads back, equal the gathering path's (a
+    backend declared without all-to-all), DTensor for DTensor, at a world (3) that chunks
+    rows unevenly."""
+    from megatron_fsdp_ext import _C
+    from megatron_fsdp_ext.backends import register_backend_capabilities
+
+    model = _shard(_net(), "optim_grads_params")
+    opt = _opt(model)
+    _train(model, opt, 1, rows=_my_rows())
+    _C.reset_collective_counts()
+    sd, osd = model.state_dict(), opt.state_dict()
+    counts = dict(_C.collective_counts())
+    local = sum(p.numel() for p in model.parameters())
+    assert counts["all_to_all"][0] > 0, counts
+    # Parameters and two moments: each rank sends its own elements once, plus the tiny
+    # agreement on the optimizer's state keys; a gather would receive world x as much.
+    assert counts["all_to_all"][1] <= 3 * local * 4, (counts, local)
+    assert counts["all_gather"][1] < local, counts  # only small agreements, no unit gathered
+
+    caps = _C.known_backend_caps("gloo", torch.device("cpu"))
+    register_backend_capabilities("gloo", "cpu", coalesced_all_gather=True, coalesced_reduce_scatter=True,
+                                  all_to_all=False)
+    try:
+        gathered = _shard(_net(seed=3), "optim_grads_params")
+        gathered_opt = _opt(gathered)
+        _train(gathered, gathered_opt, 1, rows=_my_rows())
+        gathered.load_state_dict(sd)  # FSDP2-placed DTensors, cut by the gather path
+        gathered_opt.load_state_dict(osd)
+        assert not gathered.blocks[0]._fsdp_state.unit.exchanges_rows
+        sd2, osd2 = gathered.state_dict(), gathered_opt.state_dict()
+    finally:
+        register_backend_capabilities("gloo", "cpu", coalesced_all_gather=caps.coalesced_all_gather,
+                                      coalesced_reduce_scatter=caps.coalesced_reduce_scatter,
+                                      all_to_all=caps.all_to_all)
+    for key, value in sd.items():
+        assert type(value) is type(sd2[key]), key
+        if isinstance(value, DTensor):
+            assert value.placements == sd2[key].placements and value.shape == sd2[key].shape, key
+            assert torch.equal(value.to_local(), sd2[key].to_local()), key
+    for key, entry in osd["state"].items():
+        for name, value in entry.items():
+            other = osd2["state"][key][name]
+            got, want = (v.to_local() if isinstance(v, DTensor) else v for v in (other, value))
+            assert torch.equal(got, want), (key, name)
+    # Back through the exchange: the gathered model's DTensors load into a third model.
+    third = _shard(_net(seed=5), "optim_grads_params")
+    third.load_state_dict(sd2)
+    for (name, p), q in zip(third.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    return True
+
+
+def test_state_dict_rows_are_exchanged_not_gathered():
+    assert run_distributed(_rows_exchanged_not_gathered, 3, timeout=120) == [True] * 3
 
 
 @pytest.mark.gpu

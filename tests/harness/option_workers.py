@@ -651,9 +651,10 @@ def _full_state_dict_errors(device) -> None:
 
 def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None:
     """Checkpoints that save_checkpoint itself never writes are made with dcp.save from
-    an edited sharded_state_dict()."""
+    an edited sharded_state_dict(), or from the earlier flat format's entries."""
     import torch.distributed.checkpoint as dcp
 
+    from harness.flat_format import flat_state_dict
     from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint, sharded_state_dict
 
     cfg, model = _sharded_llama_with_buffer(device)
@@ -671,8 +672,8 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
     expect_error(lambda: save_checkpoint(path + "/never", model, stranger), ValueError,
                  "the optimizer holds a parameter that is not in the module (shape (2, 5))")
 
-    # Without the stored shapes, a parameter of another numel is caught by its size.
-    no_shapes = sharded_state_dict(model)
+    # Flat format: without the stored shapes, a parameter of another numel is caught by its size.
+    no_shapes = flat_state_dict(model)
     del no_shapes["meta.param_shapes"]
     with warnings_silenced():
         dcp.save(no_shapes, checkpoint_id=path + "/no_shapes")
@@ -685,9 +686,10 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
     expect_error(lambda: load_checkpoint(path + "/full", longer), ValueError,
                  "'model.scale' has shape (3,)", "the model's has (4,)")
 
-    # Optimizer state that names no parameter, or has another numel than its parameter.
+    # Optimizer state that names no parameter, or has another numel than its parameter:
+    # in the flat format, and in torch's state dicts.
     def save_with(key: str, numel: int, where: str) -> str:
-        edited = sharded_state_dict(model, opt)
+        edited = flat_state_dict(model, opt)
         edited[key] = torch.zeros(numel, device=device)
         with warnings_silenced():
             dcp.save(edited, checkpoint_id=path + where)
@@ -700,6 +702,19 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
     expect_error(lambda: load_checkpoint(resized, model, opt), ValueError,
                  "'optim.state.blocks.0.attn.wo.weight.exp_avg' holds 5 elements",
                  "parameter 'blocks.0.attn.wo.weight' has shape (32, 32)")
+
+    def save_edited(name: str, entry: dict, where: str) -> str:
+        edited = sharded_state_dict(model, opt)
+        edited["optimizer"]["state"].setdefault(name, {}).update(entry)
+        dcp.save(edited, checkpoint_id=path + where)
+        return path + where
+
+    stray = save_edited("nope", {"exp_avg": torch.zeros(3, device=device)}, "/stray2")
+    expect_error(lambda: load_checkpoint(stray, model, opt, verify=False), KeyError,
+                 "in the checkpoint but not in the optimizer: ['optimizer.state.nope.exp_avg']")
+    resized = save_edited("blocks.0.attn.wo.weight", {"exp_avg": torch.zeros(5, device=device)}, "/resized2")
+    expect_error(lambda: load_checkpoint(resized, model, opt, verify=False), ValueError,
+                 "'optimizer.state.blocks.0.attn.wo.weight.exp_avg' has shape (5,)", "the model's has (32, 32)")
 
     # Optimizer groups that differ from the checkpoint's.
     half = len(params) // 2
@@ -714,10 +729,10 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
 
 
 def warnings_silenced():
-    """DCP warns that ShardedTensor is deprecated (see dcp._quiet)."""
-    from megatron_fsdp_ext.dcp import _quiet
+    """DCP warns that ShardedTensor is deprecated (see dcp_flat.quiet)."""
+    from megatron_fsdp_ext.dcp_flat import quiet
 
-    return _quiet()
+    return quiet()
 
 
 def _layerwise_errors(device) -> None:

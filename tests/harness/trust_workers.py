@@ -16,6 +16,8 @@ import torch.distributed.checkpoint as dcp
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.checkpoint_files import MANIFEST_NAME, file_digest
 from megatron_fsdp_ext.dcp import sharded_state_dict
+
+from .flat_format import flat_state_dict
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 from .workers import expect_error, shard_blocks_and_root
@@ -107,17 +109,21 @@ def pickle_attacks(rank: int, world: int, path: str) -> None:
 
     # 2. Our metadata entry, written by DCP itself (torch.save of an object), and as the
     # earlier format's pickled bytes.
-    for name, value in (("new", Opens(f"{path}/ran_entry_new")),
-                        ("legacy", pickle.dumps(Opens(f"{path}/ran_entry_legacy")))):
+    # The same in the flat format's metadata entry.
+    for name, value, key, entries in (
+            ("new", Opens(f"{path}/ran_entry_new"), "meta.format", sharded_state_dict),
+            ("legacy", pickle.dumps(Opens(f"{path}/ran_entry_legacy")), "meta.format", sharded_state_dict),
+            ("flat_new", Opens(f"{path}/ran_entry_flat_new"), "meta.param_shapes", flat_state_dict),
+            ("flat_legacy", pickle.dumps(Opens(f"{path}/ran_entry_flat_legacy")), "meta.param_shapes", flat_state_dict)):
         forged = f"{path}/bad_entry_{name}"
-        sd = sharded_state_dict(model, opt)
-        sd["meta.param_shapes"] = value
+        sd = entries(model, opt)
+        sd[key] = value
         dcp.save(sd, checkpoint_id=forged)
         if rank == 0:
             shutil.copy(f"{path}/good/{MANIFEST_NAME}", forged)
             reseal(forged)
         dist.barrier()
-        expect_error(lambda: mfsdp.load_checkpoint(forged, model, opt), mfsdp.CheckpointError, "meta.param_shapes")
+        expect_error(lambda: mfsdp.load_checkpoint(forged, model, opt), mfsdp.CheckpointError, key)
         dist.barrier()
         assert not os.path.exists(f"{path}/ran_entry_{name}"), f"loading the forged entry ({name}) ran its code"
     # The model still holds what it trained to (nothing was loaded).
@@ -251,7 +257,7 @@ def legacy_format(rank: int, world: int, path: str) -> None:
     convert, and runs nothing."""
     model, opt = trained()
     model.keeper = _KeepsState({"step": 3})
-    sd = sharded_state_dict(model, opt)
+    sd = flat_state_dict(model, opt)
     # What the earlier version wrote: pickle.dumps of the same builtin values.
     sd["meta.param_shapes"] = pickle.dumps({k: tuple(v) for k, v in json.loads(sd["meta.param_shapes"]).items()})
     sd["optim.param_groups"] = pickle.dumps([{**{k: tuple(v["__tuple__"]) if isinstance(v, dict) else v
