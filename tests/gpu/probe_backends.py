@@ -53,6 +53,14 @@ def _probe(rank, world, name, device):
         g.reduce_scatter_tensor_coalesced(outs, [full, full.clone()]).wait()
         want = sum(_values(r, 4, "cpu") for r in range(world))
         return all(torch.equal(o.cpu(), want) for o in outs)
+    if name == "all_to_all_uneven":  # what state dicts' row exchange issues (alltoall_base with splits)
+        send = [1 + (rank + q) % 3 for q in range(world)]  # elements for rank q
+        recv = [1 + (p + rank) % 3 for p in range(world)]
+        inp = torch.cat([torch.full((n,), float(100 * rank + q), device=device) for q, n in enumerate(send)])
+        out = torch.empty(sum(recv), device=device)
+        dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
+        want = torch.cat([torch.full((n,), float(100 * p + rank)) for p, n in enumerate(recv)])
+        return bool(torch.equal(out.cpu(), want))
     if name == "all_reduce":
         dist.all_reduce(x)
         return bool(torch.equal(x.cpu(), sum(_values(r, 4, "cpu") for r in range(world))))
@@ -127,6 +135,7 @@ def main() -> int:
         "allgather_uneven_list": caps.uneven_lists,
         "reduce_scatter_tensor": caps.flat_reduce_scatter,
         "reduce_scatter_tensor_coalesced": caps.coalesced_reduce_scatter,
+        "all_to_all_uneven": caps.all_to_all,
         "all_reduce": True,
     }
     where = f"{torch.cuda.get_device_name(0)}, {WORLD} processes on cuda:0" if DEVICE == "cuda" else f"{WORLD} processes"
