@@ -331,6 +331,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sharded_views", &Unit::sharded_views)
       .def("unsharded_views", &Unit::unsharded_views)
       .def("bind_params", &Unit::bind_params)
+      // The unit is the one holder of these objects: each read gives the very objects
+      // bind_params got (type and attributes included), in a new list.
+      .def_property_readonly("sharded_params", &Unit::sharded_params,
+                             "The parameters the module shows between uses: 1-D views of this rank's shard.")
+      .def_property_readonly("unsharded_params", &Unit::unsharded_params,
+                             "The parameters the module shows in forward/backward: views of the gathered buffer.")
+      .def("sharded_param", [](const Unit& u, int64_t index) { return u.sharded_params().at(index); },
+           py::arg("index"), "sharded_params[index] without building the list.")
+      .def("unsharded_param", [](const Unit& u, int64_t index) { return u.unsharded_params().at(index); },
+           py::arg("index"), "unsharded_params[index] without building the list.")
       .def("set_context", &Unit::set_context)
       // Replacing a group may drop the last reference to the previous one.
       .def("set_all_gather_group", &Unit::set_all_gather_group, py::call_guard<py::gil_scoped_release>())
@@ -362,10 +372,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "`inputs` through an identity autograd node whose backward reports `key` to the callback.");
 
   py::class_<ParamSlots>(m, "ParamSlots")
-      .def(py::init<>())
-      .def("add", &ParamSlots::add)
-      .def("set_objects", &ParamSlots::set_objects)
-      .def("install", &ParamSlots::install)
+      .def(py::init<std::shared_ptr<Unit>>(), py::arg("unit"))
+      .def("add", &ParamSlots::add, py::arg("params_dict"), py::arg("name"), py::arg("param_index"))
+      .def("install", &ParamSlots::install, py::arg("unsharded"))
       .def("param_index", &ParamSlots::param_index)
       .def("params_dict", &ParamSlots::params_dict)
       .def("name", &ParamSlots::name)

@@ -1,12 +1,17 @@
 // ParamSlots: every (module._parameters, name) entry that holds a parameter of a unit
-// (tied parameters have several), and the swap between the sharded and the unsharded
-// nn.Parameter objects in those entries. Done in C++ so a hook costs O(1) Python.
+// (tied parameters have several), and the swap between the unit's sharded and unsharded
+// nn.Parameter objects in those entries. The objects are the unit's own
+// (Unit::sharded_params / unsharded_params): nothing here holds them. Done in C++ so a
+// hook costs O(1) Python.
 #pragma once
 
 #include "errors.h"
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
 #include <vector>
+
+#include "unit.h"
 
 namespace mfsdp {
 
@@ -14,8 +19,9 @@ namespace py = pybind11;
 
 class ParamSlots {
  public:
+  // `unit` null: a state without parameters (no slots).
+  explicit ParamSlots(std::shared_ptr<Unit> unit) : unit_(std::move(unit)) {}
   void add(py::dict params_dict, py::str name, int64_t param_index);
-  void set_objects(std::vector<py::object> sharded, std::vector<py::object> unsharded);
   // Put the unsharded (or sharded) objects into every slot. A slot holding neither
   // object was re-assigned by the user: it is left alone and its index returned.
   // Installing the unsharded objects first gives each the sharded one's requires_grad.
@@ -31,9 +37,8 @@ class ParamSlots {
     py::str name;
     int64_t index;
   };
+  std::shared_ptr<Unit> unit_;
   std::vector<Slot> slots_;
-  std::vector<py::object> sharded_, unsharded_;
-  bool objects_set_ = false;
 };
 
 }  // namespace mfsdp

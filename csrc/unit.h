@@ -99,8 +99,14 @@ class Unit {
 
   std::vector<at::Tensor> sharded_views() const;
   std::vector<at::Tensor> unsharded_views() const;
-  // The tensors the user sees (nn.Parameter objects made from the views above).
+  // The tensors the user sees (nn.Parameter objects made from the views above). The unit
+  // is their one holder: a tensor keeps its Python object (type, attributes) alive, so
+  // reading them back from Python gives the same objects.
   void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params);
+  const std::vector<at::Tensor>& sharded_params() const { return sharded_params_; }
+  const std::vector<at::Tensor>& unsharded_params() const { return unsharded_params_; }
+  // Refuses `what` until bind_params() gave the unit its parameter objects.
+  void check_bound(const char* what) const;
   void set_context(std::shared_ptr<CommContext> ctx);
   // Separate communicators (same ranks, same order as the unit's group), so that
   // all-gathers and reduce-scatters can run at the same time.
@@ -184,8 +190,6 @@ class Unit {
   // values shaped like the parameters. Before lazy init (no context yet: the layouts were
   // not compared across ranks) the ranks first check they gather the same sizes.
   std::vector<at::Tensor> gather_segments(at::Tensor segment);
-  // Refuses `what` until bind_params() gave the unit its parameter objects.
-  void check_bound(const char* what) const;
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)
   // is rethrown naming this unit, the phase and the likely causes.
   template <typename F>

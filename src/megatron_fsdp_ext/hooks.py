@@ -1,7 +1,7 @@
 """Per-unit state and the module/autograd hooks that drive the C++ units.
 
 Each hook does O(1) Python work per unit: one or two calls into the C++ Unit, which
-holds everything per-parameter.
+holds everything per-parameter, the parameter objects included.
 """
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
 class FSDPState:
-    def __init__(self, modules, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
+    def __init__(self, modules, unit, names, slots, pg, options: UnitOptions, *,
                  check_group=None, deferred: bool = False, device_mesh=None):
         # A unit of several modules (FSDP2's fully_shard([...])) is gathered before the
         # first of them runs in a forward and released after the last (_group_pending).
@@ -300,8 +300,6 @@ class FSDPState:
         self.check_group = check_group if check_group is not None else pg
         self.unit = unit
         self.names = names
-        self.sharded_params = sharded
-        self.unsharded_params = unsharded
         self.process_group = pg
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
@@ -331,15 +329,15 @@ class FSDPState:
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 
-        self.slots = _C.ParamSlots()
+        # The module's parameter slots; the parameter objects themselves live in the unit.
+        self.slots = _C.ParamSlots(unit)
+        sharded = self.sharded_params
         for params_dict, name, index in slots:
             self.slots.add(params_dict, name, index)
             params_dict[name] = sharded[index]
-        if unit is not None:
-            self.slots.set_objects(list(sharded), list(unsharded))
-            owner = weakref.ref(self)
-            for p in sharded:
-                p._mfsdp_owner = owner
+        owner = weakref.ref(self)
+        for p in sharded:
+            p._mfsdp_owner = owner
         # The hooks drive C++ units Dynamo cannot trace: disabled for it, they run eagerly
         # outside any graph (as FSDP2's do), so `block.compile(fullgraph=True)` traces the
         # block alone and a whole-model torch.compile breaks its graphs only here.
@@ -350,6 +348,17 @@ class FSDPState:
 
     def __str__(self) -> str:
         return f"{self.module_kind} (unit of {len(self.names)} parameters)"
+
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        """The unit's sharded parameters (1-D views of this rank's shard), read from the
+        C++ unit, their one holder; a new list each time."""
+        return self.unit.sharded_params if self.unit is not None else []
+
+    @property
+    def unsharded_params(self) -> List[nn.Parameter]:
+        """The unit's unsharded parameters (views of the gathered buffer), from the unit."""
+        return self.unit.unsharded_params if self.unit is not None else []
 
     @property
     def module(self) -> nn.Module:
