@@ -36,6 +36,7 @@ std::vector<int64_t> ParamSlots::install(bool unsharded) {
       if (u.requires_grad() != wanted) u.set_requires_grad(wanted);
     }
   }
+  holds_unsharded_ = unsharded;
   std::vector<int64_t> replaced;
   const auto& want = unsharded ? gathered : sharded;
   const auto& other = unsharded ? sharded : gathered;
@@ -53,6 +54,28 @@ std::vector<int64_t> ParamSlots::install(bool unsharded) {
     if (!obj || PyDict_SetItem(s.dict.ptr(), s.name.ptr(), obj.ptr()) != 0) throw py::error_already_set();
   }
   return replaced;
+}
+
+std::vector<int64_t> ParamSlots::use(const std::vector<Unit*>& gathers, bool bucketed) {
+  {
+    // Waiting on a collective: a Gloo worker finishing an earlier one may need the GIL.
+    py::gil_scoped_release no_gil;
+    Unit::unshard_all(gathers, bucketed);
+    if (unit_) unit_->wait_unshard();
+  }
+  if (!unit_) return {};
+  return install(/*unsharded=*/true);
+}
+
+std::vector<int64_t> ParamSlots::release(bool keep_unsharded) {
+  if (!unit_) return {};
+  if (keep_unsharded) {
+    if (!holds_unsharded_) return {};
+  } else {
+    py::gil_scoped_release no_gil;
+    unit_->reshard();
+  }
+  return install(/*unsharded=*/false);
 }
 
 }  // namespace mfsdp

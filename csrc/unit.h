@@ -134,6 +134,8 @@ class Unit {
   // share the first such unit's all-gather communicator, parameter dtype and context are
   // gathered by one coalesced all-gather (one c10d call); the others by their own.
   static void unshard_together(const std::vector<Unit*>& units);
+  // unshard_together() when `bucketed` and more than one unit, else each unit's unshard().
+  static void unshard_all(const std::vector<Unit*>& units, bool bucketed);
   // Make the current stream wait for the all-gather. No-op unless GATHERING.
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).

@@ -110,7 +110,8 @@ def _unbound_unit(rank, world):
     # The slots read the parameter objects from their unit: none bound yet, nothing to install.
     slots = _C.ParamSlots(unit)
     slots.add({"w": None}, "w", 0)
-    for call in (lambda: slots.install(True), lambda: slots.install(False)):
+    for call in (lambda: slots.install(True), lambda: slots.install(False), lambda: slots.use([], False),
+                 lambda: slots.release(False)):
         expect_error(call, RuntimeError, "no parameters bound yet", "'w'")
     expect_error(lambda: slots.add({}, "w", -1), RuntimeError, "negative")
     expect_error(lambda: slots.add({}, "w", 1), RuntimeError, "past the 1 parameters")
@@ -119,6 +120,7 @@ def _unbound_unit(rank, world):
     empty = _C.ParamSlots(None)
     expect_error(lambda: empty.add({}, "w", 0), RuntimeError, "no unit")
     expect_error(lambda: empty.install(True), RuntimeError, "no unit")
+    assert empty.use([], True) == [] and empty.release(False) == [] and not empty.holds_unsharded
 
 
 def test_unbound_unit_and_slots_raise():

@@ -175,12 +175,20 @@ def slot_cases(pg):
     empty = _C.ParamSlots(None)
     attempt(empty.add, d, "w", 0)  # no unit
     attempt(empty.install, True)
+    attempt(empty.use, [None], True)
+    attempt(empty.use, [None, None], True)
+    attempt(empty.use, [None], False)
+    attempt(empty.release, False)
     attempt(_C.ParamSlots)
+    attempt(_C.Unit.unshard_all, [None], False)
+    attempt(_C.Unit.unshard_all, [None, None], True)
     unit = _C.Unit([torch.randn(2)], ["w"], pg, 4, None, None, _C.ShardingStrategy.OPTIM_GRADS_PARAMS)
     s = _C.ParamSlots(unit)
     s.add(d, "w", 0)
     attempt(s.install, True)  # before bind_params
     attempt(s.install, False)
+    attempt(s.use, [unit], False)
+    attempt(s.release, False)
     attempt(s.param_index, 5)
     attempt(s.params_dict, -1)
     attempt(s.name, 2**40)
@@ -190,12 +198,16 @@ def slot_cases(pg):
     attempt(unit.unsharded_param, -1)
     unit.bind_params([torch.nn.Parameter(v) for v in unit.sharded_views()],
                      [torch.nn.Parameter(v) for v in unit.unsharded_views()])
+    attempt(s.use, [unit], False)  # no context yet
+    unit.set_context(_C.CommContext(torch.device("cpu")))
     attempt(unit.sharded_param, 2**40)
     s2 = _C.ParamSlots(unit)
     s2.add(d, "missing", 0)
     s2.add({}, "w", 0)
-    attempt(s2.install, True)
-    attempt(s2.install, False)
+    attempt(s2.use, [unit, unit], True)
+    attempt(s2.release, True)
+    attempt(s2.release, False)
+    attempt(s2.use, [unit, None], True)
 
 
 def random_cases(pg, iterations: int, seed: int):
