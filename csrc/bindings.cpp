@@ -363,6 +363,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sharded_views", &Unit::sharded_views)
       .def("unsharded_views", &Unit::unsharded_views)
       .def("bind_params", &Unit::bind_params)
+      // The unit is the one holder of these objects: each read gives the very objects
+      // bind_params got (type and attributes included), in a new list.
+      .def_property_readonly("sharded_params", &Unit::sharded_params,
+                             "The parameters the module shows between uses: 1-D views of this rank's shard.")
+      .def_property_readonly("unsharded_params", &Unit::unsharded_params,
+                             "The parameters the module shows in forward/backward: views of the gathered buffer.")
+      .def("sharded_param", [](const Unit& u, int64_t index) { return u.sharded_params().at(index); },
+           py::arg("index"), "sharded_params[index] without building the list.")
+      .def("unsharded_param", [](const Unit& u, int64_t index) { return u.unsharded_params().at(index); },
+           py::arg("index"), "unsharded_params[index] without building the list.")
       .def("set_context", &Unit::set_context)
       // Replacing a group may drop the last reference to the previous one.
       .def("set_all_gather_group", &Unit::set_all_gather_group, py::call_guard<py::gil_scoped_release>())
@@ -378,6 +388,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("unshard_together", &Unit::unshard_together, py::arg("units"),
                   py::call_guard<py::gil_scoped_release>(),
                   "unshard() for several units, those that can share it in one coalesced all-gather")
+      .def_static("unshard_all", &Unit::unshard_all, py::arg("units"), py::arg("bucketed"),
+                  py::call_guard<py::gil_scoped_release>(),
+                  "unshard_together(units) when bucketed and several, else each unit's unshard()")
       .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())
@@ -393,11 +406,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mark_post_backward", &mark_post_backward, py::arg("key"), py::arg("inputs"),
         "`inputs` through an identity autograd node whose backward reports `key` to the callback.");
 
+  // use() and release() drop the GIL themselves around the collectives they wait on.
   py::class_<ParamSlots>(m, "ParamSlots")
-      .def(py::init<>())
-      .def("add", &ParamSlots::add)
-      .def("set_objects", &ParamSlots::set_objects)
-      .def("install", &ParamSlots::install)
+      .def(py::init<std::shared_ptr<Unit>>(), py::arg("unit"))
+      .def("add", &ParamSlots::add, py::arg("params_dict"), py::arg("name"), py::arg("param_index"))
+      .def("install", &ParamSlots::install, py::arg("unsharded"))
+      .def("use", &ParamSlots::use, py::arg("gathers"), py::arg("bucketed"),
+           "Gather `gathers` (one coalesced all-gather when bucketed), wait for this unit's gather and install "
+           "the unsharded parameters; returns the slots the user re-assigned.")
+      .def("release", &ParamSlots::release, py::arg("keep_unsharded"),
+           "Reshard unless keep_unsharded and install the sharded parameters (kept: only if the slots hold the "
+           "unsharded ones); returns the slots the user re-assigned.")
+      .def_property_readonly("holds_unsharded", &ParamSlots::holds_unsharded)
       .def("param_index", &ParamSlots::param_index)
       .def("params_dict", &ParamSlots::params_dict)
       .def("name", &ParamSlots::name)

@@ -579,6 +579,17 @@ void Unit::unshard_together(const std::vector<Unit*>& units) {
   for (Unit* u : together) u->state_ = UnitState::kUnsharded;
 }
 
+void Unit::unshard_all(const std::vector<Unit*>& units, bool bucketed) {
+  if (bucketed && units.size() > 1) {
+    unshard_together(units);
+    return;
+  }
+  for (Unit* u : units) {
+    MFSDP_CHECK(u != nullptr, "unshard_all: a unit is None");
+    u->unshard();
+  }
+}
+
 void Unit::wait_unshard() {
   if (state_ == UnitState::kSharded) return;
   if (state_ == UnitState::kGathering) {

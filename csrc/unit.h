@@ -101,8 +101,14 @@ class Unit {
 
   std::vector<at::Tensor> sharded_views() const;
   std::vector<at::Tensor> unsharded_views() const;
-  // The tensors the user sees (nn.Parameter objects made from the views above).
+  // The tensors the user sees (nn.Parameter objects made from the views above). The unit
+  // is their one holder: a tensor keeps its Python object (type, attributes) alive, so
+  // reading them back from Python gives the same objects.
   void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params);
+  const std::vector<at::Tensor>& sharded_params() const { return sharded_params_; }
+  const std::vector<at::Tensor>& unsharded_params() const { return unsharded_params_; }
+  // Refuses `what` until bind_params() gave the unit its parameter objects.
+  void check_bound(const char* what) const;
   void set_context(std::shared_ptr<CommContext> ctx);
   // Separate communicators (same ranks, same order as the unit's group), so that
   // all-gathers and reduce-scatters can run at the same time.
@@ -130,6 +136,8 @@ class Unit {
   // share the first such unit's all-gather communicator, parameter dtype and context are
   // gathered by one coalesced all-gather (one c10d call); the others by their own.
   static void unshard_together(const std::vector<Unit*>& units);
+  // unshard_together() when `bucketed` and more than one unit, else each unit's unshard().
+  static void unshard_all(const std::vector<Unit*>& units, bool bucketed);
   // Make the current stream wait for the all-gather. No-op unless GATHERING.
   void wait_unshard();
   // Free the unsharded storage (waiting first if an all-gather is in flight).
@@ -205,8 +213,6 @@ class Unit {
   // piece lands in.
   template <typename Src, typename Dst>
   void exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& parts, Dst&& dest);
-  // Refuses `what` until bind_params() gave the unit its parameter objects.
-  void check_bound(const char* what) const;
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)
   // is rethrown naming this unit, the phase and the likely causes.
   template <typename F>

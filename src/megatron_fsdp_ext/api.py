@@ -398,15 +398,14 @@ def fully_shard(
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
     params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
-    unit, sharded, unsharded, deferred = None, [], [], False
+    unit, deferred = None, False
     if params:
         materialize_on = check_devices(modules[0], params, names, pg, mesh)
         deferred = materialize_on is not None
-        unit, sharded, unsharded = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on,
-                                             check_for_nan_in_grad)
+        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad)
         groups.connect(unit, strategy)
 
-    state = FSDPState(modules, unit, names, sharded, unsharded, slots, pg, options,
+    state = FSDPState(modules, unit, names, slots, pg, options,
                       check_group=groups.reduce_scatter_group,
                       deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None)
     owner = weakref.ref(state)

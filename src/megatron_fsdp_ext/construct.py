@@ -280,9 +280,10 @@ class CommGroups:
 
 def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy, materialize_on,
               check_for_nan_in_grad: bool):
-    """The C++ Unit over `params` and the parameter objects the module will show: sharded
-    (1-D views of this rank's shard) and unsharded (views of the gathered buffer), both
-    keeping the originals' requires_grad and user attributes."""
+    """The C++ Unit over `params`, bound to the parameter objects the module will show:
+    sharded (1-D views of this rank's shard) and unsharded (views of the gathered buffer),
+    both keeping the originals' requires_grad and user attributes. The unit is their one
+    holder (unit.sharded_params / unsharded_params)."""
     for p, n in zip(params, names):
         if p.dtype not in FLOAT_DTYPES:
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
@@ -306,4 +307,4 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     # before every collective; see Unit::set_check_collectives.
     unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"
     unit.check_nonfinite = check_for_nan_in_grad
-    return unit, sharded, unsharded
+    return unit

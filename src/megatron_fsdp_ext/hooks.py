@@ -1,7 +1,8 @@
 """Per-unit state and the module/autograd hooks that drive the C++ units.
 
-Each hook does O(1) Python work per unit: one or two calls into the C++ Unit, which
-holds everything per-parameter.
+Each hook does O(1) Python work per unit and, where it can, one call into C++: the
+unit's ParamSlots gathers, waits and swaps the module's parameters in one call (use,
+release). The C++ Unit holds everything per-parameter, the parameter objects included.
 """
 from __future__ import annotations
 
@@ -270,15 +271,11 @@ def _same_type(marked: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     return marked if type(marked) is type(original) else marked.as_subclass(type(original))
 
 
-def _unshard_all(states, bucketed: bool) -> None:
-    """unshard() each of `states`, in order; bucketed, they go to C++ together, which
-    gathers those that can share a collective with one coalesced all-gather."""
-    units = [s.unit for s in states if s.unit is not None]
-    if bucketed and len(units) > 1:
-        _C.Unit.unshard_together(units)
-        return
-    for unit in units:
-        unit.unshard()
+def _units_to_gather(states) -> list:
+    """The C++ units of `states`, in order (states without parameters have none), right
+    before C++ gathers them (ParamSlots.use, Unit.unshard_all): the one Python step of
+    every hook's gathers, where GPU tests inject stream delays."""
+    return [s.unit for s in states if s.unit is not None]
 
 
 # Arguments that are never containers: a call whose positional arguments are all tensors
@@ -287,7 +284,7 @@ _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
 class FSDPState:
-    def __init__(self, modules, unit, names, sharded, unsharded, slots, pg, options: UnitOptions, *,
+    def __init__(self, modules, unit, names, slots, pg, options: UnitOptions, *,
                  check_group=None, deferred: bool = False, device_mesh=None):
         # A unit of several modules (FSDP2's fully_shard([...])) is gathered before the
         # first of them runs in a forward and released after the last (_group_pending).
@@ -300,8 +297,6 @@ class FSDPState:
         self.check_group = check_group if check_group is not None else pg
         self.unit = unit
         self.names = names
-        self.sharded_params = sharded
-        self.unsharded_params = unsharded
         self.process_group = pg
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
@@ -318,7 +313,6 @@ class FSDPState:
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.backward_progress = BackwardProgress.NONE
-        self.slots_hold = SlotsHold.SHARDED
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
@@ -331,15 +325,15 @@ class FSDPState:
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 
-        self.slots = _C.ParamSlots()
+        # The module's parameter slots; the parameter objects themselves live in the unit.
+        self.slots = _C.ParamSlots(unit)
+        sharded = self.sharded_params
         for params_dict, name, index in slots:
             self.slots.add(params_dict, name, index)
             params_dict[name] = sharded[index]
-        if unit is not None:
-            self.slots.set_objects(list(sharded), list(unsharded))
-            owner = weakref.ref(self)
-            for p in sharded:
-                p._mfsdp_owner = owner
+        owner = weakref.ref(self)
+        for p in sharded:
+            p._mfsdp_owner = owner
         # The hooks drive C++ units Dynamo cannot trace: disabled for it, they run eagerly
         # outside any graph (as FSDP2's do), so `block.compile(fullgraph=True)` traces the
         # block alone and a whole-model torch.compile breaks its graphs only here.
@@ -350,6 +344,22 @@ class FSDPState:
 
     def __str__(self) -> str:
         return f"{self.module_kind} (unit of {len(self.names)} parameters)"
+
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        """The unit's sharded parameters (1-D views of this rank's shard), read from the
+        C++ unit, their one holder; a new list each time."""
+        return self.unit.sharded_params if self.unit is not None else []
+
+    @property
+    def unsharded_params(self) -> List[nn.Parameter]:
+        """The unit's unsharded parameters (views of the gathered buffer), from the unit."""
+        return self.unit.unsharded_params if self.unit is not None else []
+
+    @property
+    def slots_hold(self) -> SlotsHold:
+        """Which parameters the module's slots hold: kept by the C++ slots, which swap them."""
+        return SlotsHold.UNSHARDED if self.slots.holds_unsharded else SlotsHold.SHARDED
 
     @property
     def module(self) -> nn.Module:
@@ -428,16 +438,10 @@ class FSDPState:
             self.unit.unshard()
 
     def wait_unshard(self) -> None:
-        if self.unit is None:
-            return
-        self.unit.wait_unshard()
-        self._install(unsharded=True)
+        self._adopt_replaced(self.slots.use([], False), unsharded=True)
 
     def reshard(self) -> None:
-        if self.unit is None:
-            return
-        self.unit.reshard()
-        self._install(unsharded=False)
+        self._adopt_replaced(self.slots.release(False), unsharded=False)
 
     def mark_loaded(self) -> None:
         """Every parameter of this unit now holds its value (materialize, or a load that
@@ -449,26 +453,23 @@ class FSDPState:
         """Strategies other than optim_grads_params keep the unsharded copy between uses."""
         return self.unit is not None and self.options.keeps_params_unsharded
 
-    def release(self) -> None:
+    def release(self, keep_unsharded: bool = False) -> None:
         """Done with the unsharded parameters for now: the module's slots get the sharded
-        ones back; the memory is freed unless the strategy keeps it (the next use then
-        gathers again only if the shards changed)."""
-        if self.unit is None:
-            return
-        if self.keeps_params_unsharded:
-            if self.slots_hold is SlotsHold.UNSHARDED:
-                self._install(unsharded=False)
-        else:
-            self.reshard()
+        ones back; the memory is freed unless the strategy keeps it (or `keep_unsharded`;
+        the next use then gathers again only if the shards changed)."""
+        self._adopt_replaced(self.slots.release(keep_unsharded or self.keeps_params_unsharded), unsharded=False)
 
-    def _install(self, unsharded: bool) -> None:
-        self.slots_hold = SlotsHold.UNSHARDED if unsharded else SlotsHold.SHARDED
-        replaced = self.slots.install(unsharded)
-        if replaced:  # module.weight = nn.Parameter(...) since the last install
-            shard_changes.adopt_replaced_params(self, replaced)
-            if unsharded:  # the gathered copy predates the new values: gather again
-                self.unit.wait_unshard()
-            self.slots.install(unsharded)
+    def _adopt_replaced(self, replaced: List[int], unsharded: bool) -> None:
+        """After the slots got the unsharded (or sharded) parameters: slots the user
+        re-assigned since the last install (module.weight = nn.Parameter(...)) give their
+        values to the unit, then the slots are installed again."""
+        if not replaced:
+            return
+        shard_changes.adopt_replaced_params(self, replaced)
+        if unsharded:  # the gathered copy predates the new values: gather again, then install
+            self.slots.use([], False)
+        else:
+            self.slots.install(False)
 
     def start_param_sync(self) -> None:
         """Launch the all-gathers the next forward needs first (the root's and, with
@@ -511,11 +512,8 @@ class FSDPState:
             # Issue the next units' all-gathers before waiting on ours: they run on the
             # all-gather stream while this unit computes. Not in a forward re-run inside
             # backward (activation checkpointing): the next units are done there.
-            if self.ctx.in_backward:
-                self.unshard()
-            else:
-                _unshard_all(*self.ctx.forward_gathers(self))
-            self.wait_unshard()
+            gathers, bucketed = ([self], False) if self.ctx.in_backward else self.ctx.forward_gathers(self)
+            self._adopt_replaced(self.slots.use(_units_to_gather(gathers), bucketed), unsharded=True)
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -575,9 +573,10 @@ class FSDPState:
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
         targets, bucketed = self.ctx.backward_gathers(self)
-        _unshard_all(([self] if self.options.unshard_in_backward else []) + targets, bucketed)
         if self.options.unshard_in_backward:
-            self.wait_unshard()
+            self._adopt_replaced(self.slots.use(_units_to_gather([self] + targets), bucketed), unsharded=True)
+        else:
+            _C.Unit.unshard_all(_units_to_gather(targets), bucketed)
 
     def post_backward_of_one_call(self) -> None:
         """The backward of one forward call is done; reduce once all of them are."""
@@ -600,10 +599,8 @@ class FSDPState:
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
-        if self.options.reshard_after_backward:
-            self.release()
-        elif self.slots_hold is SlotsHold.UNSHARDED:  # keep the gathered memory; slots get the shards back
-            self._install(unsharded=False)
+        # Without reshard_after_backward the gathered memory stays; the slots get the shards back.
+        self.release(keep_unsharded=not self.options.reshard_after_backward)
 
     def end_backward(self) -> None:
         self.backward_progress = BackwardProgress.NONE

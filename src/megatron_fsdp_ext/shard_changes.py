@@ -128,4 +128,4 @@ def adopt_replaced_params(state, replaced_slots) -> None:
             raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
                              f"{type(new).__name__}, not a tensor")
         state.unit.shard_changed(index, new.detach())
-        params_dict[name] = state.sharded_params[index]
+        params_dict[name] = state.unit.sharded_param(index)

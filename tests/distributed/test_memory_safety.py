@@ -107,12 +107,20 @@ def _unbound_unit(rank, world):
         expect_error(call, RuntimeError, "no parameters bound yet", "'w'")
     expect_error(lambda: unit.bind_params([torch.zeros(3)], [torch.zeros(6, 4)]), RuntimeError,
                  "sharded parameter 'w' must be a 1-D")
-    slots = _C.ParamSlots()
+    # The slots read the parameter objects from their unit: none bound yet, nothing to install.
+    slots = _C.ParamSlots(unit)
     slots.add({"w": None}, "w", 0)
-    expect_error(lambda: slots.install(True), RuntimeError, "set_objects was not called")
+    for call in (lambda: slots.install(True), lambda: slots.install(False), lambda: slots.use([], False),
+                 lambda: slots.release(False)):
+        expect_error(call, RuntimeError, "no parameters bound yet", "'w'")
     expect_error(lambda: slots.add({}, "w", -1), RuntimeError, "negative")
-    slots.set_objects([torch.zeros(1)], [torch.zeros(1)])
     expect_error(lambda: slots.add({}, "w", 1), RuntimeError, "past the 1 parameters")
+    assert unit.sharded_params == [] and unit.unsharded_params == []
+    # Slots without a unit (a state without parameters) hold no slot and install nothing.
+    empty = _C.ParamSlots(None)
+    expect_error(lambda: empty.add({}, "w", 0), RuntimeError, "no unit")
+    expect_error(lambda: empty.install(True), RuntimeError, "no unit")
+    assert empty.use([], True) == [] and empty.release(False) == [] and not empty.holds_unsharded
 
 
 def test_unbound_unit_and_slots_raise():

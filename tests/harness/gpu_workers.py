@@ -44,7 +44,7 @@ def stream_chaos():
     def as_cuda_stream(s):
         return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
-    orig_unshard_all = hooks._unshard_all
+    orig_units_to_gather = hooks._units_to_gather
     orig_unshard = hooks.FSDPState.unshard
     orig_post_backward = hooks.FSDPState.post_backward
     contexts = []
@@ -60,9 +60,9 @@ def stream_chaos():
         with torch.cuda.stream(as_cuda_stream(ctx.comm.all_gather_stream())):
             torch.cuda._sleep(_sleep_cycles())        # AG late: compute must wait for it
 
-    def unshard_all(states, bucketed):  # forward and backward gathers (with prefetch)
+    def units_to_gather(states):  # forward and backward gathers (with prefetch), just before they are issued
         delay_before_gathers(states)
-        orig_unshard_all(states, bucketed)
+        return orig_units_to_gather(states)
 
     def unshard(self):  # activation-checkpoint recompute, start_param_sync
         delay_before_gathers([self])
@@ -75,13 +75,13 @@ def stream_chaos():
                 torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
         orig_post_backward(self)
 
-    hooks._unshard_all = unshard_all
+    hooks._units_to_gather = units_to_gather
     hooks.FSDPState.unshard = unshard
     hooks.FSDPState.post_backward = post_backward
     try:
         yield
     finally:
-        hooks._unshard_all = orig_unshard_all
+        hooks._units_to_gather = orig_units_to_gather
         hooks.FSDPState.unshard = orig_unshard
         hooks.FSDPState.post_backward = orig_post_backward
         for comm in contexts:

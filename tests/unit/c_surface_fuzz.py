@@ -170,31 +170,44 @@ def fixed_cases(pg):
             attempt(unit.reduce_grads, True)
 
 
-def slot_cases():
+def slot_cases(pg):
     d = {"w": torch.nn.Parameter(torch.ones(2))}
-    s = _C.ParamSlots()
+    empty = _C.ParamSlots(None)
+    attempt(empty.add, d, "w", 0)  # no unit
+    attempt(empty.install, True)
+    attempt(empty.use, [None], True)
+    attempt(empty.use, [None, None], True)
+    attempt(empty.use, [None], False)
+    attempt(empty.release, False)
+    attempt(_C.ParamSlots)
+    attempt(_C.Unit.unshard_all, [None], False)
+    attempt(_C.Unit.unshard_all, [None, None], True)
+    unit = _C.Unit([torch.randn(2)], ["w"], pg, 4, None, None, _C.ShardingStrategy.OPTIM_GRADS_PARAMS)
+    s = _C.ParamSlots(unit)
     s.add(d, "w", 0)
-    attempt(s.install, True)  # before set_objects
+    attempt(s.install, True)  # before bind_params
     attempt(s.install, False)
+    attempt(s.use, [unit], False)
+    attempt(s.release, False)
     attempt(s.param_index, 5)
     attempt(s.params_dict, -1)
     attempt(s.name, 2**40)
-    attempt(s.set_objects, [d["w"]], [])
-    s2 = _C.ParamSlots()
-    s2.add(d, "w", 3)  # past the end of the objects given below
-    attempt(s2.set_objects, [d["w"]], [d["w"]])
-    attempt(s2.install, True)
-    s3 = _C.ParamSlots()
-    s3.add(d, "w", 0)
-    s3.set_objects([d["w"]], [torch.nn.Parameter(torch.zeros(2))])
-    attempt(s3.add, d, "w", 7)  # past the end after set_objects
-    attempt(s3.add, d, "w", -1)
-    attempt(s3.install, True)
-    attempt(s3.install, False)
-    s4 = _C.ParamSlots()
-    s4.add(d, "missing", 0)
-    s4.set_objects([d["w"]], [d["w"]])
-    attempt(s4.install, True)
+    attempt(s.add, d, "w", 3)  # past the unit's parameters
+    attempt(s.add, d, "w", -1)
+    attempt(unit.sharded_param, 0)  # nothing bound yet
+    attempt(unit.unsharded_param, -1)
+    unit.bind_params([torch.nn.Parameter(v) for v in unit.sharded_views()],
+                     [torch.nn.Parameter(v) for v in unit.unsharded_views()])
+    attempt(s.use, [unit], False)  # no context yet
+    unit.set_context(_C.CommContext(torch.device("cpu")))
+    attempt(unit.sharded_param, 2**40)
+    s2 = _C.ParamSlots(unit)
+    s2.add(d, "missing", 0)
+    s2.add({}, "w", 0)
+    attempt(s2.use, [unit, unit], True)
+    attempt(s2.release, True)
+    attempt(s2.release, False)
+    attempt(s2.use, [unit, None], True)
 
 
 def random_cases(pg, iterations: int, seed: int):
@@ -253,7 +266,7 @@ def main():
                             timeout=datetime.timedelta(seconds=60))
     pg = dist.distributed_c10d._get_default_group()
     fixed_cases(pg)
-    slot_cases()
+    slot_cases(pg)
     random_cases(pg, iterations, seed)
     dist.destroy_process_group()
     print(f"fuzz ok: {RAISED} calls raised, none crashed")
