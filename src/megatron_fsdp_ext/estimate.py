@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 from . import _C
-from .hooks import bucket_runs
 from .options import MixedPrecisionPolicy, as_mp_policy, check_count
+from .schedule import bucket_runs
 from .strategy import sharding_strategy as strategy_named
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "none": 0}

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import itertools
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -22,7 +22,8 @@ from . import _C, shard_changes
 from .consistency import check_units_agree
 from .options import UnitOptions
 from .param_index import check_materialized
-from .states import BackwardProgress, ForwardOrder, ParamInit, RootPhase, SlotsHold
+from .schedule import Schedule
+from .states import BackwardProgress, ParamInit, RootPhase, SlotsHold
 
 
 def run_outside_dynamo(hook):
@@ -51,62 +52,10 @@ def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def bucket_runs(sizes: List[int], budget: int) -> List[range]:
-    """Buckets as index runs over `sizes` (bytes in forward order): consecutive entries
-    adding up to at most `budget`; one larger than the budget stands alone. Used for
-    gather and reduce buckets alike."""
-    runs, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and total + size > budget:
-            runs.append(range(start, i))
-            start, total = i, 0
-        total += size
-    if sizes:
-        runs.append(range(start, len(sizes)))
-    return runs
-
-
-def _reduce_nbytes(state: "FSDPState") -> Optional[int]:
-    """Bytes of `state`'s packed gradients, or None when its reduction cannot share a
-    collective (HSDP, full-gradient strategies)."""
-    unit = state.unit
-    return unit.layout.total_numel * unit.reduce_dtype.itemsize if unit.can_share_reduction else None
-
-
-class BucketPlan:
-    """Consecutive units of the frozen forward order cut into buckets of at most
-    `budget` bytes (`size_of`; a unit whose size is None is in no bucket and splits the
-    run it is in). Planned again when the budget changes."""
-
-    def __init__(self, size_of):
-        self._size_of = size_of
-        self._budget = 0
-        self.buckets: List[List["FSDPState"]] = []
-        self._index: dict = {}
-
-    def bucket_of(self, order: List["FSDPState"], state: "FSDPState", budget: int) -> Optional[int]:
-        if budget != self._budget:
-            self._plan(order, budget)
-        return self._index.get(id(state))
-
-    def _plan(self, order: List["FSDPState"], budget: int) -> None:
-        self.buckets, run = [], []
-        sizes = [self._size_of(s) for s in order]
-        for state, size in zip(order + [None], sizes + [None]):
-            if size is not None:
-                run.append((state, size))
-                continue
-            for r in bucket_runs([n for _, n in run], budget):
-                self.buckets.append([run[i][0] for i in r])
-            run = []
-        self._index = {id(s): b for b, members in enumerate(self.buckets) for s in members}
-        self._budget = budget
-
-
 class RootContext:
     """What all units under one root share: the C++ CommContext (streams, in-flight
-    reductions), the forward order recorded in the first iteration (for prefetching)
-    and the per-backward bookkeeping."""
+    reductions), the schedule (which units gather when: schedule.py) and the
+    per-backward bookkeeping."""
 
     def __init__(self, root: "FSDPState", states: List["FSDPState"], device: torch.device):
         self.root = root
@@ -117,101 +66,20 @@ class RootContext:
         self.device = device
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
-        # Units in the order their forward ran in the first iteration (runtime order,
-        # not construction order); frozen after the first backward.
-        self.forward_order: List["FSDPState"] = []
-        self._position: dict = {}
-        self.order = ForwardOrder.RECORDING
-        # Gather and reduce buckets over the frozen forward order (gather_bucket_bytes,
-        # reduce_bucket_bytes > 0), and the reduce buckets whose members are held until
-        # the last of them is done with backward: bucket index -> states.
-        self._gathers = BucketPlan(lambda s: s.unit.unsharded_nbytes)
-        self._reductions = BucketPlan(_reduce_nbytes)
-        self._held: dict = {}
+        self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
 
     @property
     def in_backward(self) -> bool:
         return self.phase is RootPhase.BACKWARD
 
-    @property
-    def recording(self) -> bool:
-        return self.order is ForwardOrder.RECORDING
-
-    @property
-    def prefetch_depth(self) -> int:
-        return self.root.options.prefetch_depth  # the root's setting governs its tree
-
-    def record_forward(self, state: "FSDPState") -> None:
-        if self.recording and state.unit is not None and id(state) not in self._position:
-            self._position[id(state)] = len(self.forward_order)
-            self.forward_order.append(state)
-
-    def next_in_forward(self, state: "FSDPState") -> List["FSDPState"]:
-        i = self._position.get(id(state))
-        if self.recording or i is None:
-            return []
-        return self.forward_order[i + 1: i + 1 + self.prefetch_depth]
-
-    def previous_in_forward(self, state: "FSDPState") -> List["FSDPState"]:
-        i = self._position.get(id(state))
-        if self.recording or i is None or self.prefetch_depth == 0:
-            return []
-        return self.forward_order[max(0, i - self.prefetch_depth): i][::-1]
-
-    def _bucket(self, plan: BucketPlan, nbytes: int, state: "FSDPState") -> Optional[int]:
-        """`state`'s bucket in `plan` for a budget of `nbytes`, or None when there are no
-        buckets (yet: they follow the order recorded in the first iteration)."""
-        if nbytes <= 0 or self.recording:
-            return None
-        return plan.bucket_of(self.forward_order, state, nbytes)
-
-    def _gather_bucket(self, state: "FSDPState") -> Optional[int]:
-        return self._bucket(self._gathers, self.root.options.gather_bucket_bytes, state)
-
-    def forward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
-        """Units to all-gather in `state`'s pre-forward, and whether they form buckets:
-        itself and the prefetch targets; with buckets, the rest of its bucket and the next
-        prefetch_depth buckets (members already gathered or in flight cost nothing)."""
-        b = None if state.forward_prefetch is not None else self._gather_bucket(state)
-        if b is None:
-            targets = state.forward_prefetch if state.forward_prefetch is not None else self.next_in_forward(state)
-            return [state, *targets], False
-        buckets = self._gathers.buckets
-        own = buckets[b]
-        # Earlier members of its bucket already ran (and may be freed again): not them.
-        rest = own[own.index(state):]
-        return rest + [s for members in buckets[b + 1: b + 1 + self.prefetch_depth] for s in members], True
-
-    def backward_gathers(self, state: "FSDPState") -> Tuple[List["FSDPState"], bool]:
-        """Units to all-gather in `state`'s pre-backward besides itself (not yet reduced),
-        and whether they form buckets: the previous units in forward order, or with
-        buckets its bucket and the previous prefetch_depth buckets."""
-        b = None if state.backward_prefetch is not None else self._gather_bucket(state)
-        if b is None:
-            targets = state.backward_prefetch if state.backward_prefetch is not None \
-                else self.previous_in_forward(state)
-        else:
-            targets = [s for members in reversed(self._gathers.buckets[max(0, b - self.prefetch_depth): b + 1])
-                       for s in reversed(members) if s is not state]
-        return [t for t in targets if t.backward_progress is not BackwardProgress.REDUCED
-                and t.options.unshard_in_backward], b is not None
-
-    def hold_for_reduction(self, state: "FSDPState") -> bool:
-        """With reduce buckets: hold `state`'s gradients (on its unsharded parameters)
-        until every member of its bucket is done with backward, then reduce-scatter the
-        bucket's gradients with one coalesced collective. False when `state` is in no
-        bucket of two or more: it reduces on its own."""
-        b = self._bucket(self._reductions, self.root.options.reduce_bucket_bytes, state)
-        members = self._reductions.buckets[b] if b is not None else ()
-        if len(members) < 2:
-            return False
-        self._held.setdefault(b, []).append(state)
-        if all(m.backward_progress is BackwardProgress.REDUCED for m in members):
-            self._reduce_held(b)
-        return True
-
-    def _reduce_held(self, b: int) -> None:
-        _C.Unit.reduce_together([s.unit for s in self._held.pop(b)])
+    def reduce_or_hold(self, state: "FSDPState") -> bool:
+        """With reduce buckets: `state`'s gradients wait (on its unsharded parameters)
+        until every member of its bucket is done with backward, then the bucket is
+        reduce-scattered by one coalesced collective. False when `state` reduces on its own."""
+        held, ready = self.schedule.hold_for_reduction(state)
+        if ready:
+            _C.Unit.reduce_together([s.unit for s in ready])
+        return held
 
     def queue_final_callback(self) -> None:
         if self.phase is RootPhase.BACKWARD:  # queued once per backward
@@ -225,7 +93,7 @@ class RootContext:
         on unsharded parameters (units held for a reduce bucket, or whose post-backward
         never ran) are dropped, so the next backward does not add onto them. Gradients
         reduced before the error stay on the sharded parameters (zero_grad clears them)."""
-        self._held.clear()
+        self.schedule.drop_held()
         for state in self.states:
             for p in state.unsharded_params:
                 p.grad = None
@@ -243,13 +111,13 @@ class RootContext:
         # A bucket whose last member to finish did not sync (requires_gradient_sync off
         # on that unit alone) was never reduced: now, last bucket first, the same order
         # on every rank.
-        for b in sorted(self._held, reverse=True):
-            self._reduce_held(b)
+        for members in self.schedule.take_held():
+            _C.Unit.reduce_together([s.unit for s in members])
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
         self.phase = RootPhase.IDLE
-        self.order = ForwardOrder.FROZEN
+        self.schedule.freeze()
 
 
 # Units by key, for the C++ post-backward marker node (it carries the key, not the state).
@@ -480,11 +348,11 @@ class FSDPState:
             return
         self.lazy_init()
         ctx = self.ctx
-        first = ctx.forward_order[: 1 + ctx.prefetch_depth] if not ctx.recording else [self]
+        first = ctx.schedule.first_gathers(self)
         # Strategies that keep params unsharded hold memory for every unit anyway: all
         # stale ones are gathered again now, in forward order (after a reshard() or a
         # checkpoint load this allocates every unit's copy here, outside forward).
-        persistent = [s for s in (ctx.forward_order or ctx.states) if s.keeps_params_unsharded]
+        persistent = [s for s in (ctx.schedule.forward_order or ctx.states) if s.keeps_params_unsharded]
         for state in dict.fromkeys(first + persistent):
             state.unshard()
 
@@ -508,11 +376,11 @@ class FSDPState:
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
         if self._group_starts():
-            self.ctx.record_forward(self)
+            self.ctx.schedule.record_forward(self)
             # Issue the next units' all-gathers before waiting on ours: they run on the
             # all-gather stream while this unit computes. Not in a forward re-run inside
             # backward (activation checkpointing): the next units are done there.
-            gathers, bucketed = ([self], False) if self.ctx.in_backward else self.ctx.forward_gathers(self)
+            gathers, bucketed = ([self], False) if self.ctx.in_backward else self.ctx.schedule.forward_gathers(self)
             self._adopt_replaced(self.slots.use(_units_to_gather(gathers), bucketed), unsharded=True)
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
@@ -572,7 +440,7 @@ class FSDPState:
             return
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
-        targets, bucketed = self.ctx.backward_gathers(self)
+        targets, bucketed = self.ctx.schedule.backward_gathers(self)
         if self.options.unshard_in_backward:
             self._adopt_replaced(self.slots.use(_units_to_gather([self] + targets), bucketed), unsharded=True)
         else:
@@ -595,7 +463,7 @@ class FSDPState:
         if self.unit is None:
             return
         # Without sync the gradients only accumulate locally: nothing to bucket.
-        if not (self.requires_gradient_sync and self.ctx.hold_for_reduction(self)):
+        if not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()

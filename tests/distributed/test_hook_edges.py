@@ -117,12 +117,12 @@ def _held_gradients_dropped_after_failed_backward(rank, world):
     handle = net.blocks[0].register_forward_hook(raise_in_backward)
     expect_error(lambda: net(x).sum().backward(), ValueError, "injected backward failure")
     handle.remove()
-    held = net._fsdp_state.ctx._held.get(0, [])
+    held = net._fsdp_state.ctx.schedule.held.get(0, [])
     assert [s.module for s in held] == [net.blocks[2], net.blocks[1]], f"expected blocks 2 and 1 held, got {held}"
     for p in net.parameters():
         p.grad = None
     net(x).sum().backward()
-    assert not net._fsdp_state.ctx._held, "a bucket is still held after the backward ended"
+    assert not net._fsdp_state.ctx.schedule.held, "a bucket is still held after the backward ended"
     plain(x).sum().backward()
     _grads_match(net, plain)
 

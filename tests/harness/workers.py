@@ -605,7 +605,7 @@ def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
         ref_opt.step()
         if step == 0:
             # Order recorded at runtime: root first, then blocks in reverse construction order.
-            assert root.ctx.forward_order == [root] + blocks[::-1], "forward order not recorded at runtime"
+            assert root.ctx.schedule.forward_order == [root] + blocks[::-1], "forward order not recorded at runtime"
             continue
         # How many non-root units were gathered at once, per phase.
         for ph, n in trace.max_unsharded(exclude={root}).items():
