@@ -84,7 +84,7 @@ class ParamRanges:
         unit = state.unit
         self.name = names[0]
         self.names = names  # tied parameters have several
-        self.param = state.sharded_params[index]
+        self.param = state.unit.sharded_param(index)
         spec = unit.param_spec(index)
         self.full_shape = spec.shape
         self.full_numel = spec.numel

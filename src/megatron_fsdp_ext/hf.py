@@ -15,7 +15,7 @@ from .param_index import owner_of
 
 def _full_numel(p) -> int:
     state, index = owner_of(p)
-    return p.numel() if state is None else state.unsharded_params[index].numel()
+    return p.numel() if state is None else state.unit.unsharded_param(index).numel()
 
 
 def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process=None, **kwargs):

@@ -257,7 +257,7 @@ class ModuleStateDictHooks:
         for key, i in self.keys:
             if prefix + key not in state_dict:
                 continue  # strict loading reports it
-            shard, value = state.sharded_params[i], state_dict[prefix + key]
+            shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
             if _is_the_shard(value, shard):
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
             state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
@@ -284,7 +284,7 @@ def _agree(state, signature: str, what: str) -> None:
 def _shard_shaped_keys(state, index_to_key, states) -> Dict[str, torch.dtype]:
     keys: Dict[str, torch.dtype] = {}
     for i, key in index_to_key.items():
-        shard = state.sharded_params[i]
+        shard = state.unit.sharded_param(i)
         for name, v in states.get(key, {}).items():
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
                 if tuple(v.shape) != tuple(shard.shape):
@@ -310,7 +310,7 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             if key in states:
                 states[key] = dict(states[key])
         for name in sorted(keys):
-            pieces: List[Optional[torch.Tensor]] = [None] * len(state.sharded_params)
+            pieces: List[Optional[torch.Tensor]] = [None] * len(state.names)
             for i, key in index_to_key.items():
                 pieces[i] = states.get(key, {}).get(name)
             device = next(p.device for p in pieces if p is not None)
@@ -358,7 +358,7 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
     cut to this rank's piece (scalars such as Adam's step as they are). keep_local: a plain
     tensor already shaped like the shard is kept (loaded in local_state_dict() mode);
     otherwise it is refused like any other shape."""
-    shard = state.sharded_params[index]
+    shard = state.unit.sharded_param(index)
     out = dict(entry)
     for name, v in entry.items():
         if not isinstance(v, torch.Tensor) or (not isinstance(v, DTensor) and v.dim() == 0):
