@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -27,6 +28,7 @@ import pickletools
 import zipfile
 from typing import Any, Dict, List
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -124,6 +126,32 @@ def _is_size(value, ndim=None) -> bool:
             and (ndim is None or len(value) == ndim))
 
 
+def _check_tiling(fqn: str, entry) -> None:
+    """The chunks of a tensor entry cover it exactly once. DCP reads, for each part of a
+    target, whatever chunks overlap it and leaves a part no chunk covers as it was: a
+    .metadata whose chunk offsets changed (two chunks at one place, a gap elsewhere) would
+    otherwise load the target's old values there, silently."""
+    chunks = [c for c in entry.chunks if math.prod(c.sizes) > 0]
+    total = sum(math.prod(c.sizes) for c in chunks)
+    if total != math.prod(entry.size):
+        raise ValueError(f"entry '{fqn}' of size {tuple(entry.size)} ({math.prod(entry.size)} elements) has chunks "
+                         f"of {total} elements in all: they do not cover it exactly once")
+    if len(chunks) < 2:
+        return
+    # Equal volumes: the chunks tile the entry exactly when no two overlap.
+    starts = np.array([list(c.offsets) for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
+    ends = starts + np.array([list(c.sizes) for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
+    for first in range(0, len(chunks), 512):  # blocks of rows: bounded memory for many chunks
+        a_start, a_end = starts[first:first + 512, None, :], ends[first:first + 512, None, :]
+        overlap = np.all((a_start < ends[None, :, :]) & (starts[None, :, :] < a_end), axis=2)
+        rows = np.arange(first, first + overlap.shape[0])
+        overlap[np.arange(overlap.shape[0]), rows] = False  # a chunk with itself
+        if overlap.any():
+            i, j = np.argwhere(overlap)[0]
+            raise ValueError(f"entry '{fqn}' has overlapping chunks at {tuple(chunks[first + i].offsets)} and "
+                             f"{tuple(chunks[j].offsets)}: they do not cover it exactly once")
+
+
 def _validate(metadata) -> None:
     """Every field DCP and the loader read has the type and range it must: a field the
     file renamed, retyped or made negative is an error here, not inside DCP."""
@@ -149,6 +177,7 @@ def _validate(metadata) -> None:
                     and _is_size(chunk.sizes, ndim)
                     and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size))):
                 raise ValueError(f"entry '{fqn}' of size {tuple(entry.size)} has a chunk outside it: {chunk!r}")
+        _check_tiling(fqn, entry)
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise TypeError("storage_data is not a mapping")
