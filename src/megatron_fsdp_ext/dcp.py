@@ -255,7 +255,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             if optimizer is not None:
                 # Its state dicts speak full shapes from now on, before its first step too.
                 shard_changes.adopt(optimizer)
-            flat_plan = plan_load(path, target, module, optimizer, meta, unverified) if is_flat_format(meta) else None
+            flat_plan = plan_load(path, target, module, optimizer, meta, unverified) if is_flat_format(meta, module) else None
     if flat_plan is not None:
         finish_load(flat_plan, path, module, optimizer)
     else:

@@ -38,11 +38,23 @@ from .param_index import ParamIndex, iter_states
 from .state_dict import local_state_dict
 
 FORMAT_KEY = "meta.param_shapes"  # written by format 1 only
+_FLAT_ONLY_KEYS = (FORMAT_KEY, "optim.param_groups", "optim.class")
 
 
-def is_flat_format(metadata) -> bool:
-    """Whether a checkpoint's DCP metadata (state_dict_metadata) is of format 1."""
-    return FORMAT_KEY in metadata
+def is_flat_format(metadata, module: nn.Module) -> bool:
+    """Whether a checkpoint's DCP metadata (state_dict_metadata) is of format 1: it has
+    one of the entries only format 1 writes, or, naming no format, it stores a parameter
+    of two or more dims as one flat tensor of its numel."""
+    if any(k in metadata for k in _FLAT_ONLY_KEYS):
+        return True
+    if "meta.format" in metadata:
+        return False
+    for info in sharded_param_ranges(module, loading=True)[1].values():
+        for name in info.names:
+            stored = getattr(metadata.get(f"model.{name}"), "size", None)
+            if stored is not None and len(info.full_shape) >= 2 and list(stored) == [info.full_numel]:
+                return True
+    return False
 
 
 @contextlib.contextmanager
