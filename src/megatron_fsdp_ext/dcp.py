@@ -309,7 +309,7 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
             targets["optimizer"] = _copies(get_optimizer_state_dict(module, optimizer))
         flat, _ = flatten_state_dict(targets)
         with Agreement(what, error=CheckpointError):
-            groups = {k: [] for k in _group_keys(flat) if k in meta}
+            groups = {k: [] for k in _group_keys(meta)}  # every saved group, ours or not
             if groups:
                 read_into(groups, path, directory)
             try:
@@ -366,7 +366,8 @@ def _check_optimizer_class(path: str, meta_file: str, meta, small: dict, optimiz
 
 def _group_keys(entries) -> List[str]:
     """'optimizer.param_groups.<i>.params' keys of `entries`, in group order."""
-    found = [k for k in entries if k.startswith("optimizer.param_groups.") and k.endswith(".params")]
+    found = [k for k in entries if k.startswith("optimizer.param_groups.") and k.endswith(".params")
+             and k.split(".")[2].isdigit()]
     return sorted(found, key=lambda k: int(k.split(".")[2]))
 
 

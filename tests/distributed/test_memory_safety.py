@@ -12,24 +12,15 @@ import torch.nn as nn
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from harness import run_distributed
-from harness.workers import expect_error
+from harness.workers import TinyBlock, expect_error
 
 FREED = "freed by reshard()"
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.lin(x))
 
 
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.blocks = nn.ModuleList([TinyBlock(), TinyBlock()])
         self.head = nn.Linear(8, 2)
 
     def forward(self, x):

@@ -12,6 +12,7 @@ import torch.nn as nn
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from harness import run_distributed
+from harness.workers import TinyBlock
 
 
 def _bare_unit(rank, world):
@@ -47,18 +48,9 @@ def test_bare_unit_keeps_its_parameter_objects():
     run_distributed(_bare_unit, 1, timeout=60)
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.lin(x))
-
-
 def _sharded_model(rank, world):
     torch.manual_seed(0)
-    net = nn.Sequential(_Block(), _Block(), nn.ReLU())
+    net = nn.Sequential(TinyBlock(), TinyBlock(), nn.ReLU())
     net[0].lin.weight.tp_marker = "kept"  # a user/Megatron attribute set before fully_shard
     for b in net[:2]:
         mfsdp.fully_shard(b)

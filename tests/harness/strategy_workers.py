@@ -208,7 +208,7 @@ def checkpoint_bad_input(rank: int, world: int, path: str) -> None:
     shard(same, {})
     save_checkpoint(path + "_model_only", same)
     expect_error(lambda: load_checkpoint(path + "_model_only", same, _adamw(same.parameters())),
-                 KeyError, "optim.param_groups")
+                 KeyError, "optimizer.param_groups")
     partial = torch.optim.AdamW(list(same.parameters())[:3], lr=1e-4)
     expect_error(lambda: load_checkpoint(path, same, partial), KeyError, "'blocks.0.attn.wo.weight'",
                  "not in this optimizer")

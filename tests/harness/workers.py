@@ -22,6 +22,17 @@ from .launcher import TEST_DEVICE_ENV
 from .observe import UnitTrace
 
 
+class TinyBlock(nn.Module):
+    """A Linear(8, 8) and a ReLU: the smallest unit the memory and parameter-object tests shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
 def device_for_backend() -> torch.device:
     """Where this rank's tensors live: as run_distributed(device=...) said, else cuda
     under NCCL and the CPU otherwise."""
