@@ -160,10 +160,14 @@ def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor
     uneven all-gather (all_gather_v) per sharded mesh dim (innermost first), after a small
     one of the local sizes. torch's full_tensor() goes through its functional collectives,
     which crash on some backends (Gloo with CUDA tensors, torch 2.11: SIGSEGV). Collective
-    over the DTensor's mesh; Shard and Replicate placements only."""
+    over the DTensor's mesh; other placements go through DTensor.full_tensor()."""
     mesh, local = value.device_mesh, value.to_local()
     if local.device.type != mesh.device_type:  # offloaded (cpu_offload=True): gather where the mesh lives
         local = local.to(mesh.device_type)
+    if not all(type(p) in (Shard, Replicate) for p in value.placements):
+        # Another placement (_StridedShard from FSDP2 over tensor parallelism, Partial):
+        # torch knows its element order; our row gather would not.
+        return value.full_tensor()
     for mesh_dim in reversed(range(mesh.ndim)):
         placement = value.placements[mesh_dim]
         if placement.is_replicate():

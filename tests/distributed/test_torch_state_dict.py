@@ -396,6 +396,28 @@ def test_state_dict_rows_are_exchanged_not_gathered():
     assert run_distributed(_rows_exchanged_not_gathered, 3, timeout=120) == [True] * 3
 
 
+def _strided_dtensor_loads(rank, world):
+    """A DTensor placed as FSDP2 over tensor parallelism places dim 0 (_StridedShard) has
+    the local shape of our rows but another element order: it must load its values (through
+    torch's full_tensor), not be taken for our rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(32, dtype=torch.float32).view(8, 4)
+    strided = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2)])
+    model = mfsdp.fully_shard(nn.Linear(4, 8, bias=False))
+    assert tuple(strided.to_local().shape) == (8 // world, 4)  # the shape of our rows
+    model.load_state_dict({"weight": strided})
+    assert torch.equal(mfsdp.full_state_dict(model, rank0_only=False)["weight"], full)
+    return True
+
+
+def test_strided_dtensor_loads_its_values():
+    assert run_distributed(_strided_dtensor_loads, 2, timeout=60) == [True, True]
+
+
 @pytest.mark.gpu
 def test_state_dict_helpers_and_dcp_on_nccl(tmp_path):
     """The same checks with NCCL and CUDA tensors (DeviceMesh on cuda, gathers on the GPU)."""
