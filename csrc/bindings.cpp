@@ -301,6 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("transform", &ParamSpec::transform)
       .def_readonly("storage_device", &ParamSpec::storage_device)
       .def_readonly("slice", &ParamSpec::slice)
+      .def_readonly("state_dict_dim", &ParamSpec::state_dict_dim)
       .def("__repr__", [](const ParamSpec& p) {
         return "ParamSpec('" + p.name + "', shape=" + c10::str(c10::IntArrayRef(p.shape)) + ", dtype=" + c10::toString(p.dtype) +
                ", gather=" + gather_transform_name(p.transform) + ":" + c10::toString(p.gather_dtype) +
@@ -339,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("exchanges_rows", &Unit::exchanges_rows)
+      .def("set_state_dict_dims", &Unit::set_state_dict_dims, py::arg("dims"))
       .def("to_row_chunks", &Unit::to_row_chunks, py::arg("pieces"), py::arg("dtype"),
            "This rank's FSDP2 (torch.chunk, dim 0) rows of every parameter (pieces=[]: the parameters "
            "themselves), by one all-to-all over the unit's group.",

@@ -32,6 +32,9 @@ struct ParamSpec {
   GatherTransform transform;   // how dtype becomes gather_dtype
   c10::Device storage_device;  // where the shard and its gradient live
   ShardSlice slice;            // this rank's piece of the parameter, and where it sits in the shard
+  int64_t state_dict_dim = 0;  // the dim state dicts shard it on over the data-parallel group
+                               // (FSDP2's Shard(dim), from shard_placement_fn); the flat
+                               // layout, and so training, do not depend on it
 
   int64_t numel() const {
     int64_t n = 1;

@@ -914,10 +914,21 @@ std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
 
 namespace mfsdp {
 
+void Unit::set_state_dict_dims(const std::vector<int64_t>& dims) {
+  MFSDP_CHECK_VALUE(static_cast<int64_t>(dims.size()) == layout_.num_params(), "set_state_dict_dims: ", dims.size(),
+                    " dims for the ", layout_.num_params(), " parameters of unit '", label_, "'");
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const auto ndim = static_cast<int64_t>(specs_[i].shape.size());
+    MFSDP_CHECK_VALUE(dims[i] == 0 || (dims[i] > 0 && dims[i] < ndim), "parameter '", specs_[i].name,
+                      "' of shape ", specs_[i].shape, " cannot be sharded on dim ", dims[i]);
+  }
+  for (size_t i = 0; i < dims.size(); ++i) specs_[i].state_dict_dim = dims[i];
+}
+
 bool Unit::exchanges_rows() const {
   if (replicated()) return false;
   for (const auto& spec : specs_) {
-    if (spec.shape.empty()) return false;
+    if (spec.shape.empty() || spec.state_dict_dim != 0) return false;
   }
   const BackendCaps* caps = ag_comm_.caps(device_.type());
   return caps != nullptr && caps->all_to_all;

@@ -183,6 +183,9 @@ class Unit {
   // the unit): the unit is sharded, every parameter has a dim 0, and the backend has an
   // all-to-all. Otherwise state dicts gather the unit (gather_full) and cut the rows.
   bool exchanges_rows() const;
+  // The dim state dicts shard each parameter on (shard_placement_fn's Shard(dim); 0 by
+  // default), one per parameter, each in [0, its number of dims).
+  void set_state_dict_dims(const std::vector<int64_t>& dims);
   // FSDP2's Shard(0) rows of per-parameter state laid out like the parameters (`pieces`
   // as in gather_full; none: the parameters themselves): element i is this rank's
   // torch.chunk rows of parameter i, shaped [rows, *shape[1:]], in `dtype`. Collective

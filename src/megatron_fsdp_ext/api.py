@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _C, hf, shard_changes
 from .construct import (CommGroups, check_devices, check_fsdp2_only_options, check_target, collect_params,
-                        groups_from_mesh, make_unit)
+                        groups_from_mesh, make_unit, state_dict_dims)
 from .hooks import FSDPState
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
@@ -360,7 +360,10 @@ def fully_shard(
                      across replicas (set_requires_all_reduce(False) defers that under
                      gradient accumulation). State dicts hold DTensors on this mesh.
     offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
-    shard_placement_fn: FSDP2's; not supported (units shard one flat buffer, not per parameter).
+    shard_placement_fn: FSDP2's: a function of each parameter returning Shard(dim) or None
+                     (Shard(0)): state dicts and checkpoints shard that parameter's
+                     DTensors on `dim`, as FSDP2 does. Training is the same whatever it
+                     returns (a unit shards one flat buffer); other placements raise.
     timeout:         a datetime.timedelta (or seconds): every collective of this unit
                      fails after waiting this long, naming the unit and the phase,
                      instead of blocking for the process group's timeout (torch's
@@ -373,7 +376,7 @@ def fully_shard(
     modules = check_target(module)
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)
-    check_fsdp2_only_options(offload_policy, shard_placement_fn)
+    check_fsdp2_only_options(offload_policy)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
@@ -402,7 +405,10 @@ def fully_shard(
     if params:
         materialize_on = check_devices(modules[0], params, names, pg, mesh)
         deferred = materialize_on is not None
+        dims = state_dict_dims(params, names, shard_placement_fn)
         unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad)
+        if dims is not None:
+            unit.set_state_dict_dims(dims)
         groups.connect(unit, strategy)
 
     state = FSDPState(modules, unit, names, slots, pg, options,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ def mesh_covers_job(mesh) -> bool:
     return mesh.mesh.numel() == dist.get_world_size()
 
 
-def check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
+def check_fsdp2_only_options(offload_policy) -> None:
     if offload_policy is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
@@ -54,10 +54,34 @@ def check_fsdp2_only_options(offload_policy, shard_placement_fn) -> None:
             raise NotImplementedError(
                 f"offload_policy={offload_policy!r}: CPU offloading of parameters is not supported; "
                 "pass None (or OffloadPolicy()) and keep parameters on the accelerator")
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "shard_placement_fn is not supported: a unit shards its parameters as one flat buffer "
-            "(contiguous ranges per rank), not parameter by parameter on a chosen dim")
+
+
+def state_dict_dims(params: list, names: list, shard_placement_fn) -> Optional[List[int]]:
+    """FSDP2's shard_placement_fn: the dim each parameter's state-dict DTensors are
+    sharded on (None from the function: dim 0). A unit shards one flat buffer whatever the
+    dim, so training is the same; state dicts and checkpoints then place each parameter
+    as FSDP2 would. None when no function was given."""
+    if shard_placement_fn is None:
+        return None
+    if not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
+    from torch.distributed.tensor import Shard
+
+    dims = []
+    for p, name in zip(params, names):
+        placement = shard_placement_fn(p)
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(f"shard_placement_fn returned {placement!r} for parameter '{name}': only Shard(dim) "
+                             "or None (Shard(0)) shard a parameter over the data-parallel group")
+        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < max(p.dim(), 1) or (p.dim() == 0 and placement.dim != 0):
+            raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of shape "
+                             f"{tuple(p.shape)}, which has no dim {placement.dim}")
+        dims.append(dim)
+    return dims
 
 
 # Second communicator per process group for all-gathers, created once and cached so

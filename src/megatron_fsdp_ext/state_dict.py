@@ -79,9 +79,10 @@ def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
 
-def _placements(mesh: DeviceMesh) -> list:
-    """FSDP2's: dim 0 chunked over the shard group, replicated over HSDP's replicate dim."""
-    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+def _placements(mesh: DeviceMesh, dim: int = 0) -> list:
+    """FSDP2's: `dim` (0 unless shard_placement_fn said otherwise) chunked over the shard
+    group, replicated over HSDP's replicate dim."""
+    return [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
 
 
 def _rows_as_dtensor(state, rows: torch.Tensor, shape) -> DTensor:
@@ -102,7 +103,9 @@ def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -
         return [_rows_as_dtensor(state, r.to(device), unit.param_spec(i).shape) for i, r in enumerate(rows)]
     full = unit.gather_full_params() if not pieces else unit.gather_full(pieces, dtype)
     full = [f.to(device=device, dtype=dtype) for f in full]
-    return full if _replicated(state) else [_as_dtensor(state, f) for f in full]
+    if _replicated(state):
+        return full
+    return [_as_dtensor(state, f, unit.param_spec(i).state_dict_dim) for i, f in enumerate(full)]
 
 
 def _exchangeable(state, value: DTensor, index: int) -> bool:
@@ -139,8 +142,8 @@ def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Te
     return state.unit.local_piece(index, full)
 
 
-def _as_dtensor(state, full: torch.Tensor) -> DTensor:
-    """`full` as FSDP2 stores it: dim 0 chunked over the shard group (torch.chunk sizes),
+def _as_dtensor(state, full: torch.Tensor, dim: int = 0) -> DTensor:
+    """`full` as FSDP2 stores it: `dim` chunked over the shard group (torch.chunk sizes),
     replicated over HSDP's replicate dim."""
     mesh = _mesh(state, full.device.type)
     replicate = [Replicate()] * (mesh.ndim - 1)
@@ -148,10 +151,10 @@ def _as_dtensor(state, full: torch.Tensor) -> DTensor:
         return DTensor.from_local(full.clone(), mesh, replicate + [Replicate()], run_check=False)
     shard_dim = mesh.ndim - 1
     world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-    rows = -(-full.shape[0] // world)
-    start = min(rank * rows, full.shape[0])
-    local = full[start: min(start + rows, full.shape[0])].clone()
-    return DTensor.from_local(local, mesh, replicate + [Shard(0)], run_check=False, shape=full.shape,
+    rows = -(-full.shape[dim] // world)
+    start = min(rank * rows, full.shape[dim])
+    local = full.narrow(dim, start, min(start + rows, full.shape[dim]) - start).clone()
+    return DTensor.from_local(local, mesh, replicate + [Shard(dim)], run_check=False, shape=full.shape,
                               stride=full.stride())
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.states import SlotsHold
@@ -70,8 +71,12 @@ def _fsdp2_arguments(rank, world):
         mfsdp.fully_shard(m, reshard_after_forward=2)
     with pytest.raises(NotImplementedError, match="CPU offloading"):
         mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy())
-    with pytest.raises(NotImplementedError, match="shard_placement_fn"):
-        mfsdp.fully_shard(m, shard_placement_fn=lambda p: None)
+    with pytest.raises(ValueError, match=r"shard_placement_fn returned Replicate\(\) for parameter '0.weight': only"):
+        mfsdp.fully_shard(m, shard_placement_fn=lambda p: Replicate())
+    with pytest.raises(ValueError, match=r"Shard\(2\) for parameter '0.weight' of shape \(32, 16\), which has no dim 2"):
+        mfsdp.fully_shard(m, shard_placement_fn=lambda p: Shard(2))
+    with pytest.raises(TypeError, match="shard_placement_fn must be callable"):
+        mfsdp.fully_shard(m, shard_placement_fn=Shard(0))
     with pytest.raises(ValueError, match="same module twice"):
         mfsdp.fully_shard([m[0], m[0]])
     with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
@@ -82,6 +87,55 @@ def _fsdp2_arguments(rank, world):
 
 def test_fsdp2_arguments(tmp_path):
     assert run_distributed(_fsdp2_arguments, 2, timeout=120) == [True, True]
+
+
+def _by_columns(param):
+    """torchtitan's MoE kind of shard_placement_fn: dim 1 for matrices, the default otherwise."""
+    return Shard(1) if param.dim() == 2 else None
+
+
+def _shard_placement_fn(rank, world):
+    """shard_placement_fn=Shard(1): training is what it is without it, and the state dicts
+    (model and optimizer) hold FSDP2's DTensors under the same function, placement and
+    local values alike; they load back, and a checkpoint moves to a model without it."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    ours, plain = _shard(_model(), shard_placement_fn=_by_columns), _shard(_model())
+    theirs = _model()
+    for i in (0, 2):
+        fsdp2_shard(theirs[i], shard_placement_fn=_by_columns)
+    fsdp2_shard(theirs, shard_placement_fn=_by_columns)
+    _same_training(ours, plain)
+    _train(theirs)  # the same three steps _same_training gave ours
+    sd, ref = ours.state_dict(), theirs.state_dict()
+    assert sd.keys() == ref.keys()
+    for key, value in sd.items():
+        assert isinstance(value, DTensor) and value.placements == ref[key].placements, (key, value.placements)
+        torch.testing.assert_close(value.to_local(), ref[key].to_local(), rtol=1e-5, atol=1e-6, msg=key)
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.01)
+    _train_with(ours, opt)
+    osd = get_optimizer_state_dict(ours, opt)
+    weight = osd["state"]["0.weight"]["exp_avg"]
+    assert weight.placements == (Shard(1),) and weight.to_local().shape == (32, 16 // world)
+    fresh = _shard(_model(), shard_placement_fn=_by_columns)
+    fresh.load_state_dict(ours.state_dict())
+    default = _shard(_model())
+    default.load_state_dict(ours.state_dict())  # Shard(1) DTensors into Shard(0) units: gathered, cut
+    for a, b, c in zip(ours.parameters(), fresh.parameters(), default.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    return True
+
+
+def _train_with(model, opt):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_shard_placement_fn_places_state_dicts_as_fsdp2(tmp_path):
+    assert run_distributed(_shard_placement_fn, 2, timeout=120) == [True, True]
 
 
 class Generator(nn.Module):
