@@ -112,6 +112,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("layout"), py::arg("rows"), py::arg("rank"), py::arg("to_rows"), py::arg("only") = -1,
       "The pieces one rank sends and receives to move between the layout and FSDP2's rows (row_exchange.h).");
+  m.def(
+      "chunk_rows",
+      [](int64_t rows, int64_t world, int64_t rank) {
+        const RowRange r = chunk_rows(rows, world, rank);
+        return std::make_pair(r.begin, r.end);
+      },
+      py::arg("rows"), py::arg("world"), py::arg("rank"),
+      "(begin, end): the rows of a dimension of `rows` that `rank` holds under torch.chunk (FSDP2's Shard).");
   m.def("row_slice", &row_slice, py::arg("layout"), py::arg("rows"), py::arg("param"), py::arg("rank"),
         "The elements of a parameter a rank holds under FSDP2's Shard(0) placement.");
   m.def(

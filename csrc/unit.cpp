@@ -910,10 +910,6 @@ std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
   return out;
 }
 
-}  // namespace mfsdp
-
-namespace mfsdp {
-
 void Unit::set_state_dict_dims(const std::vector<int64_t>& dims) {
   MFSDP_CHECK_VALUE(static_cast<int64_t>(dims.size()) == layout_.num_params(), "set_state_dict_dims: ", dims.size(),
                     " dims for the ", layout_.num_params(), " parameters of unit '", label_, "'");

@@ -55,8 +55,8 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .checkpoint_reader import SafeFileSystemReader, decode_json, decode_object, encode_json, encode_object
-from .dcp_flat import (check_groups, check_keys, check_optimizer_class, finish_load, is_flat_format, plan_load, quiet,
-                       read_into)
+from .dcp_flat import (check_covers_world, check_groups, check_keys, check_optimizer_class, finish_load,
+                       is_flat_format, plan_load, quiet, read_into)
 from .param_index import iter_states
 
 FORMAT = {"format": "torch_state_dict", "version": 2}
@@ -66,20 +66,6 @@ _OURS = (_FORMAT_KEY, _CLASS_KEY)
 
 
 # ----------------------------------------------------------------------------- the state dict
-
-def _check_covers_world(module: nn.Module) -> None:
-    """Units of different data-parallel groups (tensor or expert parallelism) would write
-    different values under the same keys; DCP keeps one. HSDP replicas hold the same
-    values, so keeping one of them is right."""
-    world = dist.get_world_size()
-    for state in iter_states(module):
-        unit = state.unit
-        if unit is not None and unit.world_size * unit.replicate_size != world:
-            raise NotImplementedError(
-                f"sharded checkpoint: {state} is sharded over {unit.world_size} of {world} ranks and replicated "
-                f"{unit.replicate_size}x; sharded checkpoints need units whose shards and replicas cover the whole "
-                "job (use full_state_dict for other layouts)")
-
 
 def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     mine = {id(p) for p in module.parameters()}
@@ -108,10 +94,10 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
     """What save_checkpoint hands to torch.distributed.checkpoint.save: torch's
     get_model_state_dict (and get_optimizer_state_dict) of the sharded model, under
     "model" (and "optimizer"), plus our format and optimizer-class entries. Collective (the
-    state dicts gather each unit in turn): call on all ranks. For storage other than a
+    state dicts exchange each unit's rows): call on all ranks. For storage other than a
     filesystem directory, pass it to dcp.save yourself; such a checkpoint has no manifest,
     so nothing verifies it is whole (load_checkpoint(..., verify=False) reads it)."""
-    _check_covers_world(module)
+    check_covers_world(iter_states(module))
     if optimizer is not None:
         _check_optimizer_params(module, optimizer)
         shard_changes.adopt(optimizer)  # its state dict speaks full shapes even before its first step
@@ -290,7 +276,7 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
     what = f"load_checkpoint({path})"
     meta_file = os.path.join(directory, ".metadata")
     with Agreement(what, error=CheckpointError):  # before any state dict is made
-        _check_covers_world(module)
+        check_covers_world(iter_states(module))
         small = {k: "" for k in _OURS if k in meta and (optimizer is not None or k == _FORMAT_KEY)}
         read_into(small, path, directory)
         _check_format(path, meta_file, small)

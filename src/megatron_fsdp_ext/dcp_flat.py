@@ -102,15 +102,6 @@ class ParamRanges:
         self.full_numel = spec.numel
         self.replicated = unit.strategy.replicated
         group = state.process_group
-        if dist.get_world_size(group) * unit.replicate_size != dist.get_world_size():
-            # Units of different data-parallel groups (tensor/expert parallelism) would
-            # write different values under the same keys and offsets; DCP keeps one.
-            # HSDP replicas are fine: they hold the same values, so keeping one is right.
-            raise NotImplementedError(
-                f"sharded checkpoint: {state} is sharded over {dist.get_world_size(group)} of "
-                f"{dist.get_world_size()} ranks and replicated {unit.replicate_size}x; sharded checkpoints "
-                "need units whose shards and replicas cover the whole job (use full_state_dict for other layouts)"
-            )
         # (global rank, offset, numel) of every non-empty piece in this rank's replica; the
         # other replicas describe the same offsets with their own ranks.
         self.ranges = []
@@ -127,9 +118,24 @@ class ParamRanges:
         return _sharded_tensor(local, self.full_numel, self.ranges)
 
 
+def check_covers_world(states) -> None:
+    """Units of different data-parallel groups (tensor or expert parallelism) would write
+    different values under the same keys; DCP keeps one. HSDP replicas hold the same
+    values, so keeping one of them is right. Both checkpoint formats need this."""
+    world = dist.get_world_size()
+    for state in states:
+        unit = state.unit
+        if unit is not None and unit.world_size * unit.replicate_size != world:
+            raise NotImplementedError(
+                f"sharded checkpoint: {state} is sharded over {unit.world_size} of {world} ranks and replicated "
+                f"{unit.replicate_size}x; sharded checkpoints need units whose shards and replicas cover the whole "
+                "job (use full_state_dict for other layouts)")
+
+
 def sharded_param_ranges(module: nn.Module, loading: bool = False) -> Tuple[ParamIndex, Dict[int, ParamRanges]]:
     index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first",
                        loading=loading)
+    check_covers_world(index.states)
     return index, {pid: ParamRanges(*param) for pid, param in index.params.items()}
 
 

@@ -123,10 +123,8 @@ def _exchangeable(state, value: DTensor, index: int) -> bool:
         if dist.get_process_group_ranks(mesh.get_group(dim)) != dist.get_process_group_ranks(ours.get_group(dim)):
             return False
     shape = unit.param_spec(index).shape
-    world, rank = ours.size(ours.ndim - 1), ours.get_local_rank(ours.ndim - 1)
-    rows = -(-shape[0] // world)
-    expect = max(0, min(shape[0], (rank + 1) * rows) - min(shape[0], rank * rows))
-    return tuple(value.to_local().shape) == (expect, *shape[1:])
+    begin, end = _C.chunk_rows(shape[0], ours.size(ours.ndim - 1), ours.get_local_rank(ours.ndim - 1))
+    return tuple(value.to_local().shape) == (end - begin, *shape[1:])
 
 
 def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Tensor:
@@ -150,10 +148,8 @@ def _as_dtensor(state, full: torch.Tensor, dim: int = 0) -> DTensor:
     if full.dim() == 0:
         return DTensor.from_local(full.clone(), mesh, replicate + [Replicate()], run_check=False)
     shard_dim = mesh.ndim - 1
-    world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-    rows = -(-full.shape[dim] // world)
-    start = min(rank * rows, full.shape[dim])
-    local = full.narrow(dim, start, min(start + rows, full.shape[dim]) - start).clone()
+    begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+    local = full.narrow(dim, begin, end - begin).clone()
     return DTensor.from_local(local, mesh, replicate + [Shard(dim)], run_check=False, shape=full.shape,
                               stride=full.stride())
 

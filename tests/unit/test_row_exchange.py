@@ -70,6 +70,12 @@ def test_every_element_moves_once():
 
 
 def test_torch_chunk_rows():
+    for rows in range(0, 12):
+        for world in range(1, 6):
+            sizes = [len(c) for c in torch.chunk(torch.arange(rows), world)] if rows else []
+            got = [_C.chunk_rows(rows, world, r) for r in range(world)]
+            assert [e - b for b, e in got] == sizes + [0] * (world - len(sizes)), (rows, world)
+            assert all(b == (got[r - 1][1] if r else 0) for r, (b, _) in enumerate(got)), (rows, world)
     assert _C.row_slice(_C.FlatLayout.even([12], 5, 1), [6], 0, 4).numel == 0  # torch.chunk(6, 5): 3 chunks of 2
     with pytest.raises(ValueError, match="does not split into 5 rows"):
         _C.row_slice(_C.FlatLayout.even([12], 2, 1), [5], 0, 0)
