@@ -372,13 +372,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("unsharded_nbytes", &Unit::unsharded_nbytes)
       .def("sharded_views", &Unit::sharded_views)
       .def("unsharded_views", &Unit::unsharded_views)
-      .def("bind_params", &Unit::bind_params)
+      .def("bind_params", &Unit::bind_params, py::arg("sharded_params"), py::arg("unsharded_params"),
+           py::arg("unsharded_locals") = std::vector<at::Tensor>{})
       // The unit is the one holder of these objects: each read gives the very objects
       // bind_params got (type and attributes included), in a new list.
       .def_property_readonly("sharded_params", &Unit::sharded_params,
                              "The parameters the module shows between uses: 1-D views of this rank's shard.")
       .def_property_readonly("unsharded_params", &Unit::unsharded_params,
                              "The parameters the module shows in forward/backward: views of the gathered buffer.")
+      .def_property_readonly("unsharded_locals", &Unit::unsharded_locals,
+                             "Where the unit reads each unsharded gradient: the unsharded parameters, or for one "
+                             "shown wrapped (a tensor-parallel DTensor) its local view.")
       .def("sharded_param", [](const Unit& u, int64_t index) { return u.sharded_params().at(index); },
            py::arg("index"), "sharded_params[index] without building the list.")
       .def("unsharded_param", [](const Unit& u, int64_t index) { return u.unsharded_params().at(index); },

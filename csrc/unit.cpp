@@ -230,23 +230,28 @@ std::vector<at::Tensor> Unit::unsharded_views() const {
   return out;
 }
 
-void Unit::bind_params(std::vector<at::Tensor> sharded_params,
-                       std::vector<at::Tensor> unsharded_params) {
+void Unit::bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params,
+                       std::vector<at::Tensor> unsharded_locals) {
   const size_t n = static_cast<size_t>(layout_.num_params());
-  MFSDP_CHECK(sharded_params.size() == n && unsharded_params.size() == n,
-              "bind_params: expected ", n, " sharded and unsharded parameters");
+  if (unsharded_locals.empty()) unsharded_locals = unsharded_params;
+  MFSDP_CHECK(sharded_params.size() == n && unsharded_params.size() == n && unsharded_locals.size() == n,
+              "bind_params: expected ", n, " sharded and unsharded parameters (and unsharded locals, if any)");
   for (size_t i = 0; i < n; ++i) {
     const auto& s = sharded_params[i];
     const auto& u = unsharded_params[i];
+    const auto& local = unsharded_locals[i];
     MFSDP_CHECK(s.defined() && s.dim() == 1 && s.numel() == specs_[i].slice.numel && s.scalar_type() == orig_dtype_,
                 "bind_params: sharded parameter '", specs_[i].name, "' must be a 1-D ", orig_dtype_, " tensor of ",
                 specs_[i].slice.numel, " elements (one of sharded_views())");
-    MFSDP_CHECK(u.defined() && u.sizes().vec() == specs_[i].shape && u.scalar_type() == param_dtype_,
-                "bind_params: unsharded parameter '", specs_[i].name, "' must be a ", param_dtype_, " tensor of shape ",
-                specs_[i].shape, " (one of unsharded_views())");
+    MFSDP_CHECK(local.defined() && local.sizes().vec() == specs_[i].shape && local.scalar_type() == param_dtype_,
+                "bind_params: unsharded ", (local.is_same(u) ? "parameter '" : "local of '"), specs_[i].name,
+                "' must be a ", param_dtype_, " tensor of shape ", specs_[i].shape, " (one of unsharded_views())");
+    MFSDP_CHECK(u.defined() && u.scalar_type() == param_dtype_, "bind_params: unsharded parameter '",
+                specs_[i].name, "' must be a ", param_dtype_, " tensor");
   }
   sharded_params_ = std::move(sharded_params);
   unsharded_params_ = std::move(unsharded_params);
+  unsharded_locals_ = std::move(unsharded_locals);
 }
 
 void Unit::set_context(std::shared_ptr<CommContext> ctx) {
@@ -687,7 +692,7 @@ at::Tensor Unit::pack_grads(bool sync) {
   std::vector<at::Tensor> grads(n);
   bool any = false, all = true;
   for (int64_t i = 0; i < n; ++i) {
-    const auto& g = unsharded_params_[i].grad();
+    const auto& g = unsharded_locals_[i].grad();
     if (g.defined()) {
       MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", specs_[i].name, "' has ",
                   g.numel(), " elements, expected ", layout_.param_numel(i));
@@ -709,7 +714,7 @@ at::Tensor Unit::pack_grads(bool sync) {
   pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {
-    if (grads[i].defined()) unsharded_params_[i].mutable_grad() = at::Tensor();
+    if (grads[i].defined()) unsharded_locals_[i].mutable_grad() = at::Tensor();
   }
   return flat;
 }

@@ -104,9 +104,16 @@ class Unit {
   // The tensors the user sees (nn.Parameter objects made from the views above). The unit
   // is their one holder: a tensor keeps its Python object (type, attributes) alive, so
   // reading them back from Python gives the same objects.
-  void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params);
+  // `unsharded_locals`: where the unit reads each parameter's unsharded gradient, one per
+  // parameter, shaped like its spec (empty: the unsharded parameters themselves). A
+  // parameter shown wrapped (a tensor-parallel DTensor around its local view) gets its
+  // gradient on the wrapper; Python moves the wrapper's local gradient onto its local
+  // view before the unit packs (tensor_parallel.py).
+  void bind_params(std::vector<at::Tensor> sharded_params, std::vector<at::Tensor> unsharded_params,
+                   std::vector<at::Tensor> unsharded_locals = {});
   const std::vector<at::Tensor>& sharded_params() const { return sharded_params_; }
   const std::vector<at::Tensor>& unsharded_params() const { return unsharded_params_; }
+  const std::vector<at::Tensor>& unsharded_locals() const { return unsharded_locals_; }
   // Refuses `what` until bind_params() gave the unit its parameter objects.
   void check_bound(const char* what) const;
   void set_context(std::shared_ptr<CommContext> ctx);
@@ -307,6 +314,7 @@ class Unit {
   at::Tensor unsharded_flat_;
   int64_t unsharded_nbytes_ = 0;
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
+  std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)
   std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
   at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import _C, hf, shard_changes
+from . import _C, hf, shard_changes, tensor_parallel
 from .construct import (CommGroups, check_devices, check_fsdp2_only_options, check_target, collect_params,
                         groups_from_mesh, make_unit, state_dict_dims)
 from .hooks import FSDPState
@@ -406,14 +406,16 @@ def fully_shard(
         materialize_on = check_devices(modules[0], params, names, pg, mesh)
         deferred = materialize_on is not None
         dims = state_dict_dims(params, names, shard_placement_fn)
-        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad)
+        tp = tensor_parallel.collect(params, names, mesh)
+        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp)
         if dims is not None:
             unit.set_state_dict_dims(dims)
         groups.connect(unit, strategy)
 
     state = FSDPState(modules, unit, names, slots, pg, options,
                       check_group=groups.reduce_scatter_group,
-                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None)
+                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None,
+                      tp=tp if params else None)
     owner = weakref.ref(state)
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .nonfinite import check_nonfinite_grads
+from .param_index import owner_of
 
 
 def clip_grad_norm_(
@@ -18,7 +19,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their global norm, like torch.nn.utils.clip_grad_norm_, where
     the norm of sharded gradients is combined across the shards' process group and
-    replicated (unsharded) parameters are counted once. Returns the total norm. Units
+    replicated (unsharded) parameters are counted once; under tensor parallelism the norm
+    is global over dp x tp, a parameter replicated over tp counted once. Returns the total norm. Units
     with check_for_nan_in_grad refuse NaN/Inf gradients here first (on every rank)."""
     if isinstance(parameters, nn.Module):
         params = list(parameters.parameters())
@@ -29,13 +31,21 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     owners = {id(o()): o() for o in (getattr(p, "_mfsdp_owner", None) for p in params) if o is not None}
     check_nonfinite_grads(owners.values(), "clip_grad_norm_")
-    sharded, replicated, groups = [], [], {}
+    # Each gradient is sharded over the data-parallel ranks (a unit's shard) or whole on
+    # each (replicated strategies, parameters outside any unit); under tensor parallelism
+    # it is also split over the tp ranks (a TP-sharded parameter) or the same on each of
+    # them (a replicated one, e.g. a norm weight), which then counts on tp rank 0 only.
+    sharded, replicated, groups, tp_groups = [], [], {}, {}
+    tp_split = set()  # ids of the gradients split over tp
     for p in params:
         if p.grad is None:
             continue
-        owner = getattr(p, "_mfsdp_owner", None)
-        state = owner() if owner is not None else None
-        if state is not None and state.unit is not None and state.unit.strategy.replicated:
+        state, index = owner_of(p)
+        if state is not None and state.tp is not None:
+            tp_groups[tuple(dist.get_process_group_ranks(state.tp.tp_group))] = state.tp.tp_group
+            if index in state.tp.specs and state.tp.specs[index].sharded:
+                tp_split.add(id(p.grad))
+        if state is not None and state.unit.strategy.replicated:
             replicated.append(p.grad)  # every rank holds the whole (all-reduced) gradient
         elif state is not None:
             groups[id(state.process_group)] = state.process_group
@@ -47,29 +57,36 @@ def clip_grad_norm_(
             "clip_grad_norm_: parameters are sharded over different process groups; "
             "clip each group's parameters separately"
         )
+    if len(tp_groups) > 1:
+        raise ValueError(f"clip_grad_norm_: parameters are tensor-parallel over different groups {sorted(tp_groups)}; "
+                         "clip each group's parameters separately")
+    tp_group = next(iter(tp_groups.values()), None)
+    counts_replicated = tp_group is None or dist.get_rank(tp_group) == 0
     grads = sharded + replicated
     if not grads:
         return torch.tensor(0.0)
     device = grads[0].device
+    inf_norm = norm_type == float("inf")
 
     def local(gs):
+        if not inf_norm and not counts_replicated:
+            gs = [g for g in gs if id(g) in tp_split]  # the tp-replicated ones count on tp rank 0
         gs = [g for g in gs if g.numel() > 0]  # empty shards (and inf-norm on empties raises)
         if not gs:
             return torch.zeros((), device=device, dtype=torch.float32)
         norms = torch._foreach_norm(gs, norm_type)
         stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-        return stacked.max() if norm_type == float("inf") else (stacked ** norm_type).sum()
+        return stacked.max() if inf_norm else (stacked ** norm_type).sum()
 
+    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
     shard_part = local(sharded)
     if groups:
-        pg = next(iter(groups.values()))
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        dist.all_reduce(shard_part, op=op, group=pg)
+        dist.all_reduce(shard_part, op=op, group=next(iter(groups.values())))
     rep_part = local(replicated)
-    if norm_type == float("inf"):
-        total = torch.maximum(shard_part, rep_part)
-    else:
-        total = (shard_part + rep_part) ** (1.0 / norm_type)
+    combined = torch.maximum(shard_part, rep_part) if inf_norm else shard_part + rep_part
+    if tp_group is not None:
+        dist.all_reduce(combined, op=op, group=tp_group)
+    total = combined if inf_norm else combined ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _C, backends
+from . import _C, backends, tensor_parallel
 from .options import FLOAT_DTYPES, as_timeout
 
 def groups_from_mesh(mesh, process_group):
@@ -303,30 +303,38 @@ class CommGroups:
 
 
 def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy, materialize_on,
-              check_for_nan_in_grad: bool):
+              check_for_nan_in_grad: bool, tp=None):
     """The C++ Unit over `params`, bound to the parameter objects the module will show:
     sharded (1-D views of this rank's shard) and unsharded (views of the gathered buffer),
     both keeping the originals' requires_grad and user attributes. The unit is their one
-    holder (unit.sharded_params / unsharded_params)."""
+    holder (unit.sharded_params / unsharded_params). Tensor-parallel parameters (`tp`,
+    tensor_parallel.py) are held as their local TP shards and shown unsharded as DTensors
+    wrapping the unit's views."""
     for p, n in zip(params, names):
         if p.dtype not in FLOAT_DTYPES:
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
                              f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
-    unit = _C.Unit([p.detach() for p in params], names, pg, alignment,
+    unit = _C.Unit([p.detach() for p in tensor_parallel.local_tensors(params)], names, pg, alignment,
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
     sharded, unsharded = [], []
-    for p, sview, uview in zip(params, unit.sharded_views(), unit.unsharded_views()):
+    locals_ = unit.unsharded_views()
+    for i, (p, sview, uview) in enumerate(zip(params, unit.sharded_views(), locals_)):
         s = nn.Parameter(sview, requires_grad=p.requires_grad)
-        u = nn.Parameter(uview, requires_grad=p.requires_grad)
+        u = tp.wrap(i, uview, p.requires_grad) if tp is not None and i in tp.specs else \
+            nn.Parameter(uview, requires_grad=p.requires_grad)
         # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
         for k, v in p.__dict__.items():
-            if not k.startswith("_mfsdp"):
+            if not k.startswith("_mfsdp") and k != "_is_param":
                 setattr(s, k, v)
                 setattr(u, k, v)
         sharded.append(s)
         unsharded.append(u)
-    unit.bind_params(sharded, unsharded)
+    if tp is None:
+        unit.bind_params(sharded, unsharded)
+    else:
+        unit.bind_params(sharded, unsharded, [u if i not in tp.specs else local
+                                              for i, (u, local) in enumerate(zip(unsharded, locals_))])
     # Debug mode (like TORCH_DISTRIBUTED_DEBUG): ranks compare (unit, phase, size)
     # before every collective; see Unit::set_check_collectives.
     unit.check_collectives = os.environ.get("MFSDP_CHECK_COLLECTIVES", "0") == "1"

@@ -119,23 +119,32 @@ class ParamRanges:
 
 
 def check_covers_world(states) -> None:
-    """Units of different data-parallel groups (tensor or expert parallelism) would write
-    different values under the same keys; DCP keeps one. HSDP replicas hold the same
-    values, so keeping one of them is right. Both checkpoint formats need this."""
+    """Units of different data-parallel groups (expert parallelism) would write different
+    values under the same keys; DCP keeps one. HSDP replicas hold the same values, so
+    keeping one of them is right, and so do the tp ranks of a tensor-parallel model for its
+    parameters that are not DTensors (TP's replicate them); its DTensors name their tp
+    ranks' parts. Both checkpoint formats need this."""
+    states = list(states)
     world = dist.get_world_size()
+    tp_size = max((s.tp.tp_size for s in states if getattr(s, "tp", None) is not None), default=1)
     for state in states:
         unit = state.unit
-        if unit is not None and unit.world_size * unit.replicate_size != world:
+        if unit is not None and unit.world_size * unit.replicate_size * tp_size != world:
+            tp = f" and tensor-parallel over {tp_size}" if tp_size > 1 else ""
             raise NotImplementedError(
                 f"sharded checkpoint: {state} is sharded over {unit.world_size} of {world} ranks and replicated "
-                f"{unit.replicate_size}x; sharded checkpoints need units whose shards and replicas cover the whole "
-                "job (use full_state_dict for other layouts)")
+                f"{unit.replicate_size}x{tp}; sharded checkpoints need units whose shards and replicas cover the "
+                "whole job (use full_state_dict for other layouts)")
 
 
 def sharded_param_ranges(module: nn.Module, loading: bool = False) -> Tuple[ParamIndex, Dict[int, ParamRanges]]:
     index = ParamIndex(module, "sharded checkpoint", "save or load between training steps, or reshard() first",
                        loading=loading)
     check_covers_world(index.states)
+    tp = next((s for s in index.states if getattr(s, "tp", None) is not None), None)
+    if tp is not None:  # the flat format was never written for tensor-parallel models
+        raise NotImplementedError(f"sharded checkpoint of the flat format: {tp} holds tensor-parallel (DTensor) "
+                                  "parameters, which that format cannot place; it loads into models without TP")
     return index, {pid: ParamRanges(*param) for pid, param in index.params.items()}
 
 

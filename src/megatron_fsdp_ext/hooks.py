@@ -97,6 +97,9 @@ class RootContext:
         for state in self.states:
             for p in state.unsharded_params:
                 p.grad = None
+            if state.unit is not None:
+                for local in state.unit.unsharded_locals:
+                    local.grad = None
         self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
@@ -153,7 +156,7 @@ _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 class FSDPState:
     def __init__(self, modules, unit, names, slots, pg, options: UnitOptions, *,
-                 check_group=None, deferred: bool = False, device_mesh=None):
+                 check_group=None, deferred: bool = False, device_mesh=None, tp=None):
         # A unit of several modules (FSDP2's fully_shard([...])) is gathered before the
         # first of them runs in a forward and released after the last (_group_pending).
         self._module_refs = [weakref.ref(m) for m in modules]
@@ -168,6 +171,8 @@ class FSDPState:
         self.process_group = pg
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
+        # The unit's tensor-parallel (DTensor) parameters (tensor_parallel.py), or None.
+        self.tp = tp
         self.options = options
         # The effective value: the root never reshards after forward (set at lazy init).
         self.reshard_after_forward = options.reshard_after_forward
@@ -462,6 +467,8 @@ class FSDPState:
         self.ctx.queue_final_callback()
         if self.unit is None:
             return
+        if self.tp is not None:
+            self.tp.move_grads(self.unit)
         # Without sync the gradients only accumulate locally: nothing to bucket.
         if not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
             self.unit.reduce_grads(self.requires_gradient_sync)

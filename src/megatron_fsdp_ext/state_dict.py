@@ -59,8 +59,8 @@ def _local_mode() -> bool:
 # ---------------------------------------------------------------- gathering and slicing
 
 def _mesh(state, device_type: str) -> DeviceMesh:
-    """The mesh of the unit's DTensors (kept on the state, made once): 1-D over its
-    group, or HSDP's 2-D (replicate, shard) mesh."""
+    """The data-parallel mesh of the unit's DTensors (kept on the state, made once): 1-D
+    over its group, or HSDP's 2-D (replicate, shard) mesh."""
     cached = state.__dict__.get("_dtensor_mesh")
     if cached is None or cached.device_type != device_type:
         hsdp = state.device_mesh
@@ -79,33 +79,52 @@ def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
 
-def _placements(mesh: DeviceMesh, dim: int = 0) -> list:
-    """FSDP2's: `dim` (0 unless shard_placement_fn said otherwise) chunked over the shard
-    group, replicated over HSDP's replicate dim."""
-    return [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
+def _tp_spec(state, index: int):
+    tp = state.tp
+    return tp.specs.get(index) if tp is not None else None
 
 
-def _rows_as_dtensor(state, rows: torch.Tensor, shape) -> DTensor:
+def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, torch.Size]:
+    """(mesh, placements, full shape) of parameter `index`'s state-dict DTensors, FSDP2's:
+    its state_dict_dim chunked over the shard group (torch.chunk sizes), replicated over
+    HSDP's replicate dim (every dp dim under no_shard); a tensor-parallel parameter on the
+    (dp..., tp) mesh, its TP placements after, the dp shard strided by TP's shards of the
+    same dim (tensor_parallel.py)."""
+    spec = state.unit.param_spec(index)
+    tp_spec = _tp_spec(state, index)
+    if tp_spec is None:
+        mesh = _mesh(state, device_type)
+        dp_ndim = mesh.ndim
+    else:
+        mesh = state.tp.spmd_mesh
+        dp_ndim = state.tp.dp_ndim
+    dp = [Replicate()] * dp_ndim
+    if not _replicated(state) and len(spec.shape) > 0:
+        dp[-1] = Shard(spec.state_dict_dim)
+    if tp_spec is None:
+        return mesh, tuple(dp), torch.Size(spec.shape)
+    return mesh, state.tp.placements(index, dp), tp_spec.shape
+
+
+def _rows_as_dtensor(state, index: int, rows: torch.Tensor) -> DTensor:
     """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
-    mesh = _mesh(state, rows.device.type)
-    return DTensor.from_local(rows, mesh, _placements(mesh), run_check=False, shape=torch.Size(shape),
+    mesh, placements, shape = _layout(state, index, rows.device.type)
+    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
 def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -> list:
     """Every parameter's value (`pieces`: per-parameter state laid out like the shards;
     [] for the parameters themselves) as state dicts give it, on `device`: FSDP2's
-    DTensors, or full tensors for replicated strategies. One collective over the unit's
-    group."""
+    DTensors, or full tensors for replicated strategies (DTensors on the TP mesh for
+    tensor-parallel parameters). One collective over the unit's group."""
     unit = state.unit
     if not _replicated(state) and unit.exchanges_rows:
         rows = unit.to_row_chunks(pieces, dtype)
-        return [_rows_as_dtensor(state, r.to(device), unit.param_spec(i).shape) for i, r in enumerate(rows)]
+        return [_rows_as_dtensor(state, i, r.to(device)) for i, r in enumerate(rows)]
     full = unit.gather_full_params() if not pieces else unit.gather_full(pieces, dtype)
     full = [f.to(device=device, dtype=dtype) for f in full]
-    if _replicated(state):
-        return full
-    return [_as_dtensor(state, f, unit.param_spec(i).state_dict_dim) for i, f in enumerate(full)]
+    return [_as_dtensor(state, i, f) for i, f in enumerate(full)]
 
 
 def _exchangeable(state, value: DTensor, index: int) -> bool:
@@ -116,42 +135,56 @@ def _exchangeable(state, value: DTensor, index: int) -> bool:
     if _replicated(state) or not unit.exchanges_rows:
         return False
     mesh = value.device_mesh
-    ours = _mesh(state, mesh.device_type)
-    if mesh.ndim != ours.ndim or list(value.placements) != _placements(ours):
+    ours, placements, _ = _layout(state, index, mesh.device_type)
+    if mesh.ndim != ours.ndim or tuple(value.placements) != tuple(placements):
         return False
     for dim in range(mesh.ndim):
         if dist.get_process_group_ranks(mesh.get_group(dim)) != dist.get_process_group_ranks(ours.get_group(dim)):
             return False
-    shape = unit.param_spec(index).shape
-    begin, end = _C.chunk_rows(shape[0], ours.size(ours.ndim - 1), ours.get_local_rank(ours.ndim - 1))
+    shape = unit.param_spec(index).shape  # the local (TP) shape the unit holds
+    shard_dim = ours.ndim - 1 if _tp_spec(state, index) is None else state.tp.dp_ndim - 1
+    begin, end = _C.chunk_rows(shape[0], ours.size(shard_dim), ours.get_local_rank(shard_dim))
     return tuple(value.to_local().shape) == (end - begin, *shape[1:])
+
+
+def _full_shape(state, index: int) -> tuple:
+    tp_spec = _tp_spec(state, index)
+    return tuple(tp_spec.shape) if tp_spec is not None else tuple(state.unit.param_spec(index).shape)
 
 
 def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Tensor:
     """This rank's 1-D piece of parameter `index` from a loaded value: FSDP2-placed
-    DTensors by the exchange, anything else gathered (a collective) and cut."""
-    if isinstance(value, DTensor) and tuple(value.shape) == tuple(state.unit.param_spec(index).shape) \
+    DTensors by the exchange, anything else gathered (a collective) and cut (its TP shard,
+    then this rank's piece)."""
+    if isinstance(value, DTensor) and tuple(value.shape) == _full_shape(state, index) \
             and _exchangeable(state, value, index):
         local = value.to_local()
         if local.device.type != value.device_mesh.device_type:  # offloaded copies: exchange where the mesh lives
             local = local.to(value.device_mesh.device_type)
         return state.unit.piece_from_rows(index, local.contiguous())
-    full = _full_value(value, state.unit.param_spec(index).shape, local_numel, what)
+    full = _full_value(value, _full_shape(state, index), local_numel, what)
+    if _tp_spec(state, index) is not None:
+        full = state.tp.local_of_full(index, full)
     return state.unit.local_piece(index, full)
 
 
-def _as_dtensor(state, full: torch.Tensor, dim: int = 0) -> DTensor:
-    """`full` as FSDP2 stores it: `dim` chunked over the shard group (torch.chunk sizes),
-    replicated over HSDP's replicate dim."""
-    mesh = _mesh(state, full.device.type)
-    replicate = [Replicate()] * (mesh.ndim - 1)
+def _as_dtensor(state, index: int, full: torch.Tensor):
+    """`full` (parameter `index`'s value as the unit holds it: the local TP shard) as
+    FSDP2 stores it (see _layout); replicated strategies give plain full tensors, or a
+    tensor-parallel parameter's DTensor replicated over the dp dims."""
+    if _replicated(state) and _tp_spec(state, index) is None:
+        return full
+    mesh, placements, shape = _layout(state, index, full.device.type)
     if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, replicate + [Replicate()], run_check=False)
-    shard_dim = mesh.ndim - 1
-    begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
-    local = full.narrow(dim, begin, end - begin).clone()
-    return DTensor.from_local(local, mesh, replicate + [Shard(dim)], run_check=False, shape=full.shape,
-                              stride=full.stride())
+        return DTensor.from_local(full.clone(), mesh, placements, run_check=False)
+    dim = state.unit.param_spec(index).state_dict_dim
+    local = full
+    if not _replicated(state):
+        shard_dim = (mesh.ndim if _tp_spec(state, index) is None else state.tp.dp_ndim) - 1
+        begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+        local = full.narrow(dim, begin, end - begin)
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor:

@@ -1,0 +1,392 @@
+"""Tensor parallel x fully_shard workers: a small transformer-like model parallelized with
+torch's parallelize_module (ColwiseParallel, RowwiseParallel, SequenceParallel) on the "tp"
+dim of a (dp_shard, tp) or (dp_replicate, dp_shard, tp) mesh, sharded with our fully_shard
+on the data-parallel dims, trained against one plain process on the whole batch (fp32:
+gradients, clipped norms, losses and parameters every step) and against FSDP2+TP on the
+same mesh (bf16)."""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.param_index import iter_states
+
+from .workers import device_for_backend, expect_error, rel_err, shard_piece
+
+D_IN, D, H, D_OUT, SEQ = 8, 16, 32, 4, 8
+SEED = 7
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.w1 = nn.Linear(D, H)
+        self.w2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+class TPNet(nn.Module):
+    def __init__(self, n_blocks: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, D_OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def build(device, n_blocks: int = 2) -> TPNet:
+    torch.manual_seed(SEED)
+    model = TPNet(n_blocks).to(device)
+    with torch.no_grad():  # LayerNorm starts at ones/zeros: make their gradients tell ranks apart
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def parallelize(model: TPNet, tp_mesh, sp: bool) -> TPNet:
+    """Megatron's TP on the blocks (w1 column-, w2 row-parallel), the input projection
+    row-parallel and the head column-parallel; with sequence parallel the norms run on
+    sequence shards (SequenceParallel) and activations between blocks stay split on dim 1."""
+    seq = Shard(1) if sp else Replicate()
+    plan = {
+        "inp": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.blocks:
+        block_plan = {"w1": ColwiseParallel(input_layouts=seq), "w2": RowwiseParallel(output_layouts=seq)}
+        if sp:
+            block_plan["norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
+
+
+def make_mesh(shape: Tuple[int, ...]):
+    names = ("dp_shard", "tp") if len(shape) == 2 else ("dp_replicate", "dp_shard", "tp")
+    return init_device_mesh(device_for_backend().type, shape, mesh_dim_names=names)
+
+
+def dp_mesh_of(mesh):
+    names = mesh.mesh_dim_names
+    return mesh["dp_shard"] if len(names) == 2 else mesh[("dp_replicate", "dp_shard")]
+
+
+def dp_rank_of(mesh) -> Tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number)."""
+    coord = mesh.get_coordinate()
+    sizes = mesh.mesh.shape
+    index, count = 0, 1
+    for c, s in zip(coord[:-1], sizes[:-1]):
+        index, count = index * s + c, count * s
+    return index, count
+
+
+def shard_ours(model: TPNet, dp_mesh, sc: Dict) -> TPNet:
+    mp = None
+    if sc.get("bf16"):
+        mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = dict(mesh=dp_mesh, sharding_strategy=sc.get("strategy", "optim_grads_params"),
+              gather_bucket_bytes=sc.get("buckets", 0), reduce_bucket_bytes=sc.get("buckets", 0),
+              prefetch_depth=sc.get("prefetch", 1))
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for block in model.blocks:
+        mfsdp.fully_shard(block, **kw)
+    mfsdp.fully_shard([model.norm, model.head], **kw)
+    return mfsdp.fully_shard(model, **kw)
+
+
+def batches(steps: int, per: int, dp_world: int, seed: int = 99):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randn(dp_world * per, SEQ, D_IN, generator=g), torch.randn(dp_world * per, SEQ, D_OUT, generator=g)
+
+
+def placements_of(model) -> Dict[str, Tuple]:
+    """Each parameter's TP placements (Replicate for plain ones), read before sharding."""
+    return {n: tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),) for n, p in model.named_parameters()}
+
+
+def full_of_ours(model, which: str, tp_placements: Dict[str, Tuple], tp_mesh) -> Dict[str, torch.Tensor]:
+    """Every parameter's full gradient (or value) rebuilt from all ranks' 1-D pieces with
+    nothing of the library's state-dict code: data-parallel pieces at their layout offsets
+    into the local TP shard, then the TP shards joined as their placements say. Checks on
+    the way that replicas (HSDP's, and tp ranks of a replicated parameter) agree."""
+    local = {}
+    for name, p in model.named_parameters():
+        state, idx, piece = shard_piece(p)
+        t = p.grad if which == "grad" else p
+        t = None if t is None else t.detach().reshape(-1).double().cpu()
+        local[name] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), t)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (tp_mesh.get_local_rank(), local))
+    full = {}
+    for name, placements in tp_placements.items():
+        shards = {}
+        for tp_rank, by_rank in every:
+            offset, shape, t = by_rank[name]
+            assert t is not None, f"no {which} for '{name}'"
+            out = shards.setdefault(tp_rank, torch.full(shape, float("nan"), dtype=torch.float64)).view(-1)
+            seen = out[offset: offset + t.numel()]
+            known = ~torch.isnan(seen)
+            assert torch.equal(seen[known], t[known]), f"'{name}': replicas disagree on {which} (tp rank {tp_rank})"
+            seen.copy_(t)
+        ordered = [shards[r] for r in sorted(shards)]
+        for s in ordered:
+            assert not torch.isnan(s).any(), f"'{name}': {which} pieces do not cover the local shard"
+        placement = placements[0]
+        if isinstance(placement, Shard):
+            full[name] = torch.cat(ordered, dim=placement.dim)
+        else:
+            for s in ordered[1:]:
+                assert torch.allclose(s, ordered[0], rtol=1e-6, atol=1e-7), \
+                    f"'{name}' is replicated over tp but its {which} differs across tp ranks"
+            full[name] = ordered[0]
+    return full
+
+
+def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dict]) -> List[Dict]:
+    """For each scenario (keys: sp, strategy, bf16-free fp32 only here, clip, micro,
+    buckets, prefetch): TP on the mesh's "tp" dim and our fully_shard on its data-parallel
+    dims train like one plain process on the whole batch, step by step."""
+    device = device_for_backend()
+    mesh = make_mesh(shape)
+    tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
+    dp_index, dp_world = dp_rank_of(mesh)
+    results = []
+    for sc in scenarios:
+        ref = build(device)
+        model = parallelize(copy.deepcopy(ref), tp_mesh, sc.get("sp", False))
+        placements = placements_of(model)
+        shard_ours(model, dp_mesh, sc)
+        units = [s for s in iter_states(model) if s.unit is not None]
+        assert all(s.unit.world_size == shape[-2] for s in units)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        micro, per, worst, clip = sc.get("micro", 1), 2, 0.0, sc.get("clip")
+        tol = sc.get("tol", 1e-5)
+        for step, (x, y) in enumerate(batches(3, per * micro, dp_world)):
+            loss = ref_loss = 0.0
+            for m in range(micro):
+                if micro > 1:
+                    model.set_requires_gradient_sync(m == micro - 1)
+                lo = (dp_index * micro + m) * per
+                out = model(x[lo: lo + per].to(device))
+                assert not isinstance(out, DTensor)
+                l_ = F.mse_loss(out, y[lo: lo + per].to(device)) / micro
+                l_.backward()
+                loss += l_.item()
+            for m in range(micro):
+                rows = slice(m * dp_world * per, (m + 1) * dp_world * per)
+                # The reference sees each micro-batch as the union of every dp rank's rows.
+                xs = torch.cat([x[(r * micro + m) * per: (r * micro + m + 1) * per] for r in range(dp_world)])
+                ys = torch.cat([y[(r * micro + m) * per: (r * micro + m + 1) * per] for r in range(dp_world)])
+                l_ = F.mse_loss(ref(xs.to(device)), ys.to(device)) / micro
+                l_.backward()
+                ref_loss += l_.item()
+                del rows
+            # Our loss is this dp rank's; the mean over dp ranks is the reference's.
+            losses = [None] * world
+            dist.all_gather_object(losses, loss)
+            assert abs(sum(losses) / world - ref_loss) <= tol * max(1.0, abs(ref_loss)), \
+                f"{sc} step {step}: loss {sum(losses) / world} vs {ref_loss}"
+            ours = full_of_ours(model, "grad", placements, tp_mesh)
+            for name, p in ref.named_parameters():
+                err = rel_err(ours[name].reshape(p.shape), p.grad)
+                assert err <= tol, f"{sc} step {step}: gradient of '{name}' rel err {err:.3e}"
+                worst = max(worst, err)
+            if clip is not None:
+                norm = mfsdp.clip_grad_norm_(model, clip)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                assert rel_err(norm, ref_norm) <= tol, f"{sc}: clip norm {norm.item()} vs {ref_norm.item()}"
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        values = full_of_ours(model, "value", placements, tp_mesh)
+        param_err = max(rel_err(values[n].reshape(p.shape), p.detach()) for n, p in ref.named_parameters())
+        assert param_err <= tol, f"{sc}: parameters after 3 steps: rel err {param_err}"
+        results.append({"scenario": sc, "grad_err": worst, "param_err": param_err})
+    return results
+
+
+def shard_fsdp2(model: TPNet, dp_mesh, bf16: bool = False) -> TPNet:
+    """FSDP2 (torch's fully_shard) on the same units as shard_ours."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = dict(mesh=dp_mesh)
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = [*model.blocks, [model.norm, model.head], model]
+    for u in units:
+        fully_shard(u, **kw)
+    if dist.get_backend() == "gloo":  # Gloo's reduce-scatter has no average
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _step(model, opt, dp_index: int, dp_world: int, seed: int = 5) -> None:
+    x, y = next(batches(1, 2, dp_world, seed))
+    device = device_for_backend()
+    F.mse_loss(model(x[2 * dp_index: 2 * dp_index + 2].to(device)), y[2 * dp_index: 2 * dp_index + 2].to(device)
+               ).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _same_dtensors(ours: Dict, theirs: Dict, what: str, tol: float = 1e-6) -> int:
+    """Every entry of two (flattened) state dicts: the same type, mesh (dim names and
+    ranks), placements, shape and local values."""
+    assert set(ours) == set(theirs), f"{what}: keys differ: {sorted(set(ours) ^ set(theirs))[:5]}"
+    checked = 0
+    for k, a in ours.items():
+        b = theirs[k]
+        if not isinstance(b, torch.Tensor):
+            continue
+        assert type(a) is type(b), f"{what} '{k}': {type(a).__name__} vs FSDP2's {type(b).__name__}"
+        if isinstance(b, DTensor):
+            assert tuple(a.placements) == tuple(b.placements), \
+                f"{what} '{k}': placements {a.placements} vs FSDP2's {b.placements}"
+            assert a.device_mesh.mesh_dim_names == b.device_mesh.mesh_dim_names and \
+                torch.equal(a.device_mesh.mesh, b.device_mesh.mesh), \
+                f"{what} '{k}': mesh {a.device_mesh} vs FSDP2's {b.device_mesh}"
+            assert a.shape == b.shape and a.stride() == b.stride(), f"{what} '{k}': shape {a.shape} vs {b.shape}"
+            a, b = a.to_local(), b.to_local()
+        assert a.shape == b.shape, f"{what} '{k}': local shape {tuple(a.shape)} vs FSDP2's {tuple(b.shape)}"
+        assert rel_err(a.double(), b.double()) <= tol, f"{what} '{k}': values differ"
+        checked += 1
+    return checked
+
+
+def _full(sd: Dict) -> Dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _flat_optim(sd: Dict) -> Dict:
+    return {f"{k}.{n}": v for k, entry in sd["state"].items() for n, v in entry.items()}
+
+
+def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
+    """State dicts of ours+TP equal FSDP2+TP's on the same 2x2 mesh (placements,
+    _StridedShard included, and values, model and AdamW state after one identical step);
+    DCP checkpoints move both ways between them, and reshard to 4x1 and 1x4 meshes and to
+    a plain model, and back; save_checkpoint/load_checkpoint do the same."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    device = device_for_backend()
+    report = {}
+
+    def trained(shape, system: str, sp: bool = True, step: bool = True):
+        mesh = make_mesh(shape)
+        model = parallelize(build(device), mesh["tp"], sp)
+        (shard_fsdp2 if system == "fsdp2" else lambda m, d: shard_ours(m, d, {}))(model, dp_mesh_of(mesh))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if step:
+            _step(model, opt, *dp_rank_of(mesh))
+        return model, opt
+
+    ours, ours_opt = trained((2, 2), "ours")
+    theirs, theirs_opt = trained((2, 2), "fsdp2")
+    msd, tsd = get_model_state_dict(ours), get_model_state_dict(theirs)
+    report["model_entries"] = _same_dtensors(msd, tsd, "model state dict", tol=1e-5)
+    strided = [k for k, v in msd.items() if any(type(p).__name__ == "_StridedShard" for p in v.placements)]
+    assert strided, "no parameter placed _StridedShard: TP and dp both shard dim 0 of column-parallel weights"
+    report["strided"] = len(strided)
+    osd, tosd = get_optimizer_state_dict(ours, ours_opt), get_optimizer_state_dict(theirs, theirs_opt)
+    report["optim_entries"] = _same_dtensors(_flat_optim(osd), _flat_optim(tosd), "optimizer state dict", tol=1e-4)
+    want = _full(msd)
+
+    # DCP: ours -> FSDP2, FSDP2 -> ours (fresh, untrained targets).
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ours_2x2")
+    dcp.save({"model": tsd, "optim": tosd}, checkpoint_id=f"{path}/fsdp2_2x2")
+    for src, system in (("ours_2x2", "fsdp2"), ("fsdp2_2x2", "ours")):
+        model, opt = trained((2, 2), system, step=False)
+        _step(model, opt, *dp_rank_of(make_mesh((2, 2))), seed=11)  # different values and state, to be replaced
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=f"{path}/{src}")
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        got = _full(get_model_state_dict(model))
+        for k, v in want.items():
+            assert rel_err(got[k], v) <= 1e-5, f"{src} -> {system}: '{k}' differs after dcp.load"
+        got_opt = _full(_flat_optim(get_optimizer_state_dict(model, opt)))
+        for k, v in _full(_flat_optim(osd)).items():
+            assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"{src} -> {system}: optimizer '{k}' differs"
+
+    # Reshard: 2x2 -> 4x1, 1x4 and back; and to a plain model.
+    for shape in ((4, 1), (1, 4)):
+        model, opt = trained(shape, "ours", step=False)
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=f"{path}/ours_2x2")
+        set_model_state_dict(model, sd["model"])
+        got = _full(get_model_state_dict(model))
+        for k, v in want.items():
+            assert rel_err(got[k], v) <= 1e-5, f"2x2 -> {shape}: '{k}' differs"
+        name = f"ours_{shape[0]}x{shape[1]}"
+        with torch.no_grad():  # a change the way back must carry
+            model.head.weight.add_(1.0)
+        changed = _full(get_model_state_dict(model))
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{path}/{name}")
+        back, _ = trained((2, 2), "ours", step=False)
+        sd = {"model": get_model_state_dict(back)}
+        dcp.load(sd, checkpoint_id=f"{path}/{name}")
+        set_model_state_dict(back, sd["model"])
+        got = _full(get_model_state_dict(back))
+        for k, v in changed.items():
+            assert rel_err(got[k], v) <= 1e-5, f"{shape} -> 2x2: '{k}' differs"
+    plain = build(device)
+    sd = {k: torch.empty_like(v) for k, v in plain.state_dict().items()}
+    dcp.load({"model": sd}, checkpoint_id=f"{path}/ours_2x2")
+    for k, v in want.items():
+        assert rel_err(sd[k].cpu(), v) <= 1e-5, f"2x2 -> plain: '{k}' differs"
+    with torch.no_grad():
+        plain.load_state_dict(sd)
+        plain.inp.weight.mul_(2.0)
+    dcp.save({"model": plain.state_dict()}, checkpoint_id=f"{path}/plain")
+    back, _ = trained((2, 2), "ours", step=False)
+    msd_back = get_model_state_dict(back)
+    dcp.load({"model": msd_back}, checkpoint_id=f"{path}/plain")
+    set_model_state_dict(back, msd_back)
+    got = _full(get_model_state_dict(back))
+    for k, v in plain.state_dict().items():
+        assert rel_err(got[k], v.cpu()) <= 1e-5, f"plain -> 2x2: '{k}' differs"
+
+    # save_checkpoint / load_checkpoint: 2x2 -> 1x4 (model and optimizer).
+    mfsdp.save_checkpoint(f"{path}/ckpt", ours, ours_opt)
+    model, opt = trained((1, 4), "ours", step=False)
+    _step(model, opt, *dp_rank_of(make_mesh((1, 4))), seed=11)
+    mfsdp.load_checkpoint(f"{path}/ckpt", model, opt)
+    got = _full(get_model_state_dict(model))
+    for k, v in want.items():
+        assert rel_err(got[k], v) <= 1e-5, f"load_checkpoint 2x2 -> 1x4: '{k}' differs"
+    got_opt = _full(_flat_optim(get_optimizer_state_dict(model, opt)))
+    for k, v in _full(_flat_optim(osd)).items():
+        assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"load_checkpoint 2x2 -> 1x4: optimizer '{k}' differs"
+    return report
