@@ -11,6 +11,7 @@ from . import backends
 from .agree import Agreement, digest, gather_objects, rank_world
 from .param_index import iter_states
 from .param_index import ParamIndex
+from .shard_changes import set_full_value
 from .state_dict import local_state_dict
 from .states import ParamInit
 
@@ -34,6 +35,9 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
         sd = module.state_dict()
     for state in index.states:
         full = state.unit.gather_full_params()
+        if state.tp is not None:  # the TP shards joined (a collective over tp)
+            full = [state.tp.full_of_local(i, t).full_tensor() if i in state.tp.specs else t
+                    for i, t in enumerate(full)]
         for p, t in zip(state.sharded_params, full):
             for key in index.names_of(p):
                 if keep:
@@ -106,7 +110,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Optional[dict], *, stric
         for i, value in enumerate(unit_values):
             if value is not None:
                 full = _fetch(value, state.unit.device, state.unit.orig_dtype, broadcast_from_rank0)
-                state.unit.shard_changed(i, full)  # copies this rank's slice
+                set_full_value(state, i, full)  # copies this rank's slice
                 del full
         state.mark_loaded()  # a deferred unit is loaded whole (checked in the plan)
     with torch.no_grad():

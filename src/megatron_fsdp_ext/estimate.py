@@ -24,6 +24,7 @@ from typing import Iterable, List, Optional, Type
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _C
 from .options import MixedPrecisionPolicy, as_mp_policy, check_count
@@ -85,11 +86,11 @@ def _full_numel(p: torch.Tensor) -> int:
     knows the full shape."""
     owner = getattr(p, "_mfsdp_owner", None)
     state = owner() if owner is not None else None
-    if state is not None:
-        for s, u in zip(state.sharded_params, state.unsharded_params):
+    if state is not None:  # what the unit gathers: a tensor-parallel parameter's local TP shard
+        for s, u in zip(state.sharded_params, state.unit.unsharded_locals):
             if s is p:
                 return u.numel()
-    return p.numel()
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 def _units(model: nn.Module, unit_modules) -> List[List[nn.Parameter]]:

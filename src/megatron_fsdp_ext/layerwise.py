@@ -16,6 +16,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _C
 from .hooks import run_outside_dynamo
@@ -146,6 +147,11 @@ class LayerwiseDistributedOptimizer:
         for n, p in named:
             if getattr(p, "_mfsdp_owner", None) is not None:
                 raise ValueError(f"parameter '{n}' is sharded by fully_shard; the layer-wise optimizer takes replicated parameters")
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"parameter '{n}' is a DTensor placed {tuple(p.placements)} on mesh {p.device_mesh.mesh_dim_names} "
+                    "(tensor parallel); the layer-wise optimizer takes plain replicated parameters: use fully_shard "
+                    "with a torch optimizer for tensor-parallel models")
             if cur and (cur_numel + p.numel() > bucket_size or p.dtype != cur[0][1].dtype or p.device != cur[0][1].device):
                 groups.append(cur)
                 cur, cur_numel = [], 0

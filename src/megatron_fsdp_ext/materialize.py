@@ -21,6 +21,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .param_index import iter_states, owner_of
 from .states import ParamInit, SlotsHold
@@ -103,6 +104,10 @@ def _initialize_module(m: nn.Module, path: str, init_fn, deferred: dict, written
             if id(state) in deferred:
                 spec = state.unit.param_spec(i)
                 full = _blank(spec.shape, spec.dtype, device)
+                if state.tp is not None and i in state.tp.specs:
+                    # The initializer sees the DTensor TP alone gives (its local part: this
+                    # rank's TP shard), as it would on the model built without fully_shard.
+                    full = state.tp.full_of_local(i, full)
                 swaps.append((name, p, full, state, i, (id(state), i) in written))
         elif p.is_meta:
             fresh.append((m._parameters, name, nn.Parameter(_blank(p.shape, p.dtype, device), p.requires_grad)))
@@ -138,6 +143,8 @@ def _initialize_module(m: nn.Module, path: str, init_fn, deferred: dict, written
             f"materialize: the initializer of '{where}' ({type(m).__name__}) wrote to parameters of {touched[0]} "
             "that it does not hold directly; an initializer must only set the module's own parameters and buffers "
             "(torch.nn's reset_parameters convention)")
+    swaps = [(name, p, full.to_local() if isinstance(full, DTensor) else full, *rest)
+             for name, p, full, *rest in swaps]
     for name, _, full, state, _, scratch in swaps:
         if not scratch and _unwritten(full):
             raise RuntimeError(f"materialize: the initializer of '{where}' ({type(m).__name__}) left parameter "

@@ -14,6 +14,7 @@ import torch.nn as nn
 from .agree import Agreement, gather_objects
 from .checkpoint import agree_on_keys, plan_full_load, replace_meta
 from .checkpoint_files import check_same_path
+from .shard_changes import set_full_value
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -89,13 +90,16 @@ def load_safetensors(module: nn.Module, path, *, strict: bool = True) -> None:
                 if value is None or piece.numel == 0:
                     continue
                 key = key_of[id(value)]
+                if state.tp is not None and i in state.tp.specs:  # read whole: cut to the TP shard, then the slice
+                    slices_read.append((state, i, _read(where[key], lambda: handles[where[key]].get_tensor(key))))
+                    continue
                 slices_read.append((state, i, _read(where[key], lambda: _rows_for(
                     handles[where[key]], key, tuple(value.shape), piece.param_offset, piece.numel))))
         for key, target, value in replicated:
             whole_read.append((key, target, _read(where[key], lambda: handles[where[key]].get_tensor(key))))
     with torch.no_grad():
         for state, i, local in slices_read:
-            state.unit.shard_changed(i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
+            set_full_value(state, i, local.to(device=state.unit.device, dtype=state.unit.orig_dtype))
         for state in states:
             state.mark_loaded()  # a deferred unit is loaded whole (checked in the plan)
         for key, target, whole in whole_read:

@@ -127,5 +127,15 @@ def adopt_replaced_params(state, replaced_slots) -> None:
         if not isinstance(new, torch.Tensor):
             raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
                              f"{type(new).__name__}, not a tensor")
-        state.unit.shard_changed(index, new.detach())
+        set_full_value(state, index, new.detach())
         params_dict[name] = state.unit.sharded_param(index)
+
+
+def set_full_value(state, index: int, value: torch.Tensor) -> None:
+    """The one way a value given in a parameter's full shape (a load, a replaced
+    parameter) becomes this rank's shard: a tensor-parallel parameter's value is cut to
+    this rank's TP shard first (tensor_parallel.py), then the unit keeps its slice."""
+    tp = state.tp
+    if tp is not None and index in tp.specs:
+        value = tp.local_value(index, value)
+    state.unit.shard_changed(index, value)

@@ -134,6 +134,21 @@ class TensorParallelParams:
                 local = local.chunk(self.tp_size, dim=p.dim)[self.tp_rank]
         return local
 
+    def local_value(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """What the unit keeps of a value given for parameter `index` in its full shape: a
+        DTensor placed as the parameter gives its local part, another DTensor is gathered
+        first, a plain tensor of the full shape is cut. Anything else is passed on as it is
+        (the unit refuses shapes it cannot place)."""
+        spec = self.specs[index]
+        if isinstance(value, DTensor):
+            if value.device_mesh == self.tp_mesh and tuple(value.placements) == spec.placements \
+                    and value.shape == spec.shape:
+                return value.to_local()
+            value = value.full_tensor()
+        if tuple(value.shape) != tuple(spec.shape):
+            return value
+        return self.local_of_full(index, value)
+
     def full_of_local(self, index: int, local: torch.Tensor) -> DTensor:
         """A full value's DTensor on the TP mesh from this rank's local part (materialize:
         the initializer runs on it as on the parameter TP alone gives)."""

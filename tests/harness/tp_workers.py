@@ -390,3 +390,167 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
     for k, v in _full(_flat_optim(osd)).items():
         assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"load_checkpoint 2x2 -> 1x4: optimizer '{k}' differs"
     return report
+
+
+def _grads_fsdp2(model) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tp_vs_fsdp2(rank: int, world: int, shape: Tuple[int, ...], sp: bool, steps: int = 3) -> Dict:
+    """Ours+TP and FSDP2+TP on the same mesh, both in bf16 (param bf16, reduce fp32): the
+    same losses and gradients step by step, and the same parameters after."""
+    device = device_for_backend()
+    mesh = make_mesh(shape)
+    dp_index, dp_world = dp_rank_of(mesh)
+    ours = parallelize(build(device), mesh["tp"], sp)
+    placements = placements_of(ours)
+    shard_ours(ours, dp_mesh_of(mesh), {"bf16": True})
+    theirs = shard_fsdp2(parallelize(build(device), mesh["tp"], sp), dp_mesh_of(mesh), bf16=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ours, theirs)]
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step, (x, y) in enumerate(batches(steps, 2, dp_world)):
+        xs, ys = x[2 * dp_index: 2 * dp_index + 2].to(device), y[2 * dp_index: 2 * dp_index + 2].to(device)
+        losses = []
+        for m in (ours, theirs):
+            loss = F.mse_loss(m(xs).float(), ys)
+            loss.backward()
+            losses.append(loss.item())
+        err = abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-6)
+        assert err <= 1e-3, f"step {step}: loss {losses[0]} vs FSDP2's {losses[1]}"
+        worst["loss"] = max(worst["loss"], err)
+        mine, ref = full_of_ours(ours, "grad", placements, mesh["tp"]), _grads_fsdp2(theirs)
+        for n, g in ref.items():
+            e = rel_err(mine[n].reshape(g.shape), g)
+            assert e <= 2e-2, f"step {step}: gradient of '{n}' rel err {e:.3e} against FSDP2+TP"
+            worst["grad"] = max(worst["grad"], e)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    mine = full_of_ours(ours, "value", placements, mesh["tp"])
+    for n, p in theirs.named_parameters():
+        full = p.full_tensor().double().cpu()
+        assert rel_err(mine[n].reshape(full.shape), full) <= 1e-2, f"parameter '{n}' differs from FSDP2+TP's"
+    return worst
+
+
+def _position_init(module: nn.Module) -> None:
+    """A deterministic initializer: each element's value from its position in the full
+    tensor, written through the parameter's own placements (a misplaced shard shows)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, p in module.named_parameters(recurse=False):
+        full = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape).sin() * (1 + len(name))
+        full = full.to(p.to_local().device if isinstance(p, DTensor) else p.device)
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full)
+
+
+def tp_deferred_init(rank: int, world: int, shape: Tuple[int, ...]) -> None:
+    """A model built on the meta device, parallelized there, sharded and materialized:
+    equal to the TP model built on the device (same initializer), and it trains the same.
+    reset_parameters() on DTensors works too (every element written)."""
+    device = device_for_backend()
+    mesh = make_mesh(shape)
+    tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
+    direct = build(device)
+    direct.apply(_position_init)
+    direct = parallelize(direct, tp_mesh, True)
+    placements = placements_of(direct)
+    shard_ours(direct, dp_mesh, {})
+    with torch.device("meta"):
+        deferred = TPNet()
+    parallelize(deferred, tp_mesh, True)
+    shard_ours(deferred, dp_mesh, {})
+    mfsdp.materialize(deferred, init_fn=_position_init)
+    a, b = (full_of_ours(m, "value", placements, tp_mesh) for m in (direct, deferred))
+    for n in a:
+        assert torch.equal(a[n], b[n]), f"materialized '{n}' differs from the model built on the device"
+    dp_index, dp_world = dp_rank_of(mesh)
+    x, y = next(batches(1, 2, dp_world))
+    outs = [m(x[2 * dp_index: 2 * dp_index + 2].to(device)) for m in (direct, deferred)]
+    assert torch.equal(outs[0], outs[1]), "the materialized model computes differently"
+    with torch.device("meta"):
+        plain_init = TPNet()
+    parallelize(plain_init, tp_mesh, False)
+    shard_ours(plain_init, dp_mesh, {"strategy": "optim_grads"})
+    mfsdp.materialize(plain_init)  # nn.Linear / LayerNorm reset_parameters on DTensors
+    values = full_of_ours(plain_init, "value", placements_of_meta(plain_init, placements), tp_mesh)
+    assert all(torch.isfinite(v).all() for v in values.values())
+    F.mse_loss(plain_init(x[:2].to(device)), y[:2].to(device)).backward()
+
+
+def placements_of_meta(model, placements: Dict[str, Tuple]) -> Dict[str, Tuple]:
+    """The placements of `model` (no SP on its norms: those stay plain), from a TP model's."""
+    return {n: (Replicate(),) if ".norm." in f".{n}" or n.startswith("norm.") else placements[n] for n in placements}
+
+
+def tp_full_state_dict_roundtrip(rank: int, world: int, path: str) -> None:
+    """full_state_dict gives global tensors equal to the plain model's; load_full_state_dict
+    and load_safetensors of plain full values load exactly into a TP model; a parameter
+    replaced by a full value keeps this rank's TP shard of it."""
+    from safetensors.torch import save_file
+
+    device = device_for_backend()
+    mesh = make_mesh((2, 2))
+    ref = build(device)
+    model = shard_ours(parallelize(copy.deepcopy(ref), mesh["tp"], True), dp_mesh_of(mesh), {})
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(full[k], v.cpu()), f"full_state_dict '{k}' differs from the plain model's"
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-1.5)
+    target = ref.state_dict()
+    fresh = shard_ours(parallelize(build(device), mesh["tp"], True), dp_mesh_of(mesh), {})
+    mfsdp.load_full_state_dict(fresh, target)
+    got = mfsdp.full_state_dict(fresh, rank0_only=False)
+    for k, v in target.items():
+        assert torch.equal(got[k], v.cpu()), f"load_full_state_dict '{k}' did not load exactly"
+    if rank == 0:
+        save_file({k: v.contiguous().cpu() for k, v in target.items()}, f"{path}/model.safetensors")
+    dist.barrier()
+    fresh = shard_ours(parallelize(build(device), mesh["tp"], True), dp_mesh_of(mesh), {})
+    mfsdp.load_safetensors(fresh, path)
+    got = mfsdp.full_state_dict(fresh, rank0_only=False)
+    for k, v in target.items():
+        assert torch.equal(got[k], v.cpu()), f"load_safetensors '{k}' did not load exactly"
+    fresh.blocks[0].w1.weight = nn.Parameter(target["blocks.0.w1.weight"].clone())
+    x, _ = next(batches(1, 2, 2))
+    with torch.no_grad():
+        fresh(x[:2].to(device))  # the forward adopts the replaced parameter
+    got = mfsdp.full_state_dict(fresh, rank0_only=False)
+    assert torch.equal(got["blocks.0.w1.weight"], target["blocks.0.w1.weight"].cpu())
+
+
+def tp_misuse(rank: int, world: int) -> None:
+    """Misuse is refused naming the problem: a TP mesh from another job mesh, a process
+    group instead of the dp mesh, a dp mesh on the TP dim, uneven TP shards, TP
+    parameters handed to the layer-wise optimizer."""
+    device = device_for_backend()
+    mesh = make_mesh((2, 2))
+    # TP over the very ranks that shard the data: the dims overlap, so no (dp, tp) mesh exists.
+    other = init_device_mesh(device.type, (2, 2), mesh_dim_names=("tp", "dp_other"))
+    model = parallelize(build(device), other["tp"], False)
+    expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=mesh["dp_shard"]), ValueError,
+                 "not dims of one job mesh", "w1.weight")
+    model = parallelize(build(device), mesh["tp"], False)
+    expect_error(lambda: mfsdp.fully_shard(model.blocks[0], process_group=mesh["dp_shard"].get_group()),
+                 ValueError, "pass the data-parallel mesh", "w1.weight")
+    expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=mesh["tp"]), ValueError, "shares a dimension")
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, 5)
+
+    odd = Odd().to(device)
+    parallelize_module(odd, mesh["tp"], {"lin": ColwiseParallel()})
+    expect_error(lambda: mfsdp.fully_shard(odd, mesh=mesh["dp_shard"]), ValueError, "'lin.weight'", "unevenly",
+                 "Shard(0)")
+    from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
+
+    expect_error(lambda: LayerwiseDistributedOptimizer(model.blocks[1], torch.optim.AdamW),
+                 NotImplementedError, "w1.weight", "tensor parallel")
