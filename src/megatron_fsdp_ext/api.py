@@ -285,6 +285,7 @@ def fully_shard(
     offload_policy=None,
     shard_placement_fn=None,
     timeout=None,
+    dp_mesh_dims=None,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already claimed by an inner fully_shard
     call) across `process_group` and install the hooks that all-gather them for
@@ -359,6 +360,13 @@ def fully_shard(
                      reduce-scattered in the shard group, then the shards all-reduced
                      across replicas (set_requires_all_reduce(False) defers that under
                      gradient accumulation). State dicts hold DTensors on this mesh.
+                     Tensor parallel: parameters that are DTensors on a "tp" mesh
+                     (torch's parallelize_module) need `mesh`, the data-parallel dims of
+                     the same job mesh (world_mesh["dp_shard"], or HSDP's
+                     world_mesh[("dp_replicate", "dp_shard")]); each unit holds their
+                     local TP shards, forward/backward see the DTensors TP gave, gradients
+                     reduce over the data-parallel dims only and state dicts place values
+                     as FSDP2+TP does (tensor_parallel.py).
     offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
     shard_placement_fn: FSDP2's: a function of each parameter returning Shard(dim) or None
                      (Shard(0)): state dicts and checkpoints shard that parameter's
@@ -371,8 +379,18 @@ def fully_shard(
                      unit's collectives then run on groups created with this timeout
                      (cached; on NCCL that is one more communicator per role), so
                      `process_group` must span all ranks. None: the group's own timeout.
+    dp_mesh_dims:    FSDP2's, for parameters that are DTensors on every axis of one SPMD
+                     mesh (torchtitan's spmd_types / full_dtensor backends): not
+                     supported; None. Tensor-parallel parameters (DTensors on a "tp"
+                     mesh) are sharded with `mesh` the data-parallel mesh of the same job
+                     (torchtitan's partial_dtensor backend, FSDP2's usual form).
     mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): parameters that are DTensors on every axis of one SPMD "
+            "mesh are not supported; apply tensor parallelism on the 'tp' axis only (torchtitan: "
+            "parallelism.spmd_backend='partial_dtensor') and pass the data-parallel mesh as mesh=")
     modules = check_target(module)
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)

@@ -170,8 +170,33 @@ def _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group):
         return device_mesh[dp_shard_dim]
     if device_mesh.ndim != 1:
         raise ValueError(f"fully_shard_model: device_mesh has dimensions {names}; name the shard dimension "
-                         "(dp_shard_dim=) and, for hybrid sharding, the replicate one (dp_outer_dim=)")
+                         "(dp_shard_dim=), for hybrid sharding the replicate one (dp_outer_dim=), for tensor "
+                         "parallelism the TP one (tp_dim=)")
     return device_mesh
+
+
+def _check_tp_dim(module: nn.Module, device_mesh, tp_dim, dp_dims, ignored: set) -> None:
+    """Megatron-FSDP's tp_dim: the model's DTensor parameters live on device_mesh[tp_dim]."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in ignored]
+    if tp_dim is None:
+        if dtensors and device_mesh is not None and device_mesh.ndim > 1 and dp_dims[0] is None:
+            raise ValueError(f"fully_shard_model: parameter '{dtensors[0][0]}' is a DTensor (tensor parallel); name the "
+                             "mesh dims: dp_shard_dim= (and tp_dim=)")
+        return
+    names = tuple(device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
+    if tp_dim not in names:
+        raise ValueError(f"fully_shard_model: tp_dim={tp_dim!r} is not a dimension of device_mesh {names or None}")
+    if tp_dim in dp_dims:
+        raise ValueError(f"fully_shard_model: tp_dim={tp_dim!r} also names a data-parallel dimension")
+    if not dtensors:
+        raise ValueError(f"fully_shard_model(tp_dim={tp_dim!r}): no parameter of {type(module).__name__} is a DTensor; "
+                         f"tensor-parallelize the model first: parallelize_module(model, device_mesh[{tp_dim!r}], plan)")
+    for n, p in dtensors:
+        if tuple(p.device_mesh.mesh_dim_names or ()) != (tp_dim,):
+            raise ValueError(f"fully_shard_model: parameter '{n}' is a DTensor on mesh dims "
+                             f"{p.device_mesh.mesh_dim_names}, not on tp_dim={tp_dim!r}")
 
 
 def fully_shard_model(
@@ -184,6 +209,7 @@ def fully_shard_model(
     device_mesh=None,
     dp_shard_dim: Optional[str] = None,
     dp_outer_dim: Optional[str] = None,
+    tp_dim: Optional[str] = None,
 ) -> nn.Module:
     """Apply fully_shard to every submodule whose type is in `fsdp_unit_modules`
     (innermost first), then to `module` itself (the root, holding the rest).
@@ -191,7 +217,10 @@ def fully_shard_model(
 
     device_mesh, dp_shard_dim, dp_outer_dim (Megatron-FSDP's names): shard over the mesh
     dimension named dp_shard_dim; with dp_outer_dim too, replicate over that one (HSDP,
-    fully_shard on the 2-D (dp_outer_dim, dp_shard_dim) mesh). A 1-D mesh needs no names."""
+    fully_shard on the 2-D (dp_outer_dim, dp_shard_dim) mesh). A 1-D mesh needs no names.
+    tp_dim: the dimension the model was tensor-parallelized on (torch's
+    parallelize_module(model, device_mesh[tp_dim], plan), before this call): its DTensor
+    parameters are checked to live there and are sharded over the data-parallel dims."""
     if not isinstance(config, FSDPConfig):
         raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
     if isinstance(ignored_params, torch.Tensor):
@@ -202,6 +231,7 @@ def fully_shard_model(
         if not (isinstance(k, type) and issubclass(k, nn.Module)):
             raise TypeError(f"fsdp_unit_modules must hold nn.Module classes, got {k!r}")
     mesh = _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group)
+    _check_tp_dim(module, device_mesh, tp_dim, (dp_shard_dim, dp_outer_dim), set(map(id, ignored_params)))
     kwargs = dict(
         process_group=process_group,
         mesh=mesh,

@@ -14,9 +14,11 @@ EVERY_STRATEGY = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 SCENARIOS = {
     (2, 2): [{"sp": sp, "strategy": s, "clip": 0.05} for sp in (False, True) for s in EVERY_STRATEGY]
     + [{"sp": True, "micro": 2, "buckets": 1 << 30}, {"sp": False, "micro": 2, "prefetch": 0},
-       {"sp": True, "strategy": "optim", "micro": 2, "buckets": 1 << 30}],
+       {"sp": True, "strategy": "optim", "micro": 2, "buckets": 1 << 30},
+       {"sp": True, "config": True, "clip": 0.05}],
     (2, 2, 2): [{"sp": True, "clip": 0.05}, {"sp": False, "strategy": "optim_grads", "micro": 2, "clip": 0.05},
-                {"sp": True, "strategy": "no_shard", "clip": 0.05}, {"sp": False, "buckets": 1 << 30}],
+                {"sp": True, "strategy": "no_shard", "clip": 0.05}, {"sp": False, "buckets": 1 << 30},
+                {"sp": True, "config": True, "strategy": "optim_grads"}],
 }
 
 

@@ -104,7 +104,13 @@ def dp_rank_of(mesh) -> Tuple[int, int]:
     return index, count
 
 
-def shard_ours(model: TPNet, dp_mesh, sc: Dict) -> TPNet:
+def shard_ours(model: TPNet, dp_mesh, sc: Dict, mesh=None) -> TPNet:
+    if sc.get("config"):  # Megatron's spelling: FSDPConfig + fully_shard_model with named mesh dims
+        three = len(mesh.mesh_dim_names) == 3
+        return mfsdp.fully_shard_model(
+            model, mfsdp.FSDPConfig(data_parallel_sharding_strategy=sc.get("strategy", "optim_grads_params")),
+            fsdp_unit_modules=[Block], device_mesh=mesh, dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_replicate" if three else None, tp_dim="tp")
     mp = None
     if sc.get("bf16"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -181,7 +187,7 @@ def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dic
         ref = build(device)
         model = parallelize(copy.deepcopy(ref), tp_mesh, sc.get("sp", False))
         placements = placements_of(model)
-        shard_ours(model, dp_mesh, sc)
+        shard_ours(model, dp_mesh, sc, mesh)
         units = [s for s in iter_states(model) if s.unit is not None]
         assert all(s.unit.world_size == shape[-2] for s in units)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -540,6 +546,12 @@ def tp_misuse(rank: int, world: int) -> None:
     expect_error(lambda: mfsdp.fully_shard(model.blocks[0], process_group=mesh["dp_shard"].get_group()),
                  ValueError, "pass the data-parallel mesh", "w1.weight")
     expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=mesh["tp"]), ValueError, "shares a dimension")
+    config = mfsdp.FSDPConfig()
+    expect_error(lambda: mfsdp.fully_shard_model(model, config, device_mesh=mesh, dp_shard_dim="dp_shard",
+                                                 tp_dim="dp_shard"), ValueError, "also names a data-parallel")
+    expect_error(lambda: mfsdp.fully_shard_model(model, config, device_mesh=mesh), ValueError, "tp_dim=")
+    expect_error(lambda: mfsdp.fully_shard_model(build(device), config, device_mesh=mesh, dp_shard_dim="dp_shard",
+                                                 tp_dim="tp"), ValueError, "no parameter", "is a DTensor")
 
     class Odd(nn.Module):
         def __init__(self):

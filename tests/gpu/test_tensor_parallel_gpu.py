@@ -1,0 +1,42 @@
+"""Tensor parallel x fully_shard with CUDA tensors: the Gloo suite's TP tests on the GPU
+suite's backend (NCCL with a GPU per rank, or Gloo with every rank on one GPU). World 2 runs
+dp1 x tp2 and dp2 x tp1, world 4 dp2 x tp2 (plus FSDP2+TP and state dicts), world 8
+replicate2 x dp2 x tp2."""
+import pytest
+
+from harness import gpu_launch, gpu_world, run_distributed
+from harness import tp_workers as w
+
+pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
+GPU = gpu_launch()
+SHAPES = {2: [(1, 2), (2, 1)], 4: [(2, 2)], 8: [(2, 2, 2)]}.get(WORLD, [])
+SCENARIOS = [{"sp": sp, "strategy": s, "clip": 0.05, "tol": 1e-4} for sp in (False, True)
+             for s in ("optim_grads_params", "optim_grads", "optim", "no_shard")] + \
+    [{"sp": True, "micro": 2, "buckets": 1 << 30, "tol": 1e-4}]
+
+
+@pytest.mark.parametrize("shape", SHAPES or [None], ids=lambda s: "x".join(map(str, s)) if s else "none")
+def test_tp_trains_like_one_process_gpu(shape):
+    if shape is None:
+        pytest.skip(f"no TP mesh for world {WORLD}")
+    run_distributed(w.tp_parity, WORLD, shape, SCENARIOS, **GPU, timeout=400)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_tp_matches_fsdp2_tp_in_bf16_gpu(sp):
+    if WORLD != 4:
+        pytest.skip("the dp2 x tp2 comparison needs world 4")
+    run_distributed(w.tp_vs_fsdp2, WORLD, (2, 2), sp, **GPU, timeout=300)
+
+
+def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path):
+    if WORLD != 4:
+        pytest.skip("the 2x2 <-> 4x1 / 1x4 reshards need world 4")
+    run_distributed(w.tp_state_dicts, WORLD, str(tmp_path), **GPU, timeout=400)
+
+
+def test_tp_deferred_init_gpu():
+    if WORLD != 4:
+        pytest.skip("needs world 4 (dp2 x tp2)")
+    run_distributed(w.tp_deferred_init, WORLD, (2, 2), **GPU, timeout=300)
