@@ -174,6 +174,19 @@ def _spec_of(p: DTensor, name: str, tp_mesh: DeviceMesh) -> TPSpec:
     return TPSpec(placements=placements, shape=p.shape, stride=tuple(p.stride()))
 
 
+def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (dp..., tp) mesh, as FSDP2 builds it: torch's mesh concatenation (which refuses
+    meshes of different job meshes and overlapping dims), or on torch builds without it the
+    job mesh sliced by both meshes' dim names."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([dp_mesh, tp_mesh])
+    root = dp_mesh._get_root_mesh()
+    if tp_mesh._get_root_mesh() is not root:
+        raise RuntimeError("the meshes come from different job meshes")
+    return root[tuple(dp_mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names)]
+
+
 def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[TensorParallelParams]:
     """The unit's DTensor parameters checked against the data-parallel `mesh`, or None when
     it has none. They must share one 1-D TP mesh drawn from the same job mesh as `mesh`,
@@ -207,8 +220,8 @@ def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[T
                          f"shares a dimension with the data-parallel mesh {mesh.mesh_dim_names}; slice them as "
                          "different dims of one job mesh")
     try:
-        spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
-    except RuntimeError as e:
+        spmd_mesh = _joined(mesh, tp_mesh)
+    except (RuntimeError, KeyError, ValueError) as e:
         raise ValueError(
             f"fully_shard: the tensor-parallel mesh {tp_mesh.mesh_dim_names} {tp_mesh.mesh.tolist()} of parameter "
             f"'{first}' and the data-parallel mesh {mesh.mesh_dim_names} {mesh.mesh.tolist()} are not dims of one "
