@@ -1,7 +1,8 @@
 """Tensor parallel x fully_shard with CUDA tensors: the Gloo suite's TP tests on the GPU
-suite's backend (NCCL with a GPU per rank, or Gloo with every rank on one GPU). World 2 runs
-dp1 x tp2 and dp2 x tp1, world 4 dp2 x tp2 (plus FSDP2+TP and state dicts), world 8
-replicate2 x dp2 x tp2."""
+suite's backend (NCCL with a GPU per rank, or Gloo with every rank on one GPU, where TP's
+own collectives go through plain c10d calls: harness/funcol_c10d.py). World 2 runs dp1 x tp2
+and dp2 x tp1, world 4 dp2 x tp2, world 8 replicate2 x dp2 x tp2; FSDP2+TP, state dicts and
+deferred init on (world/2) x 2."""
 import pytest
 
 from harness import gpu_launch, gpu_world, run_distributed
@@ -23,20 +24,25 @@ def test_tp_trains_like_one_process_gpu(shape):
     run_distributed(w.tp_parity, WORLD, shape, SCENARIOS, **GPU, timeout=400)
 
 
+HALF = (WORLD // 2, 2)
+
+
+def _needs_even_world():
+    if WORLD < 2 or WORLD % 2:
+        pytest.skip(f"a dp x tp2 mesh needs an even world, not {WORLD}")
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_tp_matches_fsdp2_tp_in_bf16_gpu(sp):
-    if WORLD != 4:
-        pytest.skip("the dp2 x tp2 comparison needs world 4")
-    run_distributed(w.tp_vs_fsdp2, WORLD, (2, 2), sp, **GPU, timeout=300)
+    _needs_even_world()
+    run_distributed(w.tp_vs_fsdp2, WORLD, HALF, sp, **GPU, timeout=300)
 
 
 def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path):
-    if WORLD != 4:
-        pytest.skip("the 2x2 <-> 4x1 / 1x4 reshards need world 4")
+    _needs_even_world()
     run_distributed(w.tp_state_dicts, WORLD, str(tmp_path), **GPU, timeout=400)
 
 
 def test_tp_deferred_init_gpu():
-    if WORLD != 4:
-        pytest.skip("needs world 4 (dp2 x tp2)")
-    run_distributed(w.tp_deferred_init, WORLD, (2, 2), **GPU, timeout=300)
+    _needs_even_world()
+    run_distributed(w.tp_deferred_init, WORLD, HALF, **GPU, timeout=300)

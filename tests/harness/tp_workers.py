@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.param_index import iter_states
 
+from .funcol_c10d import route_functional_collectives_through_c10d
 from .workers import device_for_backend, expect_error, rel_err, shard_piece
 
 D_IN, D, H, D_OUT, SEQ = 8, 16, 32, 4, 8
@@ -85,6 +86,8 @@ def parallelize(model: TPNet, tp_mesh, sp: bool) -> TPNet:
 
 
 def make_mesh(shape: Tuple[int, ...]):
+    if dist.get_backend() == "gloo" and device_for_backend().type == "cuda":
+        route_functional_collectives_through_c10d()
     names = ("dp_shard", "tp") if len(shape) == 2 else ("dp_replicate", "dp_shard", "tp")
     return init_device_mesh(device_for_backend().type, shape, mesh_dim_names=names)
 
@@ -298,7 +301,8 @@ def _flat_optim(sd: Dict) -> Dict:
 
 
 def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
-    """State dicts of ours+TP equal FSDP2+TP's on the same 2x2 mesh (placements,
+    """(At world 4, as below; at world W the mesh is (W/2) x 2, the reshards W x 1 and 1 x W.)
+    State dicts of ours+TP equal FSDP2+TP's on the same 2x2 mesh (placements,
     _StridedShard included, and values, model and AdamW state after one identical step);
     DCP checkpoints move both ways between them, and reshard to 4x1 and 1x4 meshes and to
     a plain model, and back; save_checkpoint/load_checkpoint do the same."""
@@ -318,8 +322,9 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
             _step(model, opt, *dp_rank_of(mesh))
         return model, opt
 
-    ours, ours_opt = trained((2, 2), "ours")
-    theirs, theirs_opt = trained((2, 2), "fsdp2")
+    base = (world // 2, 2)  # dp x tp; reshards to (world, 1) and (1, world)
+    ours, ours_opt = trained(base, "ours")
+    theirs, theirs_opt = trained(base, "fsdp2")
     msd, tsd = get_model_state_dict(ours), get_model_state_dict(theirs)
     report["model_entries"] = _same_dtensors(msd, tsd, "model state dict", tol=1e-5)
     strided = [k for k, v in msd.items() if any(type(p).__name__ == "_StridedShard" for p in v.placements)]
@@ -333,8 +338,8 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ours_2x2")
     dcp.save({"model": tsd, "optim": tosd}, checkpoint_id=f"{path}/fsdp2_2x2")
     for src, system in (("ours_2x2", "fsdp2"), ("fsdp2_2x2", "ours")):
-        model, opt = trained((2, 2), system, step=False)
-        _step(model, opt, *dp_rank_of(make_mesh((2, 2))), seed=11)  # different values and state, to be replaced
+        model, opt = trained(base, system, step=False)
+        _step(model, opt, *dp_rank_of(make_mesh(base)), seed=11)  # different values and state, to be replaced
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(sd, checkpoint_id=f"{path}/{src}")
         set_model_state_dict(model, sd["model"])
@@ -347,7 +352,7 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
             assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"{src} -> {system}: optimizer '{k}' differs"
 
     # Reshard: 2x2 -> 4x1, 1x4 and back; and to a plain model.
-    for shape in ((4, 1), (1, 4)):
+    for shape in ((world, 1), (1, world)):
         model, opt = trained(shape, "ours", step=False)
         sd = {"model": get_model_state_dict(model)}
         dcp.load(sd, checkpoint_id=f"{path}/ours_2x2")
@@ -360,7 +365,7 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
             model.head.weight.add_(1.0)
         changed = _full(get_model_state_dict(model))
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{path}/{name}")
-        back, _ = trained((2, 2), "ours", step=False)
+        back, _ = trained(base, "ours", step=False)
         sd = {"model": get_model_state_dict(back)}
         dcp.load(sd, checkpoint_id=f"{path}/{name}")
         set_model_state_dict(back, sd["model"])
@@ -376,7 +381,7 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
         plain.load_state_dict(sd)
         plain.inp.weight.mul_(2.0)
     dcp.save({"model": plain.state_dict()}, checkpoint_id=f"{path}/plain")
-    back, _ = trained((2, 2), "ours", step=False)
+    back, _ = trained(base, "ours", step=False)
     msd_back = get_model_state_dict(back)
     dcp.load({"model": msd_back}, checkpoint_id=f"{path}/plain")
     set_model_state_dict(back, msd_back)
@@ -386,8 +391,8 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
 
     # save_checkpoint / load_checkpoint: 2x2 -> 1x4 (model and optimizer).
     mfsdp.save_checkpoint(f"{path}/ckpt", ours, ours_opt)
-    model, opt = trained((1, 4), "ours", step=False)
-    _step(model, opt, *dp_rank_of(make_mesh((1, 4))), seed=11)
+    model, opt = trained((1, world), "ours", step=False)
+    _step(model, opt, *dp_rank_of(make_mesh((1, world))), seed=11)
     mfsdp.load_checkpoint(f"{path}/ckpt", model, opt)
     got = _full(get_model_state_dict(model))
     for k, v in want.items():
