@@ -1,6 +1,7 @@
 """Train a small GPT with megatron_fsdp_ext (the README's main job).
 
     torchrun --nproc_per_node=2 examples/train_gpt.py          # CPU + Gloo, or GPUs + NCCL
+    torchrun --nproc_per_node=4 examples/train_gpt.py --tp 2   # 2-D: FSDP 2 x tensor parallel 2
 
 The corpus is embedded: the source text of the Python standard library that runs
 this script, read at start-up and tokenized as bytes (vocabulary 256). Without a
@@ -23,8 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import init_device_mesh
+
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, tensor_parallel
 
 
 def parse_args():
@@ -36,6 +39,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: the model is split over groups of this many ranks "
+                        "(models.tensor_parallel) and sharded over the rest (a (world/tp, tp) mesh)")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="MiB of stdlib source to read")
     p.add_argument("--out-dir", default="runs/train_gpt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -113,11 +119,18 @@ def main():
                       ffn_hidden=int(8 * args.d_model / 3) // 8 * 8, max_seq_len=args.seq_len,
                       tie_embeddings=True)
     model = LlamaModel(cfg).to(device)
+    if args.tp < 1 or world % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the world size {world}")
+    # A 2-D mesh: tensor parallel inside groups of --tp ranks, FSDP across them.
+    mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
+    if args.tp > 1:
+        tensor_parallel(model, mesh["tp"])
+    dp_rank, dp_world = mesh.get_local_rank("dp_shard"), world // args.tp
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else mfsdp.MixedPrecisionPolicy()
     for block in model.blocks:
-        mfsdp.fully_shard(block, mp_policy=mp)
-    mfsdp.fully_shard(model, mp_policy=mp)
+        mfsdp.fully_shard(block, mp_policy=mp, mesh=mesh["dp_shard"])
+    mfsdp.fully_shard(model, mp_policy=mp, mesh=mesh["dp_shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda" or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -126,7 +139,7 @@ def main():
     corpus = load_corpus(int(args.corpus_mb * (1 << 20)))
     n_params = sum(p.numel() for p in LlamaModel(cfg).parameters())
     if rank == 0:
-        print(f"megatron_fsdp_ext {mfsdp.__version__} | world {world} on {device.type} "
+        print(f"megatron_fsdp_ext {mfsdp.__version__} | world {world} (fsdp {dp_world} x tp {args.tp}) on {device.type} "
               f"({dist.get_backend()}) | {n_params / 1e6:.2f}M params | corpus {corpus.numel() / 1e6:.1f}M bytes",
               flush=True)
 
@@ -135,10 +148,10 @@ def main():
         bar = tqdm(total=args.steps, disable=rank != 0, dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     except ImportError:  # the progress bar is optional; the log line below is not
         bar = None
-    global_batch = args.micro_batch * world
+    global_batch = args.micro_batch * dp_world  # the tp ranks of a group share their rows
     losses, t_last = [], time.perf_counter()
     for step, (tokens, targets) in enumerate(
-            batches(corpus, args.steps, global_batch, args.seq_len, rank, world, device)):
+            batches(corpus, args.steps, global_batch, args.seq_len, dp_rank, dp_world, device)):
         loss = model.loss(tokens, targets)
         loss.backward()
         gnorm = mfsdp.clip_grad_norm_(model, 1.0)
@@ -182,7 +195,8 @@ def main():
         print(f"wrote {ckpt} and {png}")
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps({
-                "world": world, "device": device.type, "steps": args.steps, "seq_len": args.seq_len,
+                "world": world, "tp": args.tp, "device": device.type, "steps": args.steps,
+                "seq_len": args.seq_len,
                 "corpus_bytes": corpus.numel(), "losses": losses, "held_out_loss": val,
                 "held_out_loss_plain_module": plain_val, "checkpoint": str(ckpt)}, indent=1))
         if not losses[-1] < losses[0]:

@@ -111,3 +111,22 @@ def test_torchtitan_style_script_runs_on_either_fsdp(tmp_path):
     assert ours["losses"][-1] < ours["losses"][0] - 0.05  # it learns
     for run in (ours, theirs):
         assert abs(run["resumed_eval_loss"] - run["original_eval_loss"]) < 1e-6, run
+
+
+def test_train_gpt_tensor_parallel_matches_the_1d_run(tmp_path):
+    """--tp 2 at world 4 (FSDP 2 x TP 2) sees the same rows per data-parallel rank as the
+    1-D run at world 2: its loss curve is the same."""
+    runs = {}
+    for world, tp, port in ((2, 1, 29585), (4, 2, 29587)):
+        metrics_path = tmp_path / f"metrics_tp{tp}.json"
+        run_script(world, example("train_gpt.py"), "--device", "cpu", "--steps", "12", "--seq-len", "32",
+                   "--micro-batch", "4", "--d-model", "64", "--layers", "2", "--heads", "4", "--corpus-mb", "1",
+                   "--tp", str(tp), "--out-dir", str(tmp_path / f"tp{tp}"), "--metrics-json", str(metrics_path),
+                   port=port, timeout=180)
+        runs[tp] = json.loads(metrics_path.read_text())
+    assert runs[2]["tp"] == 2 and runs[2]["world"] == 4
+    one, two = runs[1]["losses"], runs[2]["losses"]
+    assert len(one) == len(two) == 12
+    for step, (a, b) in enumerate(zip(one, two)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} with TP 2 vs {a} without"
+    assert abs(runs[1]["held_out_loss"] - runs[2]["held_out_loss"]) <= 1e-4 * runs[1]["held_out_loss"]

@@ -51,3 +51,10 @@ def test_tp_full_state_dict_and_safetensors(tmp_path):
 
 def test_tp_misuse_is_refused():
     run_distributed(w.tp_misuse, 4, timeout=300)
+
+
+@pytest.mark.parametrize("sp,tie", [(False, False), (True, True)], ids=["no_sp-untied", "sp-tied"])
+def test_llama_tensor_parallel_plan_trains_like_one_process(sp, tie):
+    """The library's LlamaModel under models.tensor_parallel: fused projections laid out so
+    that TP's row chunks hold whole heads and units; a tied embedding stays tied."""
+    run_distributed(w.llama_tp_parity, 4, (2, 2), sp, tie, timeout=300)

@@ -571,3 +571,50 @@ def tp_misuse(rank: int, world: int) -> None:
 
     expect_error(lambda: LayerwiseDistributedOptimizer(model.blocks[1], torch.optim.AdamW),
                  NotImplementedError, "w1.weight", "tensor parallel")
+
+
+def llama_tp_parity(rank: int, world: int, shape: Tuple[int, ...], sp: bool, tie: bool, steps: int = 3) -> Dict:
+    """The library's LlamaModel under its own tensor_parallel plan (head-major fused
+    projections, tied embedding kept tied) and our fully_shard on the data-parallel dims:
+    the same losses, gradients and parameters as the plain model on the whole batch."""
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, tensor_parallel
+
+    device = device_for_backend()
+    mesh = make_mesh(shape)
+    dp_index, dp_world = dp_rank_of(mesh)
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, tie_embeddings=tie)
+    torch.manual_seed(SEED)
+    ref = LlamaModel(cfg).to(device)
+    model = tensor_parallel(copy.deepcopy(ref), mesh["tp"], sequence_parallel=sp)
+    assert (model.head.weight is model.embed.weight) == tie
+    placements = placements_of(model)
+    for block in model.blocks:
+        mfsdp.fully_shard(block, mesh=dp_mesh_of(mesh))
+    mfsdp.fully_shard(model, mesh=dp_mesh_of(mesh))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    g = torch.Generator().manual_seed(3)
+    per, worst = 2, {"loss": 0.0, "grad": 0.0}
+    for step in range(steps):
+        data = torch.randint(0, cfg.vocab_size, (dp_world * per, 17), generator=g)
+        tokens, targets = data[:, :-1].to(device), data[:, 1:].to(device)
+        rows = slice(dp_index * per, (dp_index + 1) * per)
+        loss = model.loss(tokens[rows], targets[rows])
+        loss.backward()
+        ref_loss = ref.loss(tokens, targets)
+        ref_loss.backward()
+        losses = [None] * world
+        dist.all_gather_object(losses, loss.item())
+        err = abs(sum(losses) / world - ref_loss.item()) / ref_loss.item()
+        assert err <= 1e-5, f"step {step}: loss {sum(losses) / world} vs {ref_loss.item()}"
+        worst["loss"] = max(worst["loss"], err)
+        ours = full_of_ours(model, "grad", placements, mesh["tp"])
+        for name, p in ref.named_parameters():
+            e = rel_err(ours[name].reshape(p.shape), p.grad)
+            assert e <= 1e-4, f"step {step}: gradient of '{name}' rel err {e:.3e}"
+            worst["grad"] = max(worst["grad"], e)
+        norm, ref_norm = mfsdp.clip_grad_norm_(model, 0.5), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert rel_err(norm, ref_norm) <= 1e-5, f"clip norm {norm.item()} vs {ref_norm.item()}"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return worst

@@ -1,4 +1,4 @@
 """Reference models used by the example, the tests and the benchmarks."""
-from .llama import Block, LlamaConfig, LlamaModel
+from .llama import Block, LlamaConfig, LlamaModel, tensor_parallel
 
-__all__ = ["Block", "LlamaConfig", "LlamaModel"]
+__all__ = ["Block", "LlamaConfig", "LlamaModel", "tensor_parallel"]

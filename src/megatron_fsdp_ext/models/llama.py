@@ -107,6 +107,11 @@ def _residual_std(cfg: LlamaConfig) -> float:
 
 
 class Attention(nn.Module):
+    """Causal self-attention with a fused q/k/v projection laid out head-major (each
+    head's q, k, v rows together), so that tensor parallelism's contiguous row chunks of
+    wqkv hold whole heads; the head count is read from the projection's output, which is
+    this rank's heads under TP."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -115,24 +120,27 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.d_model, cfg.d_model, _residual_std(cfg))
 
     def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.wqkv(x).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
-        cos, sin = _rope_tables(s, self.head_dim, x.device, x.dtype)
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = self.wqkv(x).view(b, s, -1, 3, self.head_dim).unbind(3)
+        cos, sin = _rope_tables(s, self.head_dim, q.device, q.dtype)
         q = _apply_rope(q, cos[:, None, :], sin[:, None, :]).transpose(1, 2)
         k = _apply_rope(k, cos[:, None, :], sin[:, None, :]).transpose(1, 2)
         v = v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, d))
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
+    """SwiGLU with a fused gate/up projection laid out unit-major (each hidden unit's gate
+    and up rows together), so that TP's row chunks of w_gate_up hold whole units."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_hidden)
         self.w_down = Linear(cfg.ffn_hidden, cfg.d_model, _residual_std(cfg))
 
     def forward(self, x):
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        gate, up = self.w_gate_up(x).unflatten(-1, (-1, 2)).unbind(-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -169,3 +177,43 @@ class LlamaModel(nn.Module):
     def loss(self, tokens, targets):
         logits = self(tokens)
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def tensor_parallel(model: LlamaModel, tp_mesh, sequence_parallel: bool = True) -> LlamaModel:
+    """Megatron-style tensor parallelism on `tp_mesh` (torch's parallelize_module, the
+    plan torchtitan applies to its Llama): wqkv and w_gate_up column-parallel, wo and
+    w_down row-parallel, the embedding row-parallel over the vocabulary and the head
+    column-parallel over it; with sequence_parallel the norms and the residual stream run
+    on sequence shards. Tied embedding and head stay tied (both are split on the
+    vocabulary dim). Call before fully_shard; the heads, ffn_hidden and vocabulary must
+    divide by the TP degree."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    cfg, size = model.cfg, tp_mesh.size()
+    for what, n in (("n_heads", cfg.n_heads), ("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel: {what}={n} is not divisible by the TP degree {size}")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    tied = model.head.weight is model.embed.weight
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+    })
+    for block in model.blocks:
+        plan = {
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "attn.wqkv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp.w_gate_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        parallelize_module(block, tp_mesh, plan)
+    if tied:  # parallelize_module made two DTensors of the one tensor, placed alike
+        model.head.weight = model.embed.weight
+    return model
