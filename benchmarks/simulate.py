@@ -5,6 +5,7 @@ Llama-style model (the bench model): built on the meta device and materialized (
 built directly), bf16 compute, fp32 master weights and gradient reduction, fused AdamW.
 
     python benchmarks/simulate.py --points 13b@8,70b@64 --systems mfsdp,fsdp2 --out runs/sim
+    python benchmarks/simulate.py --points 70b@64,256 --tp 8 --out runs/sim_tp8   # FSDP x TP 8
 
 Per system and point it measures, on this GPU: init time and init peak, the steady peak
 (max over the steps after the first), the step time (CUDA events; forward, backward and
@@ -14,7 +15,9 @@ dispatcher calls in a profiled step; ours also by its own counters), and for our
 estimate_memory's prediction against a measured peak. The numbers hold no communication
 time: see benchmarks/project.py for a labelled projection. A config with "/L" after it
 (70b/4@64) keeps the layer shapes and uses L layers: the depth-reduced copy on which
-local fits.
+local fits. With --tp T the model is tensor-parallel over T of the W ranks (the library's
+models.tensor_parallel: torchtitan's plan, sequence parallel on) on a (W/T, T) mesh and
+both FSDPs shard over the W/T data-parallel ranks; TP's own collectives are fake too.
 """
 from __future__ import annotations
 
@@ -162,6 +165,19 @@ def measure(args, world: int) -> dict:
     def peak() -> int:
         return torch.cuda.max_memory_allocated() if cuda else 0
 
+    def tp_split(meta_model):
+        """With --tp: the model tensor-parallel on the (W/T, T) mesh's "tp" dim; returns
+        the data-parallel mesh (None without TP)."""
+        if args.tp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+        from megatron_fsdp_ext.models import tensor_parallel
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
+        tensor_parallel(meta_model, mesh["tp"])
+        return mesh["dp_shard"]
+
+    if args.tp > 1 and (world % args.tp or args.system == "local"):
+        raise SystemExit(f"--tp {args.tp}: needs a world it divides and an FSDP system (not local)")
     torch.manual_seed(0)
     sync()
     reset_peak()
@@ -174,17 +190,18 @@ def measure(args, world: int) -> dict:
     elif args.system == "mfsdp":
         with torch.device("meta"):
             model = LlamaModel(cfg)
+        dp_mesh = tp_split(model)
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
-            mfsdp.fully_shard(block, mp_policy=mp)
-        mfsdp.fully_shard(model, mp_policy=mp)
+            mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
+        mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
         mfsdp.materialize(model)
     elif args.system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
             model = LlamaModel(cfg)
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = tp_split(model) or init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -242,7 +259,7 @@ def measure(args, world: int) -> dict:
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "layers": layers, "micro_batch": mb, "seq": seq,
+        "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp,
         "init_s": init_s, "init_peak_gib": init_peak / 2**30,
         "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
         "step_ms": statistics.median(r["step_ms"] for r in rows),
@@ -253,7 +270,7 @@ def measure(args, world: int) -> dict:
         "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
     }
-    if args.system == "mfsdp":
+    if args.system == "mfsdp" and args.tp == 1:  # estimate_memory does not model TP
         # estimate_memory leaves activations out: its prediction is checked against a
         # step on one sequence of 128 tokens, where what activations remain is small.
         with torch.device("meta"):
@@ -277,11 +294,11 @@ def measure(args, world: int) -> dict:
 
 def run_system(system: str, config: str, worlds, args) -> list:
     """`system` on `config` at every world in `worlds`, in a process of its own."""
-    out = Path(args.out) / f"{system}_{config.replace('/', '-')}.json"
+    out = Path(args.out) / f"{system}_{config.replace('/', '-')}{f'_tp{args.tp}' if args.tp > 1 else ''}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--json", str(out)]
+           "--warmup", str(args.warmup), "--tp", str(args.tp), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -307,6 +324,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rank", type=int, default=0, help="the rank the process plays")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a (W/T, T) mesh)")
     p.add_argument("--out", default="runs/simulate")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -327,7 +345,7 @@ def main() -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "commit": os.environ.get("MFSDP_COMMIT"),
             "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-            "backend": f"fake (rank {args.rank} of W, one process per system and config)",
+            "backend": f"fake (rank {args.rank} of W, one process per system and config)", "tp": args.tp,
             "steps": f"{args.warmup} warm-up + {args.steps} timed (median), then 1 profiled step"}
     for item in args.points.split():
         config, _, worlds = item.partition("@")
