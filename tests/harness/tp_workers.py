@@ -334,6 +334,17 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
     report["optim_entries"] = _same_dtensors(_flat_optim(osd), _flat_optim(tosd), "optimizer state dict", tol=1e-4)
     want = _full(msd)
 
+    want_optim = _full(_flat_optim(osd))
+
+    def holds_trained_state(model, opt, what: str) -> None:
+        """`model` and `opt` now hold the trained 2x2 values and AdamW state."""
+        got = _full(get_model_state_dict(model))
+        for k, v in want.items():
+            assert rel_err(got[k], v) <= 1e-5, f"{what}: '{k}' differs"
+        got_opt = _full(_flat_optim(get_optimizer_state_dict(model, opt)))
+        for k, v in want_optim.items():
+            assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"{what}: optimizer '{k}' differs"
+
     # DCP: ours -> FSDP2, FSDP2 -> ours (fresh, untrained targets).
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ours_2x2")
     dcp.save({"model": tsd, "optim": tosd}, checkpoint_id=f"{path}/fsdp2_2x2")
@@ -344,34 +355,26 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
         dcp.load(sd, checkpoint_id=f"{path}/{src}")
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
+        holds_trained_state(model, opt, f"dcp.load {src} -> {system}")
+
+    def load_and_compare(model, checkpoint: str, expected: Dict, what: str) -> None:
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=f"{path}/{checkpoint}")
+        set_model_state_dict(model, sd["model"])
         got = _full(get_model_state_dict(model))
-        for k, v in want.items():
-            assert rel_err(got[k], v) <= 1e-5, f"{src} -> {system}: '{k}' differs after dcp.load"
-        got_opt = _full(_flat_optim(get_optimizer_state_dict(model, opt)))
-        for k, v in _full(_flat_optim(osd)).items():
-            assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"{src} -> {system}: optimizer '{k}' differs"
+        for k, v in expected.items():
+            assert rel_err(got[k], v.cpu()) <= 1e-5, f"{what}: '{k}' differs"
 
     # Reshard: 2x2 -> 4x1, 1x4 and back; and to a plain model.
     for shape in ((world, 1), (1, world)):
         model, opt = trained(shape, "ours", step=False)
-        sd = {"model": get_model_state_dict(model)}
-        dcp.load(sd, checkpoint_id=f"{path}/ours_2x2")
-        set_model_state_dict(model, sd["model"])
-        got = _full(get_model_state_dict(model))
-        for k, v in want.items():
-            assert rel_err(got[k], v) <= 1e-5, f"2x2 -> {shape}: '{k}' differs"
+        load_and_compare(model, "ours_2x2", want, f"2x2 -> {shape}")
         name = f"ours_{shape[0]}x{shape[1]}"
         with torch.no_grad():  # a change the way back must carry
             model.head.weight.add_(1.0)
         changed = _full(get_model_state_dict(model))
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{path}/{name}")
-        back, _ = trained(base, "ours", step=False)
-        sd = {"model": get_model_state_dict(back)}
-        dcp.load(sd, checkpoint_id=f"{path}/{name}")
-        set_model_state_dict(back, sd["model"])
-        got = _full(get_model_state_dict(back))
-        for k, v in changed.items():
-            assert rel_err(got[k], v) <= 1e-5, f"{shape} -> 2x2: '{k}' differs"
+        load_and_compare(trained(base, "ours", step=False)[0], name, changed, f"{shape} -> 2x2")
     plain = build(device)
     sd = {k: torch.empty_like(v) for k, v in plain.state_dict().items()}
     dcp.load({"model": sd}, checkpoint_id=f"{path}/ours_2x2")
@@ -381,25 +384,14 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
         plain.load_state_dict(sd)
         plain.inp.weight.mul_(2.0)
     dcp.save({"model": plain.state_dict()}, checkpoint_id=f"{path}/plain")
-    back, _ = trained(base, "ours", step=False)
-    msd_back = get_model_state_dict(back)
-    dcp.load({"model": msd_back}, checkpoint_id=f"{path}/plain")
-    set_model_state_dict(back, msd_back)
-    got = _full(get_model_state_dict(back))
-    for k, v in plain.state_dict().items():
-        assert rel_err(got[k], v.cpu()) <= 1e-5, f"plain -> 2x2: '{k}' differs"
+    load_and_compare(trained(base, "ours", step=False)[0], "plain", plain.state_dict(), "plain -> 2x2")
 
     # save_checkpoint / load_checkpoint: 2x2 -> 1x4 (model and optimizer).
     mfsdp.save_checkpoint(f"{path}/ckpt", ours, ours_opt)
     model, opt = trained((1, world), "ours", step=False)
     _step(model, opt, *dp_rank_of(make_mesh((1, world))), seed=11)
     mfsdp.load_checkpoint(f"{path}/ckpt", model, opt)
-    got = _full(get_model_state_dict(model))
-    for k, v in want.items():
-        assert rel_err(got[k], v) <= 1e-5, f"load_checkpoint 2x2 -> 1x4: '{k}' differs"
-    got_opt = _full(_flat_optim(get_optimizer_state_dict(model, opt)))
-    for k, v in _full(_flat_optim(osd)).items():
-        assert rel_err(got_opt[k].double(), v.double()) <= 1e-4, f"load_checkpoint 2x2 -> 1x4: optimizer '{k}' differs"
+    holds_trained_state(model, opt, "load_checkpoint 2x2 -> 1x4")
     return report
 
 
