@@ -88,6 +88,7 @@ class TensorParallelParams:
         """Each wrapper's gradient (a DTensor) as the unit reads it: redistributed to the
         parameter's TP placements (Partial sums over tp here), its local part moved onto
         the unit's local view (added to one left there)."""
+        holders = unit.unsharded_locals
         for index, spec in self.specs.items():
             wrapper = unit.unsharded_param(index)
             grad = wrapper.grad
@@ -103,7 +104,7 @@ class TensorParallelParams:
             wait = getattr(local, "wait", None)  # an AsyncCollectiveTensor from the redistribute
             if callable(wait):
                 local = wait()
-            holder = unit.unsharded_locals[index]
+            holder = holders[index]
             holder.grad = local if holder.grad is None else holder.grad + local
 
     # ------------------------------------------------------------ state dicts
