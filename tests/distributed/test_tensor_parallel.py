@@ -15,10 +15,12 @@ SCENARIOS = {
     (2, 2): [{"sp": sp, "strategy": s, "clip": 0.05} for sp in (False, True) for s in EVERY_STRATEGY]
     + [{"sp": True, "micro": 2, "buckets": 1 << 30}, {"sp": False, "micro": 2, "prefetch": 0},
        {"sp": True, "strategy": "optim", "micro": 2, "buckets": 1 << 30},
-       {"sp": True, "config": True, "clip": 0.05}],
+       {"sp": True, "config": True, "clip": 0.05},
+       # Activation checkpointing (torch's checkpoint_wrapper, torchtitan's): forward again in backward.
+       {"sp": True, "ac": True, "clip": 0.05}, {"sp": False, "ac": True, "strategy": "optim_grads"}],
     (2, 2, 2): [{"sp": True, "clip": 0.05}, {"sp": False, "strategy": "optim_grads", "micro": 2, "clip": 0.05},
                 {"sp": True, "strategy": "no_shard", "clip": 0.05}, {"sp": False, "buckets": 1 << 30},
-                {"sp": True, "config": True, "strategy": "optim_grads"}],
+                {"sp": True, "config": True, "strategy": "optim_grads"}, {"sp": True, "ac": True}],
 }
 
 

@@ -39,6 +39,14 @@ class Block(nn.Module):
         return x + self.w2(F.gelu(self.w1(self.norm(x))))
 
 
+def checkpointed(block: nn.Module) -> nn.Module:
+    """torch's activation checkpointing around a block (torchtitan's wrapper): its forward
+    runs again inside backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(block)
+
+
 class TPNet(nn.Module):
     def __init__(self, n_blocks: int = 2):
         super().__init__()
@@ -134,9 +142,15 @@ def batches(steps: int, per: int, dp_world: int, seed: int = 99):
         yield torch.randn(dp_world * per, SEQ, D_IN, generator=g), torch.randn(dp_world * per, SEQ, D_OUT, generator=g)
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper level."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def placements_of(model) -> Dict[str, Tuple]:
     """Each parameter's TP placements (Replicate for plain ones), read before sharding."""
-    return {n: tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),) for n, p in model.named_parameters()}
+    return {plain_name(n): tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),)
+            for n, p in model.named_parameters()}
 
 
 def full_of_ours(model, which: str, tp_placements: Dict[str, Tuple], tp_mesh) -> Dict[str, torch.Tensor]:
@@ -149,7 +163,7 @@ def full_of_ours(model, which: str, tp_placements: Dict[str, Tuple], tp_mesh) ->
         state, idx, piece = shard_piece(p)
         t = p.grad if which == "grad" else p
         t = None if t is None else t.detach().reshape(-1).double().cpu()
-        local[name] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), t)
+        local[plain_name(name)] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), t)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (tp_mesh.get_local_rank(), local))
     full = {}
@@ -189,6 +203,9 @@ def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dic
     for sc in scenarios:
         ref = build(device)
         model = parallelize(copy.deepcopy(ref), tp_mesh, sc.get("sp", False))
+        if sc.get("ac"):  # after TP, before FSDP, as torchtitan applies them
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = checkpointed(block)
         placements = placements_of(model)
         shard_ours(model, dp_mesh, sc, mesh)
         units = [s for s in iter_states(model) if s.unit is not None]
