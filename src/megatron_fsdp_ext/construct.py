@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _C, backends, tensor_parallel
 from .options import FLOAT_DTYPES, as_timeout
@@ -311,6 +312,15 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     tensor_parallel.py) are held as their local TP shards and shown unsharded as DTensors
     wrapping the unit's views."""
     for p, n in zip(params, names):
+        inner = p.to_local() if isinstance(p, DTensor) else p
+        if hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather"):
+            # FSDP2's all-gather extension (torchao's FP8 gather among others): gathering
+            # the plain values instead would train, but not as the subclass asked.
+            raise NotImplementedError(
+                f"fully_shard: parameter '{n}' is a {type(inner).__name__}, which defines FSDP2's all-gather "
+                "extension (fsdp_pre_all_gather / fsdp_post_all_gather); units do not run it yet. For torchao's "
+                "Float8Linear use Float8LinearConfig(enable_fsdp_float8_all_gather=False): the weights are then "
+                "gathered in the param dtype and cast to FP8 per matmul")
         if p.dtype not in FLOAT_DTYPES:
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "

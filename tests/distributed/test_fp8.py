@@ -13,3 +13,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"torchao does not import
 def test_float8_linear_trains_like_fsdp2_with_torchao():
     report = run_distributed(w.float8_linear_parity, 2, ["tensorwise", "rowwise"], timeout=300)[0]
     assert set(report) == {"tensorwise", "rowwise"}
+
+
+def test_fsdp2_gather_extension_is_refused_by_name():
+    run_distributed(w.float8_gather_extension_refused, 2, timeout=120)

@@ -111,3 +111,17 @@ def float8_linear_parity(rank: int, world: int, recipes: List[str], steps: int =
         assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
         report[recipe] = worst
     return report
+
+
+def float8_gather_extension_refused(rank: int, world: int) -> None:
+    """Weights that ask for FSDP2's all-gather extension (torchao's
+    enable_fsdp_float8_all_gather=True) are refused by name, not gathered as plain values."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from .workers import expect_error
+
+    torch.manual_seed(0)
+    model = convert_to_float8_training(MLP().to(device_for_backend()),
+                                       config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    expect_error(lambda: mfsdp.fully_shard(model.up), NotImplementedError, "'weight'",
+                 "WeightWithDynamicFloat8CastTensor", "enable_fsdp_float8_all_gather=False")
