@@ -60,3 +60,8 @@ def test_llama_tensor_parallel_plan_trains_like_one_process(sp, tie):
     """The library's LlamaModel under models.tensor_parallel: fused projections laid out so
     that TP's row chunks hold whole heads and units; a tied embedding stays tied."""
     run_distributed(w.llama_tp_parity, 4, (2, 2), sp, tie, timeout=300)
+
+
+def test_tp_hsdp_state_dicts_match_fsdp2(tmp_path):
+    report = run_distributed(w.tp_hsdp_state_dicts, 8, str(tmp_path), timeout=600)[0]
+    assert report["model_entries"] > 0 and report["optim_entries"] > 0

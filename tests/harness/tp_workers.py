@@ -627,3 +627,41 @@ def llama_tp_parity(rank: int, world: int, shape: Tuple[int, ...], sp: bool, tie
             o.step()
             o.zero_grad()
     return worst
+
+
+def tp_hsdp_state_dicts(rank: int, world: int, path: str) -> Dict:
+    """HSDP x TP (replicate2 x dp2 x tp2, world 8): model and optimizer state dicts equal
+    FSDP2's on the same 3-D mesh (Replicate, the strided or plain dp Shard, TP's placement),
+    and a DCP checkpoint of it loads into a 4 x 2 (dp x tp) model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict)
+
+    device = device_for_backend()
+    mesh = make_mesh((2, world // 4, 2))
+    models = []
+    for system in ("ours", "fsdp2"):
+        model = parallelize(build(device), mesh["tp"], True)
+        (shard_fsdp2 if system == "fsdp2" else lambda m, d: shard_ours(m, d, {}))(model, dp_mesh_of(mesh))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        _step(model, opt, *dp_rank_of(mesh))
+        models.append((model, opt))
+    (ours, ours_opt), (theirs, theirs_opt) = models
+    msd = get_model_state_dict(ours)
+    report = {"model_entries": _same_dtensors(msd, get_model_state_dict(theirs), "HSDP x TP model state dict",
+                                              tol=1e-5),
+              "optim_entries": _same_dtensors(_flat_optim(get_optimizer_state_dict(ours, ours_opt)),
+                                              _flat_optim(get_optimizer_state_dict(theirs, theirs_opt)),
+                                              "HSDP x TP optimizer state dict", tol=1e-4)}
+    assert all(v.device_mesh.ndim == 3 and v.placements[0] == Replicate() for v in msd.values() if v.dim() > 0)
+    want = _full(msd)
+    dcp.save({"model": msd}, checkpoint_id=f"{path}/hsdp_tp")
+    flat_mesh = make_mesh((world // 2, 2))
+    other = shard_ours(parallelize(build(device), flat_mesh["tp"], True), dp_mesh_of(flat_mesh), {})
+    sd = {"model": get_model_state_dict(other)}
+    dcp.load(sd, checkpoint_id=f"{path}/hsdp_tp")
+    set_model_state_dict(other, sd["model"])
+    got = _full(get_model_state_dict(other))
+    for k, v in want.items():
+        assert rel_err(got[k], v) <= 1e-5, f"HSDP x TP -> {world // 2} x 2: '{k}' differs"
+    return report
