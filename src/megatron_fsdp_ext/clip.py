@@ -8,7 +8,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .nonfinite import check_nonfinite_grads
-from .param_index import owner_of
 
 
 def clip_grad_norm_(
@@ -37,13 +36,20 @@ def clip_grad_norm_(
     # them (a replicated one, e.g. a norm weight), which then counts on tp rank 0 only.
     sharded, replicated, groups, tp_groups = [], [], {}, {}
     tp_split = set()  # ids of the gradients split over tp
+    tp_index = {}  # per TP unit: id(sharded parameter) -> its index
     for p in params:
         if p.grad is None:
             continue
-        state, index = owner_of(p)
+        owner = getattr(p, "_mfsdp_owner", None)
+        state = owner() if owner is not None else None
+        if state is not None and state.unit is None:
+            state = None
         if state is not None and state.tp is not None:
             tp_groups[tuple(dist.get_process_group_ranks(state.tp.tp_group))] = state.tp.tp_group
-            if index in state.tp.specs and state.tp.specs[index].sharded:
+            if id(state) not in tp_index:
+                tp_index[id(state)] = {id(q): i for i, q in enumerate(state.sharded_params)}
+            spec = state.tp.specs.get(tp_index[id(state)].get(id(p), -1))
+            if spec is not None and spec.sharded:
                 tp_split.add(id(p.grad))
         if state is not None and state.unit.strategy.replicated:
             replicated.append(p.grad)  # every rank holds the whole (all-reduced) gradient
