@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import megatron_fsdp_ext as mfsdp
 
+from .funcol_c10d import route_functional_collectives_through_c10d
 from .tp_workers import full_of_ours, placements_of
 from .workers import device_for_backend, rel_err
 
@@ -62,6 +63,8 @@ def float8_linear_parity(rank: int, world: int, recipes: List[str], steps: int =
     from torchao.float8.float8_linear import Float8Linear
 
     device = device_for_backend()
+    if dist.get_backend() == "gloo" and device.type == "cuda":  # FSDP2's full_tensor() below
+        route_functional_collectives_through_c10d()
     report = {}
     for recipe in recipes:
         ours, theirs = _float8(recipe), _float8(recipe)
