@@ -10,7 +10,6 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from . import _C, backends, tensor_parallel
 from .options import FLOAT_DTYPES, as_timeout
@@ -311,8 +310,8 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     holder (unit.sharded_params / unsharded_params). Tensor-parallel parameters (`tp`,
     tensor_parallel.py) are held as their local TP shards and shown unsharded as DTensors
     wrapping the unit's views."""
-    for p, n in zip(params, names):
-        inner = p.to_local() if isinstance(p, DTensor) else p
+    held = tensor_parallel.local_tensors(params)  # a DTensor's local TP shard, else the parameter
+    for p, inner, n in zip(params, held, names):
         if hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather"):
             # FSDP2's all-gather extension (torchao's FP8 gather among others): gathering
             # the plain values instead would train, but not as the subclass asked.
@@ -325,7 +324,7 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
                              f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
-    unit = _C.Unit([p.detach() for p in tensor_parallel.local_tensors(params)], names, pg, alignment,
+    unit = _C.Unit([h.detach() for h in held], names, pg, alignment,
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
     sharded, unsharded = [], []
     locals_ = unit.unsharded_views()

@@ -84,8 +84,9 @@ def _tp_spec(state, index: int):
     return tp.specs.get(index) if tp is not None else None
 
 
-def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, torch.Size]:
-    """(mesh, placements, full shape) of parameter `index`'s state-dict DTensors, FSDP2's:
+def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, torch.Size, int]:
+    """(mesh, placements, full shape, the mesh dim of the data-parallel shard) of parameter
+    `index`'s state-dict DTensors, FSDP2's:
     its state_dict_dim chunked over the shard group (torch.chunk sizes), replicated over
     HSDP's replicate dim (every dp dim under no_shard); a tensor-parallel parameter on the
     (dp..., tp) mesh, its TP placements after, the dp shard strided by TP's shards of the
@@ -102,13 +103,13 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
     if not _replicated(state) and len(spec.shape) > 0:
         dp[-1] = Shard(spec.state_dict_dim)
     if tp_spec is None:
-        return mesh, tuple(dp), torch.Size(spec.shape)
-    return mesh, state.tp.placements(index, dp), tp_spec.shape
+        return mesh, tuple(dp), torch.Size(spec.shape), dp_ndim - 1
+    return mesh, state.tp.placements(index, dp), tp_spec.shape, dp_ndim - 1
 
 
 def _rows_as_dtensor(state, index: int, rows: torch.Tensor) -> DTensor:
     """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
-    mesh, placements, shape = _layout(state, index, rows.device.type)
+    mesh, placements, shape, _ = _layout(state, index, rows.device.type)
     return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
@@ -135,14 +136,13 @@ def _exchangeable(state, value: DTensor, index: int) -> bool:
     if _replicated(state) or not unit.exchanges_rows:
         return False
     mesh = value.device_mesh
-    ours, placements, _ = _layout(state, index, mesh.device_type)
+    ours, placements, _, shard_dim = _layout(state, index, mesh.device_type)
     if mesh.ndim != ours.ndim or tuple(value.placements) != tuple(placements):
         return False
     for dim in range(mesh.ndim):
         if dist.get_process_group_ranks(mesh.get_group(dim)) != dist.get_process_group_ranks(ours.get_group(dim)):
             return False
     shape = unit.param_spec(index).shape  # the local (TP) shape the unit holds
-    shard_dim = ours.ndim - 1 if _tp_spec(state, index) is None else state.tp.dp_ndim - 1
     begin, end = _C.chunk_rows(shape[0], ours.size(shard_dim), ours.get_local_rank(shard_dim))
     return tuple(value.to_local().shape) == (end - begin, *shape[1:])
 
@@ -174,13 +174,12 @@ def _as_dtensor(state, index: int, full: torch.Tensor):
     tensor-parallel parameter's DTensor replicated over the dp dims."""
     if _replicated(state) and _tp_spec(state, index) is None:
         return full
-    mesh, placements, shape = _layout(state, index, full.device.type)
+    mesh, placements, shape, shard_dim = _layout(state, index, full.device.type)
     if full.dim() == 0:
         return DTensor.from_local(full.clone(), mesh, placements, run_check=False)
     dim = state.unit.param_spec(index).state_dict_dim
     local = full
     if not _replicated(state):
-        shard_dim = (mesh.ndim if _tp_spec(state, index) is None else state.tp.dp_ndim) - 1
         begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
         local = full.narrow(dim, begin, end - begin)
     return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=shape,

@@ -26,15 +26,10 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-
-
-def is_dtensor(t) -> bool:
-    return isinstance(t, DTensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +73,8 @@ class TensorParallelParams:
         """The parameter forward and backward see for parameter `index`: a DTensor with its
         TP spec around `local` (the unit's unsharded view; the wrapper shares its storage,
         so every gather fills it)."""
-        spec = self.specs[index]
         with torch.no_grad():
-            wrapped = DTensor.from_local(local, self.tp_mesh, spec.placements, run_check=False,
-                                         shape=spec.shape, stride=spec.stride)
+            wrapped = self.full_of_local(index, local)
         return nn.Parameter(wrapped, requires_grad=requires_grad)
 
     def move_grads(self, unit) -> None:

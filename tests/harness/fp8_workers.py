@@ -4,7 +4,6 @@ bf16 (torchao's default; the FP8 gather is its own transform). Losses, full grad
 parameters compared step by step."""
 from __future__ import annotations
 
-import copy
 from typing import Dict, List
 
 import torch
@@ -15,8 +14,8 @@ import torch.nn.functional as F
 import megatron_fsdp_ext as mfsdp
 
 from .funcol_c10d import route_functional_collectives_through_c10d
-from .tp_workers import full_of_ours, placements_of
-from .workers import device_for_backend, rel_err
+from .tp_workers import placements_of, worst_against_fsdp2
+from .workers import device_for_backend
 
 D_IN, HIDDEN, D_OUT, ROWS = 64, 128, 32, 16  # FP8 matmuls want dims divisible by 16
 
@@ -39,12 +38,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.out(F.gelu(self.mid(F.gelu(self.up(x)))))
-
-
-class _NoTP:
-    @staticmethod
-    def get_local_rank():
-        return 0
 
 
 def _float8(recipe: str) -> nn.Module:
@@ -96,19 +89,12 @@ def float8_linear_parity(rank: int, world: int, recipes: List[str], steps: int =
             err = abs(losses[0] - losses[1]) / abs(losses[1])
             assert err <= 1e-6, f"{recipe} step {step}: loss {losses[0]} vs FSDP2+torchao's {losses[1]}"
             worst["loss"] = max(worst["loss"], err)
-            mine = full_of_ours(ours, "grad", placements, _NoTP)
-            for name, p in theirs.named_parameters():
-                full = p.grad.full_tensor().double().cpu()
-                e = rel_err(mine[name].reshape(full.shape), full)
-                assert e <= 1e-6, f"{recipe} step {step}: gradient of '{name}' rel err {e:.3e} against FSDP2+torchao"
-                worst["grad"] = max(worst["grad"], e)
+            worst["grad"] = max(worst["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 1e-6,
+                                                                   f"{recipe} step {step}, FSDP2+torchao"))
             for o in opts:
                 o.step()
                 o.zero_grad()
-        values = full_of_ours(ours, "value", placements, _NoTP)
-        for name, p in theirs.named_parameters():
-            full = p.full_tensor().double().cpu()
-            assert rel_err(values[name].reshape(full.shape), full) <= 1e-6, f"{recipe}: parameter '{name}' differs"
+        worst_against_fsdp2(ours, theirs, "value", placements, None, 1e-6, f"{recipe} after the steps")
         # Checkpoints and state dicts hold the fp32 master values, never FP8.
         sd = mfsdp.full_state_dict(ours, rank0_only=False)
         assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}

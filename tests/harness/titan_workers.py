@@ -129,14 +129,6 @@ def _train_against_plain(model, ref, placements: Dict, tp_mesh, dp_index: int, d
     return worst
 
 
-class _NoTP:
-    """A stand-in TP mesh of one rank for full_of_ours when there is no TP."""
-
-    @staticmethod
-    def get_local_rank():
-        return 0
-
-
 def titan_apply_fsdp(rank: int, world: int) -> Dict:
     """torchtitan's apply_fsdp_to_decoder on a 1-D ("dp_shard",) mesh, ours swapped in: it
     shards every block, [norm, lm_head] as one unit (FSDP2's list form) and the root."""
@@ -153,7 +145,7 @@ def titan_apply_fsdp(rank: int, world: int) -> Dict:
     assert isinstance(model.lm_head, mfsdp.FSDPModule) and model.lm_head._fsdp_state is model.norm._fsdp_state, \
         "torchtitan's [norm, lm_head] is not one unit"
     placements = placements_of(model)
-    return _train_against_plain(model, ref, placements, _NoTP, rank, world)
+    return _train_against_plain(model, ref, placements, None, rank, world)
 
 
 def titan_parallelize_llama(rank: int, world: int, tp: int) -> Dict:
