@@ -7,6 +7,7 @@
 #include "comm.h"
 #include "comm_context.h"
 #include "dtypes.h"
+#include "gather_bytes.h"
 #include "layout.h"
 #include "pack.h"
 #include "param_spec.h"
@@ -298,7 +299,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::enum_<GatherTransform>(m, "GatherTransform")
       .value("NONE", GatherTransform::kNone)
-      .value("CAST", GatherTransform::kCast);
+      .value("CAST", GatherTransform::kCast)
+      .value("FP8", GatherTransform::kFp8);
+
+  py::class_<GatherBytes>(m, "GatherBytes", "Byte layout of a gather in dtypes of several widths (csrc/gather_bytes.h).")
+      .def_readonly("param_starts", &GatherBytes::param_starts)
+      .def_readonly("segment_starts", &GatherBytes::segment_starts)
+      .def_readonly("segment_bytes", &GatherBytes::segment_bytes)
+      .def_readonly("total", &GatherBytes::total);
+  m.def("gather_bytes_of", &gather_bytes_of, py::arg("layout"), py::arg("widths"),
+        "The byte layout of `layout` gathered with `widths` bytes per element of each parameter.");
 
   py::class_<ParamSpec>(m, "ParamSpec", "One parameter of a unit as the library sees it (csrc/param_spec.h).")
       .def_readonly("name", &ParamSpec::name)
@@ -345,6 +355,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("param_spec", [](const Unit& u, int64_t index) { return u.param_specs().at(index); }, py::arg("index"),
            "param_specs[index] without copying the others.")
       .def_property_readonly("gather_transform", &Unit::gather_transform)
+      .def("set_fp8_gather", &Unit::set_fp8_gather, py::arg("params"), py::arg("fp8_dtype"),
+           "Gather parameters `params` in FP8 with tensorwise scales (before bind_params).")
+      .def_property_readonly("gathers_bytes", &Unit::gathers_bytes)
+      .def_property_readonly("gather_bytes", &Unit::gather_bytes, py::return_value_policy::copy)
+      .def_property_readonly("fp8_scales", &Unit::fp8_scales)
+      .def_property_readonly("fp8_scales_stale", &Unit::fp8_scales_stale)
+      .def_static("refresh_fp8_scales", &Unit::refresh_fp8_scales, py::arg("units"), py::arg("only_stale") = true,
+                  "Recompute the FP8 scales of `units` (one all-reduce(max) per all-gather group).",
+                  py::call_guard<py::gil_scoped_release>())
       .def("gather_full", &Unit::gather_full, py::arg("pieces"), py::arg("dtype"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("exchanges_rows", &Unit::exchanges_rows)

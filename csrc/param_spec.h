@@ -19,9 +19,15 @@ namespace mfsdp {
 enum class GatherTransform {
   kNone = 0,  // gathered as stored
   kCast = 1,  // cast to the unit's param dtype before the all-gather (mixed precision)
+  kFp8 = 2,   // quantized with its tensorwise scale into an FP8 dtype before the all-gather
+              // (fp8.h); the unit's gather is then bytes (gather_bytes.h)
 };
 inline const char* gather_transform_name(GatherTransform transform) {
-  return transform == GatherTransform::kCast ? "cast" : "none";
+  switch (transform) {
+    case GatherTransform::kCast: return "cast";
+    case GatherTransform::kFp8: return "fp8";
+    default: return "none";
+  }
 }
 
 struct ParamSpec {

@@ -187,6 +187,10 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
     }
   }
   has_grad_.assign(params.size(), false);
+  make_unsharded_buffer();
+}
+
+void Unit::make_unsharded_buffer() {
   if (aliases_shard()) {
     unsharded_flat_ = sharded_flat_;  // nothing to gather, ever
     unsharded_nbytes_ = 0;
@@ -195,11 +199,102 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
   }
   // The unsharded buffer starts freed; nothing of the unit's full size is allocated
   // before the first unshard (a model built on the meta device never exists in full).
-  unsharded_nbytes_ = layout_.total_numel() * static_cast<int64_t>(c10::elementSize(param_dtype_));
+  const at::ScalarType dtype = gathers_bytes() ? at::kByte : param_dtype_;
+  const int64_t numel = gathers_bytes() ? gather_bytes_->total : layout_.total_numel();
+  unsharded_nbytes_ = numel * static_cast<int64_t>(c10::elementSize(dtype));
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(device_.type()), /*resizable=*/false);
   storage.unsafeGetStorageImpl()->set_nbytes(unsharded_nbytes_);  // sized for the view below, no memory yet
-  unsharded_flat_ = at::empty({0}, opts.dtype(param_dtype_)).set_(storage, 0, {layout_.total_numel()}, {1});
+  unsharded_flat_ = at::empty({0}, sharded_flat_.options().dtype(dtype)).set_(storage, 0, {numel}, {1});
+  state_ = UnitState::kSharded;
   free_unsharded();
+}
+
+void Unit::set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype) {
+  MFSDP_CHECK(!gathers_bytes(), "set_fp8_gather: unit '", label_, "' already gathers in FP8");
+  MFSDP_CHECK(sharded_params_.empty(), "set_fp8_gather: call it before bind_params");
+  MFSDP_CHECK_VALUE(is_fp8_dtype(fp8_dtype), "set_fp8_gather: ", fp8_dtype,
+                    " is not an FP8 dtype (float8_e4m3fn or float8_e5m2)");
+  MFSDP_CHECK_VALUE(!params.empty(), "set_fp8_gather: no parameter to gather in FP8");
+  MFSDP_CHECK_VALUE(layout_.kind() == SegmentKind::kEven, "set_fp8_gather: unit '", label_,
+                    "' has an owner layout (layer-wise optimizer); the FP8 gather needs the even layout");
+  std::vector<int64_t> widths(specs_.size(), static_cast<int64_t>(c10::elementSize(param_dtype_)));
+  for (int64_t i : params) {
+    MFSDP_CHECK_VALUE(i >= 0 && i < layout_.num_params(), "set_fp8_gather: parameter index ", i,
+                      " out of range [0, ", layout_.num_params(), ")");
+    widths[i] = 1;
+    specs_[i].gather_dtype = fp8_dtype;
+    specs_[i].transform = GatherTransform::kFp8;
+  }
+  GatherBytes bytes = gather_bytes_of(layout_, widths);
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    MFSDP_CHECK_VALUE(bytes.param_starts[i] % widths[i] == 0, "set_fp8_gather: parameter '", specs_[i].name,
+                      "' would start at byte ", bytes.param_starts[i], ", not a multiple of its ", widths[i],
+                      "-byte dtype; use an alignment of at least 16 elements");
+  }
+  const int r = shard_index();
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const auto& sl = specs_[i].slice;
+    if (sl.numel == 0) continue;
+    gather_pieces_.push_back(GatherPiece{sl.shard_offset, sl.numel,
+                                         bytes.param_starts[i] + sl.param_offset * widths[i] - bytes.segment_starts[r],
+                                         static_cast<int64_t>(i), widths[i] == 1});
+  }
+  gather_bytes_ = std::move(bytes);
+  fp8_dtype_ = fp8_dtype;
+  transform_ = GatherTransform::kFp8;
+  fp8_scales_ = at::ones({layout_.num_params()}, sharded_flat_.options().dtype(at::kFloat));
+  make_unsharded_buffer();
+}
+
+const GatherBytes& Unit::gather_bytes() const {
+  MFSDP_CHECK(gathers_bytes(), "unit '", label_, "' has no FP8 gather");
+  return *gather_bytes_;
+}
+
+bool Unit::fp8_scales_stale() const {
+  return gathers_bytes() &&
+         (scales_generation_ != shard_generation_ || scales_version_ != sharded_flat_._version());
+}
+
+void Unit::refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale) {
+  std::vector<std::vector<Unit*>> by_group;  // in first-seen order: the same on every rank
+  for (Unit* u : units) {
+    MFSDP_CHECK(u != nullptr, "refresh_fp8_scales: a unit is None");
+    if (!u->gathers_bytes() || (only_stale && !u->fp8_scales_stale())) continue;
+    auto it = std::find_if(by_group.begin(), by_group.end(), [&](const std::vector<Unit*>& g) {
+      return g.front()->ag_comm_.group().get() == u->ag_comm_.group().get() && g.front()->device_ == u->device_ &&
+             g.front()->replicated() == u->replicated();
+    });
+    if (it == by_group.end()) by_group.push_back({u});
+    else it->push_back(u);
+  }
+  for (auto& group : by_group) {
+    Unit& lead = *group.front();
+    int64_t n = 0;
+    for (Unit* u : group) n += u->layout_.num_params();
+    at::Tensor amax = at::zeros({n}, lead.sharded_flat_.options().dtype(at::kFloat));
+    int64_t at = 0;
+    for (Unit* u : group) {
+      auto slot = amax.narrow(0, at, u->layout_.num_params());
+      fp8_piece_amax(u->sharded_flat_, u->gather_pieces_, slot);
+      at += u->layout_.num_params();
+    }
+    // Replicated units hold every element: their amax is already the global one.
+    if (!lead.replicated() && lead.ag_comm_.size() > 1) {
+      lead.run_collective(CollectivePhase::kAllReduceFp8Amax, lead.ag_comm_, n,
+                          [&] { lead.ag_comm_.all_reduce(amax, c10d::ReduceOp::MAX); });
+    }
+    at = 0;
+    for (Unit* u : group) {
+      const int64_t k = u->layout_.num_params();
+      u->fp8_scales_.copy_(fp8_scales_from_amax(amax.narrow(0, at, k), u->fp8_dtype_, u->orig_dtype_));
+      at += k;
+      u->scales_generation_ = u->shard_generation_;
+      u->scales_version_ = u->sharded_flat_._version();
+      // A kept or in-flight copy was quantized with the old scales.
+      if (!u->aliases_shard()) u->stale_ = true;
+    }
+  }
 }
 
 int64_t Unit::unsharded_storage_bytes() const {
@@ -219,12 +314,17 @@ std::vector<at::Tensor> Unit::unsharded_views() const {
   //    not invalidate tensors autograd saved from it;
   //  - nothing reads or resizes the storage, which may be freed (set_() would
   //    re-allocate the whole buffer just to check the view fits).
+  // With the FP8 gather the buffer is bytes: each view takes its gathered dtype at its
+  // byte offset (aligned to its width: set_fp8_gather).
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    const at::ScalarType dtype = gathers_bytes() ? specs_[i].gather_dtype : unsharded_flat_.scalar_type();
+    const int64_t offset = gathers_bytes()
+        ? gather_bytes_->param_starts[i] / static_cast<int64_t>(c10::elementSize(dtype))
+        : layout_.param_offset(i);
     auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
-                                                      unsharded_flat_.key_set(), unsharded_flat_.dtype());
-    v.unsafeGetTensorImpl()->set_sizes_and_strides(specs_[i].shape, c10::contiguous_strides(specs_[i].shape),
-                                                   layout_.param_offset(i));
+                                                      unsharded_flat_.key_set(), c10::scalarTypeToTypeMeta(dtype));
+    v.unsafeGetTensorImpl()->set_sizes_and_strides(specs_[i].shape, c10::contiguous_strides(specs_[i].shape), offset);
     out.push_back(std::move(v));
   }
   return out;
@@ -298,6 +398,7 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kAllGatherFullParams: return "all-gather of full parameters";
     case CollectivePhase::kAllReduceReplicas: return "all-reduce of gradient shards across replicas";
     case CollectivePhase::kExchangeRows: return "exchange of state-dict rows";
+    case CollectivePhase::kAllReduceFp8Amax: return "all-reduce(max) of FP8 weight amaxes";
   }
   return "collective";
 }
@@ -317,7 +418,7 @@ void Unit::set_label(std::string label) {
                        "is unsharded again. Keep a copy (tensor.detach().clone()) while it is unsharded, or read the "
                        "sharded parameter / model.state_dict() instead.");
   static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full",
-                                             "all_reduce_replicas", "exchange_rows"};
+                                             "all_reduce_replicas", "exchange_rows", "all_reduce_fp8_amax"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
   unshard_scope_ = msg("mfsdp::unshard[", label_, "]");
@@ -428,6 +529,7 @@ bool Unit::adopt_data_writes() {
 
 void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::Tensor>& value) {
   check_bound("shard_changed");
+  ++shard_generation_;
   if (!aliases_shard()) stale_ = true;
   if (!index) {
     MFSDP_CHECK(!value, "shard_changed: a value needs the index of its parameter");
@@ -500,6 +602,15 @@ void Unit::prepare_gather() {
 }
 
 at::Tensor Unit::gather_input(bool in_place) {
+  if (gathers_bytes()) {
+    // Quantize / cast every piece of the shard into this rank's bytes of the gather.
+    const int r = shard_index();
+    at::Tensor input = in_place
+        ? unsharded_flat_.narrow(0, gather_bytes_->segment_starts[r], gather_bytes_->segment_bytes[r])
+        : at::empty({gather_bytes_->segment_bytes[r]}, unsharded_flat_.options());
+    fill_gather_bytes(input, sharded_flat_, gather_pieces_, fp8_scales_, fp8_dtype_, param_dtype_);
+    return input;
+  }
   if (transform_ == GatherTransform::kNone) return sharded_flat_;
   if (!in_place) return sharded_flat_.to(param_dtype_);
   // Cast straight into this rank's slot of the output: an in-place all-gather.
@@ -511,21 +622,32 @@ at::Tensor Unit::gather_input(bool in_place) {
 
 void Unit::unshard() {
   if (!needs_gather()) return;
+  MFSDP_CHECK(!fp8_scales_stale(), "unit '", label_, "': its FP8 scales are older than its shard (an optimizer "
+              "step or a load since they were computed); the root's forward, unshard() and start_param_sync() "
+              "refresh them first (megatron_fsdp_ext.refresh_fp8_scales(model) does it by hand)");
   RECORD_USER_SCOPE(unshard_scope_.c_str());
   prepare_gather();
   if (replicated()) {  // a cast, no communication
-    unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
+    if (gathers_bytes()) gather_input(/*in_place=*/true);
+    else unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
     state_ = UnitState::kUnsharded;
     return;
   }
+  // The FP8 gather: ranks contribute unequal byte counts (gather_bytes.h).
+  auto all_gather = [&](at::Tensor& input) {
+    if (gathers_bytes()) {
+      ag_comm_.all_gather_v(unsharded_flat_, input, gather_bytes_->segment_starts, gather_bytes_->segment_bytes);
+    } else {
+      ag_comm_.all_gather_flat(unsharded_flat_, input);
+    }
+  };
   const auto& streams = ctx().streams();
   if (streams.enabled()) {
     compute_ready_.record(current_stream(device_));
     c10::StreamGuard guard(streams.all_gather());
     compute_ready_.block(streams.all_gather());
     at::Tensor input = gather_input(/*in_place=*/true);
-    run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
-                   [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
+    run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(), [&] { all_gather(input); });
     ctx().delay_after_collective();
     all_gather_done_->record(streams.all_gather());
     gathered_ = all_gather_done_;
@@ -533,15 +655,15 @@ void Unit::unshard() {
     return;
   }
   at::Tensor input = gather_input(/*in_place=*/false);
-  run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(),
-                 [&] { ag_comm_.all_gather_flat(unsharded_flat_, input); });
+  run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(), [&] { all_gather(input); });
   state_ = UnitState::kUnsharded;
 }
 
 void Unit::unshard_together(const std::vector<Unit*>& units) {
   auto [together, alone] = split_for_coalescing(
       units, "unshard_together", [](Unit& u) { return u.needs_gather(); },
-      [](const Unit& u) { return !u.replicated() && u.ctx_ != nullptr; },
+      // An FP8 unit's uneven byte gather runs alone.
+      [](const Unit& u) { return !u.replicated() && u.ctx_ != nullptr && !u.gathers_bytes(); },
       [](const Unit& lead, const Unit& u) {
         return u.ag_comm_.group().get() == lead.ag_comm_.group().get() && u.param_dtype_ == lead.param_dtype_ &&
                u.ctx_ == lead.ctx_;

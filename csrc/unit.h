@@ -25,6 +25,8 @@
 
 #include "comm.h"
 #include "comm_context.h"
+#include "fp8.h"
+#include "gather_bytes.h"
 #include "layout.h"
 #include "param_spec.h"
 #include "row_exchange.h"
@@ -44,6 +46,7 @@ enum class CollectivePhase {
   kAllGatherFullParams = 3,
   kAllReduceReplicas = 4,  // HSDP: reduced gradient shards across the replicas
   kExchangeRows = 5,       // state dicts: our layout pieces <-> FSDP2's rows (row_exchange.h)
+  kAllReduceFp8Amax = 6,   // FP8 gather: every FP8 parameter's amax, max over the ranks
 };
 const char* phase_name(CollectivePhase phase);
 
@@ -64,6 +67,26 @@ class Unit {
        std::optional<c10::Device> materialize_on = std::nullopt);
 
   const FlatLayout& layout() const { return layout_; }
+
+  // The FP8 gather (torchao's tensorwise Float8Linear weights): parameters `params` are
+  // gathered as FP8 `fp8_dtype` bytes quantized with their scale (fp8.h), the others
+  // cast to the param dtype as before, all in one uneven all-gather of bytes
+  // (gather_bytes.h). The master shard, gradients and state dicts are unchanged. Called
+  // once, before bind_params (the unsharded views change dtype).
+  void set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype);
+  bool gathers_bytes() const { return gather_bytes_.has_value(); }
+  const GatherBytes& gather_bytes() const;
+  // One float32 scale per parameter (1 for those not in FP8): what the gather quantizes
+  // with and what the gathered FP8 weights are read with (a view of each is the scale of
+  // its unsharded Float8 tensor). Empty without the FP8 gather.
+  const at::Tensor& fp8_scales() const { return fp8_scales_; }
+  // Whether the shard changed since the scales were computed (a gather then refuses).
+  bool fp8_scales_stale() const;
+  // Recomputes the scales of `units` (those with the FP8 gather; with `only_stale`, only
+  // those whose scales are stale): each unit's amax over its shard (one fused launch),
+  // one all-reduce(max) per all-gather group for all of them, scales as torchao computes
+  // them. Collective: every rank passes the same units in the same order.
+  static void refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale);
   const std::vector<ParamSpec>& param_specs() const { return specs_; }
   GatherTransform gather_transform() const { return transform_; }
   // How errors name this unit (the module's path once the root knows it).
@@ -236,6 +259,8 @@ class Unit {
   template <typename F>
   static void run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units,
                             const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
+  // The unsharded buffer, sized (and typed) for the gather: the param dtype, or bytes.
+  void make_unsharded_buffer();
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && transform_ == GatherTransform::kNone; }
   bool unsharded_is_stale() const {
@@ -287,14 +312,25 @@ class Unit {
   FlatLayout layout_;
   // One per parameter, in the unit's order: what every step below reads about it.
   std::vector<ParamSpec> specs_;
-  GatherTransform transform_ = GatherTransform::kNone;  // the unit's (one stored and one gathered dtype)
+  // The unit's: kNone / kCast (one stored and one gathered dtype), kFp8 when any
+  // parameter gathers in FP8 (then per parameter in specs_).
+  GatherTransform transform_ = GatherTransform::kNone;
+  // The FP8 gather (set_fp8_gather): the byte layout of the gathered buffer, this rank's
+  // pieces (byte offsets inside its contribution), the scales and when they were made.
+  std::optional<GatherBytes> gather_bytes_;
+  std::vector<GatherPiece> gather_pieces_;
+  at::ScalarType fp8_dtype_ = at::kFloat8_e4m3fn;
+  at::Tensor fp8_scales_;
+  uint64_t shard_generation_ = 0;         // bumped by every shard_changed()
+  uint64_t scales_generation_ = ~uint64_t{0};
+  uint32_t scales_version_ = 0;           // the shard's version counter when the scales were made
   std::string label_;
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
   // which unit every collective belongs to. Built in set_label, off the hot path.
-  std::array<std::string, 6> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+  std::array<std::string, 7> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
                                              "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas",
-                                             "mfsdp::exchange_rows"};
+                                             "mfsdp::exchange_rows", "mfsdp::all_reduce_fp8_amax"};
   // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
   // (or casting) its parameters and when it frees them; tests replay these from a trace.
   std::string unshard_scope_ = "mfsdp::unshard";

@@ -39,6 +39,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--fp8", choices=["none", "tensorwise", "tensorwise_gather"], default="none",
+                   help="train the blocks' linear layers in FP8 with torchao's Float8Linear (tensorwise "
+                        "scaling); tensorwise_gather also all-gathers their weights in FP8 (needs torchao)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: the model is split over groups of this many ranks "
                         "(models.tensor_parallel) and sharded over the rest (a (world/tp, tp) mesh)")
@@ -125,6 +128,10 @@ def main():
     mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
     if args.tp > 1:
         tensor_parallel(model, mesh["tp"])
+    if args.fp8 != "none":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=args.fp8 == "tensorwise_gather")
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
     dp_rank, dp_world = mesh.get_local_rank("dp_shard"), world // args.tp
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else mfsdp.MixedPrecisionPolicy()
@@ -195,7 +202,7 @@ def main():
         print(f"wrote {ckpt} and {png}")
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps({
-                "world": world, "tp": args.tp, "device": device.type, "steps": args.steps,
+                "world": world, "tp": args.tp, "fp8": args.fp8, "device": device.type, "steps": args.steps,
                 "seq_len": args.seq_len,
                 "corpus_bytes": corpus.numel(), "losses": losses, "held_out_loss": val,
                 "held_out_loss_plain_module": plain_val, "checkpoint": str(ckpt)}, indent=1))

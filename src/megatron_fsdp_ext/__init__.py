@@ -27,6 +27,7 @@ from .clip import clip_grad_norm_
 from .config import FSDPConfig, fully_shard_model
 from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
 from .estimate import MemoryEstimate, estimate_memory
+from .fp8 import refresh_fp8_scales
 from .materialize import materialize
 from .nonfinite import NonFiniteGradientError, check_for_nan_in_grad
 from .safetensors_io import load_safetensors
@@ -76,6 +77,7 @@ __all__ = [
     "NonFiniteGradientError",
     "check_for_nan_in_grad",
     "register_backend_capabilities",
+    "refresh_fp8_scales",
     "register_fsdp_forward_method",
     "local_state_dict",
     "save_checkpoint",

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _C, backends, tensor_parallel
+from . import _C, backends, fp8, tensor_parallel
 from .options import FLOAT_DTYPES, as_timeout
 
 def groups_from_mesh(mesh, process_group):
@@ -311,32 +311,43 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     tensor_parallel.py) are held as their local TP shards and shown unsharded as DTensors
     wrapping the unit's views."""
     held = tensor_parallel.local_tensors(params)  # a DTensor's local TP shard, else the parameter
-    for p, inner, n in zip(params, held, names):
-        if hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather"):
+    fp8_weights = [fp8.fp8_weight(inner) for inner in held]  # torchao asked for an FP8 gather (fp8.py)
+    for p, inner, n, w in zip(params, held, names, fp8_weights):
+        if w is not None and inner is not p:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{n}' is a tensor-parallel DTensor of torchao's FP8-gathered weight; the FP8 "
+                "all-gather does not combine with tensor parallelism yet. Convert with Float8LinearConfig("
+                "enable_fsdp_float8_all_gather=False) to gather in the param dtype")
+        if w is None and (hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather")):
             # FSDP2's all-gather extension (torchao's FP8 gather among others): gathering
             # the plain values instead would train, but not as the subclass asked.
             raise NotImplementedError(
                 f"fully_shard: parameter '{n}' is a {type(inner).__name__}, which defines FSDP2's all-gather "
-                "extension (fsdp_pre_all_gather / fsdp_post_all_gather); units do not run it yet. For torchao's "
-                "Float8Linear use Float8LinearConfig(enable_fsdp_float8_all_gather=False): the weights are then "
-                "gathered in the param dtype and cast to FP8 per matmul")
+                "extension (fsdp_pre_all_gather / fsdp_post_all_gather); units do not run other subclasses' "
+                "gathers. torchao's FP8-gathered Float8Linear weights are supported")
         if p.dtype not in FLOAT_DTYPES:
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
                              f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
-    unit = _C.Unit([h.detach() for h in held], names, pg, alignment,
+    masters = [h if w is None else w.master for h, w in zip(held, fp8_weights)]
+    unit = _C.Unit([m.detach() for m in masters], names, pg, alignment,
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
+    fp8.configure(unit, fp8_weights, names)
+    param_dtype = mp_policy.param_dtype or masters[0].dtype
     sharded, unsharded = [], []
     locals_ = unit.unsharded_views()
     for i, (p, sview, uview) in enumerate(zip(params, unit.sharded_views(), locals_)):
         s = nn.Parameter(sview, requires_grad=p.requires_grad)
-        u = tp.wrap(i, uview, p.requires_grad) if tp is not None and i in tp.specs else \
-            nn.Parameter(uview, requires_grad=p.requires_grad)
+        if tp is not None and i in tp.specs:
+            u = tp.wrap(i, uview, p.requires_grad)
+        elif fp8_weights[i] is not None:
+            u = fp8.unsharded_param(unit, i, uview, fp8_weights[i], param_dtype, p.requires_grad)
+        else:
+            u = nn.Parameter(uview, requires_grad=p.requires_grad)
         # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
-        for k, v in p.__dict__.items():
-            if not k.startswith("_mfsdp") and k != "_is_param":
-                setattr(s, k, v)
-                setattr(u, k, v)
+        for k, v in fp8.user_attributes(p).items():
+            setattr(s, k, v)
+            setattr(u, k, v)
         sharded.append(s)
         unsharded.append(u)
     if tp is None:

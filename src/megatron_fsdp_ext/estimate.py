@@ -10,7 +10,8 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
     behind its segment; no_shard keeps all);
   - optimizer state: per element of each trainable parameter's shard, in the parameters'
     dtype (AdamW: 2, SGD with momentum: 1, "none": 0), the largest over ranks;
-  - gathered parameters, in the compute dtype: every unit under strategies that keep them
+  - gathered parameters, in the compute dtype (one byte an element for weights torchao
+    asked to gather in FP8, fp8.py; the unit's byte layout, gather_bytes.h): every unit under strategies that keep them
     (optim, optim_grads; no_shard only when it casts), else the root (gathered through
     the whole step) plus the largest unit 1 + prefetch_depth times;
   - reduction buffers: one unit's unsharded gradients (compute dtype) and two flat
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _C
+from . import _C, fp8
 from .options import MixedPrecisionPolicy, as_mp_policy, check_count
 from .schedule import bucket_runs
 from .strategy import sharding_strategy as strategy_named
@@ -170,7 +171,11 @@ def estimate_memory(
             grads += (total if full_grad_kept else seg) * b_orig
         for r in range(len(optim_by_rank)):
             optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
-        gathered = 0 if (replicated and b_param == b_orig) else total * b_param
+        widths = [1 if fp8.is_fp8_weight(p) else b_param for p in unit]
+        if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard)
+            gathered = _C.gather_bytes_of(layout, widths).total
+        else:
+            gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered
         gathered_bytes.append(gathered)
         # One unit's unsharded gradients (compute dtype, trainable parameters only) and

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import _C, shard_changes
+from . import _C, fp8, shard_changes
 from .consistency import check_units_agree
 from .options import UnitOptions
 from .param_index import check_materialized
@@ -67,6 +67,14 @@ class RootContext:
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
         self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
+        # Units that gather FP8 weights (fp8.py): their scales are refreshed together.
+        self.fp8_units = [s.unit for s in states if s.unit is not None and s.unit.gathers_bytes]
+
+    def refresh_fp8_scales(self) -> None:
+        """Recompute stale FP8 scales (the shards changed since): one all-reduce(max) for
+        all of them. Every rank reaches this at the same point (before a gather)."""
+        if self.fp8_units:
+            fp8.refresh_units(self.fp8_units)
 
     @property
     def in_backward(self) -> bool:
@@ -308,6 +316,8 @@ class FSDPState:
 
     def unshard(self) -> None:
         if self.unit is not None:
+            if self.unit.fp8_scales_stale:
+                self.ctx.refresh_fp8_scales()
             self.unit.unshard()
 
     def wait_unshard(self) -> None:
@@ -380,6 +390,7 @@ class FSDPState:
         if self.is_root:
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
+            self.ctx.refresh_fp8_scales()  # after a load or a step without the optimizer hook
         if self._group_starts():
             self.ctx.schedule.record_forward(self)
             # Issue the next units' all-gathers before waiting on ours: they run on the

@@ -20,6 +20,7 @@ import itertools
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import fp8
 from .nonfinite import check_nonfinite_grads
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
@@ -87,10 +88,11 @@ def _units_of(optimizer: torch.optim.Optimizer):
 
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     """After optimizer.step(): any gathered copy of the units whose parameters it
-    updated (those with a gradient) is stale: kept copies (optim, optim_grads,
+    updated (those with a gradient) is stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads,
     no_shard with a cast) and anything gathered before the step. Needed because fused
     optimizers change the shards without moving their version counters. Per unit, not
     per parameter: the first parameter with a gradient decides."""
+    stepped = []
     for owner, params in _units_of(optimizer):
         state = owner()
         if state is None or state.unit is None:
@@ -98,7 +100,11 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
         for p in params:
             if p.grad is not None:
                 state.unit.shard_changed()
+                stepped.append(state.unit)
                 break
+    # FP8 gathers: the new shards' scales, one all-reduce(max) for all, right after the
+    # step as torchao's precompute_float8_dynamic_scale_for_fsdp does.
+    fp8.refresh_units(stepped)
 
 
 def _refuse_replaced_params(optimizer, params) -> None:

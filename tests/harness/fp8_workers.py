@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import megatron_fsdp_ext as mfsdp
 
 from .funcol_c10d import route_functional_collectives_through_c10d
-from .tp_workers import placements_of, worst_against_fsdp2
-from .workers import device_for_backend
+from .tp_workers import full_of_ours, placements_of, worst_against_fsdp2
+from .workers import device_for_backend, rel_err
 
 D_IN, HIDDEN, D_OUT, ROWS = 64, 128, 32, 16  # FP8 matmuls want dims divisible by 16
 
@@ -114,3 +114,355 @@ def float8_gather_extension_refused(rank: int, world: int) -> None:
                                        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     expect_error(lambda: mfsdp.fully_shard(model.up), NotImplementedError, "'weight'",
                  "WeightWithDynamicFloat8CastTensor", "enable_fsdp_float8_all_gather=False")
+
+
+def _float8_gathered(seed: int = 0, model_fn=None) -> nn.Module:
+    """The MLP converted with torchao's FP8 all-gather on (WeightWithDynamicFloat8CastTensor weights)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(seed)
+    model = (model_fn or MLP)().to(device_for_backend())
+    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                      module_filter_fn=_not_pre)
+
+
+def float8_gather_parity(rank: int, world: int, steps: int = 4, strategy: str = "optim_grads_params",
+                         model_fn=None) -> Dict:
+    """torchao's FP8 all-gather under ours (our gather transform) against FSDP2 + torchao
+    (its fsdp_pre/post_all_gather, scales precomputed after each step): losses, gradients
+    and parameters step by step; our gathers carry FP8 bytes for the weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    device = device_for_backend()
+    if dist.get_backend() == "gloo" and device.type == "cuda":
+        route_functional_collectives_through_c10d()
+    ours, theirs = _float8_gathered(model_fn=model_fn), _float8_gathered(model_fn=model_fn)
+    placements = placements_of(ours)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in (ours.up, ours.mid):
+        mfsdp.fully_shard(unit, mp_policy=mp, sharding_strategy=strategy)
+    mfsdp.fully_shard(ours, mp_policy=mp, sharding_strategy=strategy)
+    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in (theirs.up, theirs.mid):
+        fully_shard(unit, mp_policy=torch_mp)
+    fully_shard(theirs, mp_policy=torch_mp)
+    if dist.get_backend() == "gloo":
+        for m in theirs.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    # Every weight of ours gathers in FP8, every bias in bf16.
+    for m in (ours.up, ours.mid, ours):
+        specs = m._fsdp_state.unit.param_specs
+        kinds = {s.name.rsplit(".", 1)[-1]: str(s.transform) for s in specs}
+        assert all(("FP8" in k) == (n == "weight") for n, k in kinds.items()), kinds
+    seen = {}
+
+    def record(module, args):
+        seen[module] = type(module.weight)
+    linears = [m for n, m in ours.named_modules() if n and not list(m.children())]
+    hooks = [m.register_forward_pre_hook(record) for m in linears]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(1)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step in range(steps):
+        x, y = torch.randn(world * ROWS, D_IN, generator=g), torch.randn(world * ROWS, D_OUT, generator=g)
+        rows = slice(rank * ROWS, (rank + 1) * ROWS)
+        losses = []
+        for m in (ours, theirs):
+            loss = F.mse_loss(m(x[rows].to(device)).float(), y[rows].to(device))
+            loss.backward()
+            losses.append(loss.item())
+        err = abs(losses[0] - losses[1]) / abs(losses[1])
+        assert err <= 1e-6, f"step {step}: loss {losses[0]} vs FSDP2+torchao's {losses[1]}"
+        worst["loss"] = max(worst["loss"], err)
+        worst["grad"] = max(worst["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 1e-6,
+                                                               f"step {step}, FSDP2+torchao FP8 gather"))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        precompute_float8_dynamic_scale_for_fsdp(theirs)
+    for h in hooks:
+        h.remove()
+    assert all(t is Float8TrainingTensor for t in seen.values()), seen
+    worst_against_fsdp2(ours, theirs, "value", placements, None, 1e-6, "after the steps")
+    sd = mfsdp.full_state_dict(ours, rank0_only=False)
+    assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
+    return worst
+
+
+class MLPWithTiny(MLP):
+    """The MLP, a Float8Linear whose weight (512 elements) is smaller than some ranks'
+    share of the root unit at world 3 (ranks holding none of it still take part), and a
+    plain linear `pre` (not FP8: gathered in bf16 beside FP8 bytes) whose weight spans
+    ranks in that unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.tiny = nn.Linear(D_OUT, 16)
+        self.pre = nn.Linear(D_IN, D_IN)
+
+    def forward(self, x):
+        return self.tiny(super().forward(self.pre(x))).repeat(1, D_OUT // 16)
+
+
+def _not_pre(module, fqn) -> bool:
+    return fqn != "pre"
+
+
+def float8_gather_uneven(rank: int, world: int, steps: int = 3) -> Dict:
+    """The FP8 gather with uneven shards (MLPWithTiny at world 3: FSDP2 + torchao's FP8
+    gather aborts there in Gloo with a size mismatch, so the reference is one process):
+    each step, every rank's rows run through the plain modules with each FP8 weight made
+    by torchao's own hp_tensor_and_scale_to_float8 from the full fp32 master and the
+    scale torchao's precompute gives; the rank gradients are averaged in fp32 and AdamW
+    steps the masters. Losses, full gradients and parameters compared step by step."""
+    import copy
+
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, \
+        hp_tensor_and_scale_to_float8
+
+    device = device_for_backend()
+    ours = _shard_fp8_gathered(model_fn=MLPWithTiny)
+    root = ours._fsdp_state.unit
+    pre = next(i for i, sp in enumerate(root.param_specs) if sp.name == "pre.weight")
+    spans = sum(root.layout.shard_slice(pre, r).numel > 0 for r in range(world))
+    assert spans > 1 and str(root.param_specs[pre].transform).endswith("CAST"), (spans, root.param_specs[pre])
+    torch.manual_seed(0)
+    ref = MLPWithTiny().to(device)  # the same initial values (seed 0), plain fp32 modules
+    fp8_layers = {n: m for n, m in ours.named_modules() if isinstance(m, Float8Linear)}
+    ref_layers = {n: getattr(ref, n) for n in fp8_layers}
+    opts = [torch.optim.AdamW(ours.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    g = torch.Generator().manual_seed(1)
+    worst = {"loss": 0.0, "grad": 0.0}
+
+    def ref_forward(x):
+        """ref's forward with bf16 compute: FP8 weights from the fp32 masters, biases in bf16."""
+        weights = {}
+        for n, lin in ref_layers.items():
+            scale = amax_scale(lin.weight.detach())
+            bits = hp_tensor_and_scale_to_float8(lin.weight.detach(), scale, torch.float8_e4m3fn,
+                                                 fp8_layers[n].linear_mm_config, GemmInputRole.WEIGHT)
+            w = nn.Parameter(Float8TrainingTensor(bits._data, bits._scale, torch.bfloat16,
+                                                  fp8_layers[n].linear_mm_config, gemm_input_role=GemmInputRole.WEIGHT))
+            weights[n] = w
+        swapped = copy.copy(ref_layers)
+        outs = {}
+
+        def run(n, h):
+            lin, m = ref_layers[n], fp8_layers[n]
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+            y = matmul_with_hp_or_float8_args.apply(h, weights[n].t(), m.linear_mm_config, m.config)
+            return y + lin.bias.to(torch.bfloat16)
+        h = F.linear(x.to(torch.bfloat16), ref.pre.weight.to(torch.bfloat16), ref.pre.bias.to(torch.bfloat16))
+        h = run("out", F.gelu(run("mid", F.gelu(run("up", h)))))
+        outs["y"] = run("tiny", h).repeat(1, D_OUT // 16)
+        del swapped
+        return outs["y"], weights
+
+    for step in range(steps):
+        x, y = torch.randn(world * ROWS, D_IN, generator=g), torch.randn(world * ROWS, D_OUT, generator=g)
+        rows = slice(rank * ROWS, (rank + 1) * ROWS)
+        loss = F.mse_loss(ours(x[rows].to(device)).float(), y[rows].to(device))
+        loss.backward()
+        grads = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+        ref_losses = []
+        for r in range(world):
+            part = slice(r * ROWS, (r + 1) * ROWS)
+            out, weights = ref_forward(x[part].to(device))
+            rl = F.mse_loss(out.float(), y[part].to(device))
+            rl.backward()
+            ref_losses.append(rl.item())
+            for n, lin in ref_layers.items():
+                grads[f"{n}.weight"] += weights[n].grad.float() / world
+                grads[f"{n}.bias"] += lin.bias.grad.float() / world
+                lin.bias.grad = None
+            for n, p in ref.pre.named_parameters():
+                grads[f"pre.{n}"] += p.grad / world
+                p.grad = None
+        err = abs(loss.item() - ref_losses[rank]) / abs(ref_losses[rank])
+        assert err <= 1e-6, f"step {step}: loss {loss.item()} vs the reference's {ref_losses[rank]}"
+        worst["loss"] = max(worst["loss"], err)
+        mine = full_of_ours(ours, "grad", placements_of(ref), None)
+        for n, gr in grads.items():
+            e = rel_err(mine[n].reshape(gr.shape), gr)
+            assert e <= 1e-5, f"step {step}: grad of '{n}' rel err {e:.3e} against the reference"
+            worst["grad"] = max(worst["grad"], e)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    mine = full_of_ours(ours, "value", placements_of(ref), None)
+    for n, p in ref.named_parameters():
+        e = rel_err(mine[n].reshape(p.shape), p)
+        assert e <= 1e-5, f"after the steps: '{n}' rel err {e:.3e} against the reference"
+    return worst
+
+
+def amax_scale(w: torch.Tensor) -> torch.Tensor:
+    """torchao's precompute_float8_dynamic_scale_for_fsdp scale of a full weight."""
+    from torchao.float8.float8_utils import EPS
+    amax = torch.clamp(w.abs().max().float(), EPS).to(torch.float64)
+    return (torch.finfo(torch.float8_e4m3fn).max / amax).to(torch.float32)
+
+
+def _shard_fp8_gathered(model_fn=None, gather: bool = True, **kwargs) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = convert_to_float8_training((model_fn or MLP)().to(device_for_backend()),
+                                       config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather),
+                                       module_filter_fn=_not_pre)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in (model.up, model.mid):
+        mfsdp.fully_shard(unit, mp_policy=mp, **kwargs)
+    mfsdp.fully_shard(model, mp_policy=mp, **kwargs)
+    return model
+
+
+def float8_gather_bytes(rank: int, world: int) -> Dict:
+    """All-gather bytes of one training step (forward and backward gathers) with the FP8
+    gather against the same model gathered in bf16, and what the byte layouts predict."""
+    from megatron_fsdp_ext import _C
+
+    device = device_for_backend()
+    report = {}
+    for gather in (True, False):
+        model = _shard_fp8_gathered(gather=gather)
+        x = torch.randn(ROWS, D_IN, device=device)
+        model(x).float().square().mean().backward()  # lazy init and first gathers
+        _C.reset_collective_counts()
+        model(x).float().square().mean().backward()
+        calls, nbytes = _C.collective_counts()["all_gather"]
+        units = [m._fsdp_state.unit for m in (model.up, model.mid, model)]
+        # Exact bytes a rank contributes once per unit (its own segment), per gather.
+        exact = sum((u.gather_bytes.segment_bytes[u.rank] if u.gathers_bytes else
+                     u.layout.segment_numels[u.rank] * 2) for u in units)
+        report["fp8" if gather else "bf16"] = {"calls": calls, "bytes": nbytes, "contributed": exact,
+                                               "unsharded": [u.unsharded_nbytes for u in units]}
+    return report
+
+
+def float8_gather_scales(rank: int, world: int) -> None:
+    """When the scales are computed: after the optimizer step (its hook), before a
+    forward that follows a load (stale), by refresh_fp8_scales; a gather with stale scales
+    refuses. Each scale is torchao's for the full fp32 weight."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    from .workers import expect_error
+
+    device = device_for_backend()
+    model = _shard_fp8_gathered()
+    units = {"up": model.up._fsdp_state.unit, "mid": model.mid._fsdp_state.unit, "out": model._fsdp_state.unit}
+
+    def check_scales(what):
+        full = mfsdp.full_state_dict(model, rank0_only=False)
+        for prefix, unit in units.items():
+            assert not unit.fp8_scales_stale, f"{what}: {prefix} stale"
+            for i, spec in enumerate(unit.param_specs):
+                key = (f"{prefix}." if prefix != "out" else "") + spec.name
+                if spec.name.endswith("weight"):
+                    want = amax_to_scale(full[key].abs().max().float(), torch.float8_e4m3fn).to(device)
+                    got = unit.fp8_scales[i]
+                    assert torch.equal(got, want), f"{what}: scale of {key} {got.item()} vs torchao's {want.item()}"
+
+    assert all(u.fp8_scales_stale for u in units.values())  # never computed
+    x = torch.randn(ROWS, D_IN, device=device)
+    model(x).float().square().mean().backward()
+    check_scales("first forward")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-1)
+    opt.step()
+    check_scales("after the optimizer step")  # its hook refreshed them
+    opt.zero_grad()
+    # A load changes the shards: stale until the next forward or an explicit refresh.
+    sd = {k: v * 3 for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
+    mfsdp.load_full_state_dict(model, sd)
+    assert all(u.fp8_scales_stale for u in units.values())
+    expect_error(lambda: units["up"].unshard(), RuntimeError, "FP8 scales are older than its shard")
+    mfsdp.refresh_fp8_scales(model)
+    check_scales("refresh_fp8_scales")
+    mfsdp.load_full_state_dict(model, sd)
+    model(x).float().square().mean().backward()
+    check_scales("forward after a load")
+    # unshard() by hand refreshes too.
+    mfsdp.load_full_state_dict(model, {k: v / 2 for k, v in sd.items()})
+    model.up.unshard()
+    assert not units["up"].fp8_scales_stale
+    model.up.reshard()
+
+
+class _GatherExtension(torch.Tensor):
+    """A parameter subclass asking for FSDP2's all-gather extension (not torchao's)."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_subclass(cls, data)
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (self,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return outputs[0], outputs
+
+
+def float8_gather_refusals(rank: int, world: int) -> None:
+    """Another subclass's FSDP2 gather extension is refused by name; so is torchao's FP8
+    gather on a tensor-parallel weight, and two FP8 dtypes in one unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from .workers import expect_error
+
+    device = device_for_backend()
+    plain = MLP().to(device)
+    plain.up.weight = nn.Parameter(_GatherExtension(plain.up.weight.detach()))
+    expect_error(lambda: mfsdp.fully_shard(plain.up), NotImplementedError, "'weight'", "_GatherExtension",
+                 "fsdp_pre_all_gather")
+    tp = _float8_gathered()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    dp_tp = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
+    w = tp.up.weight
+    tp.up.weight = nn.Parameter(DTensor.from_local(w[rank * (HIDDEN // world):(rank + 1) * (HIDDEN // world)],
+                                                   mesh, [Shard(0)], run_check=False))
+    expect_error(lambda: mfsdp.fully_shard(tp.up, mesh=dp_tp["dp"]), NotImplementedError, "'weight'",
+                 "tensor-parallel", "enable_fsdp_float8_all_gather=False")
+    from torchao.float8.config import CastConfig
+
+    mixed = MLP().to(device)
+    convert_to_float8_training(mixed, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda m, fqn: fqn == "up")
+    convert_to_float8_training(mixed, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True, cast_config_weight=CastConfig(target_dtype=torch.float8_e5m2)),
+        module_filter_fn=lambda m, fqn: fqn == "mid")
+    assert mixed.mid.weight._dtype == torch.float8_e5m2
+    expect_error(lambda: mfsdp.fully_shard([mixed.up, mixed.mid]), ValueError, "share an FP8 dtype")
+
+
+def float8_gather_estimate(rank: int, world: int) -> Dict:
+    """estimate_memory's gathered bytes for a model with FP8-gathered weights (one unit
+    per Float8Linear, strategy optim_grads: every unit's copy is kept) equal what the
+    units allocate; the bf16-gathered model's are about twice as large."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    device = device_for_backend()
+    out = {}
+    for gather in (True, False):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        torch.manual_seed(0)
+        model = convert_to_float8_training(MLP().to(device),
+                                           config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather))
+        mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        est = mfsdp.estimate_memory(model, world, unit_modules=[Float8Linear], sharding_strategy="optim_grads",
+                                    mp_policy=mp)
+        for m in (model.up, model.mid, model.out):
+            mfsdp.fully_shard(m, mp_policy=mp, sharding_strategy="optim_grads")
+        mfsdp.fully_shard(model, mp_policy=mp, sharding_strategy="optim_grads")
+        model(torch.randn(ROWS, D_IN, device=device)).float().sum().backward()
+        allocated = sum(m._fsdp_state.unit.unsharded_storage_bytes for m in (model.up, model.mid, model.out))
+        assert est.gathered_params == allocated, (gather, est.gathered_params, allocated)
+        out["fp8" if gather else "bf16"] = allocated
+    return out
