@@ -18,6 +18,10 @@ time: see benchmarks/project.py for a labelled projection. A config with "/L" af
 local fits. With --tp T the model is tensor-parallel over T of the W ranks (the library's
 models.tensor_parallel: torchtitan's plan, sequence parallel on) on a (W/T, T) mesh and
 both FSDPs shard over the W/T data-parallel ranks; TP's own collectives are fake too.
+With --fp8 the blocks' linear layers are torchao Float8Linear (tensorwise scaling):
+"tensorwise" gathers their weights in bf16, "tensorwise_gather" in FP8 (ours: our gather
+transform; FSDP2: torchao's fsdp_pre/post_all_gather, with
+precompute_float8_dynamic_scale_for_fsdp after each optimizer step; local: no gather).
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ CONFIGS = {
     "tiny": (256, 64, 2, 4, 176, 2, 32),  # CPU smoke runs
 }
 SYSTEMS = ("mfsdp", "fsdp2", "local")
-DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
+               "unsigned char": 1, "signed char": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+FP8_MODES = ("none", "tensorwise", "tensorwise_gather")
 
 
 def parse_config(text: str):
@@ -178,6 +184,17 @@ def measure(args, world: int) -> dict:
 
     if args.tp > 1 and (world % args.tp or args.system == "local"):
         raise SystemExit(f"--tp {args.tp}: needs a world it divides and an FSDP system (not local)")
+    if args.tp > 1 and args.fp8 == "tensorwise_gather":
+        raise SystemExit("--fp8 tensorwise_gather does not combine with --tp")
+
+    def to_fp8(m):
+        """The blocks' linear layers as torchao Float8Linear (--fp8); the output head stays."""
+        if args.fp8 == "none":
+            return m
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        gather = args.fp8 == "tensorwise_gather" and args.system != "local"
+        return convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather),
+                                          module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
     torch.manual_seed(0)
     sync()
     reset_peak()
@@ -185,11 +202,11 @@ def measure(args, world: int) -> dict:
     autocast = False
     if args.system == "local":
         with torch.device(device):  # fp32 weights, bf16 compute under autocast (as bench_train)
-            model = LlamaModel(cfg)
+            model = to_fp8(LlamaModel(cfg))
         autocast = True
     elif args.system == "mfsdp":
         with torch.device("meta"):
-            model = LlamaModel(cfg)
+            model = to_fp8(LlamaModel(cfg))
         dp_mesh = tp_split(model)
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -200,7 +217,7 @@ def measure(args, world: int) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
-            model = LlamaModel(cfg)
+            model = to_fp8(LlamaModel(cfg))
         mesh = tp_split(model) or init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -231,8 +248,13 @@ def measure(args, world: int) -> dict:
         if events:
             events[2].record()
         opt.step()
+        if precompute_fp8:  # FSDP2 + torchao's FP8 gather: the scales for the next gathers
+            precompute_fp8(model)
         opt.zero_grad(set_to_none=True)
 
+    precompute_fp8 = None
+    if args.system == "fsdp2" and args.fp8 == "tensorwise_gather":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute_fp8
     rows, peaks = [], []
     for i in range(args.warmup + args.steps):
         ev = [_Clock(cuda) for _ in range(4)]
@@ -259,7 +281,7 @@ def measure(args, world: int) -> dict:
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp,
+        "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp, "fp8": args.fp8,
         "init_s": init_s, "init_peak_gib": init_peak / 2**30,
         "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
         "step_ms": statistics.median(r["step_ms"] for r in rows),
@@ -274,7 +296,7 @@ def measure(args, world: int) -> dict:
         # estimate_memory leaves activations out: its prediction is checked against a
         # step on one sequence of 128 tokens, where what activations remain is small.
         with torch.device("meta"):
-            meta = LlamaModel(cfg)
+            meta = to_fp8(LlamaModel(cfg))
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         est = mfsdp.estimate_memory(meta, world, unit_modules=[type(meta.blocks[0])], mp_policy=mp,
                                     optimizer="adamw")
@@ -294,11 +316,12 @@ def measure(args, world: int) -> dict:
 
 def run_system(system: str, config: str, worlds, args) -> list:
     """`system` on `config` at every world in `worlds`, in a process of its own."""
-    out = Path(args.out) / f"{system}_{config.replace('/', '-')}{f'_tp{args.tp}' if args.tp > 1 else ''}.json"
+    tag = (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_fp8-{args.fp8}" if args.fp8 != "none" else "")
+    out = Path(args.out) / f"{system}_{config.replace('/', '-')}{tag}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--tp", str(args.tp), "--json", str(out)]
+           "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -310,7 +333,7 @@ def run_system(system: str, config: str, worlds, args) -> list:
         if "error" in r:
             print(f"  {system:6s} {config:10s} W={r['world']:5d}: {r['error'].splitlines()[-1][:120]}", flush=True)
         else:
-            print(f"  {system:6s} {config:10s} W={r['world']:5d}: step {r['step_ms']:8.1f} ms, steady peak "
+            print(f"  {system:6s} {config:10s} fp8={args.fp8:17s} W={r['world']:5d}: step {r['step_ms']:8.1f} ms, steady peak "
                   f"{r['steady_peak_gib']:6.2f} GiB, init {r['init_s']:5.1f} s / {r['init_peak_gib']:6.2f} GiB",
                   flush=True)
     return results
@@ -325,6 +348,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rank", type=int, default=0, help="the rank the process plays")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a (W/T, T) mesh)")
+    p.add_argument("--fp8", choices=FP8_MODES, default="none",
+                   help="torchao Float8Linear blocks: bf16 weight gather (tensorwise) or FP8 (tensorwise_gather)")
     p.add_argument("--out", default="runs/simulate")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -346,6 +371,7 @@ def main() -> None:
             "host": platform.node(), "commit": os.environ.get("MFSDP_COMMIT"),
             "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
             "backend": f"fake (rank {args.rank} of W, one process per system and config)", "tp": args.tp,
+            "fp8": args.fp8,
             "steps": f"{args.warmup} warm-up + {args.steps} timed (median), then 1 profiled step"}
     for item in args.points.split():
         config, _, worlds = item.partition("@")

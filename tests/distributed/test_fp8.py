@@ -31,6 +31,11 @@ def test_fp8_gather_with_uneven_shards_and_a_tiny_weight_matches_one_process():
     assert report["grad"] <= 1e-5
 
 
+def test_fp8_gathered_bytes_and_scales_are_torchaos_bit_for_bit():
+    checked = run_distributed(w.float8_gather_bits, 3, timeout=300)[0]
+    assert checked["a.weight"] == 1024 * 4112
+
+
 def test_fp8_gather_halves_the_gathered_bytes():
     report = run_distributed(w.float8_gather_bytes, 2, timeout=300)[0]
     fp8, bf16 = report["fp8"], report["bf16"]

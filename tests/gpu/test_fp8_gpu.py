@@ -1,9 +1,13 @@
-"""FP8 training (torchao's Float8Linear) under our fully_shard with CUDA tensors, against
-FSDP2 + torchao on the GPU suite's backend: tensorwise and rowwise recipes, bf16 weight
-gather, step by step in losses, gradients and parameters (tests/harness/fp8_workers.py)."""
+"""FP8 training (torchao's Float8Linear) under our fully_shard with CUDA tensors, on the GPU
+suite's backend (tests/harness/fp8_workers.py):
+  - the bf16 weight gather, tensorwise and rowwise recipes, against FSDP2 + torchao;
+  - the FP8 weight gather (our gather transform and its fused CUDA kernels) against FSDP2 +
+    torchao's FP8 gather; its bytes and scales bit for bit against torchao's quantization;
+    uneven shards against one process (three ranks, Gloo on one GPU); the scales' refresh.
+Losses, gradients and parameters step by step."""
 import pytest
 
-from harness import gpu_launch, gpu_world, run_distributed
+from harness import gpu_backend, gpu_launch, gpu_world, run_distributed
 from harness import fp8_workers as w
 
 pytestmark = pytest.mark.gpu
@@ -11,9 +15,35 @@ WORLD = gpu_world()
 GPU = gpu_launch()
 
 
-def test_float8_linear_trains_like_fsdp2_with_torchao_gpu():
+@pytest.fixture(autouse=True)
+def _torchao():
     missing = w.torchao_missing()
     if missing:
         pytest.skip(f"torchao does not import here: {missing}")
+
+
+def test_float8_linear_trains_like_fsdp2_with_torchao_gpu():
     report = run_distributed(w.float8_linear_parity, WORLD, ["tensorwise", "rowwise"], **GPU, timeout=300)[0]
     assert set(report) == {"tensorwise", "rowwise"}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_fp8_gather_trains_like_fsdp2_with_torchaos_fp8_gather_gpu(strategy):
+    report = run_distributed(w.float8_gather_parity, WORLD, 3, strategy, **GPU, timeout=300)[0]
+    assert report["loss"] <= 1e-6 and report["grad"] <= 1e-6
+
+
+def test_fp8_gathered_bytes_and_scales_are_torchaos_bit_for_bit_gpu():
+    checked = run_distributed(w.float8_gather_bits, WORLD, **GPU, timeout=300)[0]
+    assert checked["a.weight"] == 1024 * 4112
+
+
+def test_fp8_gather_with_uneven_shards_matches_one_process_gpu():
+    if gpu_backend() != "gloo":
+        pytest.skip("three ranks share the GPU over Gloo; NCCL takes one rank per GPU")
+    report = run_distributed(w.float8_gather_uneven, 3, **GPU, timeout=300)[0]
+    assert report["grad"] <= 1e-5
+
+
+def test_fp8_scales_follow_the_shards_gpu():
+    run_distributed(w.float8_gather_scales, WORLD, **GPU, timeout=300)

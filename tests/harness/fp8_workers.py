@@ -317,8 +317,9 @@ def _shard_fp8_gathered(model_fn=None, gather: bool = True, **kwargs) -> nn.Modu
                                        config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather),
                                        module_filter_fn=_not_pre)
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in (model.up, model.mid):
-        mfsdp.fully_shard(unit, mp_policy=mp, **kwargs)
+    for name in ("up", "mid"):  # inner units where the model has them, then the root
+        if hasattr(model, name):
+            mfsdp.fully_shard(getattr(model, name), mp_policy=mp, **kwargs)
     mfsdp.fully_shard(model, mp_policy=mp, **kwargs)
     return model
 
@@ -466,3 +467,54 @@ def float8_gather_estimate(rank: int, world: int) -> Dict:
         assert est.gathered_params == allocated, (gather, est.gathered_params, allocated)
         out["fp8" if gather else "bf16"] = allocated
     return out
+
+
+class Wide(nn.Module):
+    """Float8Linear weights of several kernel launches' worth of chunks (the fused amax
+    and fill kernels split pieces into 16384-element chunks, 256 chunks a launch), with
+    row counts that do not divide by the world."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 4112)
+        self.b = nn.Linear(4112, 1040, bias=False)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+
+def float8_gather_bits(rank: int, world: int) -> Dict:
+    """The gathered FP8 bytes and scales are torchao's: each weight's gathered data equals
+    hp_tensor_and_scale_to_float8 of its full fp32 master with torchao's precompute scale,
+    bit for bit (the fused CUDA kernels on GPU, ATen on CPU); the bias (bf16) its cast.
+    A NaN in a weight makes its scale NaN, as torchao's precompute does."""
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+
+    device = device_for_backend()
+    model = _shard_fp8_gathered(model_fn=Wide)
+    unit = model._fsdp_state.unit
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    model.unshard()
+    checked = {}
+    for i, spec in enumerate(unit.param_specs):
+        u = unit.unsharded_params[i]
+        master = full[spec.name].to(device)
+        if spec.name.endswith("weight"):
+            scale = amax_scale(master)
+            want = hp_tensor_and_scale_to_float8(master, scale, torch.float8_e4m3fn, None, GemmInputRole.WEIGHT)
+            assert torch.equal(u._scale, scale), (spec.name, u._scale, scale)
+            got, exp = u._data.view(torch.uint8), want._data.view(torch.uint8)
+            assert torch.equal(got, exp), f"{spec.name}: {(got != exp).sum().item()} FP8 bytes differ from torchao's"
+        else:
+            assert torch.equal(u.detach(), master.to(torch.bfloat16)), spec.name
+        checked[spec.name] = master.numel()
+    model.reshard()
+    nan = dict(full)
+    nan["a.weight"] = nan["a.weight"].clone()
+    nan["a.weight"][5, 7] = float("nan")
+    mfsdp.load_full_state_dict(model, nan)
+    mfsdp.refresh_fp8_scales(model)
+    scales = {spec.name: unit.fp8_scales[i].item() for i, spec in enumerate(unit.param_specs)}
+    assert scales["a.weight"] != scales["a.weight"], scales  # NaN
+    assert scales["b.weight"] == amax_scale(nan["b.weight"].to(device)).item(), scales
+    return checked

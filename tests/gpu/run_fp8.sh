@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# FP8 on a one-GPU machine, in one call per phase (device machine, repo root):
+#   OUT=... PHASE=tests bash tests/gpu/run_fp8.sh   build; tests/gpu/test_fp8_gpu.py at world 2
+#                                                   (Gloo, one GPU) and world 1 (NCCL); the
+#                                                   200-step numerics (benchmarks/fp8_numerics.py)
+#   OUT=... PHASE=bench bash tests/gpu/run_fp8.sh   build if needed; benchmarks/simulate.py --fp8
+#                                                   for ours, FSDP2 + torchao and local at world 1
+#                                                   and fake world 8
+# Carries torchao as a wheel in .whl/ (torch 2.11 there: torchao 0.17.0).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/mfsdp_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+status=0
+$PY -c "import torchao" 2>/dev/null || $PY -m pip install -q --no-deps .whl/torchao-${TORCHAO:-0.17.0}-*.whl \
+  >> "$OUT/env.txt" 2>&1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, torchao; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchao', torchao.__version__)"
+  git log --oneline -1 2>/dev/null
+} 2>&1 | tee -a "$OUT/env.txt"
+if ! $PY -c "import megatron_fsdp_ext._C" 2>/dev/null; then
+  start=$(date +%s)
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
+fi
+$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+case "${PHASE:-tests}" in
+  tests)
+    MFSDP_GPU_WORLD=2 MFSDP_GPU_BACKEND=gloo MFSDP_REQUIRE_GPU=1 timeout 400 $PY -m pytest -q -p no:cacheprovider \
+      -rs -n 4 tests/gpu/test_fp8_gpu.py --junitxml="$OUT/junit_fp8_gloo_w2.xml" > "$OUT/pytest_fp8_gloo_w2.log" 2>&1 \
+      || status=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fp8_gloo_w2.log" | tail -15
+    MFSDP_GPU_WORLD=1 MFSDP_GPU_BACKEND=nccl MFSDP_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider \
+      -rs tests/gpu/test_fp8_gpu.py --junitxml="$OUT/junit_fp8_nccl_w1.xml" > "$OUT/pytest_fp8_nccl_w1.log" 2>&1 \
+      || status=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fp8_nccl_w1.log" | tail -15
+    timeout 300 $PY benchmarks/fp8_numerics.py --nproc 1 --steps ${NUMERICS_STEPS:-200} --out "$OUT/fp8_numerics" \
+      > "$OUT/fp8_numerics.log" 2>&1 || status=1
+    tail -40 "$OUT/fp8_numerics.log"
+    ;;
+  bench)
+    for mode in ${FP8_MODES:-none tensorwise tensorwise_gather}; do
+      timeout ${SIM_TIMEOUT:-300} $PY benchmarks/simulate.py --points "${POINTS:-1.3b@1,8}" \
+        --systems ${SYSTEMS:-mfsdp,fsdp2,local} --fp8 $mode --steps ${STEPS:-10} --warmup 3 \
+        --out "$OUT/sim_fp8_$mode" 2>&1 | grep -v "Failed to load\|KernelPreference" | tee -a "$OUT/sim.log" || status=1
+    done
+    ;;
+esac
+echo "status=$status"
+exit $status
