@@ -29,7 +29,7 @@ def run(mode: str, args) -> dict:
            f"--master_port={args.port}", str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.steps),
            "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads),
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--fp8", mode,
-           "--out-dir", str(Path(args.out) / mode), "--metrics-json", str(out)]
+           "--out-dir", str(Path(args.work or args.out) / mode), "--metrics-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"{mode} failed ({proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29651)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="runs/fp8_numerics")
+    p.add_argument("--work", default="", help="where each run's checkpoint and plot go (default: --out)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     curves = {m: run(m, args)["losses"] for m in MODES}

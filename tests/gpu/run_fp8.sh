@@ -5,7 +5,8 @@
 #                                                   200-step numerics (benchmarks/fp8_numerics.py)
 #   OUT=... PHASE=bench bash tests/gpu/run_fp8.sh   build if needed; benchmarks/simulate.py --fp8
 #                                                   for ours, FSDP2 + torchao and local at world 1
-#                                                   and fake world 8
+#                                                   and fake world 8, all rows in $OUT/sim_fp8.json
+#   PHASE=all: both
 # Carries torchao as a wheel in .whl/ (torch 2.11 there: torchao 0.17.0).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -28,26 +29,45 @@ if ! $PY -c "import megatron_fsdp_ext._C" 2>/dev/null; then
   echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
 fi
 $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
-case "${PHASE:-tests}" in
-  tests)
+phase=${PHASE:-tests}
+case "$phase" in
+  tests|all)
     MFSDP_GPU_WORLD=2 MFSDP_GPU_BACKEND=gloo MFSDP_REQUIRE_GPU=1 timeout 400 $PY -m pytest -q -p no:cacheprovider \
-      -rs -n 4 tests/gpu/test_fp8_gpu.py --junitxml="$OUT/junit_fp8_gloo_w2.xml" > "$OUT/pytest_fp8_gloo_w2.log" 2>&1 \
+      -rs -n 4 tests/gpu/test_fp8_gpu.py > "$OUT/pytest_fp8_gloo_w2.log" 2>&1 \
       || status=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fp8_gloo_w2.log" | tail -15
     MFSDP_GPU_WORLD=1 MFSDP_GPU_BACKEND=nccl MFSDP_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider \
-      -rs tests/gpu/test_fp8_gpu.py --junitxml="$OUT/junit_fp8_nccl_w1.xml" > "$OUT/pytest_fp8_nccl_w1.log" 2>&1 \
+      -rs tests/gpu/test_fp8_gpu.py > "$OUT/pytest_fp8_nccl_w1.log" 2>&1 \
       || status=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fp8_nccl_w1.log" | tail -15
     timeout 300 $PY benchmarks/fp8_numerics.py --nproc 1 --steps ${NUMERICS_STEPS:-200} --out "$OUT/fp8_numerics" \
+      --work /tmp/fp8_numerics_runs \
       > "$OUT/fp8_numerics.log" 2>&1 || status=1
+    rm -f "$OUT"/fp8_numerics/metrics_*.json  # the curves are in fp8_numerics.json
     tail -40 "$OUT/fp8_numerics.log"
     ;;
-  bench)
-    for mode in ${FP8_MODES:-none tensorwise tensorwise_gather}; do
-      timeout ${SIM_TIMEOUT:-300} $PY benchmarks/simulate.py --points "${POINTS:-1.3b@1,8}" \
-        --systems ${SYSTEMS:-mfsdp,fsdp2,local} --fp8 $mode --steps ${STEPS:-10} --warmup 3 \
-        --out "$OUT/sim_fp8_$mode" 2>&1 | grep -v "Failed to load\|KernelPreference" | tee -a "$OUT/sim.log" || status=1
+esac
+case "$phase" in
+  bench|all)
+    # Rounds interleave the modes, so a drift of the machine shows as spread, not as a ratio.
+    for round in $(seq ${ROUNDS:-2}); do
+      for mode in ${FP8_MODES:-none tensorwise tensorwise_gather}; do
+        echo "round $round" >> "$OUT/sim.log"
+        timeout ${SIM_TIMEOUT:-300} $PY benchmarks/simulate.py --points "${POINTS:-1.3b@1,8}" \
+          --systems ${SYSTEMS:-mfsdp,fsdp2,local} --fp8 $mode --steps ${STEPS:-10} --warmup 3 \
+          --out "/tmp/sim_fp8_${mode}_r$round" 2>&1 | grep -v "Failed to load\|KernelPreference" \
+          | tee -a "$OUT/sim.log" || status=1
+      done
     done
+    # One file for all rows (the machine returns few files).
+    $PY - "$OUT/sim_fp8.json" /tmp/sim_fp8_*/simulate.json <<'PYEOF'
+import json, sys
+runs = [json.load(open(f)) for f in sys.argv[2:]]
+json.dump({"meta": [r["meta"] for r in runs],
+           "rows": [dict(row, round=int(f.rsplit("_r", 1)[1].split("/")[0])) for f, r in zip(sys.argv[2:], runs)
+                    for row in r["rows"]]},
+          open(sys.argv[1], "w"), indent=1)
+PYEOF
     ;;
 esac
 echo "status=$status"
