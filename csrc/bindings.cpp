@@ -300,7 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<GatherTransform>(m, "GatherTransform")
       .value("NONE", GatherTransform::kNone)
       .value("CAST", GatherTransform::kCast)
-      .value("FP8", GatherTransform::kFp8);
+      .value("FP8", GatherTransform::kFp8)
+      .value("MXFP8", GatherTransform::kMxfp8);
 
   py::class_<GatherBytes>(m, "GatherBytes", "Byte layout of a gather in dtypes of several widths (csrc/gather_bytes.h).")
       .def_readonly("param_starts", &GatherBytes::param_starts)
@@ -357,6 +358,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("gather_transform", &Unit::gather_transform)
       .def("set_fp8_gather", &Unit::set_fp8_gather, py::arg("params"), py::arg("fp8_dtype"),
            "Gather parameters `params` in FP8 with tensorwise scales (before bind_params).")
+      .def("set_mx_gather", &Unit::set_mx_gather, py::arg("params"), py::arg("block") = 32,
+           "Gather parameters `params` in MXFP8 from block-aligned shards (before bind_params).")
+      .def_property_readonly("mx_block", &Unit::mx_block)
+      .def_property_readonly("mx_data", &Unit::mx_data)
+      .def_property_readonly("mx_scales", &Unit::mx_scales)
+      .def("mx_scale_views", &Unit::mx_scale_views)
+      .def("mark_quantized", &Unit::mark_quantized)
       .def_property_readonly("gathers_bytes", &Unit::gathers_bytes)
       .def_property_readonly("gather_bytes", &Unit::gather_bytes, py::return_value_policy::copy)
       .def_property_readonly("fp8_scales", &Unit::fp8_scales)

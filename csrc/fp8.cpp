@@ -1,5 +1,6 @@
 #include "fp8.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace mfsdp {
@@ -56,16 +57,26 @@ void fp8_piece_amax(const at::Tensor& shard, const std::vector<GatherPiece>& pie
 }
 
 void fill_gather_bytes(at::Tensor& bytes, const at::Tensor& shard, const std::vector<GatherPiece>& pieces,
-                       const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype) {
+                       const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype,
+                       const at::Tensor& quantized) {
   MFSDP_CHECK(bytes.scalar_type() == at::kByte && bytes.dim() == 1 && bytes.is_contiguous(),
               "fill_gather_bytes: the destination must be contiguous 1-D uint8");
   MFSDP_CHECK(is_fp8_dtype(fp8_dtype), "fill_gather_bytes: ", fp8_dtype, " is not an FP8 dtype");
-  MFSDP_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.device() == shard.device(),
+  const bool any_fp8 = std::any_of(pieces.begin(), pieces.end(), [](const GatherPiece& p) { return p.fp8; });
+  MFSDP_CHECK(!any_fp8 || (scales.defined() && scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                           scales.device() == shard.device()),
               "fill_gather_bytes: scales must be 1-D float32 on ", shard.device());
-  check_pieces("fill_gather_bytes", shard, pieces, scales.numel());
+  for (const auto& p : pieces) {
+    MFSDP_CHECK(p.param >= 0 && (!p.fp8 || p.param < scales.numel()), "fill_gather_bytes: no scale for parameter ",
+                p.param);
+  }
+  check_pieces("fill_gather_bytes", shard, pieces, std::numeric_limits<int64_t>::max());
   const int64_t cast_width = c10::elementSize(cast_dtype);
   for (const auto& p : pieces) {
-    const int64_t width = p.fp8 ? 1 : cast_width;
+    MFSDP_CHECK(!p.copy || (quantized.defined() && quantized.scalar_type() == at::kByte &&
+                            quantized.numel() == shard.numel() && quantized.device() == shard.device()),
+                "fill_gather_bytes: a copied piece needs the quantized shard (uint8, one byte an element)");
+    const int64_t width = (p.fp8 || p.copy) ? 1 : cast_width;
     MFSDP_CHECK(p.byte_offset >= 0 && p.byte_offset + p.numel * width <= bytes.numel() &&
                     p.byte_offset % width == 0,
                 "fill_gather_bytes: piece of parameter ", p.param, " at byte ", p.byte_offset,
@@ -73,13 +84,18 @@ void fill_gather_bytes(at::Tensor& bytes, const at::Tensor& shard, const std::ve
   }
 #ifdef WITH_CUDA
   if (fused(shard, fp8_dtype, cast_dtype)) {
-    fill_gather_bytes_cuda(bytes, shard, pieces, scales, fp8_dtype, cast_dtype);
+    fill_gather_bytes_cuda(bytes, shard, pieces, scales, fp8_dtype, cast_dtype,
+                           quantized.defined() ? quantized : at::empty({0}, shard.options().dtype(at::kByte)));
     return;
   }
 #endif
   const double max = fp8_max(fp8_dtype);
   for (const auto& p : pieces) {
     if (p.numel == 0) continue;
+    if (p.copy) {
+      bytes.narrow(0, p.byte_offset, p.numel).copy_(quantized.narrow(0, p.shard_offset, p.numel));
+      continue;
+    }
     const auto src = shard.narrow(0, p.shard_offset, p.numel);
     const int64_t width = p.fp8 ? 1 : cast_width;
     auto dst = bytes.narrow(0, p.byte_offset, p.numel * width).view(p.fp8 ? fp8_dtype : cast_dtype);

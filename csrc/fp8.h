@@ -24,6 +24,7 @@ struct GatherPiece {
   int64_t byte_offset = 0;   // where its gathered copy starts in the destination bytes
   int64_t param = 0;         // its parameter's index: the slot of its scale and amax
   bool fp8 = false;          // quantized with its scale, else cast
+  bool copy = false;         // copied as bytes from the pre-quantized shard (MXFP8), else as above
 };
 
 bool is_fp8_dtype(at::ScalarType t);
@@ -33,9 +34,11 @@ bool is_fp8_dtype(at::ScalarType t);
 void fp8_piece_amax(const at::Tensor& shard, const std::vector<GatherPiece>& pieces, at::Tensor& amax);
 
 // Writes every piece of `shard` into `bytes` (uint8) at its byte offset: FP8 pieces as
-// saturate(x * scales[param]) in `fp8_dtype`, the others cast to `cast_dtype`.
+// saturate(x * scales[param]) in `fp8_dtype`, copy pieces as the bytes of `quantized`
+// (uint8, laid out like the shard: one byte an element), the others cast to `cast_dtype`.
 void fill_gather_bytes(at::Tensor& bytes, const at::Tensor& shard, const std::vector<GatherPiece>& pieces,
-                       const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype);
+                       const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype,
+                       const at::Tensor& quantized = {});
 
 // torchao's amax_to_scale for a float32 amax tensor (any shape).
 at::Tensor fp8_scales_from_amax(const at::Tensor& amax, at::ScalarType fp8_dtype, at::ScalarType master_dtype);
@@ -44,7 +47,8 @@ at::Tensor fp8_scales_from_amax(const at::Tensor& amax, at::ScalarType fp8_dtype
 // CUDA implementations (fp8_kernels.cu): contiguous float32/bfloat16/float16 shards.
 void fp8_piece_amax_cuda(const at::Tensor& shard, const std::vector<GatherPiece>& pieces, at::Tensor& amax);
 void fill_gather_bytes_cuda(at::Tensor& bytes, const at::Tensor& shard, const std::vector<GatherPiece>& pieces,
-                            const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype);
+                            const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype,
+                            const at::Tensor& quantized);
 #endif
 
 }  // namespace mfsdp

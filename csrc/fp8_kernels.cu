@@ -27,6 +27,7 @@ struct PieceLaunch {
   int64_t byte_offset[kMaxPiecesPerLaunch];
   int32_t param[kMaxPiecesPerLaunch];
   bool fp8[kMaxPiecesPerLaunch];
+  bool copy[kMaxPiecesPerLaunch];
   int16_t block_piece[kMaxBlocksPerLaunch];
   int32_t block_chunk[kMaxBlocksPerLaunch];
 };
@@ -67,12 +68,16 @@ __global__ void amax_kernel(PieceLaunch a, const Src* __restrict__ shard, float*
 
 template <typename Src, typename Cast, typename Fp8>
 __global__ void fill_kernel(PieceLaunch a, const Src* __restrict__ shard, uint8_t* __restrict__ bytes,
-                            const float* __restrict__ scales, float fp8_max) {
+                            const float* __restrict__ scales, float fp8_max, const uint8_t* __restrict__ quantized) {
   const int t = a.block_piece[blockIdx.x];
   const int64_t begin = static_cast<int64_t>(a.block_chunk[blockIdx.x]) * kChunkElems;
   const int64_t end = min(a.numel[t], begin + kChunkElems);
   const Src* src = shard + a.shard_offset[t];
-  if (a.fp8[t]) {
+  if (a.copy[t]) {
+    const uint8_t* from = quantized + a.shard_offset[t];
+    uint8_t* out = bytes + a.byte_offset[t];
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) out[i] = from[i];
+  } else if (a.fp8[t]) {
     Fp8* out = reinterpret_cast<Fp8*>(bytes + a.byte_offset[t]);
     const float s = scales[a.param[t]];
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
@@ -124,6 +129,7 @@ void for_each_launch(const std::vector<GatherPiece>& pieces, Take&& take, Launch
         args.byte_offset[slot] = p.byte_offset;
         args.param[slot] = static_cast<int32_t>(p.param);
         args.fp8[slot] = p.fp8;
+        args.copy[slot] = p.copy;
       }
       args.block_piece[n_blocks] = static_cast<int16_t>(slot);
       args.block_chunk[n_blocks] = static_cast<int32_t>(c);
@@ -150,11 +156,12 @@ void fp8_piece_amax_cuda(const at::Tensor& shard, const std::vector<GatherPiece>
 }
 
 void fill_gather_bytes_cuda(at::Tensor& bytes, const at::Tensor& shard, const std::vector<GatherPiece>& pieces,
-                            const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype) {
+                            const at::Tensor& scales, at::ScalarType fp8_dtype, at::ScalarType cast_dtype,
+                            const at::Tensor& quantized) {
   c10::cuda::CUDAGuard guard(shard.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(shard.device().index()).stream();
   const float max = fp8_dtype == at::kFloat8_e4m3fn ? 448.f : 57344.f;
-  auto scales_f = scales.contiguous();
+  auto scales_f = scales.defined() ? scales.contiguous() : at::ones({1}, shard.options().dtype(at::kFloat));
   dispatch_float(shard.scalar_type(), [&](auto src_tag) {
     using Src = decltype(src_tag);
     dispatch_float(cast_dtype, [&](auto cast_tag) {
@@ -164,7 +171,7 @@ void fill_gather_bytes_cuda(at::Tensor& bytes, const at::Tensor& shard, const st
         for_each_launch(pieces, [](const GatherPiece&) { return true; }, [&](PieceLaunch& args, int blocks) {
           fill_kernel<Src, Cast, Fp8><<<blocks, kThreads, 0, stream>>>(
               args, static_cast<const Src*>(shard.data_ptr()), bytes.data_ptr<uint8_t>(),
-              scales_f.data_ptr<float>(), max);
+              scales_f.data_ptr<float>(), max, quantized.data_ptr<uint8_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       };

@@ -21,11 +21,14 @@ enum class GatherTransform {
   kCast = 1,  // cast to the unit's param dtype before the all-gather (mixed precision)
   kFp8 = 2,   // quantized with its tensorwise scale into an FP8 dtype before the all-gather
               // (fp8.h); the unit's gather is then bytes (gather_bytes.h)
+  kMxfp8 = 3, // MXFP8: FP8 data and one E8M0 scale per block of 32, quantized per rank from
+              // its own whole blocks (block-aligned shards), gathered as bytes
 };
 inline const char* gather_transform_name(GatherTransform transform) {
   switch (transform) {
     case GatherTransform::kCast: return "cast";
     case GatherTransform::kFp8: return "fp8";
+    case GatherTransform::kMxfp8: return "mxfp8";
     default: return "none";
   }
 }

@@ -200,7 +200,9 @@ void Unit::make_unsharded_buffer() {
   // The unsharded buffer starts freed; nothing of the unit's full size is allocated
   // before the first unshard (a model built on the meta device never exists in full).
   const at::ScalarType dtype = gathers_bytes() ? at::kByte : param_dtype_;
-  const int64_t numel = gathers_bytes() ? gather_bytes_->total : layout_.total_numel();
+  // MXFP8: the data, then every rank's scale bytes (one a block) in rank order.
+  const int64_t numel = gathers_bytes() ? gather_bytes_->total + (mx_block_ ? layout_.total_numel() / mx_block_ : 0)
+                                        : layout_.total_numel();
   unsharded_nbytes_ = numel * static_cast<int64_t>(c10::elementSize(dtype));
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(device_.type()), /*resizable=*/false);
   storage.unsafeGetStorageImpl()->set_nbytes(unsharded_nbytes_);  // sized for the view below, no memory yet
@@ -210,12 +212,57 @@ void Unit::make_unsharded_buffer() {
 }
 
 void Unit::set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype) {
-  MFSDP_CHECK(!gathers_bytes(), "set_fp8_gather: unit '", label_, "' already gathers in FP8");
-  MFSDP_CHECK(sharded_params_.empty(), "set_fp8_gather: call it before bind_params");
-  MFSDP_CHECK_VALUE(is_fp8_dtype(fp8_dtype), "set_fp8_gather: ", fp8_dtype,
+  set_byte_gather(params, fp8_dtype, GatherTransform::kFp8);
+  fp8_scales_ = at::ones({layout_.num_params()}, sharded_flat_.options().dtype(at::kFloat));
+}
+
+void Unit::set_mx_gather(const std::vector<int64_t>& params, int64_t block) {
+  MFSDP_CHECK_VALUE(block > 0 && layout_.alignment() % block == 0, "set_mx_gather: unit '", label_,
+                    "' has alignment ", layout_.alignment(), ", not a multiple of the MX block ", block,
+                    ": shards would split blocks");
+  for (int64_t i : params) {
+    MFSDP_CHECK_VALUE(i >= 0 && i < layout_.num_params(), "set_mx_gather: parameter index ", i, " out of range");
+    const auto& shape = specs_[i].shape;
+    MFSDP_CHECK_VALUE(shape.size() >= 2 && shape.back() % block == 0, "set_mx_gather: parameter '", specs_[i].name,
+                      "' of shape ", shape, " is not a matrix whose last dim is a multiple of ", block);
+  }
+  mx_block_ = block;
+  set_byte_gather(params, at::kFloat8_e4m3fn, GatherTransform::kMxfp8);
+  const int64_t shard = sharded_flat_.numel();
+  mx_data_ = at::zeros({shard}, sharded_flat_.options().dtype(at::kByte));
+  mx_scales_ = at::zeros({shard / block}, sharded_flat_.options().dtype(at::kByte));
+}
+
+std::vector<at::Tensor> Unit::mx_scale_views() const {
+  MFSDP_CHECK(mx_block_ > 0, "unit '", label_, "' has no MXFP8 gather");
+  std::vector<at::Tensor> out(specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    if (specs_[i].transform != GatherTransform::kMxfp8) continue;
+    std::vector<int64_t> shape = specs_[i].shape;
+    shape.back() /= mx_block_;
+    auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
+                                                      unsharded_flat_.key_set(), unsharded_flat_.dtype());
+    v.unsafeGetTensorImpl()->set_sizes_and_strides(shape, c10::contiguous_strides(shape),
+                                                   mx_scales_offset() + layout_.param_offset(i) / mx_block_);
+    out[i] = std::move(v);
+  }
+  return out;
+}
+
+void Unit::mark_quantized() {
+  MFSDP_CHECK(gathers_bytes(), "unit '", label_, "' has no FP8 gather");
+  scales_generation_ = shard_generation_;
+  scales_version_ = sharded_flat_._version();
+  if (!aliases_shard()) stale_ = true;  // a kept or in-flight copy holds the old bytes
+}
+
+void Unit::set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype, GatherTransform transform) {
+  MFSDP_CHECK(!gathers_bytes(), "unit '", label_, "' already gathers in FP8");
+  MFSDP_CHECK(sharded_params_.empty(), "the FP8 gather is set before bind_params");
+  MFSDP_CHECK_VALUE(is_fp8_dtype(fp8_dtype), "the FP8 gather: ", fp8_dtype,
                     " is not an FP8 dtype (float8_e4m3fn or float8_e5m2)");
-  MFSDP_CHECK_VALUE(!params.empty(), "set_fp8_gather: no parameter to gather in FP8");
-  MFSDP_CHECK_VALUE(layout_.kind() == SegmentKind::kEven, "set_fp8_gather: unit '", label_,
+  MFSDP_CHECK_VALUE(!params.empty(), "the FP8 gather: no parameter to gather in FP8");
+  MFSDP_CHECK_VALUE(layout_.kind() == SegmentKind::kEven, "the FP8 gather: unit '", label_,
                     "' has an owner layout (layer-wise optimizer); the FP8 gather needs the even layout");
   std::vector<int64_t> widths(specs_.size(), static_cast<int64_t>(c10::elementSize(param_dtype_)));
   for (int64_t i : params) {
@@ -223,7 +270,7 @@ void Unit::set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8
                       " out of range [0, ", layout_.num_params(), ")");
     widths[i] = 1;
     specs_[i].gather_dtype = fp8_dtype;
-    specs_[i].transform = GatherTransform::kFp8;
+    specs_[i].transform = transform;
   }
   GatherBytes bytes = gather_bytes_of(layout_, widths);
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -235,14 +282,15 @@ void Unit::set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8
   for (size_t i = 0; i < specs_.size(); ++i) {
     const auto& sl = specs_[i].slice;
     if (sl.numel == 0) continue;
+    const bool one_byte = widths[i] == 1;
     gather_pieces_.push_back(GatherPiece{sl.shard_offset, sl.numel,
                                          bytes.param_starts[i] + sl.param_offset * widths[i] - bytes.segment_starts[r],
-                                         static_cast<int64_t>(i), widths[i] == 1});
+                                         static_cast<int64_t>(i), one_byte && transform == GatherTransform::kFp8,
+                                         one_byte && transform == GatherTransform::kMxfp8});
   }
   gather_bytes_ = std::move(bytes);
   fp8_dtype_ = fp8_dtype;
-  transform_ = GatherTransform::kFp8;
-  fp8_scales_ = at::ones({layout_.num_params()}, sharded_flat_.options().dtype(at::kFloat));
+  transform_ = transform;
   make_unsharded_buffer();
 }
 
@@ -260,7 +308,8 @@ void Unit::refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale) 
   std::vector<std::vector<Unit*>> by_group;  // in first-seen order: the same on every rank
   for (Unit* u : units) {
     MFSDP_CHECK(u != nullptr, "refresh_fp8_scales: a unit is None");
-    if (!u->gathers_bytes() || (only_stale && !u->fp8_scales_stale())) continue;
+    // MXFP8 units are quantized by Python (fp8.py) and need no all-reduce.
+    if (!u->fp8_scales_.defined() || (only_stale && !u->fp8_scales_stale())) continue;
     auto it = std::find_if(by_group.begin(), by_group.end(), [&](const std::vector<Unit*>& g) {
       return g.front()->ag_comm_.group().get() == u->ag_comm_.group().get() && g.front()->device_ == u->device_ &&
              g.front()->replicated() == u->replicated();
@@ -289,10 +338,7 @@ void Unit::refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale) 
       const int64_t k = u->layout_.num_params();
       u->fp8_scales_.copy_(fp8_scales_from_amax(amax.narrow(0, at, k), u->fp8_dtype_, u->orig_dtype_));
       at += k;
-      u->scales_generation_ = u->shard_generation_;
-      u->scales_version_ = u->sharded_flat_._version();
-      // A kept or in-flight copy was quantized with the old scales.
-      if (!u->aliases_shard()) u->stale_ = true;
+      u->mark_quantized();  // a kept or in-flight copy was quantized with the old scales
     }
   }
 }
@@ -608,7 +654,7 @@ at::Tensor Unit::gather_input(bool in_place) {
     at::Tensor input = in_place
         ? unsharded_flat_.narrow(0, gather_bytes_->segment_starts[r], gather_bytes_->segment_bytes[r])
         : at::empty({gather_bytes_->segment_bytes[r]}, unsharded_flat_.options());
-    fill_gather_bytes(input, sharded_flat_, gather_pieces_, fp8_scales_, fp8_dtype_, param_dtype_);
+    fill_gather_bytes(input, sharded_flat_, gather_pieces_, fp8_scales_, fp8_dtype_, param_dtype_, mx_data_);
     return input;
   }
   if (transform_ == GatherTransform::kNone) return sharded_flat_;
@@ -628,15 +674,24 @@ void Unit::unshard() {
   RECORD_USER_SCOPE(unshard_scope_.c_str());
   prepare_gather();
   if (replicated()) {  // a cast, no communication
-    if (gathers_bytes()) gather_input(/*in_place=*/true);
-    else unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
+    if (gathers_bytes()) {
+      gather_input(/*in_place=*/true);
+      if (mx_block_) unsharded_flat_.narrow(0, mx_scales_offset(), mx_scales_.numel()).copy_(mx_scales_);
+    } else {
+      unsharded_flat_.narrow(0, 0, sharded_flat_.numel()).copy_(sharded_flat_);
+    }
     state_ = UnitState::kUnsharded;
     return;
   }
   // The FP8 gather: ranks contribute unequal byte counts (gather_bytes.h).
   auto all_gather = [&](at::Tensor& input) {
     if (gathers_bytes()) {
-      ag_comm_.all_gather_v(unsharded_flat_, input, gather_bytes_->segment_starts, gather_bytes_->segment_bytes);
+      at::Tensor data = unsharded_flat_.narrow(0, 0, gather_bytes_->total);
+      ag_comm_.all_gather_v(data, input, gather_bytes_->segment_starts, gather_bytes_->segment_bytes);
+      if (mx_block_) {  // every rank's scale bytes, even (segments are whole blocks)
+        at::Tensor scales = unsharded_flat_.narrow(0, mx_scales_offset(), layout_.total_numel() / mx_block_);
+        ag_comm_.all_gather_flat(scales, mx_scales_);
+      }
     } else {
       ag_comm_.all_gather_flat(unsharded_flat_, input);
     }

@@ -74,13 +74,30 @@ class Unit {
   // (gather_bytes.h). The master shard, gradients and state dicts are unchanged. Called
   // once, before bind_params (the unsharded views change dtype).
   void set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype);
+  // MXFP8 with block-aligned shards: parameters `params` (each a matrix whose last dim is
+  // a multiple of `block`; the layout's alignment a multiple of `block`, so every rank's
+  // piece is whole blocks) are gathered as FP8 data and one E8M0 scale byte per block,
+  // both quantized by this rank from its own blocks: no amax all-reduce. The quantized
+  // shard (mx_data, mx_scales) is written by Python with torchao's own quantizer after
+  // each shard change (fp8.py), then mark_quantized(); the gather copies its bytes.
+  void set_mx_gather(const std::vector<int64_t>& params, int64_t block);
+  int64_t mx_block() const { return mx_block_; }
+  // uint8 laid out like the shard (one byte an element) / one byte a block of it.
+  const at::Tensor& mx_data() const { return mx_data_; }
+  const at::Tensor& mx_scales() const { return mx_scales_; }
+  // The gathered E8M0 scales of each MXFP8 parameter, shaped [rows..., last dim / block]
+  // (undefined for the others): views of the unsharded buffer.
+  std::vector<at::Tensor> mx_scale_views() const;
+  // The quantized shard (or the FP8 scales) now match the shard.
+  void mark_quantized();
   bool gathers_bytes() const { return gather_bytes_.has_value(); }
   const GatherBytes& gather_bytes() const;
   // One float32 scale per parameter (1 for those not in FP8): what the gather quantizes
   // with and what the gathered FP8 weights are read with (a view of each is the scale of
   // its unsharded Float8 tensor). Empty without the FP8 gather.
   const at::Tensor& fp8_scales() const { return fp8_scales_; }
-  // Whether the shard changed since the scales were computed (a gather then refuses).
+  // Whether the shard changed since the scales (MXFP8: the quantized shard) were computed
+  // (a gather then refuses).
   bool fp8_scales_stale() const;
   // Recomputes the scales of `units` (those with the FP8 gather; with `only_stale`, only
   // those whose scales are stale): each unit's amax over its shard (one fused launch),
@@ -261,6 +278,10 @@ class Unit {
                             const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
   // The unsharded buffer, sized (and typed) for the gather: the param dtype, or bytes.
   void make_unsharded_buffer();
+  // set_fp8_gather / set_mx_gather: parameters `params` gather one byte an element.
+  void set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype, GatherTransform transform);
+  // MXFP8: where the gathered scales start in the unsharded buffer (after the data).
+  int64_t mx_scales_offset() const { return gather_bytes_->total; }
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && transform_ == GatherTransform::kNone; }
   bool unsharded_is_stale() const {
@@ -321,6 +342,8 @@ class Unit {
   std::vector<GatherPiece> gather_pieces_;
   at::ScalarType fp8_dtype_ = at::kFloat8_e4m3fn;
   at::Tensor fp8_scales_;
+  int64_t mx_block_ = 0;         // MXFP8 block (0: no MXFP8 gather)
+  at::Tensor mx_data_, mx_scales_;
   uint64_t shard_generation_ = 0;         // bumped by every shard_changed()
   uint64_t scales_generation_ = ~uint64_t{0};
   uint32_t scales_version_ = 0;           // the shard's version counter when the scales were made

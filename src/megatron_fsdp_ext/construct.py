@@ -318,7 +318,8 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
                 f"fully_shard: parameter '{n}' is a tensor-parallel DTensor of torchao's FP8-gathered weight; the FP8 "
                 "all-gather does not combine with tensor parallelism yet. Convert with Float8LinearConfig("
                 "enable_fsdp_float8_all_gather=False) to gather in the param dtype")
-        if w is None and (hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather")):
+        if w is None and fp8.master_of(inner) is inner and \
+                (hasattr(inner, "fsdp_pre_all_gather") or hasattr(inner, "fsdp_post_all_gather")):
             # FSDP2's all-gather extension (torchao's FP8 gather among others): gathering
             # the plain values instead would train, but not as the subclass asked.
             raise NotImplementedError(
@@ -329,19 +330,20 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
             kind = "unsupported floating" if p.is_floating_point() else "non-floating"
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
                              f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
-    masters = [h if w is None else w.master for h, w in zip(held, fp8_weights)]
-    unit = _C.Unit([m.detach() for m in masters], names, pg, alignment,
+    masters = [fp8.master_of(h) for h in held]
+    unit = _C.Unit([m.detach() for m in masters], names, pg, fp8.alignment_for(alignment, fp8_weights),
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
     fp8.configure(unit, fp8_weights, names)
     param_dtype = mp_policy.param_dtype or masters[0].dtype
     sharded, unsharded = [], []
     locals_ = unit.unsharded_views()
+    mx_scales = unit.mx_scale_views() if unit.mx_block else None
     for i, (p, sview, uview) in enumerate(zip(params, unit.sharded_views(), locals_)):
         s = nn.Parameter(sview, requires_grad=p.requires_grad)
         if tp is not None and i in tp.specs:
             u = tp.wrap(i, uview, p.requires_grad)
         elif fp8_weights[i] is not None:
-            u = fp8.unsharded_param(unit, i, uview, fp8_weights[i], param_dtype, p.requires_grad)
+            u = fp8.unsharded_param(unit, i, uview, fp8_weights[i], param_dtype, p.requires_grad, mx_scales)
         else:
             u = nn.Parameter(uview, requires_grad=p.requires_grad)
         # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.

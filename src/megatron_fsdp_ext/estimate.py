@@ -11,7 +11,8 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
   - optimizer state: per element of each trainable parameter's shard, in the parameters'
     dtype (AdamW: 2, SGD with momentum: 1, "none": 0), the largest over ranks;
   - gathered parameters, in the compute dtype (one byte an element for weights torchao
-    asked to gather in FP8, fp8.py; the unit's byte layout, gather_bytes.h): every unit under strategies that keep them
+    asked to gather in FP8, fp8.py, plus a scale byte per 32 for MXFP8; the unit's byte
+    layout, gather_bytes.h): every unit under strategies that keep them
     (optim, optim_grads; no_shard only when it casts), else the root (gathered through
     the whole step) plus the largest unit 1 + prefetch_depth times;
   - reduction buffers: one unit's unsharded gradients (compute dtype) and two flat
@@ -160,7 +161,8 @@ def estimate_memory(
         b_param = (mp.param_dtype or orig).itemsize
         b_reduce = (mp.reduce_dtype or mp.param_dtype or orig).itemsize
         numels = [_full_numel(p) for p in unit]
-        layout = _C.FlatLayout.even(numels, 1 if replicated else shard, alignment)
+        fp8_weights = [fp8.fp8_weight(p) for p in unit]
+        layout = _C.FlatLayout.even(numels, 1 if replicated else shard, fp8.alignment_for(alignment, fp8_weights))
         seg, total = layout.max_segment_numel, layout.total_numel
         trains = [p.requires_grad for p in unit]
         params += seg * b_orig
@@ -171,9 +173,10 @@ def estimate_memory(
             grads += (total if full_grad_kept else seg) * b_orig
         for r in range(len(optim_by_rank)):
             optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
-        widths = [1 if fp8.is_fp8_weight(p) else b_param for p in unit]
-        if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard)
-            gathered = _C.gather_bytes_of(layout, widths).total
+        widths = [1 if w is not None else b_param for w in fp8_weights]
+        if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard), MXFP8 scales after it
+            mx = any(isinstance(w, fp8.MXWeight) for w in fp8_weights)
+            gathered = _C.gather_bytes_of(layout, widths).total + (layout.total_numel // fp8.MX_BLOCK if mx else 0)
         else:
             gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered

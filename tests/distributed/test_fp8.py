@@ -4,7 +4,10 @@ torchao):
   - the FP8 weight gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True), served
     by our gather transform, fp8.py) against FSDP2 + torchao's own FP8 gather, for every
     strategy; with uneven shards (where FSDP2 + torchao aborts) against one process using
-    torchao's quantization; its bytes, scales, memory estimate and refusals.
+    torchao's quantization; its bytes, scales, memory estimate and refusals;
+  - MXFP8 (torchao's MXFP8TrainingOpConfig, emulated matmuls) with block-aligned shards:
+    the gathered data and E8M0 scales against torchao's quantization of the whole weight,
+    training against FSDP2 + torchao's MXFP8 (bf16 gather).
 Losses, full gradients and parameters are compared step by step."""
 import pytest
 
@@ -58,3 +61,25 @@ def test_estimate_memory_counts_the_fp8_gather_buffers():
 
 def test_other_gather_extensions_tp_and_mixed_fp8_dtypes_are_refused():
     run_distributed(w.float8_gather_refusals, 2, timeout=120)
+
+
+_MX_MISSING = w.mx_missing()
+needs_mx = pytest.mark.skipif(bool(_MX_MISSING), reason=f"torchao's MXFP8 training does not import: {_MX_MISSING}")
+
+
+@needs_mx
+def test_mxfp8_block_aligned_gather_is_torchaos_quantization_bit_for_bit():
+    checked = run_distributed(w.mx_gather_bits, 3, timeout=300)[0]
+    assert checked == {"up.weight": 160 * 64, "down.weight": 96 * 160, "out.weight": 32 * 96}
+
+
+@needs_mx
+def test_mxfp8_gather_trains_like_fsdp2_with_torchao_mxfp8():
+    report = run_distributed(w.mx_parity, 2, timeout=300)[0]
+    assert report["first_loss_err"] == 0.0 and report["loss"] <= 2e-2
+
+
+@needs_mx
+def test_mxfp8_estimate_and_refusals():
+    run_distributed(w.mx_estimate, 2, timeout=300)
+    run_distributed(w.mx_refusals, 2, timeout=300)

@@ -4,6 +4,8 @@ suite's backend (tests/harness/fp8_workers.py):
   - the FP8 weight gather (our gather transform and its fused CUDA kernels) against FSDP2 +
     torchao's FP8 gather; its bytes and scales bit for bit against torchao's quantization;
     uneven shards against one process (three ranks, Gloo on one GPU); the scales' refresh.
+  - MXFP8 with block-aligned shards (emulated MX matmuls: no MX hardware before Blackwell):
+    gathered data and scales bit for bit against torchao, training against FSDP2 + torchao.
 Losses, gradients and parameters step by step."""
 import pytest
 
@@ -46,3 +48,21 @@ def test_fp8_gather_with_uneven_shards_matches_one_process_gpu():
 
 def test_fp8_scales_follow_the_shards_gpu():
     run_distributed(w.float8_gather_scales, WORLD, **GPU, timeout=300)
+
+
+def _mx():
+    missing = w.mx_missing()
+    if missing:
+        pytest.skip(f"torchao's MXFP8 training does not import here: {missing}")
+
+
+def test_mxfp8_block_aligned_gather_is_torchaos_quantization_bit_for_bit_gpu():
+    _mx()
+    checked = run_distributed(w.mx_gather_bits, WORLD, **GPU, timeout=300)[0]
+    assert checked == {"up.weight": 160 * 64, "down.weight": 96 * 160, "out.weight": 32 * 96}
+
+
+def test_mxfp8_gather_trains_like_fsdp2_with_torchao_mxfp8_gpu():
+    _mx()
+    report = run_distributed(w.mx_parity, WORLD, **GPU, timeout=300)[0]
+    assert report["first_loss_err"] == 0.0 and report["loss"] <= 2e-2

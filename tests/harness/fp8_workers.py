@@ -520,3 +520,185 @@ def float8_gather_bits(rank: int, world: int) -> Dict:
     assert scales["a.weight"] != scales["a.weight"], scales  # NaN
     assert scales["b.weight"] == amax_scale(nan["b.weight"].to(device)).item(), scales
     return checked
+
+
+# ------------------------------------------------------------------------------ MXFP8
+
+MX_ROWS = 32  # tokens per rank: torchao's MXFP8 backward quantizes along the token dim too
+
+
+class MXMLP(nn.Module):
+    """Weights whose last dims are multiples of 32 (MX blocks) and whose sizes do not split
+    evenly over 3 ranks; with `bias`, bf16 biases beside MX weights in a unit. (torchao's
+    MXFP8 weight wrapper drops F.linear's bias, so comparisons with torchao use none.)"""
+
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.up = nn.Linear(D_IN, 160, bias=bias)
+        self.down = nn.Linear(160, 96, bias=False)
+        self.out = nn.Linear(96, D_OUT, bias=bias)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.down(F.gelu(self.up(x)))))
+
+
+def mx_missing() -> str:
+    """'' when torchao's MXFP8 training imports here, else why not."""
+    try:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig  # noqa: F401
+        from torchao.prototype.moe_training.mxfp8_linear import mx_mm  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _mx_model(model_fn=None) -> nn.Module:
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    model = (model_fn or MXMLP)().to(device_for_backend())
+    # Emulated: the MX matmuls dequantize (no MX hardware before Blackwell); the quantization is the same.
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    return model
+
+
+def _shard_mx(model) -> nn.Module:
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mfsdp.fully_shard(model.up, mp_policy=mp)
+    mfsdp.fully_shard(model, mp_policy=mp)
+    return model
+
+
+def mx_gather_bits(rank: int, world: int) -> Dict:
+    """Block-aligned shards: every rank's piece of an MXFP8 weight is whole 32-element
+    blocks, so the gathered FP8 data and E8M0 scales, each rank quantizing only its own
+    blocks, equal torchao's MXTensor.to_mx of the whole bf16 weight bit for bit. No
+    all-reduce is issued for them."""
+    from megatron_fsdp_ext import _C
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    device = device_for_backend()
+    model = _shard_mx(_mx_model())
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    checked = {}
+    for prefix, m in (("up.", model.up), ("", model)):
+        unit = m._fsdp_state.unit
+        assert unit.mx_block == 32 and unit.layout.alignment % 32 == 0
+        for i, spec in enumerate(unit.param_specs):
+            if not str(spec.transform).endswith("MXFP8"):
+                continue
+            for r in range(world):
+                sl = unit.layout.shard_slice(i, r)
+                assert sl.param_offset % 32 == 0 and sl.numel % 32 == 0, (spec.name, r, sl.param_offset, sl.numel)
+    _C.reset_collective_counts()
+    model.up.unshard()
+    model.unshard()
+    assert _C.collective_counts()["all_reduce"][0] == 0  # no amax all-reduce
+    for prefix, m in (("up.", model.up), ("", model)):
+        unit = m._fsdp_state.unit
+        for i, spec in enumerate(unit.param_specs):
+            u = unit.unsharded_params[i]
+            master = full[prefix + spec.name].to(device)
+            if str(spec.transform).endswith("MXFP8"):
+                want = MXTensor.to_mx(master.to(torch.bfloat16), torch.float8_e4m3fn, 32, u._mx_config.scale_calculation_mode,
+                                      u._mx_config.kernel_preference)
+                got_d, want_d = u._mx_data.view(torch.uint8), want.qdata.view(torch.uint8)
+                got_s, want_s = u._mx_scale.view(torch.uint8), want.scale.view(torch.uint8).reshape(u._mx_scale.shape)
+                assert torch.equal(got_s, want_s), f"{spec.name}: {(got_s != want_s).sum().item()} E8M0 scales differ"
+                assert torch.equal(got_d, want_d), f"{spec.name}: {(got_d != want_d).sum().item()} FP8 bytes differ"
+                checked[prefix + spec.name] = master.numel()
+            else:
+                assert torch.equal(u.detach(), master.to(torch.bfloat16)), spec.name
+    model.up.reshard()
+    model.reshard()
+    return checked
+
+
+def mx_parity(rank: int, world: int, steps: int = 3) -> Dict:
+    """MXFP8 with the block-aligned MX gather (ours) against FSDP2 + torchao's MXFP8
+    (bf16 gather), same recipe, seed and data: the forward is the same computation on the
+    same FP8 values (first loss equal); backward's grad_input uses the weight dequantized
+    from its MX blocks (torchao: the bf16 weight), so gradients and later losses agree
+    within the MX quantization error, which this reports."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = device_for_backend()
+    if dist.get_backend() == "gloo" and device.type == "cuda":
+        route_functional_collectives_through_c10d()
+    def biasless():
+        return MXMLP(bias=False)
+    ours, theirs = _shard_mx(_mx_model(biasless)), _mx_model(biasless)
+    placements = placements_of(theirs)
+    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(theirs.up, mp_policy=torch_mp)
+    fully_shard(theirs, mp_policy=torch_mp)
+    if dist.get_backend() == "gloo":
+        for m in theirs.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(1)
+    report = {"first_loss_err": None, "loss": 0.0, "grad": 0.0}
+    for step in range(steps):
+        x, y = torch.randn(world * MX_ROWS, D_IN, generator=g), torch.randn(world * MX_ROWS, D_OUT, generator=g)
+        rows = slice(rank * MX_ROWS, (rank + 1) * MX_ROWS)
+        losses = []
+        for m in (ours, theirs):
+            loss = F.mse_loss(m(x[rows].to(device)).float(), y[rows].to(device))
+            loss.backward()
+            losses.append(loss.item())
+        err = abs(losses[0] - losses[1]) / abs(losses[1])
+        if step == 0:
+            report["first_loss_err"] = err
+            assert err == 0.0, f"first forward: loss {losses[0]} vs FSDP2 + torchao's {losses[1]}"
+        assert err <= 2e-2, f"step {step}: loss {losses[0]} vs FSDP2 + torchao's {losses[1]}"
+        report["loss"] = max(report["loss"], err)
+        report["grad"] = max(report["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 0.1,
+                                                                 f"step {step}, FSDP2 + torchao MXFP8"))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    sd = mfsdp.full_state_dict(ours, rank0_only=False)
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    return report
+
+
+def mx_refusals(rank: int, world: int) -> None:
+    """An MXFP8 weight whose last dim is not a multiple of 32 is refused by name; one unit
+    may not mix tensorwise FP8 and MXFP8 weights."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+
+    from .workers import expect_error
+
+    device = device_for_backend()
+    odd = nn.Linear(48, 64).to(device)
+    cfg = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    odd.weight = nn.Parameter(MXFP8TrainingWeightWrapperTensor(odd.weight.detach(), cfg))
+    expect_error(lambda: mfsdp.fully_shard(odd), ValueError, "weight", "multiple of 32")
+    mixed = _mx_model()
+    convert_to_float8_training(mixed, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda m, fqn: False)  # nothing: build a tensorwise one by hand
+    from torchao.float8.float8_linear import Float8Linear
+    tw = Float8Linear.from_float(nn.Linear(96, D_OUT).to(device),
+                                 config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mixed.out = tw
+    expect_error(lambda: mfsdp.fully_shard(mixed), ValueError, "both tensorwise FP8 and MXFP8")
+
+
+def mx_estimate(rank: int, world: int) -> int:
+    """estimate_memory's gathered bytes for MXFP8 units (strategy optim_grads keeps every
+    copy) equal what the units allocate: FP8 data, bf16 biases, one scale byte a block."""
+    model = _mx_model()
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    est = mfsdp.estimate_memory(model, world, unit_modules=[nn.Linear], sharding_strategy="optim_grads", mp_policy=mp)
+    for m in (model.up, model.down, model.out):
+        mfsdp.fully_shard(m, mp_policy=mp, sharding_strategy="optim_grads")
+    mfsdp.fully_shard(model, mp_policy=mp, sharding_strategy="optim_grads")
+    model(torch.randn(MX_ROWS, D_IN, device=device_for_backend())).float().sum().backward()
+    allocated = sum(m._fsdp_state.unit.unsharded_storage_bytes for m in (model.up, model.down, model.out))
+    assert est.gathered_params == allocated, (est.gathered_params, allocated)
+    return allocated
