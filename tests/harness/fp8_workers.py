@@ -49,10 +49,63 @@ def _float8(recipe: str) -> nn.Module:
     return convert_to_float8_training(model, config=config)
 
 
+def _shard_fsdp2(model: nn.Module, inner) -> nn.Module:
+    """FSDP2 over `inner` units and the root, bf16 parameters and fp32 reduction (sums on
+    Gloo, whose reduce-scatter has no average; FSDP2 divides after)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in inner:
+        fully_shard(unit, mp_policy=torch_mp)
+    fully_shard(model, mp_policy=torch_mp)
+    if dist.get_backend() == "gloo":
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _train_against_fsdp2(ours, theirs, rank: int, world: int, steps: int, what: str, *, rows: int = ROWS,
+                         tol: float = 1e-6, first_exact: bool = False, after_step=None) -> Dict:
+    """`steps` AdamW steps of both models on the same data (each rank its rows): losses and
+    full gradients compared each step (relative error <= tol; with first_exact the first
+    loss equal), parameters after; returns the worst errors."""
+    placements = placements_of(ours)  # no tensor parallelism: every parameter Replicate
+    device = device_for_backend()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(1)
+    worst = {"first_loss_err": None, "loss": 0.0, "grad": 0.0}
+    for step in range(steps):
+        x, y = torch.randn(world * rows, D_IN, generator=g), torch.randn(world * rows, D_OUT, generator=g)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        losses = []
+        for m in (ours, theirs):
+            loss = F.mse_loss(m(x[mine].to(device)).float(), y[mine].to(device))
+            loss.backward()
+            losses.append(loss.item())
+        err = abs(losses[0] - losses[1]) / abs(losses[1])
+        if step == 0:
+            worst["first_loss_err"] = err
+            assert not first_exact or err == 0.0, f"{what}, first forward: loss {losses[0]} vs {losses[1]}"
+        assert err <= tol, f"{what}, step {step}: loss {losses[0]} vs FSDP2's {losses[1]}"
+        worst["loss"] = max(worst["loss"], err)
+        worst["grad"] = max(worst["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, tol,
+                                                               f"{what}, step {step}"))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        if after_step is not None:
+            after_step()
+    worst_against_fsdp2(ours, theirs, "value", placements, None, tol, f"{what}, after the steps")
+    # Checkpoints and state dicts hold the fp32 master values, never FP8.
+    sd = mfsdp.full_state_dict(ours, rank0_only=False)
+    assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
+    return worst
+
+
 def float8_linear_parity(rank: int, world: int, recipes: List[str], steps: int = 3) -> Dict:
     """For each recipe: torchao Float8Linear layers sharded by ours and by FSDP2 (units:
     two layers and the root), bf16 parameters and fp32 reduction, AdamW."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8.float8_linear import Float8Linear
 
     device = device_for_backend()
@@ -62,42 +115,12 @@ def float8_linear_parity(rank: int, world: int, recipes: List[str], steps: int =
     for recipe in recipes:
         ours, theirs = _float8(recipe), _float8(recipe)
         assert sum(isinstance(m, Float8Linear) for m in ours.modules()) == 3
-        placements = placements_of(ours)
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in (ours.up, ours.mid):
             mfsdp.fully_shard(unit, mp_policy=mp)
         mfsdp.fully_shard(ours, mp_policy=mp)
-        torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in (theirs.up, theirs.mid):
-            fully_shard(unit, mp_policy=torch_mp)
-        fully_shard(theirs, mp_policy=torch_mp)
-        if dist.get_backend() == "gloo":  # Gloo's reduce-scatter has no average
-            for m in theirs.modules():
-                if hasattr(m, "set_force_sum_reduction_for_comms"):
-                    m.set_force_sum_reduction_for_comms(True)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-        g = torch.Generator().manual_seed(1)
-        worst = {"loss": 0.0, "grad": 0.0}
-        for step in range(steps):
-            x, y = torch.randn(world * ROWS, D_IN, generator=g), torch.randn(world * ROWS, D_OUT, generator=g)
-            rows = slice(rank * ROWS, (rank + 1) * ROWS)
-            losses = []
-            for m in (ours, theirs):
-                loss = F.mse_loss(m(x[rows].to(device)).float(), y[rows].to(device))
-                loss.backward()
-                losses.append(loss.item())
-            err = abs(losses[0] - losses[1]) / abs(losses[1])
-            assert err <= 1e-6, f"{recipe} step {step}: loss {losses[0]} vs FSDP2+torchao's {losses[1]}"
-            worst["loss"] = max(worst["loss"], err)
-            worst["grad"] = max(worst["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 1e-6,
-                                                                   f"{recipe} step {step}, FSDP2+torchao"))
-            for o in opts:
-                o.step()
-                o.zero_grad()
-        worst_against_fsdp2(ours, theirs, "value", placements, None, 1e-6, f"{recipe} after the steps")
-        # Checkpoints and state dicts hold the fp32 master values, never FP8.
-        sd = mfsdp.full_state_dict(ours, rank0_only=False)
-        assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
+        _shard_fsdp2(theirs, (theirs.up, theirs.mid))
+        worst = _train_against_fsdp2(ours, theirs, rank, world, steps, f"{recipe}, FSDP2 + torchao")
         report[recipe] = worst
     return report
 
@@ -131,7 +154,6 @@ def float8_gather_parity(rank: int, world: int, steps: int = 4, strategy: str = 
     """torchao's FP8 all-gather under ours (our gather transform) against FSDP2 + torchao
     (its fsdp_pre/post_all_gather, scales precomputed after each step): losses, gradients
     and parameters step by step; our gathers carry FP8 bytes for the weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
@@ -139,19 +161,11 @@ def float8_gather_parity(rank: int, world: int, steps: int = 4, strategy: str = 
     if dist.get_backend() == "gloo" and device.type == "cuda":
         route_functional_collectives_through_c10d()
     ours, theirs = _float8_gathered(model_fn=model_fn), _float8_gathered(model_fn=model_fn)
-    placements = placements_of(ours)
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in (ours.up, ours.mid):
         mfsdp.fully_shard(unit, mp_policy=mp, sharding_strategy=strategy)
     mfsdp.fully_shard(ours, mp_policy=mp, sharding_strategy=strategy)
-    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in (theirs.up, theirs.mid):
-        fully_shard(unit, mp_policy=torch_mp)
-    fully_shard(theirs, mp_policy=torch_mp)
-    if dist.get_backend() == "gloo":
-        for m in theirs.modules():
-            if hasattr(m, "set_force_sum_reduction_for_comms"):
-                m.set_force_sum_reduction_for_comms(True)
+    _shard_fsdp2(theirs, (theirs.up, theirs.mid))
     # Every weight of ours gathers in FP8, every bias in bf16.
     for m in (ours.up, ours.mid, ours):
         specs = m._fsdp_state.unit.param_specs
@@ -163,32 +177,11 @@ def float8_gather_parity(rank: int, world: int, steps: int = 4, strategy: str = 
         seen[module] = type(module.weight)
     linears = [m for n, m in ours.named_modules() if n and not list(m.children())]
     hooks = [m.register_forward_pre_hook(record) for m in linears]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    g = torch.Generator().manual_seed(1)
-    worst = {"loss": 0.0, "grad": 0.0}
-    for step in range(steps):
-        x, y = torch.randn(world * ROWS, D_IN, generator=g), torch.randn(world * ROWS, D_OUT, generator=g)
-        rows = slice(rank * ROWS, (rank + 1) * ROWS)
-        losses = []
-        for m in (ours, theirs):
-            loss = F.mse_loss(m(x[rows].to(device)).float(), y[rows].to(device))
-            loss.backward()
-            losses.append(loss.item())
-        err = abs(losses[0] - losses[1]) / abs(losses[1])
-        assert err <= 1e-6, f"step {step}: loss {losses[0]} vs FSDP2+torchao's {losses[1]}"
-        worst["loss"] = max(worst["loss"], err)
-        worst["grad"] = max(worst["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 1e-6,
-                                                               f"step {step}, FSDP2+torchao FP8 gather"))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        precompute_float8_dynamic_scale_for_fsdp(theirs)
+    worst = _train_against_fsdp2(ours, theirs, rank, world, steps, "FSDP2 + torchao FP8 gather",
+                                 after_step=lambda: precompute_float8_dynamic_scale_for_fsdp(theirs))
     for h in hooks:
         h.remove()
     assert all(t is Float8TrainingTensor for t in seen.values()), seen
-    worst_against_fsdp2(ours, theirs, "value", placements, None, 1e-6, "after the steps")
-    sd = mfsdp.full_state_dict(ours, rank0_only=False)
-    assert all(v.dtype == torch.float32 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
     return worst
 
 
@@ -623,6 +616,18 @@ def mx_gather_bits(rank: int, world: int) -> Dict:
                 checked[prefix + spec.name] = master.numel()
             else:
                 assert torch.equal(u.detach(), master.to(torch.bfloat16)), spec.name
+    # F.linear on the gathered weight is torchao's MXFP8 matmul of the whole bf16 weight,
+    # plus the bias (which torchao's own wrapper drops).
+    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+
+    unit = model.up._fsdp_state.unit
+    weight, bias = unit.unsharded_params
+    cfg = weight._mx_config
+    x = torch.randn(MX_ROWS, D_IN, device=device, dtype=torch.bfloat16)
+    want = _to_mxfp8_then_scaled_mm(x, full["up.weight"].to(device, torch.bfloat16), cfg.kernel_preference,
+                                    cfg.scale_calculation_mode) + full["up.bias"].to(device, torch.bfloat16)
+    got = F.linear(x, weight, bias)
+    assert torch.equal(got, want), f"F.linear on the MXFP8-gathered weight: max diff {(got - want).abs().max()}"
     model.up.reshard()
     model.reshard()
     return checked
@@ -634,47 +639,16 @@ def mx_parity(rank: int, world: int, steps: int = 3) -> Dict:
     same FP8 values (first loss equal); backward's grad_input uses the weight dequantized
     from its MX blocks (torchao: the bf16 weight), so gradients and later losses agree
     within the MX quantization error, which this reports."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     device = device_for_backend()
     if dist.get_backend() == "gloo" and device.type == "cuda":
         route_functional_collectives_through_c10d()
+
     def biasless():
         return MXMLP(bias=False)
     ours, theirs = _shard_mx(_mx_model(biasless)), _mx_model(biasless)
-    placements = placements_of(theirs)
-    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(theirs.up, mp_policy=torch_mp)
-    fully_shard(theirs, mp_policy=torch_mp)
-    if dist.get_backend() == "gloo":
-        for m in theirs.modules():
-            if hasattr(m, "set_force_sum_reduction_for_comms"):
-                m.set_force_sum_reduction_for_comms(True)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    g = torch.Generator().manual_seed(1)
-    report = {"first_loss_err": None, "loss": 0.0, "grad": 0.0}
-    for step in range(steps):
-        x, y = torch.randn(world * MX_ROWS, D_IN, generator=g), torch.randn(world * MX_ROWS, D_OUT, generator=g)
-        rows = slice(rank * MX_ROWS, (rank + 1) * MX_ROWS)
-        losses = []
-        for m in (ours, theirs):
-            loss = F.mse_loss(m(x[rows].to(device)).float(), y[rows].to(device))
-            loss.backward()
-            losses.append(loss.item())
-        err = abs(losses[0] - losses[1]) / abs(losses[1])
-        if step == 0:
-            report["first_loss_err"] = err
-            assert err == 0.0, f"first forward: loss {losses[0]} vs FSDP2 + torchao's {losses[1]}"
-        assert err <= 2e-2, f"step {step}: loss {losses[0]} vs FSDP2 + torchao's {losses[1]}"
-        report["loss"] = max(report["loss"], err)
-        report["grad"] = max(report["grad"], worst_against_fsdp2(ours, theirs, "grad", placements, None, 0.1,
-                                                                 f"step {step}, FSDP2 + torchao MXFP8"))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    sd = mfsdp.full_state_dict(ours, rank0_only=False)
-    assert all(v.dtype == torch.float32 for v in sd.values())
-    return report
+    _shard_fsdp2(theirs, (theirs.up,))
+    return _train_against_fsdp2(ours, theirs, rank, world, steps, "FSDP2 + torchao MXFP8", rows=MX_ROWS,
+                                tol=2e-2, first_exact=True)
 
 
 def mx_refusals(rank: int, world: int) -> None:
