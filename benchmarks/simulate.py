@@ -22,6 +22,8 @@ With --fp8 the blocks' linear layers are torchao Float8Linear (tensorwise scalin
 "tensorwise" gathers their weights in bf16, "tensorwise_gather" in FP8 (ours: our gather
 transform; FSDP2: torchao's fsdp_pre/post_all_gather, with
 precompute_float8_dynamic_scale_for_fsdp after each optimizer step; local: no gather).
+With --compile every block is compiled (inductor) after sharding (local: after building),
+as torchao's FP8 recipes expect.
 """
 from __future__ import annotations
 
@@ -230,6 +232,9 @@ def measure(args, world: int) -> dict:
                     m.reset_parameters()
     else:
         raise SystemExit(f"unknown system {args.system!r}")
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     sync()
     init_s = time.perf_counter() - t0
     init_peak = peak()
@@ -281,7 +286,7 @@ def measure(args, world: int) -> dict:
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp, "fp8": args.fp8,
+        "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp, "fp8": args.fp8, "compile": args.compile,
         "init_s": init_s, "init_peak_gib": init_peak / 2**30,
         "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
         "step_ms": statistics.median(r["step_ms"] for r in rows),
@@ -316,12 +321,14 @@ def measure(args, world: int) -> dict:
 
 def run_system(system: str, config: str, worlds, args) -> list:
     """`system` on `config` at every world in `worlds`, in a process of its own."""
-    tag = (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_fp8-{args.fp8}" if args.fp8 != "none" else "")
+    tag = (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_fp8-{args.fp8}" if args.fp8 != "none" else "") + \
+        ("_compiled" if args.compile else "")
     out = Path(args.out) / f"{system}_{config.replace('/', '-')}{tag}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)]
+           "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)] + \
+        (["--compile"] if args.compile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -348,6 +355,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rank", type=int, default=0, help="the rank the process plays")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a (W/T, T) mesh)")
+    p.add_argument("--compile", action="store_true", help="compile every block (inductor) after sharding")
     p.add_argument("--fp8", choices=FP8_MODES, default="none",
                    help="torchao Float8Linear blocks: bf16 weight gather (tensorwise) or FP8 (tensorwise_gather)")
     p.add_argument("--out", default="runs/simulate")
@@ -371,7 +379,7 @@ def main() -> None:
             "host": platform.node(), "commit": os.environ.get("MFSDP_COMMIT"),
             "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
             "backend": f"fake (rank {args.rank} of W, one process per system and config)", "tp": args.tp,
-            "fp8": args.fp8,
+            "fp8": args.fp8, "compile": args.compile,
             "steps": f"{args.warmup} warm-up + {args.steps} timed (median), then 1 profiled step"}
     for item in args.points.split():
         config, _, worlds = item.partition("@")

@@ -50,6 +50,10 @@ def test_fp8_gather_halves_the_gathered_bytes():
     assert all(0.5 < a / b <= 0.51 for a, b in zip(fp8["unsharded"], bf16["unsharded"])), report
 
 
+def test_fp8_gather_under_torch_compile_trains_as_eager():
+    run_distributed(w.float8_gather_compiled, 2, "aot_eager", timeout=300)
+
+
 def test_fp8_scales_follow_the_shards():
     run_distributed(w.float8_gather_scales, 2, timeout=300)
 

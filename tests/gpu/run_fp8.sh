@@ -54,7 +54,7 @@ case "$phase" in
       for mode in ${FP8_MODES:-none tensorwise tensorwise_gather}; do
         echo "round $round" >> "$OUT/sim.log"
         timeout ${SIM_TIMEOUT:-300} $PY benchmarks/simulate.py --points "${POINTS:-1.3b@1,8}" \
-          --systems ${SYSTEMS:-mfsdp,fsdp2,local} --fp8 $mode --steps ${STEPS:-10} --warmup 3 \
+          --systems ${SYSTEMS:-mfsdp,fsdp2,local} --fp8 $mode --steps ${STEPS:-10} --warmup 3 ${SIM_ARGS:-} \
           --out "/tmp/sim_fp8_${mode}_r$round" 2>&1 | grep -v "Failed to load\|KernelPreference" \
           | tee -a "$OUT/sim.log" || status=1
       done

@@ -46,6 +46,10 @@ def test_fp8_gather_with_uneven_shards_matches_one_process_gpu():
     assert report["grad"] <= 1e-5
 
 
+def test_fp8_gather_under_torch_compile_trains_as_eager_gpu():
+    run_distributed(w.float8_gather_compiled, WORLD, "inductor", **GPU, timeout=400)
+
+
 def test_fp8_scales_follow_the_shards_gpu():
     run_distributed(w.float8_gather_scales, WORLD, **GPU, timeout=300)
 

@@ -522,7 +522,7 @@ MX_ROWS = 32  # tokens per rank: torchao's MXFP8 backward quantizes along the to
 
 class MXMLP(nn.Module):
     """Weights whose last dims are multiples of 32 (MX blocks) and whose sizes do not split
-    evenly over 3 ranks; with `bias`, bf16 biases beside MX weights in a unit. (torchao's
+    evenly over 3 ranks; a 16-element gain; with `bias`, bf16 biases beside MX weights in a unit. (torchao's
     MXFP8 weight wrapper drops F.linear's bias, so comparisons with torchao use none.)"""
 
     def __init__(self, bias: bool = True):
@@ -530,9 +530,12 @@ class MXMLP(nn.Module):
         self.up = nn.Linear(D_IN, 160, bias=bias)
         self.down = nn.Linear(160, 96, bias=False)
         self.out = nn.Linear(96, D_OUT, bias=bias)
+        # A parameter smaller than one MX block (16 elements), gathered in bf16 in the
+        # root unit beside MXFP8 weights.
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, D_OUT // 2))
 
     def forward(self, x):
-        return self.out(F.gelu(self.down(F.gelu(self.up(x)))))
+        return self.out(F.gelu(self.down(F.gelu(self.up(x))))) * self.gain.repeat(2)
 
 
 def mx_missing() -> str:
@@ -685,6 +688,35 @@ def mx_estimate(rank: int, world: int) -> int:
         mfsdp.fully_shard(m, mp_policy=mp, sharding_strategy="optim_grads")
     mfsdp.fully_shard(model, mp_policy=mp, sharding_strategy="optim_grads")
     model(torch.randn(MX_ROWS, D_IN, device=device_for_backend())).float().sum().backward()
-    allocated = sum(m._fsdp_state.unit.unsharded_storage_bytes for m in (model.up, model.down, model.out))
+    allocated = sum(m._fsdp_state.unit.unsharded_storage_bytes for m in (model.up, model.down, model.out, model))
     assert est.gathered_params == allocated, (est.gathered_params, allocated)
     return allocated
+
+
+def float8_gather_compiled(rank: int, world: int, backend: str = "aot_eager") -> List[float]:
+    """The FP8 gather under torch.compile: the sharded Float8Linear units compiled with
+    fullgraph=True train exactly as the same model in eager (losses and parameters)."""
+    device = device_for_backend()
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _shard_fp8_gathered()
+        if compiled:
+            for m in (model.up, model.mid):
+                m.compile(fullgraph=True, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(ROWS, D_IN, generator=g), torch.randn(ROWS, D_OUT, generator=g)
+            loss = F.mse_loss(model(x.to(device)).float(), y.to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, mfsdp.full_state_dict(model, rank0_only=False)))
+    (eager, eager_sd), (comp, comp_sd) = runs
+    assert comp == eager, f"compiled losses {comp} vs eager {eager}"
+    for k, v in eager_sd.items():
+        assert torch.equal(comp_sd[k], v), f"'{k}' differs after compiled training"
+    return comp
