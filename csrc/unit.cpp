@@ -330,8 +330,13 @@ void Unit::refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale) 
     }
     // Replicated units hold every element: their amax is already the global one.
     if (!lead.replicated() && lead.ag_comm_.size() > 1) {
+      // Reduced as int32 bits: non-negative floats order like their bits, and a NaN made
+      // the positive quiet NaN sorts above +inf, so one rank's NaN reaches every rank
+      // whatever the backend's float max does with NaN (NCCL's drops it).
+      amax.masked_fill_(amax.isnan(), std::numeric_limits<float>::quiet_NaN());
+      at::Tensor bits = amax.view(at::kInt);
       lead.run_collective(CollectivePhase::kAllReduceFp8Amax, lead.ag_comm_, n,
-                          [&] { lead.ag_comm_.all_reduce(amax, c10d::ReduceOp::MAX); });
+                          [&] { lead.ag_comm_.all_reduce(bits, c10d::ReduceOp::MAX); });
     }
     at = 0;
     for (Unit* u : group) {

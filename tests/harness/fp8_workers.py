@@ -504,14 +504,18 @@ def float8_gather_bits(rank: int, world: int) -> Dict:
             assert torch.equal(u.detach(), master.to(torch.bfloat16)), spec.name
         checked[spec.name] = master.numel()
     model.reshard()
-    nan = dict(full)
-    nan["a.weight"] = nan["a.weight"].clone()
-    nan["a.weight"][5, 7] = float("nan")
-    mfsdp.load_full_state_dict(model, nan)
-    mfsdp.refresh_fp8_scales(model)
-    scales = {spec.name: unit.fp8_scales[i].item() for i, spec in enumerate(unit.param_specs)}
-    assert scales["a.weight"] != scales["a.weight"], scales  # NaN
-    assert scales["b.weight"] == amax_scale(nan["b.weight"].to(device)).item(), scales
+    # NaN on the first rank's piece, then on the last rank's: each must reach every rank
+    # (a backend's float max may drop NaN: NCCL's does).
+    for name, where in (("a.weight", (5, 7)), ("b.weight", (-1, -1))):
+        nan = dict(full)
+        nan[name] = nan[name].clone()
+        nan[name][where] = float("nan")
+        mfsdp.load_full_state_dict(model, nan)
+        mfsdp.refresh_fp8_scales(model)
+        scales = {spec.name: unit.fp8_scales[i].item() for i, spec in enumerate(unit.param_specs)}
+        other = "b.weight" if name == "a.weight" else "a.weight"
+        assert scales[name] != scales[name], (name, scales)  # NaN
+        assert scales[other] == amax_scale(nan[other].to(device)).item(), (name, scales)
     return checked
 
 
