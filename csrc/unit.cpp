@@ -673,9 +673,13 @@ at::Tensor Unit::gather_input(bool in_place) {
 
 void Unit::unshard() {
   if (!needs_gather()) return;
-  MFSDP_CHECK(!fp8_scales_stale(), "unit '", label_, "': its FP8 scales are older than its shard (an optimizer "
-              "step or a load since they were computed); the root's forward, unshard() and start_param_sync() "
-              "refresh them first (megatron_fsdp_ext.refresh_fp8_scales(model) does it by hand)");
+  // Normally refreshed for the whole model before any gather (fp8.py); a shard changed
+  // since (e.g. `p.data = x` adopted just above) is refreshed here, for this unit alone:
+  // every rank gathers it at this point, so the all-reduce pairs up.
+  if (fp8_scales_.defined() && fp8_scales_stale()) refresh_fp8_scales({this}, /*only_stale=*/true);
+  MFSDP_CHECK(!fp8_scales_stale(), "unit '", label_, "': its quantized MXFP8 shard is older than its shard (a load "
+              "or a write since it was made); the root's forward, unshard() and start_param_sync() quantize it "
+              "first (megatron_fsdp_ext.refresh_fp8_scales(model) does it by hand)");
   RECORD_USER_SCOPE(unshard_scope_.c_str());
   prepare_gather();
   if (replicated()) {  // a cast, no communication

@@ -96,8 +96,9 @@ class Unit {
   // with and what the gathered FP8 weights are read with (a view of each is the scale of
   // its unsharded Float8 tensor). Empty without the FP8 gather.
   const at::Tensor& fp8_scales() const { return fp8_scales_; }
-  // Whether the shard changed since the scales (MXFP8: the quantized shard) were computed
-  // (a gather then refuses).
+  // Whether the shard changed since the scales (MXFP8: the quantized shard) were computed.
+  // A gather then refreshes this unit's tensorwise scales itself (collective), and
+  // refuses a stale MXFP8 shard (quantized in Python).
   bool fp8_scales_stale() const;
   // Recomputes the scales of `units` (those with the FP8 gather; with `only_stale`, only
   // those whose scales are stale): each unit's amax over its shard (one fused launch),

@@ -344,11 +344,9 @@ def float8_gather_bytes(rank: int, world: int) -> Dict:
 
 def float8_gather_scales(rank: int, world: int) -> None:
     """When the scales are computed: after the optimizer step (its hook), before a
-    forward that follows a load (stale), by refresh_fp8_scales; a gather with stale scales
-    refuses. Each scale is torchao's for the full fp32 weight."""
+    forward that follows a load (stale), by refresh_fp8_scales, and by a gather of a stale
+    unit (that unit alone). Each scale is torchao's for the full fp32 weight."""
     from torchao.float8.float8_utils import amax_to_scale
-
-    from .workers import expect_error
 
     device = device_for_backend()
     model = _shard_fp8_gathered()
@@ -377,7 +375,11 @@ def float8_gather_scales(rank: int, world: int) -> None:
     sd = {k: v * 3 for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
     mfsdp.load_full_state_dict(model, sd)
     assert all(u.fp8_scales_stale for u in units.values())
-    expect_error(lambda: units["up"].unshard(), RuntimeError, "FP8 scales are older than its shard")
+    # A gather of a stale unit (here the C++ unit's own unshard) refreshes that unit alone.
+    units["up"].unshard()
+    units["up"].wait_unshard()
+    assert not units["up"].fp8_scales_stale and units["mid"].fp8_scales_stale
+    units["up"].reshard()
     mfsdp.refresh_fp8_scales(model)
     check_scales("refresh_fp8_scales")
     mfsdp.load_full_state_dict(model, sd)
@@ -637,6 +639,15 @@ def mx_gather_bits(rank: int, world: int) -> Dict:
     assert torch.equal(got, want), f"F.linear on the MXFP8-gathered weight: max diff {(got - want).abs().max()}"
     model.up.reshard()
     model.reshard()
+    # A load makes the quantized shard stale: a gather of the C++ unit refuses (it is
+    # quantized in Python) until refresh_fp8_scales or the root's forward re-quantizes.
+    from .workers import expect_error
+
+    mfsdp.load_full_state_dict(model, {k: v * 2 for k, v in full.items()})
+    assert unit.fp8_scales_stale
+    expect_error(lambda: unit.unshard(), RuntimeError, "quantized MXFP8 shard is older than its shard")
+    mfsdp.refresh_fp8_scales(model)
+    assert not unit.fp8_scales_stale
     return checked
 
 
