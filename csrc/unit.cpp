@@ -240,11 +240,7 @@ std::vector<at::Tensor> Unit::mx_scale_views() const {
     if (specs_[i].transform != GatherTransform::kMxfp8) continue;
     std::vector<int64_t> shape = specs_[i].shape;
     shape.back() /= mx_block_;
-    auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
-                                                      unsharded_flat_.key_set(), unsharded_flat_.dtype());
-    v.unsafeGetTensorImpl()->set_sizes_and_strides(shape, c10::contiguous_strides(shape),
-                                                   mx_scales_offset() + layout_.param_offset(i) / mx_block_);
-    out[i] = std::move(v);
+    out[i] = unsharded_view(at::kByte, shape, mx_scales_offset() + layout_.param_offset(i) / mx_block_);
   }
   return out;
 }
@@ -266,7 +262,7 @@ void Unit::set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp
                     "' has an owner layout (layer-wise optimizer); the FP8 gather needs the even layout");
   std::vector<int64_t> widths(specs_.size(), static_cast<int64_t>(c10::elementSize(param_dtype_)));
   for (int64_t i : params) {
-    MFSDP_CHECK_VALUE(i >= 0 && i < layout_.num_params(), "set_fp8_gather: parameter index ", i,
+    MFSDP_CHECK_VALUE(i >= 0 && i < layout_.num_params(), "the FP8 gather: parameter index ", i,
                       " out of range [0, ", layout_.num_params(), ")");
     widths[i] = 1;
     specs_[i].gather_dtype = fp8_dtype;
@@ -274,7 +270,7 @@ void Unit::set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp
   }
   GatherBytes bytes = gather_bytes_of(layout_, widths);
   for (size_t i = 0; i < specs_.size(); ++i) {
-    MFSDP_CHECK_VALUE(bytes.param_starts[i] % widths[i] == 0, "set_fp8_gather: parameter '", specs_[i].name,
+    MFSDP_CHECK_VALUE(bytes.param_starts[i] % widths[i] == 0, "the FP8 gather: parameter '", specs_[i].name,
                       "' would start at byte ", bytes.param_starts[i], ", not a multiple of its ", widths[i],
                       "-byte dtype; use an alignment of at least 16 elements");
   }
@@ -359,24 +355,28 @@ std::vector<at::Tensor> Unit::sharded_views() const {
   return out;
 }
 
-std::vector<at::Tensor> Unit::unsharded_views() const {
-  // Each view is a fresh TensorImpl on the flat storage (not view(), not set_()):
+at::Tensor Unit::unsharded_view(at::ScalarType dtype, const std::vector<int64_t>& shape, int64_t offset) const {
+  // A fresh TensorImpl on the flat storage (not view(), not set_()):
   //  - it has its own version counter, so writing the flat buffer (all-gather) does
   //    not invalidate tensors autograd saved from it;
   //  - nothing reads or resizes the storage, which may be freed (set_() would
   //    re-allocate the whole buffer just to check the view fits).
+  auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
+                                                    unsharded_flat_.key_set(), c10::scalarTypeToTypeMeta(dtype));
+  v.unsafeGetTensorImpl()->set_sizes_and_strides(shape, c10::contiguous_strides(shape), offset);
+  return v;
+}
+
+std::vector<at::Tensor> Unit::unsharded_views() const {
   // With the FP8 gather the buffer is bytes: each view takes its gathered dtype at its
-  // byte offset (aligned to its width: set_fp8_gather).
+  // byte offset (aligned to its width: set_byte_gather).
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     const at::ScalarType dtype = gathers_bytes() ? specs_[i].gather_dtype : unsharded_flat_.scalar_type();
     const int64_t offset = gathers_bytes()
         ? gather_bytes_->param_starts[i] / static_cast<int64_t>(c10::elementSize(dtype))
         : layout_.param_offset(i);
-    auto v = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(unsharded_flat_.storage()),
-                                                      unsharded_flat_.key_set(), c10::scalarTypeToTypeMeta(dtype));
-    v.unsafeGetTensorImpl()->set_sizes_and_strides(specs_[i].shape, c10::contiguous_strides(specs_[i].shape), offset);
-    out.push_back(std::move(v));
+    out.push_back(unsharded_view(dtype, specs_[i].shape, offset));
   }
   return out;
 }

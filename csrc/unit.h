@@ -279,6 +279,9 @@ class Unit {
                             const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
   // The unsharded buffer, sized (and typed) for the gather: the param dtype, or bytes.
   void make_unsharded_buffer();
+  // A tensor of `dtype` and `shape` at element `offset` (in `dtype`) of the unsharded
+  // storage, with a version counter of its own.
+  at::Tensor unsharded_view(at::ScalarType dtype, const std::vector<int64_t>& shape, int64_t offset) const;
   // set_fp8_gather / set_mx_gather: parameters `params` gather one byte an element.
   void set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype, GatherTransform transform);
   // MXFP8: where the gathered scales start in the unsharded buffer (after the data).

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from . import _C
+from .param_index import iter_states
 
 # torchao's attributes of a WeightWithDynamicFloat8CastTensor: not user attributes to copy
 # onto the plain parameters that replace it.
@@ -183,7 +184,7 @@ def quantize_mx_shard(unit) -> None:
     views = unit.sharded_views()
     dim0, _ = _mx_cast_choices()
     for i, (spec, u) in enumerate(zip(unit.param_specs, unit.unsharded_params)):
-        if str(spec.transform) != "GatherTransform.MXFP8" or spec.slice.numel == 0:
+        if spec.transform != _C.GatherTransform.MXFP8 or spec.slice.numel == 0:
             continue
         cfg = u._mx_config
         piece = views[i].to(unit.param_dtype).reshape(-1, block)
@@ -274,10 +275,4 @@ def refresh_fp8_scales(model: nn.Module) -> None:
     a training loop: the optimizer step, unshard() and the root's forward do it when the
     shards changed. torchao's precompute_float8_dynamic_scale_for_fsdp finds nothing to
     do on our units (their weights are plain between steps) and can stay in the loop."""
-    seen, units = set(), []
-    for m in model.modules():
-        state = m.__dict__.get("_mfsdp_state")
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            units.append(state.unit)
-    refresh_units(units, only_stale=False)
+    refresh_units([state.unit for state in iter_states(model)], only_stale=False)
