@@ -6,8 +6,10 @@
 #include "backend.h"
 #include "comm.h"
 #include "comm_context.h"
+#include "cpu_optim.h"
 #include "dtypes.h"
 #include "gather_bytes.h"
+#include "host_memory.h"
 #include "layout.h"
 #include "pack.h"
 #include "param_spec.h"
@@ -56,6 +58,57 @@ std::shared_ptr<T> make_shared_without_gil_delete(Args&&... args) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_fsdp_ext C++ core: flat layouts, packing kernels, collectives, units";
   m.def("compiled_with_cuda", &compiled_with_cuda);
+  m.def("can_pin_host_memory", &can_pin_host_memory);
+  m.def("empty_host", &empty_host, py::arg("numel"), py::arg("dtype"), py::arg("pin"),
+        "A 1-D host tensor, its pages registered with CUDA when `pin` (exactly the bytes asked for).");
+
+  py::class_<AdamHyper>(m, "AdamHyper")
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                       bool maximize) {
+             return AdamHyper{lr, beta1, beta2, eps, weight_decay, decoupled, maximize};
+           }),
+           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("decoupled_weight_decay"), py::arg("maximize"));
+  py::class_<SgdHyper>(m, "SgdHyper")
+      .def(py::init([](double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+                       bool maximize) { return SgdHyper{lr, momentum, dampening, weight_decay, nesterov, maximize}; }),
+           py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+           py::arg("maximize"));
+  // Copy-outs arrive as None where a tensor has none.
+  auto defined_or_empty = [](const std::vector<std::optional<at::Tensor>>& outs) {
+    std::vector<at::Tensor> v;
+    bool any = false;
+    for (const auto& t : outs) {
+      v.push_back(t.value_or(at::Tensor()));
+      any = any || t.has_value();
+    }
+    return any ? v : std::vector<at::Tensor>{};
+  };
+  m.def(
+      "adam_step",
+      [defined_or_empty](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                         const std::vector<std::optional<at::Tensor>>& copy_outs, const std::vector<int64_t>& steps,
+                         const AdamHyper& hyper, double grad_scale) {
+        adam_step(params, grads, exp_avgs, exp_avg_sqs, defined_or_empty(copy_outs), steps, hyper, grad_scale);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("copy_outs"), py::arg("steps"), py::arg("hyper"), py::arg("grad_scale") = 1.0,
+        "One Adam(W) step over host float32 tensors, multithreaded and vectorized (cpu_optim.h).",
+        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "sgd_step",
+      [defined_or_empty](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& momentum_buffers,
+                         const std::vector<std::optional<at::Tensor>>& copy_outs, const std::vector<bool>& first,
+                         const SgdHyper& hyper, double grad_scale) {
+        sgd_step(params, grads, momentum_buffers, defined_or_empty(copy_outs), first, hyper, grad_scale);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
+        py::arg("copy_outs"), py::arg("first"), py::arg("hyper"), py::arg("grad_scale") = 1.0,
+        "One SGD step over host float32 tensors (cpu_optim.h).", py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_optim_threads", &cpu_optim_threads);
+  m.def("set_cpu_optim_threads", &set_cpu_optim_threads, py::arg("threads"));
   m.def("freed_storage_guard", &freed_storage_guard,
         "Whether reading a freed unsharded parameter raises (needs a torch whose StorageImpl can refuse and "
         "re-allow data access); without it such a read touches freed memory.");
@@ -253,6 +306,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device", &CommContext::device)
       .def_property_readonly("num_inflight_reductions", &CommContext::num_inflight_reductions)
       .def("wait_reductions", &CommContext::wait_reductions, py::call_guard<py::gil_scoped_release>())
+      .def("synchronize_reductions", &CommContext::synchronize_reductions,
+           "wait_reductions(), then the host waits for every reduction issued (offloaded gradients).",
+           py::call_guard<py::gil_scoped_release>())
       .def("all_gather_v_async", &CommContext::all_gather_v_async, py::arg("comm"), py::arg("out"),
            py::arg("input"), py::arg("starts"), py::arg("numels"), py::arg("algo") = VarAlgo::kAuto,
            py::arg("verify") = true, py::call_guard<py::gil_scoped_release>())
@@ -356,6 +412,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("param_spec", [](const Unit& u, int64_t index) { return u.param_specs().at(index); }, py::arg("index"),
            "param_specs[index] without copying the others.")
       .def_property_readonly("gather_transform", &Unit::gather_transform)
+      .def("offload_to_host", &Unit::offload_to_host, py::arg("pin_memory"),
+           "Keep the shard and its gradient in host memory (before bind_params).")
+      .def_property_readonly("offloaded", &Unit::offloaded)
+      .def_property_readonly("pinned", &Unit::pinned)
+      .def_property_readonly("host_gather_copy", &Unit::host_gather_copy)
+      .def("mark_host_copy_fresh", &Unit::mark_host_copy_fresh)
+      .def_property_readonly("host_copy_fresh", &Unit::host_copy_fresh)
+      .def_property_readonly("host_nbytes", &Unit::host_nbytes)
       .def("set_fp8_gather", &Unit::set_fp8_gather, py::arg("params"), py::arg("fp8_dtype"),
            "Gather parameters `params` in FP8 with tensorwise scales (before bind_params).")
       .def("set_mx_gather", &Unit::set_mx_gather, py::arg("params"), py::arg("block") = 32,

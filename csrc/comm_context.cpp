@@ -45,6 +45,14 @@ void CommContext::retire() {
   inflight_.reset();
 }
 
+void CommContext::synchronize_reductions() {
+  retire();
+  if (!streams_.enabled()) return;
+  // Every reduction (bucketed ones record only their lead's event) runs on this stream.
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  impl.synchronizeStream(streams_.reduce_scatter());
+}
+
 std::shared_ptr<PendingCollective> CommContext::all_gather_v_async(const Communicator& comm, at::Tensor& out,
                                                                    at::Tensor& in, const std::vector<int64_t>& starts,
                                                                    const std::vector<int64_t>& numels, VarAlgo algo,

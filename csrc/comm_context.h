@@ -25,6 +25,8 @@ class PendingCollective {
   explicit PendingCollective(const c10::Device& device) : device_(device), done_(device) {}
   void record(const c10::Stream& stream) { done_.record(stream); }
   void wait() const { done_.block(current_stream(device_)); }
+  // The host waits for it (offloaded gradients are read on the host).
+  void synchronize() const { done_.synchronize(); }
 
  private:
   c10::Device device_;
@@ -67,6 +69,9 @@ class CommContext {
   void make_room_for_reduction() { retire(); }
   // The current stream waits for the held reduction; its buffers are released.
   void wait_reductions() { retire(); }
+  // wait_reductions(), and the host waits until every reduction issued so far is done:
+  // what offloaded units need before their host gradients are read.
+  void synchronize_reductions();
 
   // An uneven all-gather (Communicator::all_gather_v) on the all-gather stream, ordered
   // after the work already queued on the current stream. `out` must stay alive and

@@ -73,6 +73,10 @@ class StreamEvent {
     event_->block(stream);
     waited_ = std::make_pair(stream, records_);
   }
+  // The host waits until the last record() is done.
+  void synchronize() const {
+    if (event_) event_->synchronize();
+  }
 
  private:
   std::unique_ptr<c10::Event> event_;

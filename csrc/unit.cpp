@@ -1,6 +1,7 @@
 #include "unit.h"
 
 #include "dtypes.h"
+#include "host_memory.h"
 #include "pack.h"
 
 #include <ATen/record_function.h>
@@ -113,9 +114,11 @@ c10::Device unit_device(const std::vector<at::Tensor>& params, const std::option
                       "Unit: parameters on the meta device need a real device to materialize the shard on");
     return *materialize_on;
   }
-  MFSDP_CHECK_VALUE(!materialize_on || *materialize_on == device, "Unit: materialize_on=", *materialize_on,
-                    " is only for meta parameters; these are on ", device);
-  return device;
+  // Parameters built on the CPU may be sharded onto a device (CPU offload: the unit computes
+  // there, its shard goes back to host memory).
+  MFSDP_CHECK_VALUE(!materialize_on || *materialize_on == device || device.is_cpu(), "Unit: materialize_on=",
+                    *materialize_on, " is only for meta or CPU parameters; these are on ", device);
+  return materialize_on.value_or(device);
 }
 
 std::vector<int64_t> numels_of(const std::vector<at::Tensor>& params) {
@@ -190,6 +193,63 @@ Unit::Unit(const std::vector<at::Tensor>& params, std::vector<std::string> names
   make_unsharded_buffer();
 }
 
+void Unit::offload_to_host(bool pin_memory) {
+  MFSDP_CHECK(sharded_params_.empty(), "offload_to_host: unit '", label_, "' already has its parameters (call it "
+              "before bind_params)");
+  if (offloaded_) return;
+  MFSDP_CHECK_VALUE(!replicated() && !full_grads(), "CPU offload of unit '", label_, "' needs a sharding strategy that "
+                    "reduce-scatters gradients ('optim_grads_params' or 'optim_grads'), not '", traits(strategy_).name,
+                    "'");
+  MFSDP_CHECK_VALUE(!gathers_bytes(), "CPU offload of unit '", label_, "': the FP8 gather does not combine with "
+                    "offloading yet");
+  pinned_ = pin_memory && device_.is_cuda();
+  at::Tensor host = empty_host(sharded_flat_.numel(), orig_dtype_, pinned_);
+  host.copy_(sharded_flat_);
+  sharded_flat_ = host;
+  for (auto& spec : specs_) spec.storage_device = host.device();
+  if (param_dtype_ == at::kBFloat16 && orig_dtype_ == at::kFloat) {
+    host_gather_copy_ = empty_host(sharded_flat_.numel(), param_dtype_, pinned_);
+  }
+  offloaded_ = true;
+}
+
+void Unit::mark_host_copy_fresh() {
+  MFSDP_CHECK(host_gather_copy_.defined(), "mark_host_copy_fresh: unit '", label_, "' has no host gather copy");
+  host_copy_generation_ = shard_generation_;
+  host_copy_version_ = sharded_flat_._version();
+}
+
+int64_t Unit::host_nbytes() const {
+  if (!offloaded_) return 0;
+  int64_t bytes = sharded_flat_.nbytes();
+  if (host_gather_copy_.defined()) bytes += host_gather_copy_.nbytes();
+  if (host_grad_.defined()) bytes += host_grad_.nbytes();
+  return bytes;
+}
+
+void Unit::copy_shard_in(at::Tensor& dst) const {
+  if (host_copy_fresh() && dst.scalar_type() == host_gather_copy_.scalar_type()) {
+    dst.copy_(host_gather_copy_, /*non_blocking=*/pinned_);
+  } else if (dst.scalar_type() == orig_dtype_ || !dst.is_cuda()) {
+    dst.copy_(sharded_flat_, /*non_blocking=*/pinned_);
+  } else {
+    // Copied as stored, then cast on the device: a cross-device copy that casts would cast
+    // on the host first, synchronously.
+    at::Tensor staging = at::empty({sharded_flat_.numel()}, device_options(orig_dtype_));
+    staging.copy_(sharded_flat_, /*non_blocking=*/pinned_);
+    dst.copy_(staging);
+  }
+}
+
+at::Tensor Unit::host_grad_buffer() {
+  // A .grad view (or anything else) still holding the kept buffer: leave it to them.
+  if (!host_grad_.defined() || host_grad_.storage().use_count() > 1) {
+    host_grad_ = at::Tensor();  // released before allocating its successor
+    host_grad_ = empty_host(sharded_flat_.numel(), orig_dtype_, pinned_);
+  }
+  return host_grad_;
+}
+
 void Unit::make_unsharded_buffer() {
   if (aliases_shard()) {
     unsharded_flat_ = sharded_flat_;  // nothing to gather, ever
@@ -206,14 +266,14 @@ void Unit::make_unsharded_buffer() {
   unsharded_nbytes_ = numel * static_cast<int64_t>(c10::elementSize(dtype));
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::GetAllocator(device_.type()), /*resizable=*/false);
   storage.unsafeGetStorageImpl()->set_nbytes(unsharded_nbytes_);  // sized for the view below, no memory yet
-  unsharded_flat_ = at::empty({0}, sharded_flat_.options().dtype(dtype)).set_(storage, 0, {numel}, {1});
+  unsharded_flat_ = at::empty({0}, device_options(dtype)).set_(storage, 0, {numel}, {1});
   state_ = UnitState::kSharded;
   free_unsharded();
 }
 
 void Unit::set_fp8_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype) {
   set_byte_gather(params, fp8_dtype, GatherTransform::kFp8);
-  fp8_scales_ = at::ones({layout_.num_params()}, sharded_flat_.options().dtype(at::kFloat));
+  fp8_scales_ = at::ones({layout_.num_params()}, device_options(at::kFloat));
 }
 
 void Unit::set_mx_gather(const std::vector<int64_t>& params, int64_t block) {
@@ -662,6 +722,13 @@ at::Tensor Unit::gather_input(bool in_place) {
     fill_gather_bytes(input, sharded_flat_, gather_pieces_, fp8_scales_, fp8_dtype_, param_dtype_, mx_data_);
     return input;
   }
+  if (offloaded_) {
+    const int r = ag_comm_.rank();
+    at::Tensor input = in_place ? unsharded_flat_.narrow(0, layout_.segment_start(r), layout_.segment_numel(r))
+                                : at::empty({sharded_flat_.numel()}, device_options(param_dtype_));
+    copy_shard_in(input);
+    return input;
+  }
   if (transform_ == GatherTransform::kNone) return sharded_flat_;
   if (!in_place) return sharded_flat_.to(param_dtype_);
   // Cast straight into this rank's slot of the output: an in-place all-gather.
@@ -848,7 +915,7 @@ bool Unit::reduce_grads(bool sync) {
     // reduction runs with zeros so that it happens (every rank of the group alike).
     if (!sync || defer || !partial_.defined()) return false;
     ctx().make_room_for_reduction();
-    flat = at::zeros({layout_.total_numel()}, sharded_flat_.options().dtype(reduce_dtype_));
+    flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
   }
   if (!sync) {
     accumulated_ = flat;
@@ -858,7 +925,7 @@ bool Unit::reduce_grads(bool sync) {
   GradBuffers buffers = plan_reduction(std::move(flat), defer);
   at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
   if (defer && !partial_.defined()) {
-    partial_ = at::zeros({layout_.segment_numel(shard_index())}, sharded_flat_.options().dtype(reduce_dtype_));
+    partial_ = at::zeros({layout_.segment_numel(shard_index())}, device_options(reduce_dtype_));
   }
   auto done = reduce(buffers, defer);
   if (defer) {
@@ -868,7 +935,7 @@ bool Unit::reduce_grads(bool sync) {
   }
   partial_ = at::Tensor();
   land_grads(buffers, *done);
-  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, partial}, std::move(done));
+  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, buffers.host, partial}, std::move(done));
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   return true;
 }
@@ -896,7 +963,7 @@ at::Tensor Unit::pack_grads(bool sync) {
   if (!accumulate && sync) ctx().make_room_for_reduction();
   at::Tensor flat = accumulate
       ? accumulated_
-      : at::empty({layout_.total_numel()}, sharded_flat_.options().dtype(reduce_dtype_));
+      : at::empty({layout_.total_numel()}, device_options(reduce_dtype_));
   pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {
@@ -911,16 +978,27 @@ Unit::GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
   const int64_t seg = layout_.segment_numel(shard_index());
   if (defer) {
     b.reduced = full_grads() ? b.flat.narrow(0, layout_.segment_start(shard_index()), seg)
-                             : at::empty({seg}, sharded_flat_.options().dtype(reduce_dtype_));
+                             : at::empty({seg}, device_options(reduce_dtype_));
     return b;
   }
   bool all_none = true;
   for (size_t i = 0; i < has_grad_.size(); ++i) {
     if (has_grad_[i] && sharded_params_[i].grad().defined()) all_none = false;
   }
+  if (offloaded_) {
+    // Reduced and scaled on the device, then copied out: into the kept host buffer when
+    // the .grads are fresh, else into host staging that land_grads adds per parameter
+    // once the copy is done (a host wait, as FSDP2's accumulation into offloaded grads).
+    b.landing = all_none ? Landing::kFresh : Landing::kMixed;
+    b.target = at::empty({seg}, device_options(orig_dtype_));
+    b.reduced = reduce_dtype_ == orig_dtype_ ? b.target : at::empty({seg}, device_options(reduce_dtype_));
+    b.host = all_none ? host_grad_buffer()
+                      : at::empty({seg}, at::TensorOptions().dtype(orig_dtype_).pinned_memory(pinned_));
+    return b;
+  }
   at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
   b.landing = all_none ? Landing::kFresh : (existing.defined() ? Landing::kAccumulate : Landing::kMixed);
-  const auto grad_options = sharded_flat_.options();
+  const auto grad_options = device_options(orig_dtype_);
   // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
   // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
   // .grad views alias it, keeping the full buffer alive: ZeRO-1's full-gradient memory.
@@ -981,9 +1059,14 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
                      [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
     }
     ctx().delay_after_collective();
-    cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate);
-    if (check_nonfinite_) ctx().check_nonfinite({b.target});
+    finish_reduction(b);
   });
+}
+
+void Unit::finish_reduction(GradBuffers& b) {
+  cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate && !offloaded_);
+  if (check_nonfinite_) ctx().check_nonfinite({b.target});
+  if (b.host.defined()) b.host.copy_(b.target, /*non_blocking=*/pinned_);
 }
 
 void Unit::reduce_together(const std::vector<Unit*>& units) {
@@ -1022,17 +1105,21 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     lead.ctx().delay_after_collective();
     std::vector<at::Tensor> checked;  // one fused check for the bucket
     for (size_t i = 0; i < members.size(); ++i) {
-      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
-                      buffers[i].landing == Landing::kAccumulate);
-      if (members[i]->check_nonfinite_) checked.push_back(buffers[i].target);
+      auto& b = buffers[i];
+      cast_scale_into(b.target, b.reduced, members[i]->grad_scale(),
+                      b.landing == Landing::kAccumulate && !members[i]->offloaded_);
+      if (members[i]->check_nonfinite_) checked.push_back(b.target);
     }
     if (!checked.empty()) lead.ctx().check_nonfinite(checked);
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (buffers[i].host.defined()) buffers[i].host.copy_(buffers[i].target, /*non_blocking=*/members[i]->pinned_);
+    }
   });
   std::vector<at::Tensor> held;
   for (size_t i = 0; i < members.size(); ++i) {
     Unit& u = *members[i];
     u.land_grads(buffers[i], *done);
-    held.insert(held.end(), {buffers[i].flat, buffers[i].reduced, buffers[i].target});
+    held.insert(held.end(), {buffers[i].flat, buffers[i].reduced, buffers[i].target, buffers[i].host});
     std::fill(u.has_grad_.begin(), u.has_grad_.end(), false);
   }
   lead.ctx().hold_reduction(std::move(held), std::move(done));
@@ -1040,13 +1127,17 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
 
 void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
   const int64_t n = layout_.num_params();
+  // Offloaded, the gradient lands in `host`, read by the host.
+  const at::Tensor& landed = offloaded_ ? b.host : b.target;
   if (b.landing == Landing::kMixed) {
-    // Per-parameter merge reads `target` on the current stream: wait for it first.
-    done.wait();
+    // Per-parameter merge reads `target` on the current stream (or `host` on the host):
+    // wait for it first.
+    if (offloaded_) done.synchronize();
+    else done.wait();
     at::NoGradGuard no_grad;
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      auto view = b.target.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+      auto view = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
       auto& g = sharded_params_[i].mutable_grad();
       if (g.defined()) g.add_(view.view_as(g));
       else g = view;
@@ -1055,7 +1146,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
     // Views only: the current stream reads them after the final callback's wait.
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      sharded_params_[i].mutable_grad() = b.target.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+      sharded_params_[i].mutable_grad() = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
     }
   }
 }
@@ -1071,7 +1162,7 @@ std::vector<at::Tensor> Unit::gather_full(const std::vector<std::optional<at::Te
   check_bound("gather_full");
   MFSDP_CHECK_VALUE(static_cast<int64_t>(pieces.size()) == layout_.num_params(), "gather_full: ", pieces.size(),
                     " pieces for the ", layout_.num_params(), " parameters of unit '", label_, "'");
-  auto segment = at::zeros({sharded_flat_.numel()}, sharded_flat_.options().dtype(dtype));
+  auto segment = at::zeros({sharded_flat_.numel()}, device_options(dtype));
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (!pieces[i]) continue;
@@ -1084,6 +1175,7 @@ std::vector<at::Tensor> Unit::gather_full(const std::vector<std::optional<at::Te
 }
 
 std::vector<at::Tensor> Unit::gather_segments(at::Tensor segment) {
+  if (segment.device() != device_) segment = segment.to(device_);  // an offloaded shard
   auto full = at::empty({layout_.total_numel()}, segment.options());
   if (replicated()) {
     full.copy_(segment);
@@ -1132,7 +1224,7 @@ void Unit::exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& par
   MFSDP_CHECK(exchanges_rows(), "unit '", label_, "' cannot exchange state-dict rows (replicated, a 0-dim "
               "parameter, or a backend without all-to-all): gather it instead");
   at::NoGradGuard no_grad;
-  const auto options = sharded_flat_.options().dtype(dtype);
+  const auto options = device_options(dtype);  // offloaded pieces travel through the device
   std::vector<at::Tensor> cut;
   for (const auto& p : plan.send) cut.push_back(parts(p).narrow(0, p.src_offset, p.numel).to(options));
   auto send = cut.empty() ? at::empty({0}, options) : at::cat(cut);
@@ -1169,7 +1261,7 @@ std::vector<at::Tensor> Unit::to_row_chunks(const std::vector<std::optional<at::
                         "' of unit '", label_, "' has ", pieces[i]->numel(), " elements; this rank holds ", s.numel);
       src = pieces[i]->reshape({-1});
     }
-    sources.push_back(src.defined() ? src : at::zeros({s.numel}, sharded_flat_.options().dtype(dtype)));
+    sources.push_back(src.defined() ? src : at::zeros({s.numel}, device_options(dtype)));
     std::vector<int64_t> shape(specs_[i].shape);
     const RowRange mine = chunk_rows(rows[i], layout_.world_size(), shard_index());
     shape[0] = mine.end - mine.begin;

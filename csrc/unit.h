@@ -105,6 +105,31 @@ class Unit {
   // one all-reduce(max) per all-gather group for all of them, scales as torchao computes
   // them. Collective: every rank passes the same units in the same order.
   static void refresh_fp8_scales(const std::vector<Unit*>& units, bool only_stale);
+  // CPU offload (FSDP2's CPUOffloadPolicy): the shard (the master weights) and its
+  // gradient, and so the optimizer state, live in host memory, pinned with `pin_memory`
+  // (host_memory.h); forward and backward compute on the unit's device. Each gather copies
+  // the shard in on the all-gather stream before the collective; each reduction copies the
+  // reduced shard out on the reduce-scatter stream, into a host gradient buffer the unit
+  // reuses once no .grad views it. The host reads the gradients after the context's
+  // synchronize_reductions() (end of backward). Needs a strategy that reduce-scatters
+  // (optim_grads_params, optim_grads); not with the FP8 gather. Called once, before bind_params.
+  void offload_to_host(bool pin_memory);
+  bool offloaded() const { return offloaded_; }
+  bool pinned() const { return pinned_; }
+  // Host memory in the param dtype, laid out like the shard, for an optimizer whose step
+  // writes the updated weights in the gathered dtype as well (CPUAdamW's copy-out): while
+  // fresh, the gather copies it in as it is (half the bytes of fp32, no cast on the
+  // device). Undefined unless offloaded with a cast to bfloat16.
+  const at::Tensor& host_gather_copy() const { return host_gather_copy_; }
+  // host_gather_copy() matches the shard as it is now: called by the optimizer that wrote
+  // both, after its shard_changed(). Any later change of the shard makes it stale again.
+  void mark_host_copy_fresh();
+  bool host_copy_fresh() const {
+    return host_gather_copy_.defined() && host_copy_generation_ == shard_generation_ &&
+           host_copy_version_ == sharded_flat_._version();
+  }
+  // Host bytes the unit holds: the shard, the gather copy and the kept gradient buffer.
+  int64_t host_nbytes() const;
   const std::vector<ParamSpec>& param_specs() const { return specs_; }
   GatherTransform gather_transform() const { return transform_; }
   // How errors name this unit (the module's path once the root knows it).
@@ -257,6 +282,17 @@ class Unit {
   // values shaped like the parameters. Before lazy init (no context yet: the layouts were
   // not compared across ranks) the ranks first check they gather the same sizes.
   std::vector<at::Tensor> gather_segments(at::Tensor segment);
+  // Options of the buffers the device computes and communicates with (the shard's own
+  // options name the host when offloaded).
+  at::TensorOptions device_options(at::ScalarType dtype) const {
+    return at::TensorOptions().device(device_).dtype(dtype);
+  }
+  // Offloaded: writes this rank's shard, in `dst`'s dtype, into `dst` on the device (the
+  // gather copy while fresh, else the master shard, cast on the device).
+  void copy_shard_in(at::Tensor& dst) const;
+  // Offloaded: the host buffer a fresh gradient lands in: the kept one while nothing else
+  // holds it (no .grad views it any more), else a new one.
+  at::Tensor host_grad_buffer();
   // Every parameter's dim 0 (the rows FSDP2 chunks).
   std::vector<int64_t> row_counts() const;
   // Runs one exchange of `plan` over the unit's all-gather group: `parts(piece)` gives the
@@ -316,6 +352,8 @@ class Unit {
     at::Tensor flat;     // packed unsharded grads, reduce dtype
     at::Tensor reduced;  // this rank's reduced segment, reduce dtype (may alias flat or target)
     at::Tensor target;   // fp32 (orig dtype) segment behind the sharded .grad views
+                         // (offloaded: on the device, copied into `host` after the reduction)
+    at::Tensor host;     // offloaded: where the reduced fp32 segment lands in host memory
   };
   // Packs the unsharded grads (added to any accumulated ones) into a flat reduce-dtype
   // buffer and frees them; undefined when there was nothing to pack.
@@ -332,6 +370,9 @@ class Unit {
   // What reduced gradients are multiplied by: 1 / (divide factor, or the ranks averaged over).
   double grad_scale() const;
   void land_grads(const GradBuffers& b, const PendingCollective& done);
+  // The end of a reduction on the reduce-scatter stream: the reduced segment scaled and
+  // cast into `target`, checked when asked, and copied out to `host` when offloaded.
+  void finish_reduction(GradBuffers& b);
 
   ShardingStrategy strategy_;
   FlatLayout layout_;
@@ -375,6 +416,11 @@ class Unit {
 
   at::Tensor sharded_flat_;
   at::Tensor unsharded_flat_;
+  bool offloaded_ = false, pinned_ = false;
+  at::Tensor host_gather_copy_;  // offloaded with a bfloat16 gather: see host_gather_copy()
+  uint64_t host_copy_generation_ = ~uint64_t{0};
+  uint32_t host_copy_version_ = 0;
+  at::Tensor host_grad_;         // offloaded: the host gradient buffer, reused (host_grad_buffer)
   int64_t unsharded_nbytes_ = 0;
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
   std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)

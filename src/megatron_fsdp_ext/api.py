@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from . import _C, hf, shard_changes, tensor_parallel
-from .construct import (CommGroups, check_devices, check_fsdp2_only_options, check_target, collect_params,
+from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, state_dict_dims)
 from .hooks import FSDPState
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
@@ -367,7 +367,17 @@ def fully_shard(
                      local TP shards, forward/backward see the DTensors TP gave, gradients
                      reduce over the data-parallel dims only and state dicts place values
                      as FSDP2+TP does (tensor_parallel.py).
-    offload_policy:  FSDP2's; only None / OffloadPolicy() (no offload) is supported.
+    offload_policy:  FSDP2's. CPUOffloadPolicy(pin_memory=True) keeps this unit's shard (the
+                     fp32 master weights), its gradient and so the optimizer state in host
+                     memory (pinned: asynchronous copies); forward and backward compute on
+                     the device. Each gather copies the shard in on the all-gather stream,
+                     each reduction copies the reduced gradient out on the reduce-scatter
+                     stream; the host waits once, at the end of backward. Step it with
+                     megatron_fsdp_ext.optim.CPUAdamW (multithreaded, writes the bf16 copy
+                     the next gather sends) or any torch optimizer. Per call: units left
+                     without it stay on the device (partial offload). A module built on
+                     the CPU is sharded without moving it whole to the device. Needs
+                     'optim_grads_params' or 'optim_grads'. None / OffloadPolicy(): no offload.
     shard_placement_fn: FSDP2's: a function of each parameter returning Shard(dim) or None
                      (Shard(0)): state dicts and checkpoints shard that parameter's
                      DTensors on `dim`, as FSDP2 does. Training is the same whatever it
@@ -394,7 +404,7 @@ def fully_shard(
     modules = check_target(module)
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)
-    check_fsdp2_only_options(offload_policy)
+    offload_pin = offload_pinning(offload_policy)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
@@ -421,11 +431,12 @@ def fully_shard(
     params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
     unit, deferred = None, False
     if params:
-        materialize_on = check_devices(modules[0], params, names, pg, mesh)
-        deferred = materialize_on is not None
+        materialize_on = check_devices(modules[0], params, names, pg, mesh, offload=offload_pin is not None)
+        deferred = params[0].is_meta
         dims = state_dict_dims(params, names, shard_placement_fn)
         tp = tensor_parallel.collect(params, names, mesh)
-        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp)
+        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp,
+                         offload_pin)
         if dims is not None:
             unit.set_state_dict_dims(dims)
         groups.connect(unit, strategy)

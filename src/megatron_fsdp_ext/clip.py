@@ -71,7 +71,9 @@ def clip_grad_norm_(
     grads = sharded + replicated
     if not grads:
         return torch.tensor(0.0)
-    device = grads[0].device
+    # Where the norm is combined: the units' device (offloaded units hold host gradients,
+    # which a device backend cannot reduce), else the gradients' own.
+    device = next((torch.device(o.unit.device) for o in owners.values() if o.unit is not None), grads[0].device)
     inf_norm = norm_type == float("inf")
 
     def local(gs):
@@ -80,7 +82,7 @@ def clip_grad_norm_(
         gs = [g for g in gs if g.numel() > 0]  # empty shards (and inf-norm on empties raises)
         if not gs:
             return torch.zeros((), device=device, dtype=torch.float32)
-        norms = torch._foreach_norm(gs, norm_type)
+        norms = [n for same in _by_device(gs).values() for n in torch._foreach_norm(same, norm_type)]
         stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
         return stacked.max() if inf_norm else (stacked ** norm_type).sum()
 
@@ -98,5 +100,14 @@ def clip_grad_norm_(
             f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"
         )
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+    for dev, same in _by_device(grads).items():
+        torch._foreach_mul_(same, clip_coef.to(device=dev, dtype=same[0].dtype))
     return total
+
+
+def _by_device(tensors):
+    """The tensors grouped by device (offloaded units' gradients live on the host)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .api import fully_shard
-from .options import MixedPrecisionPolicy, as_timeout
+from .options import MixedPrecisionPolicy, as_timeout, check_offload_fraction, offloaded_units
 from .strategy import SHARDING_STRATEGIES, sharding_strategy
 
 
@@ -74,8 +74,22 @@ class FSDPConfig:
     (replicate) dimension. "no_shard": replicas hold the same shards and all-reduce
     gradient shards (HSDP); "optim" (outer optimizer sharding) is not supported yet."""
 
+    optimizer_cpu_offload: bool = False
+    """Megatron's --optimizer-cpu-offload: keep shards (fp32 master weights), their gradients
+    and the optimizer state in host memory (fully_shard(offload_policy=CPUOffloadPolicy())),
+    stepped by megatron_fsdp_ext.optim.CPUAdamW or any torch optimizer."""
+
+    optimizer_offload_fraction: float = 1.0
+    """Megatron's --optimizer-offload-fraction: with optimizer_cpu_offload, offload whole
+    units, inner ones first, until this fraction of the parameters is offloaded
+    (options.offloaded_units); the rest stay on the device."""
+
+    offload_pin_memory: bool = True
+    """Pin offloaded host memory, so that copies to and from the device are asynchronous."""
+
     def __post_init__(self):
         sharding_strategy(self.data_parallel_sharding_strategy)
+        check_offload_fraction(self.optimizer_offload_fraction, "FSDPConfig.optimizer_offload_fraction: ")
         if self.outer_dp_sharding_strategy == "optim":
             raise NotImplementedError(
                 "FSDPConfig.outer_dp_sharding_strategy='optim' (optimizer state sharded across the outer "
@@ -257,10 +271,26 @@ def fully_shard_model(
         units = _size_based_units(module, config.bucket_size, {id(p) for p in ignored_params})
     else:
         units = []
-    for m in units:
-        fully_shard(m, **kwargs)
-    fully_shard(module, **kwargs)
+    offload = _offload_choice(module, units, ignored_params, config)
+    for m, off in zip(units + [module], offload):
+        fully_shard(m, **kwargs, offload_policy=off)
     return module
+
+
+def _offload_choice(module: nn.Module, units: list, ignored_params: list, config: FSDPConfig) -> list:
+    """Per unit (`units`, then the root): the CPUOffloadPolicy it gets, or None."""
+    if not config.optimizer_cpu_offload:
+        return [None] * (len(units) + 1)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    claimed = set(map(id, ignored_params))
+    numels = []
+    for m in units + [module]:  # each unit holds what no unit before it took
+        own = [p for p in m.parameters() if id(p) not in claimed]
+        claimed.update(map(id, own))
+        numels.append(sum(p.numel() for p in own))
+    policy = CPUOffloadPolicy(pin_memory=config.offload_pin_memory)
+    return [policy if take else None for take in offloaded_units(numels, config.optimizer_offload_fraction)]
 
 
 __all__ = ["FSDPConfig", "fully_shard_model", "SHARDING_STRATEGIES"]

@@ -46,14 +46,22 @@ def mesh_covers_job(mesh) -> bool:
     return mesh.mesh.numel() == dist.get_world_size()
 
 
-def check_fsdp2_only_options(offload_policy) -> None:
-    if offload_policy is not None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+def offload_pinning(offload_policy) -> Optional[bool]:
+    """FSDP2's offload_policy: None or OffloadPolicy() keep the unit on its device (None
+    returned); CPUOffloadPolicy(pin_memory=...) keeps its shard, gradient and optimizer
+    state in host memory, the value returned says whether pinned."""
+    if offload_policy is None:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-        if isinstance(offload_policy, CPUOffloadPolicy) or not isinstance(offload_policy, OffloadPolicy):
-            raise NotImplementedError(
-                f"offload_policy={offload_policy!r}: CPU offloading of parameters is not supported; "
-                "pass None (or OffloadPolicy()) and keep parameters on the accelerator")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        if not isinstance(offload_policy.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy(pin_memory={offload_policy.pin_memory!r}): pin_memory must be a bool")
+        return offload_policy.pin_memory
+    if type(offload_policy) is OffloadPolicy:
+        return None
+    raise TypeError(f"offload_policy must be None, OffloadPolicy() or CPUOffloadPolicy(pin_memory=...), "
+                    f"got {offload_policy!r}")
 
 
 def state_dict_dims(params: list, names: list, shard_placement_fn) -> Optional[List[int]]:
@@ -107,11 +115,14 @@ def group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None, shard
     return _GROUPS[key]
 
 
-def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -> Optional[torch.device]:
+def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None,
+                  offload: bool = False) -> Optional[torch.device]:
     """Checks that the parameters sit on one device the group's backend communicates; for
     meta parameters (deferred init) returns the device their shards are allocated on, as
     FSDP2 does: the mesh's device type; without a mesh the current CUDA device when CUDA
-    is available and the backend communicates CUDA tensors, else the CPU."""
+    is available and the backend communicates CUDA tensors, else the CPU. Offloaded
+    (`offload`), parameters on the CPU are fine too: the unit then computes on that same
+    device, which is returned when it is not the CPU."""
     devices = {p.device for p in params}
     kinds = backends.device_types(pg)
     if not kinds:
@@ -134,13 +145,15 @@ def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None) -
             "move the module to one device first"
         )
     device = next(iter(devices))
-    if device.type == "meta":
+    if device.type == "meta" or (offload and device.type == "cpu"):
         kind = mesh.device_type if mesh is not None else \
             "cuda" if "cuda" in kinds and torch.cuda.is_available() else "cpu"
         if kind not in kinds:
             raise ValueError(f"fully_shard({type(module).__name__}): meta parameters would be materialized on "
                              f"{kind}, which the process group's backend '{backends.backend_name(pg)}' does not "
                              f"communicate ({'/'.join(sorted(kinds))})")
+        if device.type == "cpu" and kind == "cpu":
+            return None  # an offloaded unit computing on the CPU: nothing to move
         return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
     if device.type not in kinds:
         raise ValueError(
@@ -303,7 +316,7 @@ class CommGroups:
 
 
 def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy, materialize_on,
-              check_for_nan_in_grad: bool, tp=None):
+              check_for_nan_in_grad: bool, tp=None, offload_pin: Optional[bool] = None):
     """The C++ Unit over `params`, bound to the parameter objects the module will show:
     sharded (1-D views of this rank's shard) and unsharded (views of the gathered buffer),
     both keeping the originals' requires_grad and user attributes. The unit is their one
@@ -334,6 +347,12 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     unit = _C.Unit([m.detach() for m in masters], names, pg, fp8.alignment_for(alignment, fp8_weights),
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
     fp8.configure(unit, fp8_weights, names)
+    if offload_pin is not None:
+        if tp is not None and tp.specs:
+            raise NotImplementedError(
+                f"fully_shard(offload_policy=CPUOffloadPolicy()): parameter '{names[next(iter(tp.specs))]}' is "
+                "tensor-parallel; CPU offload of tensor-parallel units is not supported yet")
+        unit.offload_to_host(offload_pin)
     param_dtype = mp_policy.param_dtype or masters[0].dtype
     sharded, unsharded = [], []
     locals_ = unit.unsharded_views()

@@ -55,7 +55,7 @@ from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also th
     from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
 )
 from .checkpoint_reader import SafeFileSystemReader, decode_json, decode_object, encode_json, encode_object
-from .dcp_flat import (check_covers_world, check_groups, check_keys, check_optimizer_class, finish_load,
+from .dcp_flat import (check_covers_world, optimizer_state_kind, check_groups, check_keys, check_optimizer_class, finish_load,
                        is_flat_format, plan_load, quiet, read_into)
 from .param_index import iter_states
 
@@ -113,7 +113,8 @@ def sharded_state_dict(module: nn.Module, optimizer: Optional[torch.optim.Optimi
         sd["optimizer"] = get_optimizer_state_dict(module, optimizer)
         _check_loadable(sd["optimizer"], "sharded checkpoint: optimizer state")
         # Beside the hyper-parameters: load_checkpoint refuses another optimizer class.
-        sd[_CLASS_KEY] = encode_json({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__})
+        sd[_CLASS_KEY] = encode_json({"name": type(optimizer).__qualname__, "module": type(optimizer).__module__,
+                                      "state_kind": optimizer_state_kind(type(optimizer))})
     return sd
 
 

@@ -304,10 +304,17 @@ def _check_plan(plan: _Plan, small: dict, module: nn.Module, optimizer, path: st
         raise CheckpointError(no_manifest_message(path, plan.reader_path, True))
 
 
+def optimizer_state_kind(cls) -> str:
+    """What an optimizer class's state means: its name, or the torch optimizer whose state
+    and hyper-parameters it shares (`_mfsdp_state_kind`: optim.CPUAdamW is "AdamW"), so
+    that a checkpoint moves between the two."""
+    return getattr(cls, "_mfsdp_state_kind", cls.__qualname__)
+
+
 def check_optimizer_class(saved_class: Optional[dict], saved_groups: list, optimizer, path: str) -> None:
     mine = type(optimizer)
     if saved_class is not None:
-        if saved_class.get("name") != mine.__qualname__:
+        if saved_class.get("state_kind", saved_class.get("name")) != optimizer_state_kind(mine):
             raise ValueError(
                 f"load_checkpoint({path}): the checkpoint was saved from {saved_class.get('name')} "
                 f"({saved_class.get('module')}); this optimizer is {mine.__qualname__} ({mine.__module__}): its state "

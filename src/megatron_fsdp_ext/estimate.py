@@ -17,7 +17,11 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
     the whole step) plus the largest unit 1 + prefetch_depth times;
   - reduction buffers: one unit's unsharded gradients (compute dtype) and two flat
     reduce-dtype buffers (the one being packed and the one in flight); with reduce
-    buckets, the same for the largest bucket's units together.
+    buckets, the same for the largest bucket's units together. An offloaded unit also
+    lands its reduced segment on the device before copying it out.
+  - offloaded units (offload_fraction, options.offloaded_units): their shard, gradient
+    and the bf16 gather copy (a bf16 param_dtype over fp32 shards) in pinned host memory,
+    the optimizer state in pageable host memory; not in the device total.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _C, fp8
-from .options import MixedPrecisionPolicy, as_mp_policy, check_count
+from .options import MixedPrecisionPolicy, as_mp_policy, check_count, offloaded_units
 from .schedule import bucket_runs
 from .strategy import sharding_strategy as strategy_named
 
@@ -47,10 +51,17 @@ class MemoryEstimate:
     reduction_buffers: int
     num_units: int
     shard_size: int
+    host_pinned: int = 0     # offloaded units: shards, gradients, bf16 gather copies
+    host_pageable: int = 0   # offloaded units: optimizer state (everything, unpinned)
 
     @property
     def total(self) -> int:
+        """Device bytes."""
         return self.params + self.grads + self.optimizer_state + self.gathered_params + self.reduction_buffers
+
+    @property
+    def host_total(self) -> int:
+        return self.host_pinned + self.host_pageable
 
     def __str__(self) -> str:
         gib = 2 ** 30
@@ -60,6 +71,9 @@ class MemoryEstimate:
         width = max(len(r[0]) for r in rows)
         lines = [f"per rank, {self.num_units} units sharded over {self.shard_size} ranks:"]
         lines += [f"  {name:<{width}}  {nbytes / gib:9.3f} GiB" for name, nbytes in rows]
+        if self.host_total:
+            lines += [f"  {'host, pinned':<{width}}  {self.host_pinned / gib:9.3f} GiB",
+                      f"  {'host, pageable':<{width}}  {self.host_pageable / gib:9.3f} GiB"]
         return "\n".join(lines)
 
 
@@ -126,6 +140,8 @@ def estimate_memory(
     gather_bucket_bytes: int = 0,
     reduce_bucket_bytes: int = 0,
     alignment: int = _C.DEFAULT_ALIGNMENT,
+    offload_fraction: float = 0.0,
+    pin_memory: bool = True,
 ) -> MemoryEstimate:
     """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
     per shard group; or the DeviceMesh; for HSDP its shard dimension counts), with a
@@ -139,7 +155,10 @@ def estimate_memory(
     prefetch_depth buckets at a time, the largest such window. `reduce_bucket_bytes` as
     in fully_shard: reduction buffers are counted for the largest bucket (the root first,
     then the other units in module order), unless the mesh replicates (HSDP) or the
-    strategy all-reduces full gradients (no_shard, optim), which reduce per unit."""
+    strategy all-reduces full gradients (no_shard, optim), which reduce per unit.
+    `offload_fraction` as FSDPConfig.optimizer_offload_fraction (0: no offload, 1: every
+    unit, as fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)) on each): the
+    offloaded units' shards, gradients and optimizer state count as host bytes."""
     shard = _shard_size(mesh_or_world)
     strategy = strategy_named(sharding_strategy)
     mp = as_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
@@ -155,7 +174,12 @@ def estimate_memory(
     gathered_all, gathered_bytes = 0, []  # per unit
     grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
     units = [u for u in _units(model, unit_modules or ()) if u]
-    for unit in units:
+    offloaded = offloaded_units([sum(_full_numel(p) for p in u) for u in units], offload_fraction)
+    if any(offloaded) and (replicated or strategy.full_grads):
+        raise ValueError(f"estimate_memory: offload needs a strategy that reduce-scatters ('optim_grads_params' or "
+                         f"'optim_grads'), not {sharding_strategy!r}")
+    host_pinned = host_pageable = 0
+    for unit, off in zip(units, offloaded):
         orig = unit[0].dtype
         b_orig = orig.itemsize
         b_param = (mp.param_dtype or orig).itemsize
@@ -165,14 +189,22 @@ def estimate_memory(
         layout = _C.FlatLayout.even(numels, 1 if replicated else shard, fp8.alignment_for(alignment, fp8_weights))
         seg, total = layout.max_segment_numel, layout.total_numel
         trains = [p.requires_grad for p in unit]
-        params += seg * b_orig
-        # A unit with any gradient holds its whole segment of gradients (one flat buffer
-        # behind the .grad views; ZeRO-1 with a full-precision reduction the whole flat one).
-        full_grad_kept = strategy.full_grads and b_reduce == b_orig
-        if any(trains):
-            grads += (total if full_grad_kept else seg) * b_orig
-        for r in range(len(optim_by_rank)):
-            optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
+        if off:  # shard, gradient and the bf16 gather copy on the host; the optimizer state too
+            pinned = seg * b_orig * (2 if any(trains) else 1)
+            pinned += seg * b_param if (mp.param_dtype == torch.bfloat16 and orig == torch.float32) else 0
+            states = max(sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t)
+                         for r in range(shard)) * b_orig * _OPTIMIZER_STATES[optimizer]
+            host_pinned += pinned if pin_memory else 0
+            host_pageable += states + (0 if pin_memory else pinned)
+        else:
+            params += seg * b_orig
+            # A unit with any gradient holds its whole segment of gradients (one flat buffer
+            # behind the .grad views; ZeRO-1 with a full-precision reduction the whole flat one).
+            full_grad_kept = strategy.full_grads and b_reduce == b_orig
+            if any(trains):
+                grads += (total if full_grad_kept else seg) * b_orig
+            for r in range(len(optim_by_rank)):
+                optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
         widths = [1 if w is not None else b_param for w in fp8_weights]
         if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard), MXFP8 scales after it
             mx = any(isinstance(w, fp8.MXWeight) for w in fp8_weights)
@@ -184,7 +216,8 @@ def estimate_memory(
         # One unit's unsharded gradients (compute dtype, trainable parameters only) and
         # two flat reduce-dtype buffers (the one being packed, the one in flight).
         trainable = sum(n for n, t in zip(numels, trains) if t)
-        grad_buffers.append(trainable * b_param + 2 * total * b_reduce if trainable else 0)
+        landing = seg * b_orig if off else 0  # an offloaded unit's reduced segment, before its copy out
+        grad_buffers.append(trainable * b_param + 2 * total * b_reduce + landing if trainable else 0)
         reduce_sizes.append(total * b_reduce)
     optim = max(optim_by_rank, default=0) * _OPTIMIZER_STATES[optimizer]
     # Forward order: the root first, then the other units in module order (_units lists
@@ -208,7 +241,8 @@ def estimate_memory(
     else:
         reduction_buffers = max(grad_buffers, default=0)
     return MemoryEstimate(params=params, grads=grads, optimizer_state=optim, gathered_params=gathered_params,
-                          reduction_buffers=reduction_buffers, num_units=len(units), shard_size=shard)
+                          reduction_buffers=reduction_buffers, num_units=len(units), shard_size=shard,
+                          host_pinned=host_pinned, host_pageable=host_pageable)
 
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

@@ -69,6 +69,8 @@ class RootContext:
         self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
         # Units that gather FP8 weights (fp8.py): their scales are refreshed together.
         self.fp8_units = [s.unit for s in states if s.unit is not None and s.unit.gathers_bytes]
+        # CPU offload: reduced gradients are copied to host memory, which the host reads.
+        self.offloads = any(s.unit is not None and s.unit.offloaded for s in states)
 
     def refresh_fp8_scales(self) -> None:
         """Recompute stale FP8 scales (the shards changed since): one all-reduce(max) for
@@ -124,7 +126,10 @@ class RootContext:
         # on every rank.
         for members in self.schedule.take_held():
             _C.Unit.reduce_together([s.unit for s in members])
-        self.comm.wait_reductions()
+        if self.offloads:  # the host reads offloaded .grads next: its one wait of the step
+            self.comm.synchronize_reductions()
+        else:
+            self.comm.wait_reductions()
         for state in self.states:
             state.end_backward()
         self.phase = RootPhase.IDLE

@@ -138,3 +138,25 @@ def as_timeout(timeout) -> Optional[datetime.timedelta]:
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds, got {value!r}")
     return timeout
+
+
+def check_offload_fraction(fraction, what: str = "") -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"{what}offload fraction must be a number in [0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def offloaded_units(numels, fraction: float) -> list:
+    """Partial offload (Megatron's optimizer_offload_fraction): which of the units, listed
+    in the order fully_shard_model shards them (inner units first, the root last), are
+    offloaded so that at least `fraction` of all parameter elements live in host memory.
+    Whole units, the first ones in that order: 0 offloads none, 1 all of them. The one
+    rule fully_shard_model and estimate_memory share."""
+    fraction = check_offload_fraction(fraction)
+    total = sum(numels)
+    chosen, offloaded = [], 0
+    for n in numels:
+        take = fraction > 0 and offloaded < fraction * total
+        chosen.append(take)
+        offloaded += n if take else 0
+    return chosen

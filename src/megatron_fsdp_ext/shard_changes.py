@@ -64,6 +64,11 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     return ours
 
 
+# optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the
+# optimizer's last step wrote whole along with their shards (optim.CPUAdamW): marked fresh
+# after their shard_changed(), so that their next gather copies it as it is.
+COPIED_OUT = "_mfsdp_copied_out"
+
 # optimizer.__dict__ key: (ids of its parameters, ((unit state ref, its parameters), ...))
 _UNITS = "_mfsdp_units"
 
@@ -102,6 +107,8 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
                 state.unit.shard_changed()
                 stepped.append(state.unit)
                 break
+    for unit in optimizer.__dict__.pop(COPIED_OUT, ()):
+        unit.mark_host_copy_fresh()
     # FP8 gathers: the new shards' scales, one all-reduce(max) for all, right after the
     # step as torchao's precompute_float8_dynamic_scale_for_fsdp does.
     fp8.refresh_units(stepped)

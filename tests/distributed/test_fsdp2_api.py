@@ -69,8 +69,12 @@ def _fsdp2_arguments(rank, world):
         mfsdp.fully_shard(m, mesh=dist.group.WORLD)
     with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool or None, got 2"):
         mfsdp.fully_shard(m, reshard_after_forward=2)
-    with pytest.raises(NotImplementedError, match="CPU offloading"):
-        mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(TypeError, match=r"offload_policy must be None, OffloadPolicy\(\) or CPUOffloadPolicy"):
+        mfsdp.fully_shard(m, offload_policy="cpu")
+    with pytest.raises(TypeError, match="pin_memory must be a bool"):
+        mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy(pin_memory="yes"))
+    with pytest.raises(ValueError, match="CPU offload of unit .* needs a sharding strategy that reduce-scatters"):
+        mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy(pin_memory=False), sharding_strategy="no_shard")
     with pytest.raises(ValueError, match=r"shard_placement_fn returned Replicate\(\) for parameter '0.weight': only"):
         mfsdp.fully_shard(m, shard_placement_fn=lambda p: Replicate())
     with pytest.raises(ValueError, match=r"Shard\(2\) for parameter '0.weight' of shape \(32, 16\), which has no dim 2"):

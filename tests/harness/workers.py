@@ -137,11 +137,29 @@ def shard(model: LlamaModel, opts: Dict) -> LlamaModel:
         check_for_nan_in_grad=opts.get("check_for_nan_in_grad", False),
         timeout=opts.get("timeout"),
     )
+    offload = opts.get("offload")
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        policy = CPUOffloadPolicy(pin_memory=opts.get("pin_memory", True))
+        if offload == "blocks":  # partial offload: the root's embedding and head stay on the device
+            for block in model.blocks:
+                mfsdp.fully_shard(block, offload_policy=policy, **kw)
+            return mfsdp.fully_shard(model, **kw)
+        kw["offload_policy"] = policy
     return shard_blocks_and_root(model, **kw)
 
 
-def make_optimizer(params, opts: Dict):
+def make_optimizer(params, opts: Dict, ours: bool = False):
+    """opts['optimizer'] over `params`; 'cpu_adamw' is our CPUAdamW for the sharded model
+    (`ours`) and for an FSDP2 reference (bf16: the same fp32 arithmetic, so gathered bf16
+    weights match bitwise), torch's AdamW, same settings, for a plain fp32 reference."""
     kind = opts.get("optimizer", "adamw")
+    if kind == "cpu_adamw":
+        from megatron_fsdp_ext.optim import CPUAdamW
+
+        same = ours or opts.get("param_dtype") is not None
+        return (CPUAdamW if same else torch.optim.AdamW)(params, lr=opts.get("lr", 1e-4), weight_decay=0.1)
     if kind == "adamw":
         fused = opts.get("fused", False)
         # lr 1e-4: Adam's g/sqrt(v) amplifies fp32 rounding of near-zero gradients
@@ -337,7 +355,7 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
     if fsdp2_reference:
         shard_with_fsdp2(ref, opts)
     replicated = opts.get("strategy") == "no_shard"
-    opt = make_optimizer(model.parameters(), opts)
+    opt = make_optimizer(model.parameters(), opts, ours=True)
     ref_opt = make_optimizer(ref.parameters(), opts)
     micro = opts.get("micro_batches", 1)
     per_rank = opts.get("batch", 4)

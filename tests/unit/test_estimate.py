@@ -111,3 +111,42 @@ def test_bad_input_is_refused_by_name():
         mfsdp.estimate_memory(m, 2, unit_modules=[m[0]])
     with pytest.raises(ValueError, match="unknown sharding_strategy"):
         mfsdp.estimate_memory(m, 2, sharding_strategy="zero3")
+
+
+def test_offload_moves_offloaded_units_to_host_bytes():
+    base = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block])
+    full = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=1.0)
+    # Shards, gradients and AdamW state leave the device; the gathered copies do not.
+    assert full.params == full.grads == full.optimizer_state == 0
+    assert full.gathered_params == base.gathered_params
+    seg = 4 * (1024 + 1024 + 160)
+    assert full.host_pinned == 2 * seg and full.host_pageable == 2 * seg  # shard + grad; exp_avg + exp_avg_sq
+    # Each offloaded unit lands its reduced segment on the device before the copy out.
+    assert full.reduction_buffers == base.reduction_buffers + 4 * 1024
+    assert "host, pinned" in str(full) and "host, pinned" not in str(base)
+    # bf16 gathers over fp32 shards: the bf16 copy the CPU optimizer writes, pinned too.
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    bf16 = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=1.0, mp_policy=mp)
+    assert bf16.host_pinned == 2 * seg + seg // 2
+    unpinned = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=1.0, pin_memory=False)
+    assert unpinned.host_pinned == 0 and unpinned.host_pageable == 4 * seg
+    # Half: whole units, inner ones first (fully_shard_model's order: the last Block first).
+    # (4096 + 4096 + 640 elements: 0.4 of them is reached by one Block, 0.5 needs two.)
+    some = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=0.4)
+    assert some.params == 4 * (1024 + 160) and some.host_pinned == 2 * 4 * 1024
+    half = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=0.5)
+    assert half.params == 4 * 160 and half.host_pinned == 2 * 4 * 2048
+    with pytest.raises(ValueError, match=r"offload fraction must be a number in \[0, 1\], got 1.5"):
+        mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=1.5)
+    with pytest.raises(ValueError, match="offload needs a strategy that reduce-scatters"):
+        mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], offload_fraction=1.0, sharding_strategy="no_shard")
+
+
+def test_offloaded_units_rule():
+    from megatron_fsdp_ext.options import offloaded_units
+
+    assert offloaded_units([10, 10, 10, 5], 0.0) == [False] * 4
+    assert offloaded_units([10, 10, 10, 5], 1.0) == [True] * 4
+    assert offloaded_units([10, 10, 10, 5], 0.5) == [True, True, False, False]  # 20 >= 17.5
+    assert offloaded_units([10, 10, 10, 5], 0.2) == [True, False, False, False]
+    assert offloaded_units([0, 10], 0.5) == [True, True]

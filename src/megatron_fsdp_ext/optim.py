@@ -1,0 +1,219 @@
+"""CPU optimizers for offloaded units: CPUAdamW, CPUAdam and CPUSGD.
+
+Each is a torch.optim.Optimizer (param groups, state dicts with torch's keys, hooks, LR
+schedulers, DCP's optimizer helpers) whose step is one C++ call per param group
+(csrc/cpu_optim.h): multithreaded, vectorized, one pass over memory. For the sharded
+parameters of a unit offloaded in bf16 (CPUOffloadPolicy with param_dtype=bfloat16), the
+same pass writes the bf16 copy the unit's next gather copies to the device as it is, and
+the unit is told that copy is fresh (`shard_changes.mark_stepped`): the device then gets
+half the bytes and casts nothing. The results are torch.optim.AdamW / Adam / SGD's, up to
+float rounding; their state dicts load into each other.
+
+They step float32 tensors in host memory only (any CPU model works, offloaded or not,
+FSDP2's CPUOffloadPolicy included: a DTensor parameter is stepped through its local
+tensor); a device parameter raises, naming it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _C
+from .param_index import owner_of
+from .shard_changes import COPIED_OUT
+
+
+def set_num_threads(threads: int) -> None:
+    """Threads of the CPU optimizers' steps (0: torch.get_num_threads())."""
+    _C.set_cpu_optim_threads(int(threads))
+
+
+def num_threads() -> int:
+    return _C.cpu_optim_threads()
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """What the kernel writes: a DTensor's local tensor (FSDP2's sharded parameters), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_float(name: str, value, low: float = 0.0) -> None:
+    if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not value >= low:
+        raise ValueError(f"invalid {name}: {value}")
+
+
+class _CPUOptimizer(torch.optim.Optimizer):
+    """What the three share: the checks of each stepped tensor and the gather copy-out."""
+
+    def _stepped(self, group) -> List[torch.Tensor]:
+        for key in ("amsgrad", "capturable", "differentiable"):
+            if group.get(key):
+                raise NotImplementedError(f"{type(self).__name__}: {key}=True (e.g. from a loaded torch state dict) "
+                                          "is not supported; use torch's optimizer for it")
+        params = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if p.device.type != "cpu" or p.grad.device.type != "cpu":
+                raise RuntimeError(
+                    f"{type(self).__name__} steps host tensors; a parameter of shape {tuple(p.shape)} (or its "
+                    f"gradient) is on {p.device if p.device.type != 'cpu' else p.grad.device}. Offload its unit "
+                    "(fully_shard(..., offload_policy=CPUOffloadPolicy())) or use a torch optimizer")
+            if p.dtype != torch.float32 or p.grad.dtype != torch.float32:
+                raise RuntimeError(f"{type(self).__name__} steps float32 master weights; a parameter of shape "
+                                   f"{tuple(p.shape)} is {p.dtype} with a {p.grad.dtype} gradient")
+            if not (_local(p).is_contiguous() and _local(p.grad).is_contiguous()):
+                raise RuntimeError(f"{type(self).__name__} steps contiguous tensors; a parameter of shape "
+                                   f"{tuple(p.shape)} (or its gradient) is not")
+            params.append(p)
+        return params
+
+    def _copy_outs(self, params: List[torch.Tensor], units: dict) -> List[Optional[torch.Tensor]]:
+        """Per parameter, its slice of its unit's bf16 gather copy (None: not offloaded
+        with one); `units` collects, per unit, how many of its parameters were written."""
+        outs = []
+        for p in params:
+            state, index = owner_of(p)
+            unit = state.unit if state is not None else None
+            copy = unit.host_gather_copy if unit is not None and unit.offloaded else None
+            if copy is None:
+                outs.append(None)
+                continue
+            spec = unit.param_spec(index)
+            outs.append(copy.narrow(0, spec.slice.shard_offset, spec.slice.numel))
+            units.setdefault(id(unit), [unit, set()])[1].add(index)
+        return outs
+
+    def _report_copied_out(self, units: dict) -> None:
+        whole = []
+        for unit, written in units.values():
+            needed = {i for i, spec in enumerate(unit.param_specs) if spec.slice.numel > 0}
+            if needed <= written:
+                whole.append(unit)
+        self.__dict__[COPIED_OUT] = whole
+
+    def _closure_loss(self, closure: Optional[Callable]):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+
+class CPUAdamW(_CPUOptimizer):
+    """torch.optim.AdamW for float32 parameters in host memory, stepped by one C++ pass per
+    param group on num_threads() threads (csrc/cpu_optim.h). Same arguments, defaults and
+    state (`step`, `exp_avg`, `exp_avg_sq`) as torch's; amsgrad, capturable and
+    differentiable are not offered. step(grad_scale=s) reads every gradient times `s` in
+    the same pass (an unscale or clipping coefficient, without a pass of its own)."""
+
+    _decoupled = True
+    _mfsdp_state_kind = "AdamW"  # checkpoints move between this and torch.optim.AdamW (dcp_flat)
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, maximize: bool = False):
+        _check_float("lr", lr)
+        _check_float("eps", eps)
+        _check_float("weight_decay", weight_decay)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+        for i, b in enumerate(betas):
+            _check_float(f"beta parameter at index {i}", b)
+            if not b < 1.0:
+                raise ValueError(f"invalid beta parameter at index {i}: {b}")
+        # torch's keys, so that state dicts and checkpoints move between the two; the
+        # options this kernel does not have keep their off values (checked at each step).
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                                      maximize=bool(maximize), foreach=None, capturable=False, differentiable=False,
+                                      fused=None, decoupled_weight_decay=self._decoupled))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None, *, grad_scale: float = 1.0):
+        loss = self._closure_loss(closure)
+        units: dict = {}
+        for group in self.param_groups:
+            params = self._stepped(group)
+            if not params:
+                continue
+            exp_avgs, exp_avg_sqs, steps = [], [], []
+            for p in params:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(int(state["step"].item()))
+            beta1, beta2 = group["betas"]
+            hyper = _C.AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                                 decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+                                 maximize=bool(group["maximize"]))
+            _C.adam_step([_local(p) for p in params], [_local(p.grad) for p in params],
+                         [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs],
+                         self._copy_outs(params, units), steps, hyper, float(grad_scale))
+        self._report_copied_out(units)
+        return loss
+
+
+class CPUAdam(CPUAdamW):
+    """torch.optim.Adam (weight decay as an L2 term of the gradient) on the CPUAdamW kernel."""
+
+    _decoupled = False
+    _mfsdp_state_kind = "Adam"
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, maximize: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+
+
+class CPUSGD(_CPUOptimizer):
+    """torch.optim.SGD (momentum, dampening, Nesterov, weight decay, maximize) for float32
+    host parameters, one C++ pass per param group; state `momentum_buffer` as torch's."""
+
+    _mfsdp_state_kind = "SGD"
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            _check_float(name, value)
+        _check_float("dampening", dampening, low=float("-inf"))
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=bool(nesterov), maximize=bool(maximize), foreach=None,
+                                      differentiable=False, fused=None))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None, *, grad_scale: float = 1.0):
+        loss = self._closure_loss(closure)
+        units: dict = {}
+        for group in self.param_groups:
+            params = self._stepped(group)
+            if not params:
+                continue
+            momentum = float(group["momentum"])
+            buffers, first = [], []
+            for p in params:
+                if momentum == 0.0:
+                    continue
+                state = self.state[p]
+                new = state.get("momentum_buffer") is None
+                if new:
+                    state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                buffers.append(state["momentum_buffer"])
+                first.append(new)
+            hyper = _C.SgdHyper(lr=float(group["lr"]), momentum=momentum, dampening=float(group["dampening"]),
+                                weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+                                maximize=bool(group["maximize"]))
+            _C.sgd_step([_local(p) for p in params], [_local(p.grad) for p in params], [_local(t) for t in buffers],
+                        self._copy_outs(params, units), first, hyper, float(grad_scale))
+        self._report_copied_out(units)
+        return loss

@@ -1,0 +1,232 @@
+"""Workers for CPU offload (fully_shard(offload_policy=CPUOffloadPolicy())): where the
+shards, gradients and gather copies live and when they are reused, and offloaded units
+under torch's state-dict helpers, DCP checkpoints, materialize and clip_grad_norm_.
+Shared by the Gloo suite (tests/distributed/test_offload.py: the CPU is the device
+too) and the GPU suite (tests/gpu/test_offload_gpu.py: host memory beside a GPU)."""
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.optim import CPUAdamW
+from megatron_fsdp_ext.param_index import iter_states
+
+from .workers import device_for_backend, global_batches, shard_blocks_and_root
+
+CFG = LlamaConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, ffn_hidden=64)
+
+
+def offloaded_model(device, param_dtype=None, pin_memory=True, meta=False):
+    torch.manual_seed(7)
+    with torch.device("meta" if meta else "cpu"):  # built on the CPU: sharded without moving it whole
+        model = LlamaModel(CFG)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    return shard_blocks_and_root(model, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+
+
+def _grad_base(state) -> int:
+    """Where the host buffer behind a unit's .grad views starts."""
+    ptrs = {p.grad.data_ptr() - 4 * spec.slice.shard_offset
+            for p, spec in zip(state.sharded_params, state.unit.param_specs) if p.grad is not None and p.grad.numel() > 0}
+    assert len(ptrs) == 1, ptrs
+    return ptrs.pop()
+
+
+def _step(model, tokens, targets, rows):
+    loss = model.loss(tokens[rows], targets[rows])
+    loss.backward()
+    return loss
+
+
+def offload_plumbing(rank: int, world: int, opts: Dict) -> None:
+    """Where every buffer of an offloaded unit lives, and its reuse rules."""
+    device = device_for_backend()
+    param_dtype = opts.get("param_dtype")
+    model = offloaded_model(device, param_dtype)
+    states = list(iter_states(model))
+    pinned = device.type == "cuda"
+    for s in states:
+        u = s.unit
+        assert u.offloaded and u.pinned == pinned, (s, u.offloaded, u.pinned)
+        assert torch.device(u.device).type == device.type, u.device
+        assert u.sharded_flat.device.type == "cpu"
+        assert all(torch.device(spec.storage_device).type == "cpu" for spec in u.param_specs)
+        assert u.sharded_flat.is_pinned() == pinned
+        copy_bytes = u.sharded_flat.numel() * 2 if param_dtype == torch.bfloat16 else 0
+        assert u.host_nbytes == u.sharded_flat.nbytes + copy_bytes, (u.host_nbytes, u.sharded_flat.nbytes)
+        assert (u.host_gather_copy is not None) == (param_dtype == torch.bfloat16)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    opt = CPUAdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, CFG.vocab_size, (2 * world, 8), generator=g).to(device)
+    targets = torch.randint(0, CFG.vocab_size, (2 * world, 8), generator=g).to(device)
+    rows = slice(2 * rank, 2 * rank + 2)
+
+    _step(model, tokens, targets, rows)
+    grads = {id(p): p.grad for p in model.parameters() if p.grad is not None}
+    assert grads and all(g.device.type == "cpu" and g.is_pinned() == pinned for g in grads.values())
+    # One kept host buffer per unit behind its .grad views, counted by host_nbytes. (Only
+    # data_ptr() here: a storage object made in Python would itself hold the buffer.)
+    first_ptr = {}
+    for s in states:
+        u = s.unit
+        first_ptr[id(s)] = _grad_base(s)
+        assert u.host_nbytes == 2 * u.sharded_flat.nbytes + (u.sharded_flat.numel() * 2 if param_dtype else 0)
+    del grads  # this test's own references would keep the buffers from reuse
+    opt.step()
+    if param_dtype == torch.bfloat16:  # CPUAdamW wrote every unit's bf16 gather copy: fresh
+        for s in states:
+            u = s.unit
+            assert u.host_copy_fresh, s
+            for spec in u.param_specs:
+                sl = spec.slice
+                piece = u.sharded_flat.narrow(0, sl.shard_offset, sl.numel)
+                assert torch.equal(u.host_gather_copy.narrow(0, sl.shard_offset, sl.numel), piece.to(torch.bfloat16))
+    opt.zero_grad(set_to_none=True)
+    _step(model, tokens, targets, rows)
+    for s in states:  # nothing else held the buffer: reused
+        assert _grad_base(s) == first_ptr[id(s)], s
+    # A gradient kept by the user across zero_grad(set_to_none=True) is never overwritten.
+    kept = {id(p): p.grad.clone() for p in model.parameters() if p.grad is not None}
+    held = {id(p): p.grad for p in model.parameters() if p.grad is not None}
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _step(model, tokens, targets, rows)
+    for k, t in held.items():
+        assert torch.equal(t, kept[k]), "a held gradient was overwritten by the next backward"
+    for s in states:
+        assert _grad_base(s) != first_ptr[id(s)], "a held buffer was reused"
+    # Another optimizer, an in-place write: the copy is stale and the gather casts the shard.
+    if param_dtype == torch.bfloat16:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert not any(s.unit.host_copy_fresh for s in states)
+        opt.step()
+        assert all(s.unit.host_copy_fresh for s in states)
+        with torch.no_grad():
+            next(iter(model.parameters())).add_(1.0)
+        assert not states[0].unit.host_copy_fresh or states[0].sharded_params[0] is not next(iter(model.parameters()))
+
+
+def _train(model, opt, steps, world, rank, device, clip=None):
+    losses = []
+    for tokens, targets in global_batches(CFG, steps, 2 * world, 8, device):
+        rows = slice(2 * rank, 2 * rank + 2)
+        opt.zero_grad(set_to_none=True)
+        losses.append(_step(model, tokens, targets, rows).item())
+        if clip:
+            mfsdp.clip_grad_norm_(model, clip)
+        opt.step()
+    return losses
+
+
+def _values(model):
+    return {k: v.detach().cpu() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
+
+
+def offload_state_dicts(rank: int, world: int, opts: Dict) -> None:
+    """Offloaded units under every way state leaves and enters a model."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    device = device_for_backend()
+    model = offloaded_model(device)
+    opt = CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _train(model, opt, 2, world, rank, device, clip=0.5)
+    # torch's helpers: DTensors over host local shards, full values as without offload.
+    sd = get_model_state_dict(model)
+    assert all(isinstance(v, DTensor) and v.to_local().device.type == "cpu" for v in sd.values())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ours = _values(model)
+    assert set(full) == set(ours)
+    for k in ours:
+        assert torch.equal(full[k].cpu(), ours[k]), k
+    osd = get_optimizer_state_dict(model, opt)
+    assert osd["state"], "no optimizer state"
+
+    # DCP checkpoint, loaded into an offloaded model and into one on the device.
+    path = opts["path"]
+    mfsdp.save_checkpoint(path, model, opt)
+    for offload in (True, False):
+        torch.manual_seed(99)  # different init: the load must overwrite it
+        other = LlamaModel(CFG).to(device)
+        kw = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+        shard_blocks_and_root(other, **kw)
+        other_opt = CPUAdamW(other.parameters(), lr=1e-3, weight_decay=0.1) if offload else \
+            torch.optim.AdamW(other.parameters(), lr=1e-3, weight_decay=0.1)
+        _train(other, other_opt, 1, world, rank, device)  # creates optimizer state to be replaced
+        mfsdp.load_checkpoint(path, other, other_opt)
+        loaded = _values(other)
+        for k in ours:
+            assert torch.equal(loaded[k], ours[k]), (offload, k)
+        # One more step on both from the same state: same result (optimizer state loaded too).
+        a = _train(copy_target := model, opt, 1, world, rank, device) if offload else None
+        b = _train(other, other_opt, 1, world, rank, device)
+        if offload:
+            assert abs(a[0] - b[0]) <= 1e-6 * abs(a[0]), (a, b)
+            after, theirs = _values(copy_target), _values(other)
+            for k in after:
+                torch.testing.assert_close(theirs[k], after[k], rtol=1e-5, atol=1e-6)
+            mfsdp.save_checkpoint(path, model, opt)  # keep the saved state equal to `model` for the next load
+            ours = _values(model)
+
+    # set_model_state_dict from full values into an offloaded model.
+    torch.manual_seed(5)
+    fresh = shard_blocks_and_root(LlamaModel(CFG), offload_policy=CPUOffloadPolicy())
+    set_model_state_dict(fresh, {k: v.to(device) for k, v in ours.items()},
+                         options=StateDictOptions(full_state_dict=True))
+    for k, v in _values(fresh).items():
+        assert torch.equal(v, ours[k]), k
+
+    # Deferred init: built on meta, offloaded, materialized; the same values as eager init.
+    meta = offloaded_model(device, meta=True)
+    mfsdp.materialize(meta)
+    eager = offloaded_model(device)
+    for s in iter_states(meta):
+        assert s.unit.offloaded and s.unit.sharded_flat.device.type == "cpu"
+    for k, v in _values(meta).items():
+        assert torch.isfinite(v).all(), k
+    assert set(_values(meta)) == set(_values(eager))
+
+
+def offload_config(rank: int, world: int, opts: Dict) -> None:
+    """FSDPConfig's Megatron-style fields: optimizer_cpu_offload with a fraction offloads
+    the units options.offloaded_units picks, and estimate_memory counts the same host
+    bytes the units hold."""
+    from megatron_fsdp_ext.models.llama import Block
+    from megatron_fsdp_ext.options import offloaded_units
+
+    device = device_for_backend()
+    fraction = opts["fraction"]
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        shapes = LlamaModel(CFG)
+    est = mfsdp.estimate_memory(shapes, world, unit_modules=[Block], offload_fraction=fraction,
+                                mp_policy=mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = LlamaModel(CFG).to(device)
+    config = mfsdp.FSDPConfig(bf16=True, grad_reduce_in_fp32=True, optimizer_cpu_offload=True,
+                              optimizer_offload_fraction=fraction)
+    mfsdp.fully_shard_model(model, config, fsdp_unit_modules=[Block])
+    units = [b._mfsdp_state.unit for b in reversed(model.blocks)] + [model._mfsdp_state.unit]
+    want = offloaded_units([sum(torch.Size(sp.shape).numel() for sp in u.param_specs) for u in units], fraction)
+    assert [u.offloaded for u in units] == want, ([u.offloaded for u in units], want)
+    assert any(want) and (fraction == 1.0 or not all(want))
+    opt = CPUAdamW([p for u in units if u.offloaded for p in u.sharded_params], lr=1e-3)
+    on_device = [p for u in units if not u.offloaded for p in u.sharded_params]
+    dev_opt = torch.optim.AdamW(on_device or [torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    for tokens, targets in global_batches(CFG, 2, 2 * world, 8, device):
+        model.loss(tokens[2 * rank: 2 * rank + 2], targets[2 * rank: 2 * rank + 2]).backward()
+        mfsdp.clip_grad_norm_(model, 0.5)  # host and device gradients in one norm
+        opt.step()
+        dev_opt.step()
+        opt.zero_grad(set_to_none=False)  # kept: the host gradient buffers count below
+        dev_opt.zero_grad(set_to_none=False)
+    held = sum(u.host_nbytes for u in units)
+    # The estimate is the largest over ranks; world 2 splits these units evenly.
+    assert held == est.host_pinned, (held, est.host_pinned)
