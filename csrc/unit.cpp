@@ -242,10 +242,14 @@ void Unit::copy_shard_in(at::Tensor& dst) const {
 }
 
 at::Tensor Unit::host_grad_buffer() {
-  // A .grad view (or anything else) still holding the kept buffer: leave it to them.
-  if (!host_grad_.defined() || host_grad_.storage().use_count() > 1) {
-    host_grad_ = at::Tensor();  // released before allocating its successor
+  if (!host_grad_.defined()) {
     host_grad_ = empty_host(sharded_flat_.numel(), orig_dtype_, pinned_);
+  } else if (host_grad_.storage().use_count() > 1) {
+    // A .grad view (or anything else) still holds the kept buffer: leave it to them. The
+    // successor comes from torch's caching pinned allocator: registering pages anew each
+    // step (the caller keeps every step's gradients) would cost far more than its rounding.
+    host_grad_ = at::Tensor();
+    host_grad_ = at::empty({sharded_flat_.numel()}, at::TensorOptions().dtype(orig_dtype_).pinned_memory(pinned_));
   }
   return host_grad_;
 }

@@ -19,6 +19,15 @@ def kernel_intervals(trace_path: str) -> List[Kernel]:
     return out
 
 
+def copy_intervals(trace_path: str) -> List[Kernel]:
+    """(name, stream, start_us, end_us) of every GPU memory copy in a chrome trace; the name
+    says the direction and the host memory, e.g. "Memcpy HtoD (Pinned -> Device)"."""
+    with open(trace_path) as f:
+        trace = json.load(f)
+    return [(e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in trace.get("traceEvents", []) if e.get("cat") == "gpu_memcpy" and "dur" in e]
+
+
 def overlapping(a: Kernel, others: List[Kernel]) -> bool:
     """Whether kernel `a` runs at the same time as any kernel of another stream."""
     return any(o[1] != a[1] and o[2] < a[3] and a[2] < o[3] for o in others)

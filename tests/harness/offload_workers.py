@@ -230,3 +230,119 @@ def offload_config(rank: int, world: int, opts: Dict) -> None:
     held = sum(u.host_nbytes for u in units)
     # The estimate is the largest over ranks; world 2 splits these units evenly.
     assert held == est.host_pinned, (held, est.host_pinned)
+
+
+def _gpu_model(device, offload: bool, cfg: LlamaConfig):
+    torch.manual_seed(11)
+    model = LlamaModel(cfg)
+    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        return shard_blocks_and_root(model, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    return shard_blocks_and_root(model.to(device), mp_policy=mp)
+
+
+GPU_CFG = LlamaConfig(vocab_size=1024, d_model=512, n_layers=4, n_heads=8, ffn_hidden=1408)
+
+
+def offload_streams(rank: int, world: int, opts: Dict) -> Dict:
+    """CUDA only. Forward and backward of an offloaded model never make the host wait
+    (the one wait is the end of backward's, for the host gradients); the copies in run
+    from pinned memory on the all-gather stream and the copies out into pinned memory on
+    the reduce-scatter stream, beside the compute stream's kernels."""
+    import warnings
+
+    from megatron_fsdp_ext.trace import copy_intervals, kernel_intervals, overlapping
+
+    device = device_for_backend()
+    assert device.type == "cuda"
+    model = _gpu_model(device, True, GPU_CFG)
+    opt = CPUAdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, GPU_CFG.vocab_size, (4, 256), generator=g).to(device)
+
+    def step():
+        model.loss(tokens, tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    syncs = []
+    if dist.get_backend() == "nccl":  # Gloo's own CUDA path waits on the host (its worker threads)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call torch makes raises
+        try:
+            loss = model.loss(tokens, tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert len(syncs) <= 1, syncs  # at most the end of backward's wait
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = f"{opts['dir']}/offload_trace_rank{rank}.json"
+    prof.export_chrome_trace(path)
+    copies, kernels = copy_intervals(path), kernel_intervals(path)
+    h2d = [c for c in copies if "HtoD" in c[0]]
+    d2h = [c for c in copies if "DtoH" in c[0]]
+    assert h2d and d2h, sorted({c[0] for c in copies})
+    assert all("Pinned" in c[0] for c in h2d + d2h), sorted({c[0] for c in h2d + d2h})
+    # The compute stream: the one running the matmuls.
+    gemm_streams = [k[1] for k in kernels if "gemm" in k[0].lower() or "cutlass" in k[0].lower()]
+    compute = max(set(gemm_streams), key=gemm_streams.count)
+    assert not [c for c in h2d + d2h if c[1] == compute], "a copy ran on the compute stream"
+    on_compute = [k for k in kernels if k[1] == compute]
+    in_overlap = sum(overlapping(c, on_compute) for c in h2d)
+    out_overlap = sum(overlapping(c, on_compute) for c in d2h)
+    assert in_overlap > 0 and out_overlap > 0, (in_overlap, out_overlap, len(h2d), len(d2h))
+    return {"h2d": len(h2d), "d2h": len(d2h), "h2d_overlapping": in_overlap, "d2h_overlapping": out_overlap,
+            "syncs_in_backward": len(syncs)}
+
+
+def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
+    """CUDA only. The device peak of a training step drops by what offloading moves to the
+    host (fp32 shard, gradient and AdamW's two states: 16 bytes an element of the shard),
+    and the host holds what the units report."""
+    device = device_for_backend()
+    peaks = {}
+    for offload in (False, True):
+        model = _gpu_model(device, offload, GPU_CFG)
+        opt = (CPUAdamW if offload else torch.optim.AdamW)(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, GPU_CFG.vocab_size, (2, 128), device=device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            model.loss(tokens, tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated()
+        shard_elems = sum(s.unit.sharded_flat.numel() for s in iter_states(model))
+        del model, opt
+        torch.cuda.empty_cache()
+    moved = 16 * shard_elems
+    assert peaks[False] - peaks[True] >= 0.75 * moved, (peaks, moved)
+    return {"peak_device": peaks[False], "peak_offload": peaks[True], "moved": moved}
+
+
+def cpu_optimizer_refuses_device_params(rank: int, world: int, opts: Dict) -> None:
+    device = device_for_backend()
+    p = torch.nn.Parameter(torch.randn(8, device=device))
+    p.grad = torch.randn(8, device=device)
+    try:
+        CPUAdamW([p]).step()
+    except RuntimeError as e:
+        assert "steps host tensors" in str(e) and "offload_policy=CPUOffloadPolicy()" in str(e), e
+    else:
+        raise AssertionError("CPUAdamW stepped a device parameter")

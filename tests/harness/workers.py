@@ -222,7 +222,12 @@ def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
-    model = shard_blocks_and_root(model, fully_shard=fully_shard, mp_policy=mp)
+    kw = {}
+    if opts.get("offload") and opts.get("optimizer") == "cpu_adamw" and device_for_backend().type == "cuda":
+        # CPUAdamW steps host tensors: FSDP2's own offload gives it those (and is tested with it).
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    model = shard_blocks_and_root(model, fully_shard=fully_shard, mp_policy=mp, **kw)
     if dist.get_backend() == "gloo" and device_for_backend().type == "cuda":
         # FSDP2 divides inside the collective (AVG / PREMUL_SUM), which Gloo refuses for
         # CUDA tensors; SUM, then its own division, is the same mean. Per unit (not recursive).
@@ -240,6 +245,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     test_backends checks against full_tensor() on the CPU."""
     if not hasattr(t, "full_tensor"):
         return t
+    if t.to_local().device.type != t.device_mesh.device_type:
+        # FSDP2's offloaded parameters and gradients: host local shards on a device mesh.
+        from torch.distributed.tensor import DTensor
+        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                               shape=t.shape, stride=t.stride())
     if dist.get_backend(t.device_mesh.get_group(0)) == "gloo" and t.device.type == "cuda":
         from megatron_fsdp_ext.state_dict import gather_dtensor
         return gather_dtensor(t)
