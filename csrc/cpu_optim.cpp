@@ -56,27 +56,35 @@ struct AdamChunk {
 
 template <CopyOut kOut>
 MFSDP_INLINE void adam_body(const AdamChunk& c) {
+  // Everything in locals first: a store through `out` could otherwise alias the struct, and
+  // the compiler would reload its fields every iteration instead of vectorizing.
   float* __restrict p = c.p;
   const float* __restrict g = c.g;
   float* __restrict m = c.m;
   float* __restrict v = c.v;
+  float* __restrict out_f32 = static_cast<float*>(c.out);
+  uint16_t* __restrict out_bf16 = static_cast<uint16_t*>(c.out);
+  const int64_t n = c.n;
+  const float grad_scale = c.grad_scale, decay_keep = c.decay_keep, l2w = c.l2;
+  const float one_minus_b1 = c.one_minus_b1, b2 = c.b2, one_minus_b2 = c.one_minus_b2;
+  const float neg_step_size = c.neg_step_size, bc2_sqrt = c.bc2_sqrt, eps = c.eps;
   // Terms torch skips when their factor is 0 are skipped too (0 * inf would be NaN); the
-  // loop-invariant tests are hoisted out of the loop by the compiler.
-  const bool l2 = c.l2 != 0.0f;
-  for (int64_t i = 0; i < c.n; ++i) {
+  // loop-invariant test is hoisted out of the loop by the compiler.
+  const bool l2 = l2w != 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
     float param = p[i];
-    float grad = g[i] * c.grad_scale;
-    if (l2) grad += c.l2 * param;
-    param = param * c.decay_keep;
-    const float mi = m[i] + c.one_minus_b1 * (grad - m[i]);  // lerp(m, grad, 1 - beta1)
-    const float vi = v[i] * c.b2 + (c.one_minus_b2 * grad) * grad;
-    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
-    param = param + (c.neg_step_size * mi) / denom;
+    float grad = g[i] * grad_scale;
+    if (l2) grad += l2w * param;
+    param = param * decay_keep;
+    const float mi = m[i] + one_minus_b1 * (grad - m[i]);  // lerp(m, grad, 1 - beta1)
+    const float vi = v[i] * b2 + (one_minus_b2 * grad) * grad;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    param = param + (neg_step_size * mi) / denom;
     m[i] = mi;
     v[i] = vi;
     p[i] = param;
-    if constexpr (kOut == CopyOut::kFloat) static_cast<float*>(c.out)[i] = param;
-    if constexpr (kOut == CopyOut::kBFloat16) static_cast<uint16_t*>(c.out)[i] = to_bf16(param);
+    if constexpr (kOut == CopyOut::kFloat) out_f32[i] = param;
+    if constexpr (kOut == CopyOut::kBFloat16) out_bf16[i] = to_bf16(param);
   }
 }
 
@@ -100,19 +108,24 @@ MFSDP_INLINE void sgd_body(const SgdChunk& c) {
   float* __restrict p = c.p;
   const float* __restrict g = c.g;
   float* __restrict buf = c.buf;
-  const bool decay = c.weight_decay != 0.0f;
-  for (int64_t i = 0; i < c.n; ++i) {
-    float d = g[i] * c.grad_scale;
-    if (decay) d += c.weight_decay * p[i];
-    if (buf != nullptr) {
-      const float b = c.first ? d : buf[i] * c.momentum + c.one_minus_dampening * d;
+  float* __restrict out_f32 = static_cast<float*>(c.out);
+  uint16_t* __restrict out_bf16 = static_cast<uint16_t*>(c.out);
+  const int64_t n = c.n;
+  const float grad_scale = c.grad_scale, weight_decay = c.weight_decay, momentum = c.momentum;
+  const float one_minus_dampening = c.one_minus_dampening, neg_lr = c.neg_lr;
+  const bool decay = weight_decay != 0.0f, first = c.first, nesterov = c.nesterov, has_buf = buf != nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i] * grad_scale;
+    if (decay) d += weight_decay * p[i];
+    if (has_buf) {
+      const float b = first ? d : buf[i] * momentum + one_minus_dampening * d;
       buf[i] = b;
-      d = c.nesterov ? d + c.momentum * b : b;
+      d = nesterov ? d + momentum * b : b;
     }
-    const float param = p[i] + c.neg_lr * d;
+    const float param = p[i] + neg_lr * d;
     p[i] = param;
-    if constexpr (kOut == CopyOut::kFloat) static_cast<float*>(c.out)[i] = param;
-    if constexpr (kOut == CopyOut::kBFloat16) static_cast<uint16_t*>(c.out)[i] = to_bf16(param);
+    if constexpr (kOut == CopyOut::kFloat) out_f32[i] = param;
+    if constexpr (kOut == CopyOut::kBFloat16) out_bf16[i] = to_bf16(param);
   }
 }
 

@@ -298,9 +298,10 @@ def offload_streams(rank: int, world: int, opts: Dict) -> Dict:
     d2h = [c for c in copies if "DtoH" in c[0]]
     assert h2d and d2h, sorted({c[0] for c in copies})
     assert all("Pinned" in c[0] for c in h2d + d2h), sorted({c[0] for c in h2d + d2h})
-    # The compute stream: the one running the matmuls.
-    gemm_streams = [k[1] for k in kernels if "gemm" in k[0].lower() or "cutlass" in k[0].lower()]
-    compute = max(set(gemm_streams), key=gemm_streams.count)
+    # The compute stream: the one running the most kernels (the side streams run one
+    # collective, cast or copy a unit).
+    streams = [k[1] for k in kernels]
+    compute = max(set(streams), key=streams.count)
     assert not [c for c in h2d + d2h if c[1] == compute], "a copy ran on the compute stream"
     on_compute = [k for k in kernels if k[1] == compute]
     in_overlap = sum(overlapping(c, on_compute) for c in h2d)
@@ -315,7 +316,7 @@ def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
     host (fp32 shard, gradient and AdamW's two states: 16 bytes an element of the shard),
     and the host holds what the units report."""
     device = device_for_backend()
-    peaks = {}
+    peaks, rest = {}, {}
     for offload in (False, True):
         model = _gpu_model(device, offload, GPU_CFG)
         opt = (CPUAdamW if offload else torch.optim.AdamW)(model.parameters(), lr=1e-4)
@@ -328,12 +329,16 @@ def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         peaks[offload] = torch.cuda.max_memory_allocated()
+        rest[offload] = torch.cuda.memory_allocated()  # between steps: shards and AdamW state
         shard_elems = sum(s.unit.sharded_flat.numel() for s in iter_states(model))
         del model, opt
         torch.cuda.empty_cache()
-    moved = 16 * shard_elems
-    assert peaks[False] - peaks[True] >= 0.75 * moved, (peaks, moved)
-    return {"peak_device": peaks[False], "peak_offload": peaks[True], "moved": moved}
+    # Between steps the device holds no shard and no optimizer state (12 bytes an element
+    # without offload); at the peak the gradients (4 more) are off the device too, less
+    # what differs in when each run peaks (measured: 72% of the 16 bytes at this size).
+    assert rest[True] <= rest[False] - 0.95 * 12 * shard_elems, (rest, shard_elems)
+    assert peaks[False] - peaks[True] >= 0.6 * 16 * shard_elems, (peaks, shard_elems)
+    return {"peak_device": peaks[False], "peak_offload": peaks[True], "rest": rest, "elements": shard_elems}
 
 
 def cpu_optimizer_refuses_device_params(rank: int, world: int, opts: Dict) -> None:
