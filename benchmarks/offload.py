@@ -139,7 +139,10 @@ def child(args) -> dict:
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    port = _free_port()
+    # torchrun's variables, which DeepSpeed insists on (world 1 here).
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg, mb, seq = _cfg(args.config)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
