@@ -10,6 +10,7 @@
 #include "dtypes.h"
 #include "gather_bytes.h"
 #include "host_memory.h"
+#include "host_tasks.h"
 #include "layout.h"
 #include "pack.h"
 #include "param_spec.h"
@@ -107,6 +108,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
         py::arg("copy_outs"), py::arg("first"), py::arg("hyper"), py::arg("grad_scale") = 1.0,
         "One SGD step over host float32 tensors (cpu_optim.h).", py::call_guard<py::gil_scoped_release>());
+  py::class_<HostTask, std::shared_ptr<HostTask>>(m, "HostTask")
+      .def("wait", &HostTask::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("done", &HostTask::done)
+      .def_property_readonly("what", &HostTask::what);
+  // One segment: (params, grads, exp_avgs, exp_avg_sqs, copy_outs, steps, hyper).
+  using AdamSegment = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                 std::vector<at::Tensor>, std::vector<std::optional<at::Tensor>>,
+                                 std::vector<int64_t>, AdamHyper>;
+  py::class_<HostTaskQueue, std::shared_ptr<HostTaskQueue>>(m, "HostTaskQueue")
+      .def(py::init([] { return make_shared_without_gil_delete<HostTaskQueue>(); }))
+      .def(
+          "submit_adam_steps",
+          [defined_or_empty](HostTaskQueue& queue, const std::vector<AdamSegment>& segments, double grad_scale,
+                             std::string what) {
+            // Aliases without Python objects: the worker thread drops them without the GIL.
+            auto bare = [](const std::vector<at::Tensor>& ts) {
+              std::vector<at::Tensor> out;
+              out.reserve(ts.size());
+              for (const auto& t : ts) out.push_back(t.alias());
+              return out;
+            };
+            std::vector<AdamSegment> held;
+            held.reserve(segments.size());
+            for (const auto& [p, g, m1, m2, outs, steps, hyper] : segments) {
+              std::vector<std::optional<at::Tensor>> bare_outs;
+              for (const auto& o : outs) bare_outs.push_back(o ? std::optional<at::Tensor>(o->alias()) : std::nullopt);
+              held.emplace_back(bare(p), bare(g), bare(m1), bare(m2), std::move(bare_outs), steps, hyper);
+            }
+            return queue.submit(
+                [held = std::move(held), grad_scale, defined_or_empty]() {
+                  for (const auto& [p, g, m1, m2, outs, steps, hyper] : held) {
+                    adam_step(p, g, m1, m2, defined_or_empty(outs), steps, hyper, grad_scale);
+                  }
+                },
+                std::move(what));
+          },
+          py::arg("segments"), py::arg("grad_scale"), py::arg("what"),
+          "Run Adam(W) steps over the segments on the queue's thread; returns the HostTask.");
+  m.def("set_host_task_delay_ms", &set_host_task_delay_ms, py::arg("ms"),
+        "Tests: every host task starts this late (a reader that does not wait sees old values).");
   m.def("cpu_optim_threads", &cpu_optim_threads);
   m.def("set_cpu_optim_threads", &set_cpu_optim_threads, py::arg("threads"));
   m.def("freed_storage_guard", &freed_storage_guard,
@@ -420,6 +461,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("mark_host_copy_fresh", &Unit::mark_host_copy_fresh)
       .def_property_readonly("host_copy_fresh", &Unit::host_copy_fresh)
       .def_property_readonly("host_nbytes", &Unit::host_nbytes)
+      .def("set_host_update", &Unit::set_host_update, py::arg("task"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_host_update", &Unit::wait_host_update, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("host_update_pending", &Unit::host_update_pending)
       .def("set_fp8_gather", &Unit::set_fp8_gather, py::arg("params"), py::arg("fp8_dtype"),
            "Gather parameters `params` in FP8 with tensorwise scales (before bind_params).")
       .def("set_mx_gather", &Unit::set_mx_gather, py::arg("params"), py::arg("block") = 32,

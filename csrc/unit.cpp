@@ -213,6 +213,17 @@ void Unit::offload_to_host(bool pin_memory) {
   offloaded_ = true;
 }
 
+void Unit::set_host_update(std::shared_ptr<HostTask> task) {
+  wait_host_update();  // one in flight at a time
+  host_update_ = std::move(task);
+}
+
+void Unit::wait_host_update() {
+  if (!host_update_) return;
+  auto task = std::move(host_update_);
+  task->wait();
+}
+
 void Unit::mark_host_copy_fresh() {
   MFSDP_CHECK(host_gather_copy_.defined(), "mark_host_copy_fresh: unit '", label_, "' has no host gather copy");
   host_copy_generation_ = shard_generation_;
@@ -646,10 +657,11 @@ void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::T
   check_bound("shard_changed");
   ++shard_generation_;
   if (!aliases_shard()) stale_ = true;
-  if (!index) {
+  if (!index) {  // a report (e.g. of the step still running on the host): nothing written here
     MFSDP_CHECK(!value, "shard_changed: a value needs the index of its parameter");
     return;
   }
+  wait_host_update();
   const int64_t i = *index;
   MFSDP_CHECK(i >= 0 && i < layout_.num_params(), "shard_changed: parameter index ", i, " out of range [0, ",
               layout_.num_params(), ")");
@@ -703,6 +715,7 @@ void Unit::free_unsharded() {
 
 bool Unit::needs_gather() {
   check_bound("unshard");
+  wait_host_update();
   if (state_ == UnitState::kGathering) return false;  // wait_unshard() checks for re-links
   // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
   // `p.data = x` the gathered copy no longer matches the parameter.
@@ -977,6 +990,7 @@ at::Tensor Unit::pack_grads(bool sync) {
 }
 
 Unit::GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
+  wait_host_update();  // a step still reading the gradient this reduction lands in
   GradBuffers b;
   b.flat = std::move(flat);
   const int64_t seg = layout_.segment_numel(shard_index());
@@ -1157,6 +1171,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
 
 std::vector<at::Tensor> Unit::gather_full_params() {
   check_bound("gather_full_params");
+  wait_host_update();
   adopt_data_writes();
   return gather_segments(sharded_flat_);
 }
@@ -1164,6 +1179,7 @@ std::vector<at::Tensor> Unit::gather_full_params() {
 std::vector<at::Tensor> Unit::gather_full(const std::vector<std::optional<at::Tensor>>& pieces,
                                           at::ScalarType dtype) {
   check_bound("gather_full");
+  wait_host_update();
   MFSDP_CHECK_VALUE(static_cast<int64_t>(pieces.size()) == layout_.num_params(), "gather_full: ", pieces.size(),
                     " pieces for the ", layout_.num_params(), " parameters of unit '", label_, "'");
   auto segment = at::zeros({sharded_flat_.numel()}, device_options(dtype));
@@ -1251,6 +1267,7 @@ void Unit::exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& par
 std::vector<at::Tensor> Unit::to_row_chunks(const std::vector<std::optional<at::Tensor>>& pieces,
                                             at::ScalarType dtype) {
   check_bound("to_row_chunks");
+  wait_host_update();
   const int64_t n = layout_.num_params();
   MFSDP_CHECK_VALUE(pieces.empty() || static_cast<int64_t>(pieces.size()) == n, "to_row_chunks: ", pieces.size(),
                     " pieces for the ", n, " parameters of unit '", label_, "'");

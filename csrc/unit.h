@@ -27,6 +27,7 @@
 #include "comm_context.h"
 #include "fp8.h"
 #include "gather_bytes.h"
+#include "host_tasks.h"
 #include "layout.h"
 #include "param_spec.h"
 #include "row_exchange.h"
@@ -130,6 +131,13 @@ class Unit {
   }
   // Host bytes the unit holds: the shard, the gather copy and the kept gradient buffer.
   int64_t host_nbytes() const;
+  // This unit's share of an optimizer step, running on the host beside the next forward
+  // (optim.CPUAdamW(overlap_step=True)). Everything that reads or writes the shard or its
+  // gradient waits for it first: the gather, a reduction's landing, shard writes, the
+  // gathers of state dicts. The wait rethrows the step's error.
+  void set_host_update(std::shared_ptr<HostTask> task);
+  void wait_host_update();
+  bool host_update_pending() const { return host_update_ && !host_update_->done(); }
   const std::vector<ParamSpec>& param_specs() const { return specs_; }
   GatherTransform gather_transform() const { return transform_; }
   // How errors name this unit (the module's path once the root knows it).
@@ -421,6 +429,7 @@ class Unit {
   uint64_t host_copy_generation_ = ~uint64_t{0};
   uint32_t host_copy_version_ = 0;
   at::Tensor host_grad_;         // offloaded: the host gradient buffer, reused (host_grad_buffer)
+  std::shared_ptr<HostTask> host_update_;  // set_host_update: the step in flight, if any
   int64_t unsharded_nbytes_ = 0;
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
   std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)

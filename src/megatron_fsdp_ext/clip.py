@@ -29,6 +29,9 @@ def clip_grad_norm_(
         params = list(parameters)
     norm_type = float(norm_type)
     owners = {id(o()): o() for o in (getattr(p, "_mfsdp_owner", None) for p in params) if o is not None}
+    for state in owners.values():  # an overlapped optimizer step may still read the gradients
+        if state is not None and state.unit is not None:
+            state.unit.wait_host_update()
     check_nonfinite_grads(owners.values(), "clip_grad_norm_")
     # Each gradient is sharded over the data-parallel ranks (a unit's shard) or whole on
     # each (replicated strategies, parameters outside any unit); under tensor parallelism

@@ -110,13 +110,29 @@ class CPUAdamW(_CPUOptimizer):
     param group on num_threads() threads (csrc/cpu_optim.h). Same arguments, defaults and
     state (`step`, `exp_avg`, `exp_avg_sq`) as torch's; amsgrad, capturable and
     differentiable are not offered. step(grad_scale=s) reads every gradient times `s` in
-    the same pass (an unscale or clipping coefficient, without a pass of its own)."""
+    the same pass (an unscale or clipping coefficient, without a pass of its own).
+
+    overlap_step=True: step() hands each fully_shard unit's update to a background thread,
+    in the order the parameters are listed (model.parameters(): the order units are
+    gathered in), and returns. The next forward then gathers unit k as soon as its update
+    is done, while the host still steps the units after it. Every library path that reads
+    or writes a shard or its gradient waits for its unit's update first (the gather, the
+    next backward's landing, state dicts, checkpoints, clip_grad_norm_), as do this
+    optimizer's state_dict(), load_state_dict(), next step() and zero_grad(set_to_none=False)
+    (set_to_none=True only drops references: the updates hold their own); code of your own
+    that reads the parameters between step() and the next forward calls synchronize() first.
+    Parameters outside any unit are stepped before step() returns."""
 
     _decoupled = True
     _mfsdp_state_kind = "AdamW"  # checkpoints move between this and torch.optim.AdamW (dcp_flat)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, maximize: bool = False):
+                 weight_decay: float = 1e-2, *, maximize: bool = False, overlap_step: bool = False):
+        if not isinstance(overlap_step, bool):
+            raise TypeError(f"overlap_step must be a bool, got {overlap_step!r}")
+        self.overlap_step = overlap_step
+        self._pending: list = []  # HostTasks of the last overlapped step
+        self._queue = _C.HostTaskQueue() if overlap_step else None
         _check_float("lr", lr)
         _check_float("eps", eps)
         _check_float("weight_decay", weight_decay)
@@ -132,10 +148,31 @@ class CPUAdamW(_CPUOptimizer):
                                       maximize=bool(maximize), foreach=None, capturable=False, differentiable=False,
                                       fused=None, decoupled_weight_decay=self._decoupled))
 
+    def synchronize(self) -> None:
+        """Wait until the last step's overlapped updates are done (a no-op without overlap_step)."""
+        pending, self._pending = self._pending, []
+        for task in pending:
+            task.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would race the updates still reading them
+            self.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.synchronize()
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, *, grad_scale: float = 1.0):
         loss = self._closure_loss(closure)
+        self.synchronize()
         units: dict = {}
+        by_unit: dict = {}  # overlap_step: per unit (first listed first), its (group, tensors) segments
         for group in self.param_groups:
             params = self._stepped(group)
             if not params:
@@ -156,9 +193,28 @@ class CPUAdamW(_CPUOptimizer):
                                  eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                                  decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
                                  maximize=bool(group["maximize"]))
-            _C.adam_step([_local(p) for p in params], [_local(p.grad) for p in params],
-                         [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs],
-                         self._copy_outs(params, units), steps, hyper, float(grad_scale))
+            tensors = ([_local(p) for p in params], [_local(p.grad) for p in params],
+                       [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs],
+                       self._copy_outs(params, units), steps)
+            if self.overlap_step:
+                for i, p in enumerate(params):
+                    state, _ = owner_of(p)
+                    unit = state.unit if state is not None else None
+                    segments = by_unit.setdefault(id(unit), (unit, {}))[1]
+                    segment = segments.setdefault(id(group), ([], [], [], [], [], [], hyper))
+                    for column, values in zip(segment, tensors):
+                        column.append(values[i])
+            else:
+                _C.adam_step(*tensors, hyper, float(grad_scale))
+        for unit, segments in by_unit.values():
+            if unit is None:  # parameters outside any unit: nothing would wait for them
+                for seg in segments.values():
+                    _C.adam_step(*seg, float(grad_scale))
+                continue
+            task = self._queue.submit_adam_steps(list(segments.values()), float(grad_scale),
+                                                 f"{type(self).__name__}.step() of unit '{unit.label}'")
+            unit.set_host_update(task)
+            self._pending.append(task)
         self._report_copied_out(units)
         return loss
 

@@ -83,6 +83,8 @@ class ParamIndex:
 
     def __init__(self, module: nn.Module, what: str, advice: str = _ADVICE, *, loading: bool = False):
         self.states = [s for s in iter_states(module) if s.unit is not None]
+        for state in self.states:  # an overlapped optimizer step may still write the shards
+            state.unit.wait_host_update()
         if not loading:  # a load is one way to give deferred units their values
             check_materialized(self.states, what)
         for state in self.states:

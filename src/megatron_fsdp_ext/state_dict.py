@@ -267,7 +267,10 @@ class ModuleStateDictHooks:
 
     def _post_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         state = self.state
-        if state.unit is None or _local_mode():
+        if state.unit is None:
+            return
+        state.unit.wait_host_update()  # an overlapped optimizer step may still write the shard
+        if _local_mode():
             return
         present = [(prefix + k, i) for k, i in self.keys if prefix + k in state_dict]
         if not present:
@@ -282,7 +285,10 @@ class ModuleStateDictHooks:
     def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                   unexpected_keys, error_msgs) -> None:
         state = self.state
-        if state.unit is None or _local_mode():
+        if state.unit is None:
+            return
+        state.unit.wait_host_update()
+        if _local_mode():
             return
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(

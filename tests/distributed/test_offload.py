@@ -25,6 +25,12 @@ SCENARIOS = {
     "offload_bf16_cpu_adamw": {"offload": True, "optimizer": "cpu_adamw", "param_dtype": torch.bfloat16,
                                "reduce_dtype": torch.float32, "lr": 1e-3},
     "partial_offload": {"offload": "blocks", "optimizer": "cpu_adamw"},
+    # The step runs on the host beside the next forward (each gather waits for its unit).
+    "offload_overlapped_step": {"offload": True, "optimizer": "cpu_adamw_overlap", "clip": 0.05},
+    "offload_overlapped_step_bf16_accumulation": {
+        "offload": True, "optimizer": "cpu_adamw_overlap", "param_dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32, "lr": 1e-3, "micro_batches": 2, "sync_every_micro": True},
+    "partial_offload_overlapped_step": {"offload": "blocks", "optimizer": "cpu_adamw_overlap"},
 }
 
 
@@ -54,3 +60,9 @@ def test_fsdp_config_offload_fraction(fraction):
     from harness.offload_workers import offload_config
 
     run_distributed(offload_config, 2, {"fraction": fraction}, timeout=180)
+
+
+def test_overlapped_step_contract():
+    from harness.offload_workers import overlapped_step_contract
+
+    run_distributed(overlapped_step_contract, 2, {}, timeout=180)

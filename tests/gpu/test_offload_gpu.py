@@ -23,6 +23,9 @@ SCENARIOS = {
     "offload_bf16_cpu_adamw": {"offload": True, "optimizer": "cpu_adamw", "param_dtype": torch.bfloat16,
                                "reduce_dtype": torch.float32, "lr": 1e-3},
     "partial_offload": {"offload": "blocks", "optimizer": "adamw"},
+    "offload_overlapped_step": {"offload": True, "optimizer": "cpu_adamw_overlap", "clip": 0.05},
+    "offload_overlapped_step_bf16": {"offload": True, "optimizer": "cpu_adamw_overlap",
+                                     "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "lr": 1e-3},
 }
 
 
@@ -57,3 +60,7 @@ def test_fsdp_config_offload_fraction_gpu(fraction):
 
 def test_cpu_optimizer_refuses_device_parameters_gpu():
     run_distributed(w.cpu_optimizer_refuses_device_params, 1, {}, **GPU, timeout=120)
+
+
+def test_overlapped_step_contract_gpu():
+    run_distributed(w.overlapped_step_contract, WORLD, {}, **GPU, timeout=300)

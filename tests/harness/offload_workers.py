@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.optim import CPUAdamW
 from megatron_fsdp_ext.param_index import iter_states
@@ -354,3 +355,52 @@ def cpu_optimizer_refuses_device_params(rank: int, world: int, opts: Dict) -> No
         assert "steps host tensors" in str(e) and "offload_policy=CPUOffloadPolicy()" in str(e), e
     else:
         raise AssertionError("CPUAdamW stepped a device parameter")
+
+
+def overlapped_step_contract(rank: int, world: int, opts: Dict) -> None:
+    """CPUAdamW(overlap_step=True): step() returns before the units' updates are done; the
+    values after synchronize() (or any library read) are the synchronous step's; a failing
+    update surfaces at the unit's next gather, naming it."""
+    device = device_for_backend()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, CFG.vocab_size, (2 * world, 8), generator=g).to(device)
+    rows = slice(2 * rank, 2 * rank + 2)
+    results, losses = {}, {}
+    for overlap in (False, True):
+        model = offloaded_model(device)
+        opt = CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_step=overlap)
+        # Every update starts 30 ms late: a gather that did not wait would see the old shard.
+        _C.set_host_task_delay_ms(30 if overlap else 0)
+        try:
+            losses[overlap] = []
+            for _ in range(3):
+                losses[overlap].append(_step(model, tokens, tokens, rows).item())
+                opt.step()
+                opt.zero_grad(set_to_none=True)  # drops references only: does not wait
+        finally:
+            _C.set_host_task_delay_ms(0)
+        if overlap:
+            assert opt._pending, "no update was handed to the background thread"
+            opt.synchronize()
+            assert not opt._pending and not any(s.unit.host_update_pending for s in iter_states(model))
+        results[overlap] = [p.detach().clone() for p in model.parameters()]
+    assert losses[False] == losses[True], losses
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b), "the overlapped step differs from the synchronous one"
+    # A failing update: exp_avg of the wrong size (a corrupted state), raised at the next gather.
+    model = offloaded_model(device)
+    opt = CPUAdamW(model.parameters(), lr=1e-3, overlap_step=True)
+    _step(model, tokens, tokens, rows)
+    opt.step()
+    opt.synchronize()
+    block_param = next(p for p in model.blocks[1].parameters() if p.numel() > 1)
+    opt.state[block_param]["exp_avg"] = torch.zeros(block_param.numel() + 1)
+    opt.zero_grad(set_to_none=True)
+    _step(model, tokens, tokens, rows)
+    opt.step()  # returns; the failure is in flight
+    try:
+        _step(model, tokens, tokens, rows)
+    except RuntimeError as e:
+        assert "CPUAdamW.step() of unit 'blocks.1" in str(e) and "exp_avg" in str(e), e
+    else:
+        raise AssertionError("the failed update went unnoticed")

@@ -155,11 +155,14 @@ def make_optimizer(params, opts: Dict, ours: bool = False):
     (`ours`) and for an FSDP2 reference (bf16: the same fp32 arithmetic, so gathered bf16
     weights match bitwise), torch's AdamW, same settings, for a plain fp32 reference."""
     kind = opts.get("optimizer", "adamw")
-    if kind == "cpu_adamw":
+    if kind in ("cpu_adamw", "cpu_adamw_overlap"):
         from megatron_fsdp_ext.optim import CPUAdamW
 
         same = ours or opts.get("param_dtype") is not None
-        return (CPUAdamW if same else torch.optim.AdamW)(params, lr=opts.get("lr", 1e-4), weight_decay=0.1)
+        if not same:
+            return torch.optim.AdamW(params, lr=opts.get("lr", 1e-4), weight_decay=0.1)
+        return CPUAdamW(params, lr=opts.get("lr", 1e-4), weight_decay=0.1,
+                        overlap_step=ours and kind == "cpu_adamw_overlap")
     if kind == "adamw":
         fused = opts.get("fused", False)
         # lr 1e-4: Adam's g/sqrt(v) amplifies fp32 rounding of near-zero gradients
@@ -223,7 +226,8 @@ def shard_with_fsdp2(model: LlamaModel, opts: Dict) -> LlamaModel:
 
     mp = MixedPrecisionPolicy(param_dtype=opts.get("param_dtype"), reduce_dtype=opts.get("reduce_dtype"))
     kw = {}
-    if opts.get("offload") and opts.get("optimizer") == "cpu_adamw" and device_for_backend().type == "cuda":
+    if opts.get("offload") and opts.get("optimizer", "").startswith("cpu_adamw") and \
+            device_for_backend().type == "cuda":
         # CPUAdamW steps host tensors: FSDP2's own offload gives it those (and is tested with it).
         from torch.distributed.fsdp import CPUOffloadPolicy
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
