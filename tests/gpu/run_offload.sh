@@ -37,8 +37,13 @@ $PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env
 phase=${PHASE:-tests}
 case "$phase" in
   tests)
+    # The overlap test reads a profile's timing: alone, not beside three other test processes
+    # contending for the host's cores (it failed once that way on an H100).
     MFSDP_GPU_WORLD=1 MFSDP_GPU_BACKEND=nccl MFSDP_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider \
-      -rs -n 4 tests/gpu/test_offload_gpu.py > "$OUT/pytest_offload_nccl_w1.log" 2>&1 || status=1
+      -rs -n 4 -k "not overlap_and_never_block" tests/gpu/test_offload_gpu.py > "$OUT/pytest_offload_nccl_w1.log" 2>&1 \
+      || status=1
+    MFSDP_GPU_WORLD=1 MFSDP_GPU_BACKEND=nccl MFSDP_REQUIRE_GPU=1 timeout 120 $PY -m pytest -q -p no:cacheprovider \
+      -rs -k "overlap_and_never_block" tests/gpu/test_offload_gpu.py >> "$OUT/pytest_offload_nccl_w1.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_offload_nccl_w1.log" | tail -15
     MFSDP_GPU_WORLD=2 MFSDP_GPU_BACKEND=gloo MFSDP_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider \
       -rs -n 4 tests/gpu/test_offload_gpu.py > "$OUT/pytest_offload_gloo_w2.log" 2>&1 || status=1
