@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _C
+from . import _C, backends
 from .agree import digest_differs
 from .param_index import by_unit, check_materialized, check_resharded, owner_of
 
@@ -75,6 +75,16 @@ def _mesh(state, device_type: str) -> DeviceMesh:
     return cached
 
 
+def _mesh_device_type(state, local: torch.Tensor) -> str:
+    """The device type of the mesh a value's DTensor lives on: its own where the unit's
+    backend communicates it (Gloo: host copies stay on a CPU mesh), else the unit's device
+    (NCCL: an offloaded unit's host shards on its CUDA mesh, as FSDP2's offload places
+    them; a CPU mesh over an NCCL group could not gather them)."""
+    if local.device.type in backends.device_types(state.process_group):
+        return local.device.type
+    return torch.device(state.unit.device).type
+
+
 def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
@@ -109,7 +119,7 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
 
 def _rows_as_dtensor(state, index: int, rows: torch.Tensor) -> DTensor:
     """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
-    mesh, placements, shape, _ = _layout(state, index, rows.device.type)
+    mesh, placements, shape, _ = _layout(state, index, _mesh_device_type(state, rows))
     return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
@@ -174,7 +184,7 @@ def _as_dtensor(state, index: int, full: torch.Tensor):
     tensor-parallel parameter's DTensor replicated over the dp dims."""
     if _replicated(state) and _tp_spec(state, index) is None:
         return full
-    mesh, placements, shape, shard_dim = _layout(state, index, full.device.type)
+    mesh, placements, shape, shard_dim = _layout(state, index, _mesh_device_type(state, full))
     if full.dim() == 0:
         return DTensor.from_local(full.clone(), mesh, placements, run_check=False)
     dim = state.unit.param_spec(index).state_dict_dim
