@@ -201,6 +201,32 @@ T* offset_ptr(void* base, int64_t begin) {
   return static_cast<T*>(base) + begin;
 }
 
+// Every span of every tensor through the kernel matching the tensor's copy-out: `base[i]`
+// holds tensor i's pointers and scalars, `advance(chunk, begin)` moves its arrays (all but
+// the copy-out, moved here) to the span's first element.
+template <typename Chunk, typename Advance>
+void run_spans(const std::vector<at::Tensor>& params, const std::vector<Chunk>& base,
+               const std::vector<at::Tensor>& copy_outs, void (*none)(const Chunk&), void (*to_f32)(const Chunk&),
+               void (*to_bf16)(const Chunk&), Advance advance) {
+  const auto spans = spans_of(params);
+  run_chunks(static_cast<int64_t>(spans.size()), [&](int64_t k) {
+    const Span& s = spans[k];
+    Chunk c = base[s.tensor];
+    advance(c, s.begin);
+    c.n = s.n;
+    const CopyOut kind = c.out == nullptr ? CopyOut::kNone : copy_kind(copy_outs[s.tensor]);
+    if (kind == CopyOut::kBFloat16) {
+      c.out = offset_ptr<uint16_t>(c.out, s.begin);
+      to_bf16(c);
+    } else if (kind == CopyOut::kFloat) {
+      c.out = offset_ptr<float>(c.out, s.begin);
+      to_f32(c);
+    } else {
+      none(c);
+    }
+  });
+}
+
 }  // namespace
 
 int cpu_optim_threads() {
@@ -254,25 +280,11 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
     c.eps = static_cast<float>(h.eps);
   }
-  const auto spans = spans_of(params);
-  run_chunks(static_cast<int64_t>(spans.size()), [&](int64_t k) {
-    const Span& s = spans[k];
-    AdamChunk c = base[s.tensor];
-    c.p += s.begin;
-    c.g += s.begin;
-    c.m += s.begin;
-    c.v += s.begin;
-    c.n = s.n;
-    const CopyOut kind = c.out == nullptr ? CopyOut::kNone : copy_kind(copy_outs[s.tensor]);
-    if (kind == CopyOut::kBFloat16) {
-      c.out = offset_ptr<uint16_t>(c.out, s.begin);
-      adam_chunk_bf16(c);
-    } else if (kind == CopyOut::kFloat) {
-      c.out = offset_ptr<float>(c.out, s.begin);
-      adam_chunk_f32(c);
-    } else {
-      adam_chunk(c);
-    }
+  run_spans(params, base, copy_outs, &adam_chunk, &adam_chunk_f32, &adam_chunk_bf16, [](AdamChunk& c, int64_t at) {
+    c.p += at;
+    c.g += at;
+    c.m += at;
+    c.v += at;
   });
 }
 
@@ -307,24 +319,10 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
     c.first = momentum && first[i];
     c.nesterov = h.nesterov;
   }
-  const auto spans = spans_of(params);
-  run_chunks(static_cast<int64_t>(spans.size()), [&](int64_t k) {
-    const Span& s = spans[k];
-    SgdChunk c = base[s.tensor];
-    c.p += s.begin;
-    c.g += s.begin;
-    if (c.buf != nullptr) c.buf += s.begin;
-    c.n = s.n;
-    const CopyOut kind = c.out == nullptr ? CopyOut::kNone : copy_kind(copy_outs[s.tensor]);
-    if (kind == CopyOut::kBFloat16) {
-      c.out = offset_ptr<uint16_t>(c.out, s.begin);
-      sgd_chunk_bf16(c);
-    } else if (kind == CopyOut::kFloat) {
-      c.out = offset_ptr<float>(c.out, s.begin);
-      sgd_chunk_f32(c);
-    } else {
-      sgd_chunk(c);
-    }
+  run_spans(params, base, copy_outs, &sgd_chunk, &sgd_chunk_f32, &sgd_chunk_bf16, [](SgdChunk& c, int64_t at) {
+    c.p += at;
+    c.g += at;
+    if (c.buf != nullptr) c.buf += at;
   });
 }
 
