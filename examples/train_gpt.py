@@ -45,6 +45,9 @@ def parse_args():
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: the model is split over groups of this many ranks "
                         "(models.tensor_parallel) and sharded over the rest (a (world/tp, tp) mesh)")
+    p.add_argument("--offload", action="store_true",
+                   help="CPU offload: weights, gradients and AdamW state in (pinned) host memory, stepped by "
+                        "megatron_fsdp_ext.optim.CPUAdamW with its overlapped step")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="MiB of stdlib source to read")
     p.add_argument("--out-dir", default="runs/train_gpt")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -135,11 +138,19 @@ def main():
     dp_rank, dp_world = mesh.get_local_rank("dp_shard"), world // args.tp
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else mfsdp.MixedPrecisionPolicy()
+    offload = {}
+    if args.offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
     for block in model.blocks:
-        mfsdp.fully_shard(block, mp_policy=mp, mesh=mesh["dp_shard"])
-    mfsdp.fully_shard(model, mp_policy=mp, mesh=mesh["dp_shard"])
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda" or None)
+        mfsdp.fully_shard(block, mp_policy=mp, mesh=mesh["dp_shard"], **offload)
+    mfsdp.fully_shard(model, mp_policy=mp, mesh=mesh["dp_shard"], **offload)
+    if args.offload:
+        from megatron_fsdp_ext.optim import CPUAdamW
+        opt = CPUAdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, overlap_step=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                fused=device.type == "cuda" or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
 

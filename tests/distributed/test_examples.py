@@ -130,3 +130,23 @@ def test_train_gpt_tensor_parallel_matches_the_1d_run(tmp_path):
     for step, (a, b) in enumerate(zip(one, two)):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} with TP 2 vs {a} without"
     assert abs(runs[1]["held_out_loss"] - runs[2]["held_out_loss"]) <= 1e-4 * runs[1]["held_out_loss"]
+
+
+def test_train_gpt_offloaded_matches_the_device_run(tmp_path):
+    """--offload (shards, gradients and AdamW state in host memory, CPUAdamW with its
+    overlapped step) trains the example as the plain run does: the same losses within
+    float rounding (CPUAdamW against torch's AdamW), and a checkpoint that loads."""
+    runs = {}
+    for flag, port in (("", 29591), ("--offload", 29593)):
+        metrics_path = tmp_path / f"metrics{flag or '_plain'}.json"
+        extra = [flag] if flag else []
+        run_script(2, example("train_gpt.py"), "--device", "cpu", "--steps", "12", "--seq-len", "32",
+                   "--micro-batch", "4", "--d-model", "64", "--layers", "2", "--heads", "4", "--corpus-mb", "1",
+                   *extra, "--out-dir", str(tmp_path / (flag or "plain")), "--metrics-json", str(metrics_path),
+                   port=port, timeout=180)
+        runs[flag] = json.loads(metrics_path.read_text())
+    plain, offloaded = runs[""]["losses"], runs["--offload"]["losses"]
+    assert len(plain) == len(offloaded) == 12 and plain[-1] < plain[0]
+    for step, (a, b) in enumerate(zip(plain, offloaded)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} offloaded vs {a}"
+    assert abs(runs[""]["held_out_loss"] - runs["--offload"]["held_out_loss"]) <= 1e-4 * runs[""]["held_out_loss"]
