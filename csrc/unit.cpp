@@ -1082,8 +1082,12 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
 }
 
 void Unit::finish_reduction(GradBuffers& b) {
-  cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate && !offloaded_);
+  cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == Landing::kAccumulate);
   if (check_nonfinite_) ctx().check_nonfinite({b.target});
+  copy_out(b);
+}
+
+void Unit::copy_out(const GradBuffers& b) const {
   if (b.host.defined()) b.host.copy_(b.target, /*non_blocking=*/pinned_);
 }
 
@@ -1123,15 +1127,12 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     lead.ctx().delay_after_collective();
     std::vector<at::Tensor> checked;  // one fused check for the bucket
     for (size_t i = 0; i < members.size(); ++i) {
-      auto& b = buffers[i];
-      cast_scale_into(b.target, b.reduced, members[i]->grad_scale(),
-                      b.landing == Landing::kAccumulate && !members[i]->offloaded_);
-      if (members[i]->check_nonfinite_) checked.push_back(b.target);
+      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
+                      buffers[i].landing == Landing::kAccumulate);
+      if (members[i]->check_nonfinite_) checked.push_back(buffers[i].target);
     }
     if (!checked.empty()) lead.ctx().check_nonfinite(checked);
-    for (size_t i = 0; i < members.size(); ++i) {
-      if (buffers[i].host.defined()) buffers[i].host.copy_(buffers[i].target, /*non_blocking=*/members[i]->pinned_);
-    }
+    for (size_t i = 0; i < members.size(); ++i) members[i]->copy_out(buffers[i]);
   });
   std::vector<at::Tensor> held;
   for (size_t i = 0; i < members.size(); ++i) {

@@ -380,7 +380,10 @@ class Unit {
   void land_grads(const GradBuffers& b, const PendingCollective& done);
   // The end of a reduction on the reduce-scatter stream: the reduced segment scaled and
   // cast into `target`, checked when asked, and copied out to `host` when offloaded.
+  // (An offloaded unit never lands as kAccumulate: plan_reduction makes it kMixed.)
   void finish_reduction(GradBuffers& b);
+  // Offloaded: `target` copied out into `host` on the current (reduce-scatter) stream.
+  void copy_out(const GradBuffers& b) const;
 
   ShardingStrategy strategy_;
   FlatLayout layout_;

@@ -189,11 +189,13 @@ def estimate_memory(
         layout = _C.FlatLayout.even(numels, 1 if replicated else shard, fp8.alignment_for(alignment, fp8_weights))
         seg, total = layout.max_segment_numel, layout.total_numel
         trains = [p.requires_grad for p in unit]
+        # Per rank: the elements of trainable parameters in its shard (what optimizer state covers).
+        trained = [sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t)
+                   for r in range(len(optim_by_rank))]
         if off:  # shard, gradient and the bf16 gather copy on the host; the optimizer state too
             pinned = seg * b_orig * (2 if any(trains) else 1)
             pinned += seg * b_param if (mp.param_dtype == torch.bfloat16 and orig == torch.float32) else 0
-            states = max(sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t)
-                         for r in range(shard)) * b_orig * _OPTIMIZER_STATES[optimizer]
+            states = max(trained) * b_orig * _OPTIMIZER_STATES[optimizer]
             host_pinned += pinned if pin_memory else 0
             host_pageable += states + (0 if pin_memory else pinned)
         else:
@@ -203,8 +205,8 @@ def estimate_memory(
             full_grad_kept = strategy.full_grads and b_reduce == b_orig
             if any(trains):
                 grads += (total if full_grad_kept else seg) * b_orig
-            for r in range(len(optim_by_rank)):
-                optim_by_rank[r] += sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t) * b_orig
+            for r, n in enumerate(trained):
+                optim_by_rank[r] += n * b_orig
         widths = [1 if w is not None else b_param for w in fp8_weights]
         if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard), MXFP8 scales after it
             mx = any(isinstance(w, fp8.MXWeight) for w in fp8_weights)

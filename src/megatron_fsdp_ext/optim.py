@@ -74,13 +74,12 @@ class _CPUOptimizer(torch.optim.Optimizer):
             params.append(p)
         return params
 
-    def _copy_outs(self, params: List[torch.Tensor], units: dict) -> List[Optional[torch.Tensor]]:
-        """Per parameter, its slice of its unit's bf16 gather copy (None: not offloaded
-        with one); `units` collects, per unit, how many of its parameters were written."""
+    def _copy_outs(self, owners: list, units: dict) -> List[Optional[torch.Tensor]]:
+        """Per parameter (`owners`: its (unit or None, index)), its slice of its unit's bf16
+        gather copy (None: not offloaded with one); `units` collects, per unit, the indices
+        of its parameters written."""
         outs = []
-        for p in params:
-            state, index = owner_of(p)
-            unit = state.unit if state is not None else None
+        for unit, index in owners:
             copy = unit.host_gather_copy if unit is not None and unit.offloaded else None
             if copy is None:
                 outs.append(None)
@@ -97,6 +96,15 @@ class _CPUOptimizer(torch.optim.Optimizer):
             if needed <= written:
                 whole.append(unit)
         self.__dict__[COPIED_OUT] = whole
+
+    @staticmethod
+    def _owners(params: List[torch.Tensor]) -> list:
+        """(unit or None, index in it) of each parameter, looked up once per step."""
+        out = []
+        for p in params:
+            state, index = owner_of(p)
+            out.append((state.unit if state is not None else None, index))
+        return out
 
     def _closure_loss(self, closure: Optional[Callable]):
         if closure is None:
@@ -193,13 +201,12 @@ class CPUAdamW(_CPUOptimizer):
                                  eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                                  decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
                                  maximize=bool(group["maximize"]))
+            owners = self._owners(params)
             tensors = ([_local(p) for p in params], [_local(p.grad) for p in params],
                        [_local(t) for t in exp_avgs], [_local(t) for t in exp_avg_sqs],
-                       self._copy_outs(params, units), steps)
+                       self._copy_outs(owners, units), steps)
             if self.overlap_step:
-                for i, p in enumerate(params):
-                    state, _ = owner_of(p)
-                    unit = state.unit if state is not None else None
+                for i, (unit, _) in enumerate(owners):
                     segments = by_unit.setdefault(id(unit), (unit, {}))[1]
                     segment = segments.setdefault(id(group), ([], [], [], [], [], [], hyper))
                     for column, values in zip(segment, tensors):
@@ -270,6 +277,6 @@ class CPUSGD(_CPUOptimizer):
                                 weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
                                 maximize=bool(group["maximize"]))
             _C.sgd_step([_local(p) for p in params], [_local(p.grad) for p in params], [_local(t) for t in buffers],
-                        self._copy_outs(params, units), first, hyper, float(grad_scale))
+                        self._copy_outs(self._owners(params), units), first, hyper, float(grad_scale))
         self._report_copied_out(units)
         return loss
