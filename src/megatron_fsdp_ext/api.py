@@ -5,12 +5,14 @@ import functools
 import weakref
 from typing import Iterable, List, Optional, Union
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
-from . import _C, hf, shard_changes, tensor_parallel
+from . import _C, fsdp2_view, hf, shard_changes, tensor_parallel
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, state_dict_dims)
 from .hooks import FSDPState
@@ -20,8 +22,9 @@ from .state_dict import ModuleStateDictHooks
 from .strategy import sharding_strategy as strategy_named
 
 
-class UnshardHandle:
-    """Returned by FSDPModule.unshard(async_op=True); wait() makes the parameters usable."""
+class UnshardHandle(torch_fsdp.UnshardHandle):
+    """Returned by FSDPModule.unshard(async_op=True); wait() makes the parameters usable.
+    An instance of torch's UnshardHandle, as FSDP2's handles are."""
 
     def __init__(self, state: Optional[FSDPState]):
         self._state = state
@@ -32,12 +35,42 @@ class UnshardHandle:
             self._state = None
 
 
-class FSDPModule:
-    """Mixin added to every module passed to fully_shard (the class is swapped in place)."""
+def _original_class(cls: type) -> type:
+    """The user's class behind a class fully_shard made: the first class of the MRO after
+    torch's FSDPModule."""
+    mro = cls.__mro__
+    return mro[mro.index(torch_fsdp.FSDPModule) + 1]
+
+
+class FSDPModule(torch_fsdp.FSDPModule):
+    """Mixin added to every module passed to fully_shard (the class is swapped in place).
+
+    It derives from torch's FSDPModule, so torch's and torchtitan's `isinstance(m,
+    FSDPModule)` checks treat our modules as FSDP2's, and it overrides every method torch's
+    FSDPModule defines: each does what FSDP2's does on our units, or raises naming the
+    method (docs/design.md lists torch's and torchtitan's checks and what each does here).
+    `fully_shard.state(module)` returns a view of our unit for torch's pipelining
+    (fsdp2_view.py)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Indexing a container (nn.Sequential[1:]) calls type(self)(...): build the
+        # original class, not a module without a unit (as FSDP2 does).
+        orig = _original_class(cls)
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
 
     @property
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_mfsdp_state"]
+
+    def _get_fsdp_state(self):
+        """What torch's code reads as FSDP2's state: a view of our unit (fsdp2_view.py)."""
+        return self._fsdp_state.fsdp2_view
+
+    def _apply(self, *args, **kwargs):
+        # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's own.
+        return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters; with async_op, return a handle to wait on."""
@@ -62,7 +95,7 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         states = self._states(recurse)
@@ -178,6 +211,69 @@ class FSDPModule:
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")
 
+    def reset_iter_state(self) -> None:
+        """FSDP2's: after an exception aborted a forward or backward, reset the root's
+        per-iteration state (call on the root): in-flight reductions are waited for,
+        gradients still on unsharded parameters dropped, every unit resharded. Gradients
+        already reduced stay (zero_grad clears them)."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return
+        if not state.is_root:
+            raise RuntimeError(f"reset_iter_state must be called on the root FSDP module ({state.ctx.root.label}), "
+                               f"not on {state.label}")
+        state.ctx.abandon_backward()
+        for s in state.ctx.states:
+            s._group_pending.clear()
+            s.reshard()
+
+    def no_sync(self):
+        """Megatron's and DDP's gradient-accumulation context: backward inside it
+        accumulates gradients locally (set_requires_gradient_sync(False) on this module's
+        units), and the next backward outside it, or finish_grad_sync(), reduces them."""
+        return _no_sync(self)
+
+    def finish_grad_sync(self) -> None:
+        """Megatron's: reduce now whatever the units under this module accumulated without
+        sync (after the last micro-batch of a pipeline schedule, with sync switched back
+        on) and wait; every .grad is complete when it returns. Gradients already reduced
+        by a synced backward are left as they are."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return
+        for s in self._states(True):
+            s.requires_gradient_sync = True
+        state.ctx.finish_gradient_sync()
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: whether parameters without a gradient join the reduction as zeros. Our
+        units always reduce the whole flat buffer (zeros where a parameter got no
+        gradient), so the collectives never mismatch across ranks; either value works."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"set_reduce_scatter_unused_params expects a bool, got {reduce_scatter_unused_params!r}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers expects an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers != 1:
+            _unsupported("set_reduce_scatter_max_input_buffers",
+                         "one reduction stays in flight (retired before the next allocates); only 1 is supported")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        _unsupported("set_separate_reduce_scatter_group",
+                     "all-gathers get their own communicator instead: fully_shard(create_all_gather_group=True), "
+                     "the default where collectives run on device streams (NCCL)")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        _unsupported("set_allocate_memory_from_process_group_for_comm",
+                     "communication buffers come from torch's caching allocator")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        _unsupported("set_symm_mem_for_comm", "communication buffers come from torch's caching allocator")
+
+    def _set_unshard_async_op(self, async_op: bool):
+        _unsupported("_set_unshard_async_op", "gathers always run on the all-gather stream")
+
     def set_post_optim_event(self, event) -> None:
         _unsupported("set_post_optim_event", "the optimizer step is tracked by a step hook; nothing to wait on")
 
@@ -195,6 +291,19 @@ class FSDPModule:
         _unsupported("share_comm_ctx", "all units under one root already share streams and events")
 
 
+@contextlib.contextmanager
+def _no_sync(module: "FSDPModule"):
+    states = module._states(True)
+    previous = [s.requires_gradient_sync for s in states]
+    for s in states:
+        s.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        for s, p in zip(states, previous):
+            s.requires_gradient_sync = p
+
+
 def _unsupported(what: str, alternative: str):
     raise NotImplementedError(f"FSDPModule.{what} is not supported by megatron_fsdp_ext: {alternative}")
 
@@ -202,8 +311,9 @@ def _unsupported(what: str, alternative: str):
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make `module.<method_name>()` (e.g. Hugging Face's generate) gather the unit's
     parameters for the whole call and release them after, as forward() does; forward
-    calls inside it find the unit gathered. torch's own register_fsdp_forward_method does
-    nothing for our modules (it only knows FSDP2's class): use this one."""
+    calls inside it find the unit gathered. torch's own register_fsdp_forward_method
+    does the same on our modules (through fsdp2_view); this one also resets the unit if
+    the method raises."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"register_fsdp_forward_method needs a fully_shard module, got {type(module).__name__}")
     method = getattr(module, method_name, None)
@@ -215,19 +325,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        if state.method_active:  # a registered method calling another one
-            return method(*args, **kwargs)
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        state.method_active = True
+        outermost = not state.method_active
+        args, kwargs = state.enter_method(module, args, kwargs)
         try:
             output = method(*args, **kwargs)
-        finally:
-            state.method_active = False
-        # No backward can follow an output without grad (generate runs under no_grad):
-        # post-forward then releases the unit, as after a no_grad forward.
-        needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
-        with torch.set_grad_enabled(needs_backward):
-            return state._post_forward(module, args, output)
+        except BaseException:
+            if outermost:
+                state.method_active = False
+            raise
+        return state.exit_method(module, args, output, outermost)
 
     module.__dict__[method_name] = wrapped
 
@@ -449,8 +555,10 @@ def fully_shard(
     for p in params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
         p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
+    state.fsdp2_view = fsdp2_view.Fsdp2StateView(state)
     for m, module_keys in zip(modules, keys):
         m.__dict__["_mfsdp_state"] = state
+        fsdp2_view.install(m, state.fsdp2_view)
         ModuleStateDictHooks(state, m, module_keys)
         m.__class__ = _fsdp_class(type(m))
     shard_changes.ensure_step_hook_registered()

@@ -89,23 +89,26 @@ def clip_grad_norm_(
         stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
         return stacked.max() if inf_norm else (stacked ** norm_type).sum()
 
-    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
-    shard_part = local(sharded)
-    if groups:
-        dist.all_reduce(shard_part, op=op, group=next(iter(groups.values())))
-    rep_part = local(replicated)
-    combined = torch.maximum(shard_part, rep_part) if inf_norm else shard_part + rep_part
-    if tp_group is not None:
-        dist.all_reduce(combined, op=op, group=tp_group)
-    total = combined if inf_norm else combined ** (1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"
-        )
-    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for dev, same in _by_device(grads).items():
-        torch._foreach_mul_(same, clip_coef.to(device=dev, dtype=same[0].dtype))
-    return total
+    # The gradients' ShardedGrad type would reduce their norms across ranks by itself
+    # (grad_norm.py); here the reduction is explicit, so they count as plain tensors.
+    with torch._C.DisableTorchFunctionSubclass():
+        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+        shard_part = local(sharded)
+        if groups:
+            dist.all_reduce(shard_part, op=op, group=next(iter(groups.values())))
+        rep_part = local(replicated)
+        combined = torch.maximum(shard_part, rep_part) if inf_norm else shard_part + rep_part
+        if tp_group is not None:
+            dist.all_reduce(combined, op=op, group=tp_group)
+        total = combined if inf_norm else combined ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"
+            )
+        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for dev, same in _by_device(grads).items():
+            torch._foreach_mul_(same, clip_coef.to(device=dev, dtype=same[0].dtype))
+        return total
 
 
 def _by_device(tensors):

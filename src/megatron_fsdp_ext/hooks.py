@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import _C, fp8, shard_changes
+from . import _C, fp8, grad_norm, shard_changes
 from .consistency import check_units_agree
 from .options import UnitOptions
 from .param_index import check_materialized
@@ -130,10 +130,31 @@ class RootContext:
             self.comm.synchronize_reductions()
         else:
             self.comm.wait_reductions()
+        self.end_backward()
+        self.schedule.freeze()
+
+    def end_backward(self) -> None:
+        """The gradients are final: give the new ones their ShardedGrad type (torch's norm
+        code reduces them across ranks) and reset every unit's per-backward state."""
         for state in self.states:
+            state.tag_grads()
             state.end_backward()
         self.phase = RootPhase.IDLE
-        self.schedule.freeze()
+
+    def finish_gradient_sync(self) -> None:
+        """Reduce now what units accumulated with requires_gradient_sync off, outside any
+        backward: what torch's pipelining does once per step (FSDP2's post_backward of every
+        group, then its final callback) and Megatron's finish_grad_sync. Units whose sync
+        is still off keep their accumulation. Returns once every .grad is complete."""
+        if self.in_backward:
+            raise RuntimeError("finish_gradient_sync: a backward is still running; call it after backward returned")
+        for state in reversed(self.states):
+            state.flush_accumulated()
+        if self.offloads:
+            self.comm.synchronize_reductions()
+        else:
+            self.comm.wait_reductions()
+        self.end_backward()
 
 
 # Units by key, for the C++ post-backward marker node (it carries the key, not the state).
@@ -198,6 +219,8 @@ class FSDPState:
         self.backward_prefetch: Optional[List["FSDPState"]] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
+        # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.
+        self.grad_types: list = []
         self.backward_progress = BackwardProgress.NONE
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
@@ -310,6 +333,7 @@ class FSDPState:
             s.reshard_after_forward = s.options.reshard_after_forward and not s.is_root
             if s.unit is not None:
                 s.unit.set_context(ctx.comm)
+                s.grad_types = grad_norm.unit_grad_types(s.unit, s.process_group, s.tp)
 
     def set_options(self, **changes) -> None:
         """The one writer of this unit's options: a new frozen UnitOptions with
@@ -375,6 +399,29 @@ class FSDPState:
         persistent = [s for s in (ctx.schedule.forward_order or ctx.states) if s.keeps_params_unsharded]
         for state in dict.fromkeys(first + persistent):
             state.unshard()
+
+    # ------------------------------------------------------------ registered forward methods
+
+    def enter_method(self, module, args, kwargs):
+        """Before a method registered as a forward method (ours or torch's
+        register_fsdp_forward_method): gather for the whole call; a registered method
+        called inside another runs as it is."""
+        if self.method_active:
+            return args, kwargs
+        args, kwargs = self._pre_forward(module, args, kwargs)
+        self.method_active = True
+        return args, kwargs
+
+    def exit_method(self, module, args, output, outermost: bool = True):
+        """After the registered method: release as after forward. No backward can follow
+        an output without grad (generate runs under no_grad): the unit is then released
+        as after a no_grad forward."""
+        if not outermost:
+            return output
+        self.method_active = False
+        needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+        with torch.set_grad_enabled(needs_backward):
+            return self._post_forward(module, args, output)
 
     # ------------------------------------------------------------ forward hooks
 
@@ -492,6 +539,22 @@ class FSDPState:
             self.ctx.comm.wait_reductions()
         # Without reshard_after_backward the gathered memory stays; the slots get the shards back.
         self.release(keep_unsharded=not self.options.reshard_after_backward)
+
+    def flush_accumulated(self) -> None:
+        """Reduce the gradients accumulated without sync (and any left on the unsharded
+        parameters), then release as after a post-backward. Nothing to do when sync is
+        off or nothing was accumulated."""
+        if self.unit is None:
+            return
+        if self.tp is not None:
+            self.tp.move_grads(self.unit)
+        if self.requires_gradient_sync:
+            self.unit.reduce_grads(True)
+        self.release(keep_unsharded=not self.options.reshard_after_backward)
+
+    def tag_grads(self) -> None:
+        if self.grad_types:
+            self.unit.tag_grads(self.grad_types)
 
     def end_backward(self) -> None:
         self.backward_progress = BackwardProgress.NONE

@@ -1,0 +1,303 @@
+"""Sharded gradients that torch's own norm code reduces across ranks.
+
+A unit's `.grad`s are this rank's pieces of flattened parameters (plain 1-D tensors, views
+of one flat buffer). torch's `clip_grad_norm_` / `get_total_norm` and torchtitan's clip
+compute `torch._foreach_norm` of the gradients, stack the norms and take their
+`vector_norm`: on plain pieces that is each rank's local norm. FSDP2 gets the global norm
+because its gradients are DTensors: the norms come out Partial and are reduced when used.
+
+Here the gradients keep their plain storage but carry a Python subclass, `ShardedGrad`,
+one per reduction domain (the process groups the pieces are split over: the unit's shard
+group, and the tensor-parallel group for TP-sharded parameters). Its __torch_function__
+intercepts only the norm path:
+- `_foreach_norm` / `vector_norm` of sharded gradients return `PartialNorm`s (local norms
+  tagged with their domain and order);
+- `torch.stack` of norms keeps each element's domain (`PartialNormVector`);
+- `vector_norm` of such a vector reduces each domain's p-th power sum (max for inf) over
+  its groups and returns a plain tensor: the global norm, the same on every rank;
+- any other use of a `PartialNorm` first reduces it to its global value (as DTensor
+  redistributes Partial to Replicate).
+Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
+outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`.
+
+Replicated gradients (no_shard, parameters outside any unit) stay plain tensors: every
+rank holds the whole value, so their local norm is already global.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils import _foreach_utils
+
+
+class ReductionDomain:
+    """The process groups a gradient piece is split over, and the device their
+    collectives take (offloaded units keep host gradients that NCCL cannot reduce)."""
+
+    def __init__(self, groups: Tuple[dist.ProcessGroup, ...], device: torch.device):
+        self.groups = groups
+        self.device = torch.device(device)
+        self.ranks = tuple(tuple(dist.get_process_group_ranks(g)) for g in groups)
+
+    @property
+    def sort_key(self):
+        # The same order on every rank: by the groups' global ranks.
+        return self.ranks
+
+    def __repr__(self) -> str:
+        return f"ReductionDomain(ranks={self.ranks}, device={self.device})"
+
+
+class ShardedGrad(torch.Tensor):
+    """A gradient piece of a sharded parameter (see the module docstring). Subclasses,
+    one per ReductionDomain, carry it as `domain`."""
+
+    domain: Optional[ReductionDomain] = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        return _plain_call(func, args, kwargs)
+
+
+class PartialNorm(torch.Tensor):
+    """A local norm (0-dim) of sharded gradients: `domain` and `ord` say how it combines."""
+
+    domain: Optional[ReductionDomain] = None
+    ord: float = 2.0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if func in _METADATA:
+            return _plain_call(func, args, kwargs)
+        if func in _KEEPS_NORM:  # .to(device), .float(), ...: the same local norm elsewhere
+            out = _plain_call(func, args, kwargs)
+            out.__class__ = type(args[0])
+            return out
+        args, kwargs = _resolve_partials((args, kwargs))
+        return _plain_call(func, args, kwargs)
+
+
+class PartialNormVector(torch.Tensor):
+    """torch.stack of norms: element i is a local norm of `keys[i]` (domain, ord), or a
+    plain (global) value where keys[i] is None."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if func in _METADATA:
+            return _plain_call(func, args, kwargs)
+        if func in _KEEPS_NORM:
+            keys = args[0]._mfsdp_keys
+            out = _plain_call(func, args, kwargs)
+            out.__class__ = PartialNormVector
+            out._mfsdp_keys = keys
+            return out
+        args, kwargs = _resolve_partials((args, kwargs))
+        return _plain_call(func, args, kwargs)
+
+
+def _plain_call(func, args, kwargs):
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+_GRAD_CLASSES: Dict[tuple, type] = {}
+_NORM_CLASSES: Dict[tuple, type] = {}
+
+
+def grad_class(groups: Sequence[dist.ProcessGroup], device) -> type:
+    """The ShardedGrad subclass of the domain split over `groups` (in this order) whose
+    collectives run on `device`; one class per domain, created once."""
+    key = (tuple(groups), str(torch.device(device)))
+    cls = _GRAD_CLASSES.get(key)
+    if cls is None:
+        domain = ReductionDomain(tuple(groups), device)
+        cls = type("ShardedGrad", (ShardedGrad,), {"domain": domain, "__module__": __name__})
+        _GRAD_CLASSES[key] = cls
+        # torch's clip and get_total_norm take their foreach path only for tensor types
+        # registered here (DTensor registers itself the same way).
+        if cls not in _foreach_utils._foreach_supported_types:
+            _foreach_utils._foreach_supported_types.append(cls)
+    return cls
+
+
+def _norm_class(domain: ReductionDomain, ord: float) -> type:
+    key = (id(domain), ord)
+    cls = _NORM_CLASSES.get(key)
+    if cls is None:
+        cls = type("PartialNorm", (PartialNorm,), {"domain": domain, "ord": ord, "__module__": __name__})
+        _NORM_CLASSES[key] = cls
+    return cls
+
+
+def _as_partial(norm: torch.Tensor, grad: torch.Tensor, ord: float) -> torch.Tensor:
+    if isinstance(grad, ShardedGrad) and type(grad).domain is not None:
+        norm.__class__ = _norm_class(type(grad).domain, ord)
+    return norm
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    tensors = list(tensors)
+    ord_f = float(ord)
+    with DisableTorchFunctionSubclass():
+        # An empty piece (a rank holding none of a parameter) has norm 0; torch refuses
+        # the inf-norm of an empty tensor.
+        live = [i for i, t in enumerate(tensors) if t.numel() > 0]
+        norms = torch._foreach_norm([tensors[i] for i in live], ord, dtype=dtype) if live else []
+        out = []
+        by_index = dict(zip(live, norms))
+        for i, t in enumerate(tensors):
+            n = by_index.get(i)
+            if n is None:
+                n = torch.zeros((), dtype=dtype or t.dtype, device=t.device)
+            out.append(n)
+    return tuple(_as_partial(n, t, ord_f) for n, t in zip(out, tensors))
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    ord_f = float(ord)
+    whole = dim is None and out is None
+    if isinstance(x, PartialNormVector) and whole:
+        return _reduce_vector(x, ord_f, dtype)
+    if isinstance(x, PartialNorm) and whole:
+        return _reduce_vector(_stack([x]), ord_f, dtype)
+    if isinstance(x, ShardedGrad) and whole:
+        with DisableTorchFunctionSubclass():
+            n = (torch.linalg.vector_norm(x, ord, dtype=dtype) if x.numel() > 0
+                 else torch.zeros((), dtype=dtype or x.dtype, device=x.device))
+        return _as_partial(n, x, ord_f)
+    args, kwargs = _resolve_partials(((x, ord, dim, keepdim), {"dtype": dtype, "out": out}))
+    return _plain_call(torch.linalg.vector_norm, args, kwargs)
+
+
+def _stack(tensors, dim=0, *, out=None):
+    tensors = list(tensors)
+    with DisableTorchFunctionSubclass():
+        scalars = all(t.dim() == 0 for t in tensors)
+    if out is not None or dim != 0 or not scalars:
+        args, kwargs = _resolve_partials(((tensors, dim), {"out": out}))
+        return _plain_call(torch.stack, args, kwargs)
+    keys = [(type(t).domain, type(t).ord) if isinstance(t, PartialNorm) else None for t in tensors]
+    with DisableTorchFunctionSubclass():
+        stacked = torch.stack(tensors)
+    if all(k is None for k in keys):
+        return stacked
+    stacked.__class__ = PartialNormVector
+    stacked._mfsdp_keys = keys
+    return stacked
+
+
+def _reduce_vector(x: "PartialNormVector", ord: float, dtype=None) -> torch.Tensor:
+    """The global `ord`-norm of a vector of local norms: per domain, the local sum of
+    |n|^ord (max for inf) reduced over the domain's groups, then combined."""
+    keys = x._mfsdp_keys
+    with DisableTorchFunctionSubclass():
+        values = torch.Tensor.as_subclass(x, torch.Tensor)
+        if dtype is not None:
+            values = values.to(dtype)
+        work_dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
+        inf = math.isinf(ord)
+        by_domain: Dict[int, list] = {}
+        domains: Dict[int, ReductionDomain] = {}
+        plain = []
+        for i, key in enumerate(keys):
+            if key is not None and key[1] != ord:
+                raise ValueError(f"vector_norm(ord={ord}) of gradient norms taken with ord={key[1]}: "
+                                 "the norms of sharded gradients combine only under the order they were taken with")
+            if key is None:
+                plain.append(i)
+            else:
+                by_domain.setdefault(id(key[0]), []).append(i)
+                domains[id(key[0])] = key[0]
+
+        def local(idx, device):
+            part = values[idx].to(device=device, dtype=work_dtype).abs()
+            if inf:
+                return part.max() if len(idx) else torch.zeros((), device=device, dtype=work_dtype)
+            return (part ** ord).sum()
+
+        total = local(plain, values.device)
+        for did in sorted(domains, key=lambda d: domains[d].sort_key):
+            domain = domains[did]
+            part = local(by_domain[did], domain.device)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            for group in domain.groups:
+                dist.all_reduce(part, op=op, group=group)
+            part = part.to(values.device)
+            total = torch.maximum(total, part) if inf else total + part
+        result = total if inf else total ** (1.0 / ord)
+        return result.to(values.dtype)
+
+
+def _resolve_partials(tree):
+    """`tree` with every PartialNorm / PartialNormVector replaced by its global value."""
+    from torch.utils._pytree import tree_map
+
+    def resolve(t):
+        if isinstance(t, PartialNorm):
+            return _reduce_vector(_stack([t]), type(t).ord) if type(t).domain is not None else \
+                torch.Tensor.as_subclass(t, torch.Tensor)
+        if isinstance(t, PartialNormVector):
+            return _resolve_vector_elements(t)
+        return t
+    return tree_map(resolve, tree)
+
+
+def _resolve_vector_elements(x: "PartialNormVector") -> torch.Tensor:
+    """Each element of a vector of local norms replaced by its own global norm."""
+    with DisableTorchFunctionSubclass():
+        values = torch.Tensor.as_subclass(x, torch.Tensor).clone()
+    for i, key in enumerate(x._mfsdp_keys):
+        if key is not None:
+            one = values[i:i + 1].clone()
+            one.__class__ = PartialNormVector
+            one._mfsdp_keys = [key]
+            with DisableTorchFunctionSubclass():
+                values[i] = _reduce_vector(one, key[1])
+    return values
+
+
+_HANDLERS = {
+    torch._foreach_norm: _foreach_norm,
+    torch.linalg.vector_norm: _vector_norm,
+    torch.stack: _stack,
+}
+# Reading what a tensor is, not its values: never a reason to reduce a partial norm.
+_METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.data_ptr,
+             torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.is_floating_point,
+             torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__len__,
+             torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.shape.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
+             torch.Tensor.is_cuda.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__}
+_KEEPS_NORM = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.detach,
+               torch.Tensor.cpu, torch.Tensor.cuda}
+
+
+def unit_grad_types(unit, shard_group: dist.ProcessGroup, tp=None) -> list:
+    """Per parameter of `unit`, the ShardedGrad type of its gradient pieces: split over the
+    unit's shard group unless the strategy replicates gradients, and over the tp group for
+    a tensor-parallel-sharded parameter; None where the piece is the whole gradient."""
+    dp = () if unit.strategy.replicated else (shard_group,)
+    types = []
+    for i in range(len(unit.sharded_params)):
+        groups = dp
+        spec = tp.specs.get(i) if tp is not None else None
+        if spec is not None and spec.sharded:
+            groups = dp + (tp.tp_group,)
+        types.append(grad_class(groups, unit.device) if groups else None)
+    return types

@@ -1,0 +1,49 @@
+"""Our modules are FSDP2's to torch's own code: instances of torch's FSDPModule with every
+one of its methods answered, `fully_shard.state(m)` a view pipelining can drive, and
+gradients whose norm torch's clip_grad_norm_ / get_total_norm compute globally across
+ranks, equal to FSDP2's on FSDP, HSDP and FSDP x TP meshes; Megatron's no_sync and
+finish_grad_sync over a 1F1B order."""
+import pytest
+import torch.distributed.fsdp as torch_fsdp
+
+import megatron_fsdp_ext as mfsdp
+from harness import drop_in_workers as w
+from harness import run_distributed
+
+
+def test_every_method_of_torchs_fsdpmodule_is_ours():
+    """A method left to torch's FSDPModule would reach into FSDP2's private state (and
+    crash or do nothing): each must be defined by our class."""
+    torch_methods = {name for name, value in vars(torch_fsdp.FSDPModule).items()
+                     if callable(value) or isinstance(value, property)} - {"__dict__", "__weakref__", "__doc__"}
+    ours = set(vars(mfsdp.FSDPModule))
+    missing = sorted(n for n in torch_methods if n not in ours)
+    assert not missing, f"torch's FSDPModule methods our FSDPModule does not override: {missing}"
+    assert issubclass(mfsdp.FSDPModule, torch_fsdp.FSDPModule)
+    assert issubclass(mfsdp.UnshardHandle, torch_fsdp.UnshardHandle)
+
+
+def test_modules_are_torchs_fsdpmodules():
+    assert run_distributed(w.identity, 2, timeout=120) == [True, True]
+
+
+def test_reset_iter_state_after_a_failed_backward():
+    assert run_distributed(w.reset_iter_state, 2, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("layout,world,norm_type,strategy", [
+    ("fsdp", 2, 2.0, "optim_grads_params"),
+    ("fsdp", 4, float("inf"), "optim_grads_params"),
+    ("fsdp", 2, 1.0, "optim_grads"),
+    ("hsdp", 4, 2.0, "optim_grads_params"),
+    ("tp", 4, 2.0, "optim_grads_params"),
+])
+def test_torch_clip_grad_norm_is_global_and_equals_fsdp2(layout, world, norm_type, strategy):
+    results = run_distributed(w.norms_equal_fsdp2, world, layout, norm_type, strategy, timeout=180)
+    assert all(r == results[0] for r in results), results  # every rank the same global norm
+    assert results[0][0] > 0.05, "clipping must be active for the test to mean something"
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
+def test_megatron_no_sync_and_finish_grad_sync_over_1f1b(strategy):
+    assert run_distributed(w.megatron_1f1b, 2, strategy, timeout=180) == [True, True]

@@ -1,0 +1,25 @@
+"""The drop-in tests with CUDA tensors on the GPU suite's backend: torch's clip_grad_norm_
+over our ShardedGrad gradients equals FSDP2's (FSDP at every world; HSDP and FSDP x TP at
+world 4 and above), and Megatron's no_sync + finish_grad_sync over a 1F1B order equals
+one plain process."""
+import pytest
+
+from harness import drop_in_workers as w
+from harness import gpu_launch, gpu_world, run_distributed
+
+pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
+GPU = gpu_launch()
+
+
+@pytest.mark.parametrize("layout,norm_type", [("fsdp", 2.0), ("fsdp", float("inf")), ("hsdp", 2.0), ("tp", 2.0)])
+def test_torch_clip_grad_norm_equals_fsdp2_gpu(layout, norm_type):
+    if layout != "fsdp" and (WORLD < 4 or WORLD % 2):
+        pytest.skip(f"a 2-D mesh needs an even world of at least 4, not {WORLD}")
+    results = run_distributed(w.norms_equal_fsdp2, WORLD, layout, norm_type, "optim_grads_params", **GPU,
+                              timeout=240)
+    assert all(r == results[0] for r in results), results
+
+
+def test_megatron_no_sync_and_finish_grad_sync_gpu():
+    assert run_distributed(w.megatron_1f1b, WORLD, "optim_grads_params", **GPU, timeout=240) == [True] * WORLD

@@ -1,0 +1,236 @@
+"""Workers of the drop-in tests (tests/distributed/test_drop_in.py on Gloo CPU,
+tests/gpu/test_drop_in_gpu.py with CUDA tensors): our modules as FSDP2's to torch's code,
+torch's clip over our gradients against FSDP2's, Megatron's micro-batch controls."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import fsdp2_view
+from megatron_fsdp_ext.grad_norm import ShardedGrad
+
+from .workers import device_for_backend
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _shard(model, **kwargs):
+    mfsdp.fully_shard(model[0], **kwargs)
+    mfsdp.fully_shard(model[2], **kwargs)
+    return mfsdp.fully_shard(model, **kwargs)
+
+
+def identity(rank, world):
+    model = _shard(_model())
+    for m in (model, model[0], model[2]):
+        assert isinstance(m, torch_fsdp.FSDPModule) and isinstance(m, mfsdp.FSDPModule)
+    assert isinstance(model[0], nn.Linear) and isinstance(model, nn.Sequential)
+    assert type(model[1:3]) is nn.Sequential  # slicing builds the user's class, as FSDP2's does
+    view = torch_fsdp.fully_shard.state(model)
+    assert isinstance(view, fsdp2_view.Fsdp2StateView) and model._get_fsdp_state() is view
+    with pytest.raises(NotImplementedError, match="FSDPState._comm_ctx: this module was sharded by megatron_fsdp_ext"):
+        view._comm_ctx
+    # torch's unshard handle protocol
+    handle = model[0].unshard(async_op=True)
+    assert isinstance(handle, torch_fsdp.UnshardHandle)
+    handle.wait()
+    assert model[0].weight.shape == (32, 16)
+    model[0].reshard()
+    assert model[0].weight.dim() == 1
+
+    # torch's own register_fsdp_forward_method drives our unit (no longer a no-op).
+    class Scorer(nn.Sequential):
+        def score(self, x):
+            return self(x).sum(dim=-1)
+
+    ref = _model()
+    scorer = Scorer(*_model())
+    mfsdp.fully_shard(scorer[0])
+    mfsdp.fully_shard(scorer)
+    torch_fsdp.register_fsdp_forward_method(scorer, "score")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        torch.testing.assert_close(scorer.score(x), ref(x).sum(dim=-1))
+    assert scorer[2].weight.dim() == 1, "the root must be released after the registered method"
+
+    for call, match in ((lambda: model.set_reduce_scatter_max_input_buffers(2), "max_input_buffers"),
+                        (lambda: model.set_separate_reduce_scatter_group(True), "create_all_gather_group"),
+                        (lambda: model.set_allocate_memory_from_process_group_for_comm(True), "allocate_memory"),
+                        (lambda: model.set_symm_mem_for_comm(), "set_symm_mem_for_comm")):
+        with pytest.raises(NotImplementedError, match=match):
+            call()
+    model.set_reduce_scatter_max_input_buffers(1)
+    model.set_reduce_scatter_unused_params(True)
+    # torch helpers that reach further into FSDP2's state refuse by name, never silently.
+    with pytest.raises(NotImplementedError, match="_comm_ctx"):
+        torch_fsdp.share_comm_ctx([model[0], model[2]])
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    with pytest.raises(NotImplementedError, match="_fsdp_param_group"):
+        with FSDPMemTracker(model, torch.optim.SGD(model.parameters(), lr=0.1)):
+            pass
+    return True
+
+
+def reset_iter_state(rank, world):
+    model, ref = _shard(_model()), _shard(_model())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+
+    def explode(grad):
+        raise RuntimeError("boom")
+
+    out = model(x)
+    out.register_hook(explode)
+    with pytest.raises(RuntimeError, match="boom"):
+        out.pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="root FSDP module"):
+        model[0].reset_iter_state()
+    model.reset_iter_state()
+    model.zero_grad(set_to_none=True)
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert all(m._fsdp_state.unit.unsharded_storage_bytes == 0 for m in (model[0], model[2]))
+    return True
+
+
+# ---------------------------------------------------------------- global gradient norms
+
+def _mesh_for(layout, world, device):
+    if layout == "fsdp":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)), None
+    if layout == "hsdp":
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return mesh, None
+    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+    return mesh["dp_shard"], mesh["tp"]
+
+
+def _tp_model(tp_mesh, device):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model().to(device)
+    if tp_mesh is not None:  # every parameter on the tp mesh: FSDP2's norm cannot stack mixed meshes
+        parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                            "4": ColwiseParallel(output_layouts=Replicate())})
+    return model
+
+
+def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    device = device_for_backend()
+    dp_mesh, tp_mesh = _mesh_for(layout, world, device)
+    ours, theirs = _tp_model(tp_mesh, device), _tp_model(tp_mesh, device)
+    for m in (ours[0], ours[2], ours):
+        mfsdp.fully_shard(m, mesh=dp_mesh, sharding_strategy=strategy)
+    for m in (theirs[0], theirs[2], theirs):
+        fsdp2_shard(m, mesh=dp_mesh, reshard_after_forward=strategy == "optim_grads_params")
+    dp_rank = dist.get_rank(dp_mesh.get_group(dp_mesh.ndim - 1)) + (
+        dp_mesh.size(-1) * dp_mesh.get_local_rank(0) if dp_mesh.ndim == 2 else 0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + dp_rank)).to(device)
+    for m in (ours, theirs):
+        m(x).pow(2).mean().backward()
+    results = {}
+    for name, m in (("ours", ours), ("fsdp2", theirs)):
+        params = list(m.parameters())
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if isinstance(total, torch.distributed.tensor.DTensor):
+            total = total.full_tensor()
+        clipped = torch.nn.utils.clip_grad_norm_(params, max_norm=0.05, norm_type=norm_type)
+        if isinstance(clipped, torch.distributed.tensor.DTensor):
+            clipped = clipped.full_tensor()
+        results[name] = (float(total), float(clipped))
+    torch.testing.assert_close(torch.tensor(results["ours"]), torch.tensor(results["fsdp2"]), rtol=1e-5, atol=0)
+    # The clipped gradients: ours (pieces of flattened parameters) against FSDP2's, as full values.
+    for (name, p), q in zip(theirs.named_parameters(), _full_grads(ours)):
+        torch.testing.assert_close(q, p.grad.full_tensor(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return results["ours"]
+
+
+def _full_grads(model):
+    """The full gradient of each parameter of our model (named_parameters order), gathered
+    from the pieces (and, for a tensor-parallel parameter, from the tp shards)."""
+    from megatron_fsdp_ext.param_index import owner_of
+
+    out = []
+    for p in model.parameters():
+        state, i = owner_of(p)
+        pieces = [None] * len(state.sharded_params)
+        pieces[i] = p.grad
+        full = state.unit.gather_full(pieces, torch.float32)[i]
+        if state.tp is not None and i in state.tp.specs:
+            full = state.tp.full_of_local(i, full).full_tensor()
+        out.append(full)
+    return out
+
+
+def _one_f_one_b_order(micro_batches: int, warmup: int):
+    """The 1F1B order of forwards ("F", i) and backwards ("B", i) of one pipeline stage."""
+    order, f, b = [], 0, 0
+    for _ in range(min(warmup, micro_batches)):
+        order.append(("F", f))
+        f += 1
+    while b < micro_batches:
+        if f < micro_batches:
+            order.append(("F", f))
+            f += 1
+        order.append(("B", b))
+        b += 1
+    return order
+
+
+def _reductions() -> int:
+    from megatron_fsdp_ext import _C
+
+    counts = _C.collective_counts()
+    return sum(calls for kind, (calls, _) in counts.items() if "reduce" in kind)
+
+
+def megatron_1f1b(rank, world, strategy):
+    """Megatron's schedules: every micro-batch's backward under no_sync(), then
+    finish_grad_sync() once per step (its finalize_model_grads); the gradients equal one
+    plain process on the whole batch, and nothing is reduced before finish_grad_sync."""
+    from megatron_fsdp_ext import _C
+
+    micro_batches, per = 4, 2
+    device = device_for_backend()
+    ref = _model().to(device)
+    model = mfsdp.fully_shard_model(_model().to(device), mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy),
+                                    fsdp_unit_modules=[nn.Linear])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        batch = torch.randn(world, micro_batches, per, 16, generator=g).to(device)
+        # the plain process: the whole global batch, the same loss normalization
+        ref_loss = sum(ref(batch[r, i]).pow(2).mean() for r in range(world) for i in range(micro_batches))
+        (ref_loss / (world * micro_batches)).backward()
+        outputs = {}
+        _C.reset_collective_counts()
+        with model.no_sync():
+            for kind, i in _one_f_one_b_order(micro_batches, warmup=2):
+                if kind == "F":
+                    outputs[i] = model(batch[rank, i]).pow(2).mean() / micro_batches
+                else:
+                    outputs.pop(i).backward()
+        assert _reductions() == 0, "a reduction ran inside no_sync"
+        assert all(p.grad is None for p in model.parameters())
+        model.finish_grad_sync()
+        assert _reductions() > 0
+        for p in model.parameters():
+            assert isinstance(p.grad, ShardedGrad) != (strategy == "no_shard"), type(p.grad)
+        for (name, q), full in zip(ref.named_parameters(), _full_grads(model)):
+            torch.testing.assert_close(full, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return True
