@@ -54,27 +54,28 @@ std::shared_ptr<T> make_shared_without_gil_delete(Args&&... args) {
   return std::shared_ptr<T>(new T(std::forward<Args>(args)...), DeleteWithoutGil<T>{});
 }
 
-// Sets the Python type of each sharded parameter's .grad that is a plain torch.Tensor to
-// grad_types[i] (a torch.Tensor subclass without slots of its own: same object layout).
-// The Python object stays with the tensor while the parameter holds the gradient, so the
-// type is set once per gradient, not per read. Replaced gradients come back plain and are
-// tagged at the next call.
-void tag_grads(const Unit& unit, const std::vector<py::object>& grad_types) {
+// Sets the Python type of each sharded parameter's .grad from from_types[i] (exactly) to
+// to_types[i] (None in either: leave it). The types are torch.Tensor and its subclasses
+// without slots of their own (the same object layout). The Python object stays with the
+// tensor while the parameter holds the gradient, so a type is set once per gradient, not
+// per read.
+void retype_grads(const Unit& unit, const std::vector<py::object>& from_types,
+                  const std::vector<py::object>& to_types) {
   const auto& params = unit.sharded_params();
-  MFSDP_CHECK_VALUE(grad_types.size() == params.size(), "tag_grads: ", grad_types.size(), " types for ",
-                    params.size(), " parameters");
-  auto* plain = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  MFSDP_CHECK_VALUE(from_types.size() == params.size() && to_types.size() == params.size(), "retype_grads: ",
+                    from_types.size(), " and ", to_types.size(), " types for ", params.size(), " parameters");
   for (size_t i = 0; i < params.size(); ++i) {
-    if (grad_types[i].is_none()) continue;
+    if (from_types[i].is_none() || to_types[i].is_none()) continue;
     const at::Tensor& grad = params[i].grad();
     if (!grad.defined()) continue;
     py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(grad));
     if (!obj) throw py::error_already_set();
-    if (Py_TYPE(obj.ptr()) != plain) continue;
-    auto* type = reinterpret_cast<PyTypeObject*>(grad_types[i].ptr());
-    Py_INCREF(type);  // instances of heap types own a reference to their type
-    Py_SET_TYPE(obj.ptr(), type);
-    Py_DECREF(plain);
+    auto* from = reinterpret_cast<PyTypeObject*>(from_types[i].ptr());
+    if (Py_TYPE(obj.ptr()) != from) continue;
+    auto* to = reinterpret_cast<PyTypeObject*>(to_types[i].ptr());
+    Py_INCREF(to);  // instances of heap types own a reference to their type
+    Py_SET_TYPE(obj.ptr(), to);
+    Py_DECREF(from);
   }
 }
 
@@ -542,9 +543,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("unsharded_locals", &Unit::unsharded_locals,
                              "Where the unit reads each unsharded gradient: the unsharded parameters, or for one "
                              "shown wrapped (a tensor-parallel DTensor) its local view.")
-      .def("tag_grads", &tag_grads, py::arg("grad_types"),
-           "Give each sharded parameter's plain .grad the Python type grad_types[index] (None: leave it): "
-           "the ShardedGrad subclass through which torch's norm code reduces it (grad_norm.py).")
+      .def("retype_grads", &retype_grads, py::arg("from_types"), py::arg("to_types"),
+           "Set the Python type of each sharded parameter's .grad from from_types[index] to to_types[index] "
+           "(None: leave it): the ShardedGrad subclass through which torch's norm code reduces it (grad_norm.py), "
+           "and back.")
       .def("sharded_param", [](const Unit& u, int64_t index) { return u.sharded_params().at(index); },
            py::arg("index"), "sharded_params[index] without building the list.")
       .def("unsharded_param", [](const Unit& u, int64_t index) { return u.unsharded_params().at(index); },

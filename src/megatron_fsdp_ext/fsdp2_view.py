@@ -5,7 +5,7 @@ once per step after the last micro-batch of a stage whose module is an FSDPModul
 
     state = fully_shard.state(module)
     for s in state._state_ctx.all_states:
-        for group in s._fsdp_param_groups:
+        for group in s._fsdp_param_groups:   # torch 2.11: s._fsdp_param_group
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -44,8 +44,8 @@ class _Unsupported:
         raise NotImplementedError(
             f"{self._what}.{name}: this module was sharded by megatron_fsdp_ext, whose units are not FSDP2's; "
             "torch code that reads FSDP2's private state beyond what pipelining uses (fully_shard.state(m)."
-            "_state_ctx.all_states[*]._fsdp_param_groups[*].post_backward(), _root_post_backward_final_callback()) "
-            "is not supported")
+            "_state_ctx.all_states[*]._fsdp_param_groups[*] (or ._fsdp_param_group).post_backward(), "
+            "_root_post_backward_final_callback()) is not supported")
 
 
 class ParamGroupView(_Unsupported):
@@ -65,6 +65,11 @@ class ParamGroupView(_Unsupported):
         if state.ctx is None:  # no forward ran: nothing to reduce
             return
         state.flush_accumulated()
+        # Some torch versions call no final callback after the groups' post_backward: the
+        # last unit's completes the step (waits, finishes the gradients); a final callback
+        # after it finds nothing left to do.
+        if state is [s for s in state.ctx.states if s.unit is not None][-1]:
+            state.ctx.finish_gradient_sync()
 
     def lazy_init(self) -> None:
         self._state.lazy_init()
@@ -120,6 +125,11 @@ class Fsdp2StateView(_Unsupported):
         """torch's register_fsdp_forward_method: after the registered method."""
         outermost, self._outermost = getattr(self, "_outermost", True), True
         return self._state_ref().exit_method(module, args, output, outermost)
+
+    @property
+    def _fsdp_param_group(self):
+        """FSDP2's one-group accessor (torch 2.11's pipelining reads this one)."""
+        return self._fsdp_param_groups[0] if self._fsdp_param_groups else None
 
     def _root_post_backward_final_callback(self) -> None:
         state = self._state_ref()

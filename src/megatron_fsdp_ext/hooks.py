@@ -221,6 +221,7 @@ class FSDPState:
         self.is_root = False
         # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.
         self.grad_types: list = []
+        self.plain_types: list = []
         self.backward_progress = BackwardProgress.NONE
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
@@ -275,11 +276,14 @@ class FSDPState:
         """The unit's module (the first, for a unit of several)."""
         return self._module_refs[0]()
 
-    def _group_starts(self) -> bool:
-        """Whether this module's forward is the first of the unit's modules in this pass."""
+    def _group_starts(self, module) -> bool:
+        """Whether this module's forward is the first of the unit's modules in this pass. A
+        member that runs again after its own forward in this pass starts a new one (e.g.
+        torchtitan's chunked loss calling lm_head once a chunk, outside the model's forward,
+        while norm never runs again): the unit is gathered for it."""
         if len(self._module_refs) == 1:
             return True
-        if self._group_pending:
+        if id(module) in self._group_pending:
             return False
         self._group_pending = {id(ref()) for ref in self._module_refs}
         return True
@@ -334,6 +338,7 @@ class FSDPState:
             if s.unit is not None:
                 s.unit.set_context(ctx.comm)
                 s.grad_types = grad_norm.unit_grad_types(s.unit, s.process_group, s.tp)
+                s.plain_types = [None if t is None else torch.Tensor for t in s.grad_types]
 
     def set_options(self, **changes) -> None:
         """The one writer of this unit's options: a new frozen UnitOptions with
@@ -443,7 +448,7 @@ class FSDPState:
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
             self.ctx.refresh_fp8_scales()  # after a load or a step without the optimizer hook
-        if self._group_starts():
+        if self._group_starts(module):
             self.ctx.schedule.record_forward(self)
             # Issue the next units' all-gathers before waiting on ours: they run on the
             # all-gather stream while this unit computes. Not in a forward re-run inside
@@ -537,8 +542,17 @@ class FSDPState:
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
-        # Without reshard_after_backward the gathered memory stays; the slots get the shards back.
-        self.release(keep_unsharded=not self.options.reshard_after_backward)
+        self._release_after_backward()
+
+    def _release_after_backward(self) -> None:
+        """After a unit's backward: free the gathered parameters and give the slots the
+        shards back. Without reshard_after_backward the gathered memory stays; so do the
+        unsharded parameters in the slots while gradients only accumulate (sync off: torch's
+        pipelining between micro-batches), as FSDP2 leaves them: a split backward
+        (BACKWARD_INPUT, then BACKWARD_WEIGHT) reads the weights from module.parameters()
+        on both sides of this hook and adds dW to the objects it found first."""
+        if self.options.reshard_after_backward or self.requires_gradient_sync:
+            self.release(keep_unsharded=not self.options.reshard_after_backward)
 
     def flush_accumulated(self) -> None:
         """Reduce the gradients accumulated without sync (and any left on the unsharded
@@ -550,11 +564,19 @@ class FSDPState:
             self.tp.move_grads(self.unit)
         if self.requires_gradient_sync:
             self.unit.reduce_grads(True)
-        self.release(keep_unsharded=not self.options.reshard_after_backward)
+        self._release_after_backward()
 
     def tag_grads(self) -> None:
+        """Give the new gradients their ShardedGrad type (grad_norm.py)."""
         if self.grad_types:
-            self.unit.tag_grads(self.grad_types)
+            self.unit.retype_grads(self.plain_types, self.grad_types)
+
+    def untag_grads(self) -> None:
+        """Plain gradients again for the optimizer step (shard_changes' step pre-hook): an
+        optimizer reads them per parameter, and a subclass costs a Python dispatch on each
+        read; torch's and torchtitan's clip run before the step."""
+        if self.grad_types:
+            self.unit.retype_grads(self.grad_types, self.plain_types)
 
     def end_backward(self) -> None:
         self.backward_progress = BackwardProgress.NONE

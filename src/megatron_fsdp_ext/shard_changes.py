@@ -42,8 +42,14 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
     # add_param_group may bring sharded parameters to an optimizer checked before.
     if seen is None or seen[1] != len(optimizer.param_groups):
         seen = (adopt(optimizer),)
-    if seen[0]:  # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
-        check_nonfinite_grads((owner() for owner, _ in _units_of(optimizer)), f"{type(optimizer).__name__}.step()")
+    if seen[0]:
+        units = _units_of(optimizer)
+        for owner, _ in units:
+            state = owner()
+            if state is not None:
+                state.untag_grads()
+        # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
+        check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")
 
 
 def adopt(optimizer: torch.optim.Optimizer) -> bool:
