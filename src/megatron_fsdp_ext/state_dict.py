@@ -28,6 +28,7 @@ import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -266,34 +267,68 @@ def _is_the_shard(value, shard) -> bool:
 class ModuleStateDictHooks:
     """The state-dict hooks of one module of a fully_shard unit (a unit of several modules
     has one per module); `keys` maps each state_dict key (relative to the module) of the
-    unit's parameters to the parameter's index."""
+    unit's parameters to the parameter's index.
+
+    Every module's own hooks see full-shape values, as under FSDP2 (torchtitan's fused-qkv
+    linear splits `wqkv` in its state-dict post-hook and merges it in its load pre-hook):
+    - save: the unit's module computes every value (DTensors) with one collective in a
+      state-dict pre-hook; the module that directly owns each parameter puts its values in
+      a post-hook that runs first among that module's post-hooks, so its own hooks and
+      every ancestor's see them; the unit module's last post-hook drops them;
+    - load: the owning module cuts each value to this rank's piece in a load pre-hook that
+      runs after the hooks registered before fully_shard (those merge the values first)."""
 
     def __init__(self, state, module, keys: List[Tuple[str, int]]):
         self.state = state
-        self.keys = keys
+        self._values: Optional[list] = None  # this state_dict() call's values (the unit module's pre-hook)
+        by_owner: Dict[int, Tuple[nn.Module, List[Tuple[str, int]]]] = {}
+        for key, i in keys:
+            path, _, name = key.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            by_owner.setdefault(id(owner), (owner, []))[1].append((name, i))
         # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
-        module.register_state_dict_post_hook(lambda *a: self._post_state_dict(*a))
-        module.register_load_state_dict_pre_hook(lambda *a: self._pre_load(*a))
+        module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._compute())
+        for owner, owned in by_owner.values():
+            handle = owner.register_state_dict_post_hook(
+                lambda m, sd, prefix, md, owned=owned: self._put_values(sd, prefix, owned))
+            owner._state_dict_hooks.move_to_end(handle.id, last=False)
+            owner.register_load_state_dict_pre_hook(lambda *a, owned=owned: self._pre_load(owned, *a))
+        module.register_state_dict_post_hook(lambda *a: self._drop_values())
 
-    def _post_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+    def _compute(self) -> None:
         state = self.state
+        self._values = None
         if state.unit is None:
             return
         state.unit.wait_host_update()  # an overlapped optimizer step may still write the shard
         if _local_mode():
             return
-        present = [(prefix + k, i) for k, i in self.keys if prefix + k in state_dict]
-        if not present:
-            return
+        self._values = self._current_values()
+
+    def _current_values(self) -> list:
+        state = self.state
         check_materialized([state], "state_dict()")
         check_resharded(state, "state_dict()")
-        first = state_dict[present[0][0]]
-        values = _row_values(state, [], first.dtype, first.device)
+        shard = state.unit.sharded_param(0)
+        return _row_values(state, [], shard.dtype, shard.device)
+
+    def _drop_values(self) -> None:
+        self._values = None
+
+    def _put_values(self, state_dict, prefix: str, owned: List[Tuple[str, int]]) -> None:
+        state = self.state
+        if state.unit is None or _local_mode():
+            return
+        present = [(prefix + k, i) for k, i in owned if prefix + k in state_dict]
+        if not present:
+            return
+        # state_dict() called on this module alone, not through the unit's module: gather now.
+        values = self._values if self._values is not None else self._current_values()
         for key, i in present:
             state_dict[key] = values[i]
 
-    def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
-                  unexpected_keys, error_msgs) -> None:
+    def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
+                  missing_keys, unexpected_keys, error_msgs) -> None:
         state = self.state
         if state.unit is None:
             return
@@ -305,7 +340,7 @@ class ModuleStateDictHooks:
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
                 "cannot be replaced; load without assign=True")
         check_resharded(state, "load_state_dict()")
-        for key, i in self.keys:
+        for key, i in owned:
             if prefix + key not in state_dict:
                 continue  # strict loading reports it
             shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
