@@ -1,0 +1,452 @@
+"""torch's pipelining (torch.distributed.pipelining) driving stages sharded by our
+fully_shard, against the same schedule over FSDP2 (torch's fully_shard) and one plain
+process.
+
+A stack of residual MLP blocks is cut into stages, each a module holding two blocks and a
+projection of its own. Every block is fully_shard-ed, then the stage module (the root of
+its units, with parameters of its own). FSDP2 and ours each train deep copies of one
+plain model with the same schedule, batches and AdamW, one after the other in the same
+processes; every step compares the per-micro-batch losses the schedule returns, every
+full gradient after the step's reduction (before the optimizer), torch's get_total_norm
+over the rank's stages (global through our ShardedGrad types) and, at the end, every full
+parameter, against FSDP2 and against the plain model on the whole global batch.
+
+For our units the worker also records the schedule's control over them: the
+reduce-scatters of a step (none during the micro-batches' backwards, each stage's units
+once at the schedule's REDUCE_GRAD), the schedule's unshard(async_op=True) calls and
+whether each unit was already gathered when its first forward of a step began, and that
+no unit is left gathered after a step.
+
+Meshes: (pp, dp) at world 4; (pp, dp, tp) at world 8 with the blocks tensor-parallel
+(torch's parallelize_module on "tp"); both systems shard on mesh["dp"].
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext import _C
+from megatron_fsdp_ext.states import SlotsHold
+
+from .workers import device_for_backend, rel_err, shard_piece
+
+D, H = 16, 32
+N_MICRO = 4
+ROWS = 2 * N_MICRO  # rows per data-parallel rank and step: micro-batches of 2
+SEED = 11
+LR = 1e-2
+
+# name -> (torch class, stages per pp rank, how stages map to ranks: "loop" (s % pp) or "v")
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(D, H)
+        self.w2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class Stage(nn.Module):
+    """One pipeline stage: two blocks (units of their own) and a projection held by the
+    stage module itself, so its root unit has parameters too."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.proj(x)
+
+
+def build_plain(num_stages: int) -> nn.ModuleList:
+    torch.manual_seed(SEED)
+    return nn.ModuleList(Stage() for _ in range(num_stages))
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target, reduction="sum")
+
+
+def stage_indices(pp_rank: int, pp: int, per_rank: int, style: str) -> List[int]:
+    if style == "v":  # rank r holds stages r and 2*pp-1-r
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def make_mesh(world: int):
+    kind = device_for_backend().type
+    if world == 4:
+        return init_device_mesh(kind, (2, 2), mesh_dim_names=("pp", "dp"))
+    if world == 8:
+        return init_device_mesh(kind, (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    raise ValueError(f"no mesh for world {world}")
+
+
+def tensor_parallel(stage: Stage, tp_mesh) -> None:
+    """Megatron's TP on each block: w1 column-, w2 row-parallel (plain tensors in and out,
+    so the stages exchange plain activations)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in stage.blocks:
+        parallelize_module(block, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def shard(stage: Stage, system: str, dp_mesh, reshard_after_forward: Optional[bool]) -> Stage:
+    """Blocks first, then the stage module; each system's own default when
+    reshard_after_forward is None."""
+    kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    if system == "ours":
+        for b in stage.blocks:
+            mfsdp.fully_shard(b, mesh=dp_mesh, **kw)
+        return mfsdp.fully_shard(stage, mesh=dp_mesh, **kw)
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for b in stage.blocks:
+        fully_shard(b, mesh=dp_mesh, **kw)
+    fully_shard(stage, mesh=dp_mesh, **kw)
+    for m in stage.modules():  # Gloo's reduce-scatter has no average: SUM, then FSDP2's division
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return stage
+
+
+def full_grads_of_ours(stage: nn.Module, dp_group, tp_placements: Dict[str, tuple], tp_mesh) -> Dict:
+    """Every parameter's full gradient: the dp ranks' 1-D pieces placed by the unit's
+    layout (checked to cover it exactly once) and, for TP parameters, the tp ranks' local
+    shards joined as TP placed them. None where no rank has a gradient."""
+    local = {}
+    for name, p in stage.named_parameters():
+        state, idx, piece = shard_piece(p)
+        g = None if p.grad is None else p.grad.detach().reshape(-1).cpu().clone()
+        local[name] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), g)
+    every = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(every, local, group=dp_group)
+    full = {}
+    for name, (_, shape, _) in local.items():
+        pieces = [by_rank[name] for by_rank in every]
+        have = [g is not None for _, _, g in pieces]
+        assert all(have) or not any(have), f"'{name}': gradient None on some dp ranks only: {have}"
+        if not any(have):
+            full[name] = None
+            continue
+        out = torch.zeros(shape).reshape(-1)
+        covered = torch.zeros(out.numel(), dtype=torch.int32)
+        for offset, _, g in pieces:
+            out[offset: offset + g.numel()] = g
+            covered[offset: offset + g.numel()] += 1
+        assert bool((covered == 1).all()), f"'{name}': gradient pieces do not tile the parameter"
+        t = out.reshape(shape).to(device_for_backend())
+        if name in tp_placements:
+            t = DTensor.from_local(t, tp_mesh, tp_placements[name], run_check=False).full_tensor()
+        full[name] = t
+    return full
+
+
+def full_grads_of_fsdp2(stage: nn.Module) -> Dict:
+    return {n: None if p.grad is None else p.grad.full_tensor().detach().clone()
+            for n, p in stage.named_parameters()}
+
+
+def full_params(stage: nn.Module, system: str) -> Dict[str, torch.Tensor]:
+    if system == "ours":
+        return dict(mfsdp.full_state_dict(stage, rank0_only=False))
+    return {n: p.full_tensor().detach().clone() for n, p in stage.named_parameters()}
+
+
+def batches(steps: int, dp: int):
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(dp * ROWS, D, generator=g), torch.randn(dp * ROWS, D, generator=g)) for _ in range(steps)]
+
+
+class ScheduleSpy:
+    """What the schedule does to our units during a step, each FSDPModule keyed
+    "<stage index>:<module path in the stage>": every unshard call (key, async_op) and the
+    waits on its handles; whether each unit's slots already held the gathered parameters
+    when its first forward of the step began (a forward pre-hook ahead of ours); and our
+    reduce-scatters (the C++ counters) before and inside each stage's perform_reduce_grad
+    (the schedule's REDUCE_GRAD)."""
+
+    def __init__(self, stage_modules: Dict[int, nn.Module], pipeline_stages: list):
+        self.new_step()
+        for s, stage in stage_modules.items():
+            for path, m in stage.named_modules():
+                if isinstance(m, mfsdp.FSDPModule):
+                    self._wrap_unshard(m, f"{s}:{path or 'root'}")
+        for ps in pipeline_stages:
+            self._wrap_reduce_grad(ps)
+
+    def new_step(self) -> None:
+        self.unshards: List[tuple] = []
+        self.waits = 0
+        self.gathered_at_first_forward: Dict[str, bool] = {}
+        self.reduce_grads: List[tuple] = []  # (stage index, reduce-scatters before it, in it)
+        _C.reset_collective_counts()
+
+    @staticmethod
+    def _reduce_scatters() -> int:
+        return _C.collective_counts()["reduce_scatter"][0]
+
+    def _wrap_unshard(self, m, key: str) -> None:
+        """`key`: "<stage index>:<module path in the stage>"."""
+        spy, unshard, state = self, m.unshard, m._fsdp_state
+
+        def spied(async_op: bool = False):
+            spy.unshards.append((key, async_op))
+            handle = unshard(async_op=async_op)
+            if handle is not None:
+                wait = handle.wait
+
+                def spied_wait():
+                    spy.waits += 1
+                    wait()
+                handle.wait = spied_wait
+            return handle
+        m.__dict__["unshard"] = spied
+
+        def pre(module, args):  # registered after fully_shard, prepended: runs before our pre-forward
+            spy.gathered_at_first_forward.setdefault(key, state.slots_hold is SlotsHold.UNSHARDED)
+        m.register_forward_pre_hook(pre, prepend=True)
+
+    def _wrap_reduce_grad(self, ps) -> None:
+        spy, perform = self, ps.perform_reduce_grad
+
+        def spied(grad_scale_factor):
+            before = spy._reduce_scatters()
+            perform(grad_scale_factor)
+            spy.reduce_grads.append((ps.stage_index, before, spy._reduce_scatters() - before))
+        ps.perform_reduce_grad = spied
+
+
+def _reference(plain: nn.ModuleList, data, dp: int):
+    """One plain process on the whole global batch: per step the loss and the gradients
+    the pipeline must produce (the schedule divides by n_microbatches, FSDP by dp)."""
+    ref = copy.deepcopy(plain)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, grads = [], []
+    for x, y in data:
+        out = x
+        for stage in ref:
+            out = stage(out)
+        loss = loss_fn(out, y) / (N_MICRO * dp)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _train(system: str, schedule_name: str, plain: nn.ModuleList, mesh, data,
+           reshard_after_forward: Optional[bool]) -> Dict:
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
+
+    cls_name, per_rank, style = SCHEDULES[schedule_name]
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
+    tp_mesh = mesh["tp"] if "tp" in mesh.mesh_dim_names else None
+    pp = pp_mesh.size()
+    dp_rank = dp_mesh.get_local_rank()
+    num_stages = pp * per_rank
+    mine = stage_indices(pp_mesh.get_local_rank(), pp, per_rank, style)
+    modules, stages, placements = {}, [], {}
+    for s in mine:
+        stage_mod = copy.deepcopy(plain[s])
+        if tp_mesh is not None:
+            tensor_parallel(stage_mod, tp_mesh)
+        placements[s] = {n: tuple(p.placements) for n, p in stage_mod.named_parameters() if isinstance(p, DTensor)}
+        modules[s] = shard(stage_mod, system, dp_mesh, reshard_after_forward)
+        stages.append(PipelineStage(modules[s], s, num_stages, device_for_backend(), group=pp_mesh.get_group()))
+    schedule = getattr(pipelining, cls_name)(stages[0] if per_rank == 1 else stages, n_microbatches=N_MICRO,
+                                             loss_fn=loss_fn)
+    opt = torch.optim.AdamW([p for s in mine for p in modules[s].parameters()], lr=LR)
+    spy = ScheduleSpy(modules, stages) if system == "ours" else None
+    rec = {"losses": [], "grads": [], "norms": [], "control": []}
+    has_first, has_last = 0 in mine, num_stages - 1 in mine
+    rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+    for x, y in data:
+        if spy is not None:
+            spy.new_step()
+        losses: List[torch.Tensor] = []
+        schedule.step(*((x[rows],) if has_first else ()), target=y[rows] if has_last else None,
+                      losses=losses if has_last else None)
+        rec["losses"].append([l_.item() for l_ in losses])
+        if spy is not None:
+            rec["control"].append({
+                "reduce_scatters": spy._reduce_scatters(),
+                "reduce_grads": list(spy.reduce_grads),
+                "unshards": list(spy.unshards),
+                "waits": spy.waits,
+                "gathered_at_first_forward": dict(spy.gathered_at_first_forward),
+                "left_gathered": [f"{s}:{path or 'root'}" for s in mine for path, m in modules[s].named_modules()
+                                  if isinstance(m, mfsdp.FSDPModule) and m._fsdp_state.unit is not None
+                                  and m._fsdp_state.unit.unsharded_storage_bytes != 0],
+            })
+        grads = {}
+        for s in mine:
+            full = (full_grads_of_ours(modules[s], dp_mesh.get_group(), placements[s], tp_mesh) if system == "ours"
+                    else full_grads_of_fsdp2(modules[s]))
+            grads.update({f"{s}.{n}": g for n, g in full.items()})
+        rec["grads"].append(grads)
+        # torch's norm over this rank's stages (what torchtitan computes per pp rank before its
+        # pp all-reduce): global over dp (and tp) from our gradients' ShardedGrad types. FSDP2's
+        # block and projection gradients live on different meshes under TP: not stackable there.
+        if system == "ours" or tp_mesh is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for s in mine for p in modules[s].parameters()
+                                                  if p.grad is not None])
+            rec["norms"].append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        opt.step()
+        opt.zero_grad()
+    rec["params"] = {f"{s}.{n}": t for s in mine for n, t in full_params(modules[s], system).items()}
+    rec["tp_params"] = sum(len(p) for p in placements.values())
+    if system == "ours":
+        rec["units"] = {s: sum(1 for m in modules[s].modules()
+                               if isinstance(m, mfsdp.FSDPModule) and m._fsdp_state.unit is not None) for s in mine}
+        rec["modules"] = sorted(f"{s}:{path or 'root'}" for s in mine for path, m in modules[s].named_modules()
+                                if isinstance(m, mfsdp.FSDPModule))
+    return rec
+
+
+def _compare(system: str, what: str, got, want, tol: float) -> float:
+    assert got is not None, f"{system} {what}: missing (None)"
+    err = rel_err(got.cpu(), want.cpu())
+    assert err <= tol, f"{system} {what}: rel err {err:.3e} > {tol}"
+    return err
+
+
+def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: float,
+           reshard_after_forward: Optional[bool] = None) -> Dict:
+    """One schedule: FSDP2, then ours, each against the plain model; ours against FSDP2."""
+    pp, dp = mesh["pp"].size(), mesh["dp"].size()
+    _, per_rank, style = SCHEDULES[schedule_name]
+    num_stages = pp * per_rank
+    device = device_for_backend()
+    plain = build_plain(num_stages).to(device)
+    data = [(x.to(device), y.to(device)) for x, y in batches(steps, dp)]
+    ref_losses, ref_grads, ref_params = _reference(plain, data, dp)
+    recs = {system: _train(system, schedule_name, plain, mesh, data, reshard_after_forward)
+            for system in ("fsdp2", "ours")}
+    mine = stage_indices(mesh["pp"].get_local_rank(), pp, per_rank, style)
+    worst = {}
+    for system, rec in recs.items():
+        w = worst[system] = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        if system == "ours":
+            w.update(loss_vs_fsdp2=0.0, grad_vs_fsdp2=0.0, param_vs_fsdp2=0.0)
+        for step in range(steps):
+            at = f"{schedule_name} step {step}"
+            if num_stages - 1 in mine:  # the schedule returns the micro-batch losses on the last stage's ranks
+                assert len(rec["losses"][step]) == N_MICRO, f"{system} {at}: losses {rec['losses'][step]}"
+                local = torch.tensor(sum(rec["losses"][step]), device=device)
+                every = [torch.zeros((), device=device) for _ in range(dp)]
+                dist.all_gather(every, local, group=mesh["dp"].get_group())
+                total = torch.tensor(sum(t.item() for t in every) / (N_MICRO * dp))
+                w["loss"] = max(w["loss"], _compare(system, f"{at}: loss vs plain", total,
+                                                    torch.tensor(ref_losses[step]), tol))
+                if system == "ours":
+                    w["loss_vs_fsdp2"] = max(w["loss_vs_fsdp2"], _compare(
+                        system, f"{at}: micro-batch losses vs FSDP2", torch.tensor(rec["losses"][step]),
+                        torch.tensor(recs["fsdp2"]["losses"][step]), tol))
+            assert set(rec["grads"][step]) == {n for n in ref_grads[step] if int(n.split(".")[0]) in mine}
+            for name, g in rec["grads"][step].items():
+                w["grad"] = max(w["grad"], _compare(system, f"{at}: gradient of '{name}' vs plain", g,
+                                                    ref_grads[step][name], tol))
+                if system == "ours":
+                    w["grad_vs_fsdp2"] = max(w["grad_vs_fsdp2"], _compare(
+                        system, f"{at}: gradient of '{name}' vs FSDP2", g, recs["fsdp2"]["grads"][step][name], tol))
+            if rec["norms"]:
+                want = torch.stack([g.norm() for n, g in ref_grads[step].items() if n in rec["grads"][step]]).norm()
+                w["norm"] = max(w.get("norm", 0.0), _compare(
+                    system, f"{at}: gradient norm of the rank's stages vs plain", torch.tensor(rec["norms"][step]),
+                    want, tol))
+                if system == "ours" and recs["fsdp2"]["norms"]:
+                    w["norm_vs_fsdp2"] = max(w.get("norm_vs_fsdp2", 0.0), _compare(
+                        system, f"{at}: gradient norm vs FSDP2", torch.tensor(rec["norms"][step]),
+                        torch.tensor(recs["fsdp2"]["norms"][step]), tol))
+        for name, t in rec["params"].items():
+            w["param"] = max(w["param"], _compare(system, f"{schedule_name}: '{name}' after {steps} steps vs plain",
+                                                  t, ref_params[name], tol))
+            if system == "ours":
+                w["param_vs_fsdp2"] = max(w["param_vs_fsdp2"], _compare(
+                    system, f"{schedule_name}: '{name}' after {steps} steps vs FSDP2", t,
+                    recs["fsdp2"]["params"][name], tol))
+    ours = recs["ours"]
+    return {"rank": rank, "stages": mine, "worst": worst, "control": ours["control"],
+            "units": ours["units"], "modules": ours["modules"], "tp_params": ours["tp_params"]}
+
+
+def pp_parity(rank: int, world: int, runs: List[Dict], steps: int = 3, tol: float = 1e-5) -> Dict[str, Dict]:
+    """Each run ({"schedule": name, optional "reshard_after_forward": bool}) in turn on one
+    mesh; returns {schedule name: this rank's report}."""
+    mesh = make_mesh(world)
+    return {run["schedule"]: pp_run(rank, world, run["schedule"], mesh, steps, tol,
+                                    run.get("reshard_after_forward"))
+            for run in runs}
+
+
+# ---------------------------------------------------------------- checks of the per-rank reports
+
+TOL = 1e-5
+
+
+def check_parity(reports, schedule: str) -> None:
+    for r in reports:
+        for system, worst in r["worst"].items():
+            for what, err in worst.items():
+                assert err <= TOL, f"{schedule} rank {r['rank']} {system}: {what} rel err {err:.3e}"
+
+
+def check_reduced_once_per_step(reports, schedule: str) -> None:
+    """Our reduce-scatters of each step: none before the first REDUCE_GRAD (the micro-batch
+    backwards only accumulate), each stage's units exactly once inside its REDUCE_GRAD,
+    none after."""
+    for r in reports:
+        for step, c in enumerate(r["control"]):
+            at = f"{schedule} rank {r['rank']} step {step}"
+            assert sorted(s for s, _, _ in c["reduce_grads"]) == sorted(r["stages"]), \
+                f"{at}: REDUCE_GRAD per stage {c['reduce_grads']}, stages {r['stages']}"
+            done = 0
+            for stage, before, during in c["reduce_grads"]:
+                assert before == done, f"{at}: {before - done} reduce-scatters outside REDUCE_GRAD (stage {stage})"
+                assert during == r["units"][stage], \
+                    f"{at}: stage {stage} reduce-scattered {during} times for {r['units'][stage]} units"
+                done += during
+            assert c["reduce_scatters"] == done == sum(r["units"].values()), f"{at}: {c['reduce_scatters']} in all"
+            assert c["left_gathered"] == [], f"{at}: units still gathered after the step: {c['left_gathered']}"
+
+
+def check_unsharded_ahead(reports, schedule: str) -> None:
+    """Runtime schedules: each step the schedule's UNSHARD calls unshard(async_op=True) on
+    every FSDPModule of each stage once, waits every handle, and each unit is gathered when
+    its first forward of the step starts. (Step 0 is left out of the last check: the stage's
+    metadata inference runs a forward before the schedule's first action.)"""
+    for r in reports:
+        for step, c in enumerate(r["control"]):
+            at = f"{schedule} rank {r['rank']} step {step}"
+            assert sorted(k for k, _ in c["unshards"]) == r["modules"], f"{at}: unshard calls {c['unshards']}"
+            assert all(async_op for _, async_op in c["unshards"]), f"{at}: unshard calls {c['unshards']}"
+            assert c["waits"] == len(c["unshards"]), f"{at}: {c['waits']} waits for {len(c['unshards'])} unshards"
+            if step > 0:
+                assert c["gathered_at_first_forward"] == {k: True for k in r["modules"]}, \
+                    f"{at}: gathered when their first forward started: {c['gathered_at_first_forward']}"
