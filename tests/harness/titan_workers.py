@@ -4,15 +4,22 @@ tensor-parallelized by `parallelize_llama` with its ParallelDims mesh) where the
 change is the `fully_shard` those functions call: ours instead of torch's. Trained against
 one plain process on the whole batch (fp32: losses, gradients, parameters).
 
+Then torchtitan's training loop itself (Trainer.train_step, its loss normalization by the
+global token count, its clip_grad_norm_, optimizer and LR-schedule containers, its
+CheckpointManager) on FSDP2 and on ours side by side: see "torchtitan's training loop" below.
+
 torchtitan 0.3.0 imports triton only for one MoE kernel module; `install_triton_stub`
-replaces that module (the dense Llama3 path never calls it). On CPU its flex attention has
+replaces that module (the dense Llama3 path never calls it); `install_trainer_stubs` does
+the same for what torchtitan.trainer imports of torchdata, datasets and tensorboard. On CPU its flex attention has
 no backward, so the debugmodel's inner attention is swapped for causal SDPA, in the
 reference model too.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
+import time
 import types
 from typing import Dict
 
@@ -24,7 +31,7 @@ from torch.distributed.tensor import DTensor
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.param_index import iter_states
 
-from .tp_workers import full_of_ours, placements_of
+from .tp_workers import full_of_ours, placements_of, plain_name
 from .workers import device_for_backend, rel_err
 
 _TRITON_KERNELS = [
@@ -46,6 +53,49 @@ def install_triton_stub() -> None:
             raise RuntimeError(f"{_kernel}: a triton kernel, stubbed out (triton is not installed)")
         setattr(mod, kernel, missing)
     sys.modules[name] = mod
+
+
+# What torchtitan.trainer imports for the parts of its job these tests do not build (its
+# HF datasets dataloader, TensorBoard logging), where .ci/run does not install them.
+_TRAINER_ONLY_IMPORTS = ["torch.utils.tensorboard", "torchdata", "torchdata.stateful_dataloader", "datasets",
+                         "datasets.distributed"]
+
+
+def _stub_module(name: str) -> None:
+    """A module whose every attribute is an empty class (created on first use): enough
+    for `from X import Y` and class definitions deriving from Y; using Y does nothing."""
+    mod = types.ModuleType(name)
+    mod.__path__ = []
+
+    def __getattr__(attr, _name=name):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        cls = type(attr, (), {"__module__": _name, "__init__": _stubbed_init})
+        setattr(sys.modules[_name], attr, cls)
+        return cls
+
+    mod.__getattr__ = __getattr__
+    sys.modules[name] = mod
+
+
+def _stubbed_init(self, *args, **kwargs):
+    raise RuntimeError(f"{type(self).__module__}.{type(self).__name__}: stubbed out (not installed)")
+
+
+def install_trainer_stubs() -> None:
+    """torchtitan.trainer importable without torchdata, datasets and tensorboard: each
+    one that does not import is replaced by a stub module (train_step uses none of them)."""
+    import importlib
+
+    install_triton_stub()
+    for name in _TRAINER_ONLY_IMPORTS:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules.pop(name, None)
+            _stub_module(name)
 
 
 def available() -> str:
@@ -106,7 +156,10 @@ def _train_against_plain(model, ref, placements: Dict, tp_mesh, dp_index: int, d
     for step, (tokens, labels) in enumerate(_batches(steps, per, dp_world)):
         rows = slice(dp_index * per, (dp_index + 1) * per)
         loss = _loss(model, tokens[rows].to(device), labels[rows].to(device))
-        loss.backward()
+        # torchtitan sets every unit's gradient divide factor to 1.0 (its trainer divides
+        # the loss by the global token count instead): reduced gradients are sums over the
+        # data-parallel ranks, so each rank's mean loss is scaled by 1 / dp_world here.
+        (loss / dp_world).backward()
         ref_loss = _loss(ref, tokens.to(device), labels.to(device))
         ref_loss.backward()
         losses = [None] * dist.get_world_size()
@@ -181,3 +234,486 @@ def titan_parallelize_llama(rank: int, world: int, tp: int) -> Dict:
     tp_mesh, fsdp_mesh = dims.get_mesh("tp"), dims.get_mesh("fsdp")
     dp_index = fsdp_mesh.get_local_rank()
     return _train_against_plain(model, ref, placements, tp_mesh, dp_index, world // tp)
+
+
+# ------------------------------------------------------------------ torchtitan's training loop
+#
+# Below, torchtitan's own Trainer.train_step runs unchanged (gradient accumulation, its
+# global-token loss normalization, its clip_grad_norm_, its optimizer and LR scheduler
+# containers, its checkpointer) on two copies of its Llama3 debugmodel job: one
+# parallelized by torchtitan with torch's fully_shard (FSDP2), one with ours swapped in, as
+# a user swaps it (torchtitan.distributed.fsdp.fully_shard). The Trainer object is built
+# by hand (Trainer.__new__ plus the attributes train_step reads, made by the same
+# components Trainer.__init__ builds): its __init__ also wants a tokenizer, a dataset,
+# torchrun's environment and an accelerator. Everything train_step computes is torchtitan's.
+
+class _StepLog:
+    """torchtitan's MetricsProcessor as train_step uses it (should_log, log): logs every
+    step and keeps what train_step reports: the global average loss, the max over ranks of
+    their local average losses, the grad norm its clip_grad_norm_ returned, the lr."""
+
+    def __init__(self):
+        self.rows = []
+
+    def should_log(self, step: int) -> bool:
+        return True
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        lr = {k: v for k, v in (extra_metrics or {}).items() if k.startswith("lr")}
+        self.rows.append({"step": step, "loss": float(global_avg_loss), "max_loss": float(global_max_loss),
+                          "grad_norm": float(grad_norm), "lr": lr})
+
+
+class _StepData:
+    """A dataloader for train_step: batch (step, micro) is a function of its indices (so a
+    resumed run sees the same data), each rank takes its rows of the global batch; labels
+    end in a run of IGNORE_INDEX of random length, so ranks hold different numbers of
+    valid tokens and the loss normalization by the GLOBAL count matters. Stateful for
+    torchtitan's checkpointer (its "dataloader" entry)."""
+
+    def __init__(self, local_bs: int, accum: int, batch_degree: int, batch_rank: int):
+        self.local_bs, self.accum = local_bs, accum
+        self.batch_degree, self.batch_rank = batch_degree, batch_rank
+        self.step = 0  # the next step whose batches __iter__ yields
+
+    def batch(self, step: int, micro: int):
+        from torchtitan.components.loss import IGNORE_INDEX
+
+        g = torch.Generator().manual_seed(7919 * step + 104729 * micro + 1)
+        rows = self.batch_degree * self.local_bs
+        tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+        labels = tokens[:, 1:].clone()
+        keep = torch.randint(SEQ // 4, SEQ + 1, (rows,), generator=g)
+        labels[torch.arange(SEQ)[None, :] >= keep[:, None]] = IGNORE_INDEX
+        mine = slice(self.batch_rank * self.local_bs, (self.batch_rank + 1) * self.local_bs)
+        return {"input": tokens[mine, :-1]}, labels[mine]
+
+    def __iter__(self):
+        while True:
+            step = self.step
+            for micro in range(self.accum):
+                if micro == self.accum - 1:
+                    self.step = step + 1  # consumed once train_step took the step's last micro-batch
+                yield self.batch(step, micro)
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+@contextlib.contextmanager
+def _fully_shard_in_torchtitan(impl: str):
+    """torchtitan's fsdp module calling `impl`'s fully_shard: "ours" (the swap a user
+    makes) or "fsdp2" (torch's, torchtitan's own)."""
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    saved = tt_fsdp.fully_shard
+    tt_fsdp.fully_shard = mfsdp.fully_shard if impl == "ours" else torch_fully_shard
+    try:
+        yield
+    finally:
+        tt_fsdp.fully_shard = saved
+
+
+def _debugmodel_spec(fuse_qkv: bool):
+    """torchtitan's model_registry("debugmodel"); fuse_qkv=False: the same model with
+    separate q and kv projections (QKVLinear) instead of its fused wqkv."""
+    import torchtitan.models.llama3 as tt_llama3
+
+    if fuse_qkv:
+        return tt_llama3.model_registry("debugmodel")
+    build = tt_llama3._build_llama3_layers
+    tt_llama3._build_llama3_layers = lambda **kw: build(**dict(kw, fuse_qkv=False))
+    try:
+        return tt_llama3.model_registry("debugmodel")
+    finally:
+        tt_llama3._build_llama3_layers = build
+
+
+def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accum: int, batch_degree: int,
+                loss: str = "chunked", ac: bool = True, fuse_qkv: bool = True, dump_folder: str = "/tmp"):
+    """torchtitan's llama3 debugmodel job (config_registry.llama3_debugmodel: its model,
+    loss, optimizer, LR schedule, activation checkpointing), shrunk for CPU: SDPA instead of
+    flex attention, SEQ-token sequences, fp32, `steps` steps, the given parallelism.
+    loss: "chunked" (the job's ChunkedLossWrapper of CrossEntropyLoss) or "ce"
+    (CrossEntropyLoss on the whole output: the same normalization)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import TrainingConfig
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    cfg = llama3_debugmodel()
+    if not fuse_qkv:
+        cfg.model_spec = _debugmodel_spec(fuse_qkv=False)
+    for layer in cfg.model_spec.model.layers:  # flex attention has no CPU backward
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if loss == "ce":
+        cfg.loss = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
+    if not ac:
+        cfg.activation_checkpoint = None
+    cfg.training = TrainingConfig(local_batch_size=local_bs, global_batch_size=local_bs * batch_degree * accum,
+                                  seq_len=SEQ, steps=steps, max_norm=max_norm, mixed_precision_param="float32",
+                                  disable_cuda_graphs=True)
+    cfg.parallelism = parallelism
+    cfg.dump_folder = dump_folder
+    return cfg
+
+
+def _parallel_dims(parallelism, world: int):
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    # torchtitan falls back to "cuda" when it finds no accelerator; its mesh follows this.
+    tt_parallel_dims.device_type = device_for_backend().type
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    return dims
+
+
+def _built_model(cfg):
+    """The debugmodel built whole with torchtitan's init, seeded: the same weights on
+    every rank and in every build (parallelize_fn then shards these real tensors)."""
+    model_config = cfg.model_spec.model
+    model_config.update_from_config(config=cfg)
+    torch.manual_seed(0)
+    model = model_config.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    return model.to(device_for_backend())
+
+
+def _titan_trainer(cfg, dims, impl: str, checkpoint=None):
+    """A torchtitan Trainer for train_step, built as Trainer.__init__ builds its non-PP
+    components: the model (built whole: _built_model), its parallelize_fn with `impl`'s
+    fully_shard, its loss, optimizer and LR scheduler containers, and its checkpointer
+    (`checkpoint`: a CheckpointManager.Config; default disabled)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.config, t.parallel_dims, t.device = cfg, dims, device_for_backend()
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # as Trainer.__init__ does
+    spec = cfg.model_spec
+    model = _built_model(cfg)
+    t.model_config = spec.model
+    with _fully_shard_in_torchtitan(impl):
+        model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
+                                    compile_config=cfg.compile, ac_config=cfg.activation_checkpoint,
+                                    dump_folder=cfg.dump_folder)
+    model.train()
+    if impl == "fsdp2" and dist.get_backend() == "gloo":
+        # torchtitan's divide factor 1.0 makes FSDP2 reduce with PREMUL_SUM(1.0), which Gloo
+        # refuses; FSDP2's own SUM-then-scale (factor 1.0: nothing) gives the same sums.
+        for m in _fsdp_modules(model).values():
+            m.set_force_sum_reduction_for_comms(True)
+    t.model_parts = [model]
+    t.loss_fn = cfg.loss.build(compile_config=cfg.compile)
+    if isinstance(t.loss_fn, ChunkedLossWrapper):
+        t.loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    batch_mesh = dims.get_mesh("batch")
+    batch_degree, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
+    t.gradient_accumulation_steps = cfg.training.global_batch_size // (cfg.training.local_batch_size * batch_degree)
+    t.num_pipeline_parallel_microbatches = 1
+    t.optimizers = cfg.optimizer.build(model_parts=t.model_parts)
+    t.lr_schedulers = cfg.lr_scheduler.build(optimizers=t.optimizers, training_steps=cfg.training.steps)
+    t.metrics_processor = _StepLog()
+    t.step, t.ntokens_seen = 0, 0
+    t.dataloader = _StepData(cfg.training.local_batch_size, t.gradient_accumulation_steps, batch_degree, batch_rank)
+    t.checkpointer = (checkpoint or CheckpointManager.Config()).build(
+        dataloader=t.dataloader, model_parts=t.model_parts, optimizers=t.optimizers,
+        lr_schedulers=t.lr_schedulers, states={"train_state": t}, sd_adapter=None, base_folder=cfg.dump_folder)
+    t.train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
+    t.fwd_bwd_fn = t._forward_backward_body
+    return t
+
+
+def _train(t, steps: int) -> list:
+    """torchtitan's Trainer.train loop body for `steps` steps: step += 1, train_step,
+    checkpointer.save. Returns the logged rows of these steps."""
+    data = iter(t.dataloader)
+    first = len(t.metrics_processor.rows)
+    for _ in range(steps):
+        t.step += 1
+        t.train_step(data)
+        t.checkpointer.save(t.step, last_step=(t.step == t.config.training.steps))
+    return t.metrics_processor.rows[first:]
+
+
+def _fsdp_modules(model) -> Dict[str, object]:
+    """{name: module} of the modules torch's isinstance check (torchtitan's
+    disable_fsdp_gradient_division) takes for FSDP2's."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    return {plain_name(n): m for n, m in model.named_modules() if isinstance(m, TorchFSDPModule)}
+
+
+def check_titan_reached_ours(ours_model, fsdp2_model) -> int:
+    """Every module our fully_shard sharded is a torch FSDPModule (the same modules as
+    under FSDP2), and torchtitan's disable_fsdp_gradient_division set every unit's divide
+    factor to 1.0 (torchtitan normalizes by the global token count itself). Returns the
+    number of units checked."""
+    sharded = {plain_name(n): m for n, m in ours_model.named_modules() if "_mfsdp_state" in m.__dict__}
+    assert sharded, "our fully_shard sharded nothing"
+    seen = _fsdp_modules(ours_model)
+    missing = sorted(set(sharded) - set(seen))
+    assert not missing, f"modules sharded by our fully_shard that are not torch FSDPModules: {missing}"
+    expected = sorted(_fsdp_modules(fsdp2_model))
+    assert sorted(seen) == expected, f"FSDP modules: ours {sorted(seen)} vs FSDP2 {expected}"
+    units = 0
+    for name, m in sharded.items():
+        unit = m._fsdp_state.unit
+        if unit is None:
+            continue
+        units += 1
+        assert unit.gradient_divide_factor == 1.0, \
+            f"'{name}': gradient divide factor {unit.gradient_divide_factor}, torchtitan set 1.0"
+    for name, m in _fsdp_modules(fsdp2_model).items():  # what torchtitan did to FSDP2's
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            assert group.gradient_divide_factor == 1.0, f"FSDP2 '{name}': divide factor {group.gradient_divide_factor}"
+    return units
+
+
+def _full_params(model, impl: str, tp_mesh=None, tp_placements=None) -> Dict[str, torch.Tensor]:
+    if impl == "fsdp2":
+        return {plain_name(n): p.full_tensor().detach().double().cpu() for n, p in model.named_parameters()}
+    return full_of_ours(model, "value", tp_placements, tp_mesh)
+
+
+def _tp_placements_of_fsdp2(model, tp: bool) -> Dict[str, tuple]:
+    """Each parameter's placement on the "tp" axis, read off FSDP2's DTensors."""
+    from torch.distributed.tensor import Replicate
+
+    out = {}
+    for n, p in model.named_parameters():
+        names = p.device_mesh.mesh_dim_names or ()
+        out[plain_name(n)] = (p.placements[names.index("tp")],) if tp and "tp" in names else (Replicate(),)
+    return out
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _setup(world: int, parallelism: Dict, **job):
+    """torchtitan's ParallelDims (partial_dtensor backend: DTensors on the tp axis only;
+    our fully_shard does not take FSDP2's dp_mesh_dims of the spmd_types / full_dtensor
+    backends) and its debugmodel job."""
+    install_trainer_stubs()
+    from torchtitan.config import ParallelismConfig
+
+    pcfg = ParallelismConfig(spmd_backend="partial_dtensor", **parallelism)
+    dims = _parallel_dims(pcfg, world)
+    batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
+    return dims, _job_config(pcfg, batch_degree=batch_degree, **job)
+
+
+def _compare_rows(got: Dict, ref: Dict, step, tol: float, worst: Dict, what: str = "ours vs FSDP2") -> None:
+    for key in ("loss", "max_loss", "grad_norm"):
+        e = _rel(got[key], ref[key])
+        worst[key] = max(worst.get(key, 0.0), e)
+        assert e <= tol, f"step {step}: {key} {what}: {got[key]!r} vs {ref[key]!r} (rel {e:.2e})"
+    assert got["lr"] == ref["lr"], f"step {step}: lr {got['lr']} vs {ref['lr']} ({what})"
+
+
+def _compare_params(ours, fsdp2, dims, tol: float, when: str) -> float:
+    """Every parameter of ours (rebuilt from the ranks' pieces) against FSDP2's
+    (full_tensor), at most `tol` relative; returns the largest difference."""
+    tp = dims.tp_enabled
+    placements = _tp_placements_of_fsdp2(fsdp2.model_parts[0], tp)
+    mine = _full_params(ours.model_parts[0], "ours", dims.get_mesh("tp") if tp else None, placements)
+    theirs = _full_params(fsdp2.model_parts[0], "fsdp2")
+    assert sorted(mine) == sorted(theirs), f"parameter names: ours {sorted(mine)} vs FSDP2 {sorted(theirs)}"
+    errs = {n: rel_err(mine[n].reshape(theirs[n].shape), theirs[n]) for n in theirs}
+    name = max(errs, key=errs.get)
+    assert errs[name] <= tol, f"parameters {when}: '{name}' ours vs FSDP2 rel err {errs[name]:.2e}"
+    return errs[name]
+
+
+def _train_vs_fsdp2(world: int, parallelism: Dict, *, steps: int, max_norm: float, loss: str, ac: bool,
+                    local_bs: int, accum: int, tol: float) -> Dict:
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    dims, cfg = _setup(world, parallelism, steps=steps, max_norm=max_norm, local_bs=local_bs, accum=accum,
+                       loss=loss, ac=ac)
+    init = {plain_name(n): p.detach().double().cpu() for n, p in _built_model(cfg).named_parameters()}
+    fsdp2 = _titan_trainer(cfg, dims, "fsdp2")
+    ours = _titan_trainer(cfg, dims, "ours")
+    units = check_titan_reached_ours(ours.model_parts[0], fsdp2.model_parts[0])
+    curves = {"fsdp2": [], "ours": []}
+    worst: Dict[str, float] = {}
+    for step in range(1, steps + 1):
+        ref, got = _train(fsdp2, 1)[0], _train(ours, 1)[0]
+        curves["fsdp2"].append(ref)
+        curves["ours"].append(got)
+        _compare_rows(got, ref, step, tol, worst)
+    clipped = sum(r["grad_norm"] > max_norm for r in curves["fsdp2"])
+    assert clipped == steps, f"clipping active on {clipped} of {steps} steps only (max_norm {max_norm})"
+    worst["param"] = _compare_params(ours, fsdp2, dims, tol, f"after {steps} steps")
+    theirs = _full_params(fsdp2.model_parts[0], "fsdp2")
+    moved = max(rel_err(theirs[n], init[n]) for n in theirs)  # training did change the weights
+    assert moved > 1e-3, f"parameters moved by {moved:.2e} only"
+    return {"worst": worst, "curves": curves, "units": units, "moved": moved,
+            "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
+
+
+def titan_train_vs_fsdp2(rank: int, world: int, parallelism: Dict, steps: int = 20, max_norm: float = 0.25,
+                         loss: str = "ce", ac: bool = True, local_bs: int = 2, accum: int = 2,
+                         tol: float = 1e-5) -> Dict:
+    """torchtitan's train_step on its debugmodel job, parallelized by torchtitan with
+    FSDP2 and with ours (the fully_shard swap), step by step on the same ranks: the global
+    loss, the max over ranks of the local loss, the grad norm its clip_grad_norm_ returns
+    (clipping active: max_norm below every step's norm) and, at the end, every parameter,
+    within `tol` relative. Also checks (check_titan_reached_ours) that torchtitan's
+    disable_fsdp_gradient_division reached our units."""
+    return _train_vs_fsdp2(world, parallelism, steps=steps, max_norm=max_norm, loss=loss, ac=ac,
+                           local_bs=local_bs, accum=accum, tol=tol)
+
+
+def titan_train_matrix(rank: int, world: int, configs: Dict[str, Dict], **common) -> Dict[str, Dict]:
+    """titan_train_vs_fsdp2 for several parallelisms of the same world in one launch
+    (torchtitan imports once): {name: its result, or {"error": traceback}}. A config that
+    failed the same way on every rank (a comparison of global values) lets the next one
+    run; otherwise the ranks may no longer agree on the collectives, and the rest is
+    reported as not run."""
+    import traceback
+
+    out: Dict[str, Dict] = {}
+    names = list(configs)
+    for i, name in enumerate(names):
+        try:
+            out[name] = _train_vs_fsdp2(world, configs[name], **common)
+            last = None
+        except Exception as e:  # noqa: BLE001 (reported per config)
+            out[name] = {"error": traceback.format_exc()}
+            last = f"{type(e).__name__}: {e}"
+        every = [None] * world
+        dist.all_gather_object(every, last)
+        if any(every) and len(set(every)) > 1:
+            out[name].setdefault("error", f"failed on ranks {[r for r, m in enumerate(every) if m]}")
+            for rest in names[i + 1:]:
+                out[rest] = {"error": f"not run: '{name}' failed differently across ranks"}
+            break
+    return out
+
+
+def _local_grad_norm(model) -> float:
+    """The 2-norm of this rank's gradient pieces as plain tensors: what torch's clip
+    computed on our sharded gradients before they reduced across ranks (grad_norm.py)."""
+    grads = [p.grad.detach().as_subclass(torch.Tensor).double() for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def _plain_step(cfg, step: int, batch_degree: int):
+    """One process, the whole model, the whole global batch of `step`: torchtitan's loss
+    (sum over tokens / the global count of valid tokens, accumulated over the
+    micro-batches) and torch's get_total_norm of the gradients. Returns (model, loss, norm)."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    model = _built_model(cfg)
+    loss_fn = cfg.loss.build(compile_config=cfg.compile)
+    local_bs = cfg.training.local_batch_size
+    accum = cfg.training.global_batch_size // (local_bs * batch_degree)
+    data = _StepData(local_bs * batch_degree, accum, 1, 0)  # rank 0 of 1: every row
+    micro = [data.batch(step, m) for m in range(accum)]
+    tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
+    total = 0.0
+    for inputs, labels in micro:
+        loss, _ = loss_fn(model(inputs["input"]), labels, torch.tensor(tokens))
+        loss.backward()
+        total += loss.item()
+    # In float64: torch's fp32 norm of a whole 2048x256 gradient on the CPU is off by
+    # ~5e-5 relative (the sharded runs' norms of half-size pieces by ~3e-5).
+    norm = torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()])
+    return model, total, float(norm)
+
+
+def titan_guard(rank: int, world: int, max_norm: float = 0.25) -> Dict:
+    """What makes ours a drop-in under torchtitan's training loop, on its own:
+    - every module our fully_shard sharded is a torch FSDPModule (the same modules as
+      FSDP2's) and torchtitan's disable_fsdp_gradient_division set every unit's gradient
+      divide factor to 1.0;
+    - the grad norm torchtitan's clip_grad_norm_ returns (torch's get_total_norm on our
+      sharded gradients) is the GLOBAL norm: equal to FSDP2's and to one plain process'
+      on the whole batch, and far from this rank's local norm;
+    - the clipped gradients are the plain process' gradients times the clip coefficient."""
+    dims, cfg = _setup(world, {"data_parallel_shard_degree": world}, steps=1, max_norm=max_norm, local_bs=2,
+                       accum=2, loss="ce", ac=False)
+    fsdp2 = _titan_trainer(cfg, dims, "fsdp2")
+    ours = _titan_trainer(cfg, dims, "ours")
+    units = check_titan_reached_ours(ours.model_parts[0], fsdp2.model_parts[0])
+    plain, plain_loss, plain_norm = _plain_step(cfg, 0, dims.get_mesh("batch").size())
+    # train_step leaves the clipped gradients in .grad (the next step's zero_grad clears them).
+    ref, got = _train(fsdp2, 1)[0], _train(ours, 1)[0]
+    worst: Dict[str, float] = {}
+    _compare_rows(got, ref, 1, 1e-5, worst)
+    e_plain = _rel(got["grad_norm"], plain_norm)  # fp32 norms on the CPU: see _plain_step
+    assert e_plain <= 1e-4, f"grad norm ours {got['grad_norm']!r} vs one process {plain_norm!r} (rel {e_plain:.2e})"
+    e_loss = _rel(got["loss"], plain_loss)
+    assert e_loss <= 1e-5, f"loss ours {got['loss']!r} vs one process {plain_loss!r} (rel {e_loss:.2e})"
+    coef = min(1.0, max_norm / (got["grad_norm"] + 1e-6))  # torch's clip_grads_with_norm_
+    assert coef < 1.0, f"no clipping at grad norm {got['grad_norm']} (max_norm {max_norm})"
+    local = _local_grad_norm(ours.model_parts[0]) / coef
+    gap = _rel(local, got["grad_norm"])
+    assert gap > 0.05, f"this rank's local norm {local} is the global one {got['grad_norm']}: nothing was checked"
+    grads = full_of_ours(ours.model_parts[0], "grad", placements_of(plain))
+    e_grad = max(rel_err(grads[n].reshape(p.shape), p.grad * coef) for n, p in plain.named_parameters())
+    assert e_grad <= 1e-5, f"clipped gradients ours vs one process: rel err {e_grad:.2e}"
+    return {"units": units, "norm": got["grad_norm"], "fsdp2_norm": ref["grad_norm"], "plain_norm": plain_norm,
+            "local_norm": local, "worst": dict(worst, plain_norm=e_plain, plain_loss=e_loss, grad=e_grad)}
+
+
+def titan_checkpoint_interchange(rank: int, world: int, parallelism: Dict, folder: str, save_at: int = 2,
+                                 then: int = 2, max_norm: float = 0.25, tol: float = 1e-5,
+                                 fuse_qkv: bool = True) -> Dict:
+    """torchtitan's CheckpointManager (DCP; model, optimizer, LR scheduler, dataloader and
+    train state) between FSDP2 and ours: both train `save_at` steps and save, then
+    continue `then` steps (the reference continuations); a fresh ours resumes from FSDP2's
+    checkpoint and a fresh FSDP2 from ours, and each continues exactly as the run that
+    saved it did (losses, grad norms, lr, and the parameters at the end)."""
+    import os
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    cpu0 = time.process_time()
+    steps = save_at + then
+    dims, cfg = _setup(world, parallelism, steps=steps, max_norm=max_norm, local_bs=2, accum=2, loss="ce",
+                       ac=False, fuse_qkv=fuse_qkv)
+    where = {impl: os.path.join(folder, impl) for impl in ("fsdp2", "ours")}
+
+    def saving(impl):
+        return CheckpointManager.Config(enable=True, folder=where[impl], interval=save_at, keep_latest_k=0,
+                                        last_save_model_only=False)
+
+    def loading(impl):
+        return CheckpointManager.Config(enable=True, folder=where[impl], load_only=True, keep_latest_k=0)
+
+    runs = {impl: _titan_trainer(cfg, dims, impl, checkpoint=saving(impl)) for impl in ("fsdp2", "ours")}
+    worst: Dict[str, float] = {}
+    rows = {"fsdp2": [], "ours": []}
+    for step in range(1, steps + 1):
+        for impl in ("fsdp2", "ours"):
+            rows[impl] += _train(runs[impl], 1)
+        _compare_rows(rows["ours"][-1], rows["fsdp2"][-1], step, tol, worst)
+    for impl in ("fsdp2", "ours"):
+        assert os.path.isdir(os.path.join(where[impl], f"step-{save_at}")), f"{impl} saved no step-{save_at}"
+    # Each implementation resumes from the other's checkpoint.
+    resumed = {}
+    for impl, other in (("ours", "fsdp2"), ("fsdp2", "ours")):
+        t = _titan_trainer(cfg, dims, impl, checkpoint=loading(other))
+        assert t.checkpointer.load(step=save_at), f"{impl}: nothing loaded from {other}'s checkpoint"
+        assert t.step == save_at and t.dataloader.step == save_at, \
+            f"{impl} resumed at step {t.step} (data at {t.dataloader.step}), not {save_at}"
+        got = _train(t, then)
+        for g, ref in zip(got, rows[other][save_at:]):
+            _compare_rows(g, ref, g["step"], tol, worst, f"{impl} resumed from {other}'s checkpoint vs {other}")
+        resumed[impl] = {"rows": got, "trainer": t}
+    worst["param_ours_from_fsdp2"] = _compare_params(resumed["ours"]["trainer"], runs["fsdp2"], dims, tol,
+                                                     "of ours resumed from FSDP2's checkpoint")
+    worst["param_fsdp2_from_ours"] = _compare_params(runs["ours"], resumed["fsdp2"]["trainer"], dims, tol,
+                                                     "of FSDP2 resumed from our checkpoint")
+    return {"worst": worst, "rows": rows, "resumed": {k: v["rows"] for k, v in resumed.items()},
+            "cpu_s": time.process_time() - cpu0}
