@@ -6,6 +6,7 @@
 # the base and the current tree alternately, ROUNDS times (each run its own torchrun), and
 # prints per config the median, min and max step time of each and the ratio of medians
 # (benchmarks/ab_summary.py). Raw JSON: $OUT/ab/{base,new}_<round>/results.json.
+# EXTRA_ARGS: more bench_train arguments for both sides (e.g. --meta-init for 13b).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mfsdp_out}
@@ -28,7 +29,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     echo "== $side round $round ($(date +%T))"
     (cd "$tree" && PYTHONPATH="$tree/src" timeout "${RUN_TIMEOUT:-150}" $PY -m torch.distributed.run \
       --nproc_per_node="$NPROC" benchmarks/bench_train.py --configs "${CONFIGS:-small_many,1b_comm_bound,1b}" \
-      --systems "${SYSTEMS:-mfsdp}" --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --out "$AB/${side}_$round" \
+      --systems "${SYSTEMS:-mfsdp}" --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" --out "$AB/${side}_$round" ${EXTRA_ARGS:-} \
       > "$AB/${side}_$round.log" 2>&1) || { echo "$side round $round failed"; tail -20 "$AB/${side}_$round.log"; status=1; }
   done
 done
