@@ -183,6 +183,33 @@ def _units_to_gather(states) -> list:
     return [s.unit for s in states if s.unit is not None]
 
 
+def _tensors_in(obj) -> list:
+    """Every tensor in a forward output: in pytree's containers, and in dataclasses (a plain
+    @dataclass output, Hugging Face's ModelOutput) that pytree does not look into."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for field in dataclasses.fields(x):
+                visit(getattr(x, field.name))
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for v in x:
+                visit(v)
+        else:
+            leaves = tree_flatten(x)[0]
+            if not (len(leaves) == 1 and leaves[0] is x):
+                for v in leaves:
+                    visit(v)
+
+    visit(obj)
+    return found
+
+
 # Arguments that are never containers: a call whose positional arguments are all tensors
 # or these (and no keyword arguments) needs no pytree walk.
 _SCALAR_TYPES = (int, float, bool, str, type(None))
@@ -223,6 +250,8 @@ class FSDPState:
         self.grad_types: list = []
         self.plain_types: list = []
         self.backward_progress = BackwardProgress.NONE
+        # Gathered again after its reduction in this backward (_gather_again_for_backward).
+        self.reduce_again = False
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0
@@ -490,8 +519,8 @@ class FSDPState:
                 s.release()
         output = self._cast_output(output)
         if grad_enabled:
-            for t in ((output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in ((output,) if isinstance(output, torch.Tensor) else _tensors_in(output)):
+                if t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output
 
@@ -509,6 +538,9 @@ class FSDPState:
 
     @profiled("pre_backward")
     def pre_backward(self) -> None:
+        if self.backward_progress is BackwardProgress.REDUCED:
+            self._gather_again_for_backward()
+            return
         if self.backward_progress is not BackwardProgress.NONE:
             return
         self.backward_progress = BackwardProgress.GATHERED
@@ -518,6 +550,18 @@ class FSDPState:
             self._adopt_replaced(self.slots.use(_units_to_gather([self] + targets), bucketed), unsharded=True)
         else:
             _C.Unit.unshard_all(_units_to_gather(targets), bucketed)
+
+    def _gather_again_for_backward(self) -> None:
+        """The backward of one more call of this unit starts after the unit was reduced: a
+        call whose inputs needed no gradient (no post-backward marker: a tied embedding's
+        lookup on token ids, a shared layer applied to the raw input) or an output consumed
+        late. Gather for it (its backward may read the weights) and reduce again at the end
+        of backward: what it adds lands on top of the reduced gradients."""
+        self.backward_progress = BackwardProgress.GATHERED
+        self.reduce_again = True
+        self.ctx.queue_final_callback()
+        if self.options.unshard_in_backward:
+            self._adopt_replaced(self.slots.use(_units_to_gather([self]), False), unsharded=True)
 
     def post_backward_of_one_call(self) -> None:
         """The backward of one forward call is done; reduce once all of them are."""
@@ -537,8 +581,9 @@ class FSDPState:
             return
         if self.tp is not None:
             self.tp.move_grads(self.unit)
-        # Without sync the gradients only accumulate locally: nothing to bucket.
-        if not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
+        # Without sync the gradients only accumulate locally: nothing to bucket. A second
+        # reduction in one backward goes alone (its bucket, if any, has moved on).
+        if self.reduce_again or not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
@@ -580,4 +625,5 @@ class FSDPState:
 
     def end_backward(self) -> None:
         self.backward_progress = BackwardProgress.NONE
+        self.reduce_again = False
         self._pending_backward_calls = 0

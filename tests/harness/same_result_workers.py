@@ -1,0 +1,142 @@
+"""Workers of tests/distributed/test_same_result.py: scripts that FSDP2 and one plain
+process train alike, where our units once gave silently different gradients (issue 41's
+probe findings), each compared step by step with one plain process on the whole batch."""
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.param_index import owner_of
+
+D = 16
+
+
+def _full_grad(p):
+    """The full gradient of one of our sharded parameters (a collective over its unit)."""
+    state, i = owner_of(p)
+    pieces = [None] * len(state.sharded_params)
+    pieces[i] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return state.unit.gather_full(pieces, torch.float32)[i]
+
+
+def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float = 0.05):
+    """Trains model_fn() sharded by shard_fn and plain on the whole batch (the mean of the
+    ranks' losses); returns the worst relative error of the gradients (every parameter,
+    every step) and of the losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = model_fn()
+    model = shard_fn(copy.deepcopy(plain))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=lr)
+    names = [n for n, _ in plain.named_parameters()]
+    worst = {"grad": 0.0, "loss": 0.0}
+    for step in range(steps):
+        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))
+        ref_loss = sum(loss_fn(plain, batch[r]) for r in range(world)) / world
+        ref_loss.backward()
+        loss = loss_fn(model, batch[rank])
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst["loss"] = max(worst["loss"], abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        for name, p, q in zip(names, model.parameters(), plain.parameters()):
+            assert q.grad is not None, name
+            g = _full_grad(p)
+            err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
+            worst["grad"] = max(worst["grad"], err)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return worst
+
+
+class SharedOnRawInput(nn.Module):
+    """One Linear applied to the raw input (no gradient needed there) and again to the
+    hidden state: the first call's backward runs after the second call's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(D, D)
+        self.mid = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.mid(self.shared(x))))
+
+
+class TiedEmbedding(nn.Module):
+    """A tied embedding and head in one unit of several modules (fully_shard([embed, norm,
+    head])): the lookup on token ids needs no input gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, D)
+        self.body = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm(torch.relu(self.body(self.embed(tokens)))))
+
+
+@dataclass
+class BlockOutput:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        return BlockOutput(hidden=h, aux=h.pow(2).mean())
+
+
+class DataclassModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(D, D)  # the block's input needs a gradient: its backward reads its weight
+        self.block = DataclassBlock()
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        out = self.block(self.pre(x))
+        return self.head(out.hidden).pow(2).mean() + out.aux
+
+
+def shared_on_raw_input(rank, world):
+    def shard(m):
+        mfsdp.fully_shard(m.shared)
+        mfsdp.fully_shard(m.mid)
+        return mfsdp.fully_shard(m)
+    return train_against_plain(SharedOnRawInput, shard, lambda m, x: m(x).pow(2).mean())
+
+
+def tied_embedding(rank, world, buckets: int):
+    def shard(m):
+        mfsdp.fully_shard(m.body)
+        mfsdp.fully_shard([m.embed, m.norm, m.head])
+        return mfsdp.fully_shard(m, reduce_bucket_bytes=buckets)
+
+    def loss(m, x):
+        tokens = (x.abs() * 7).long().clamp_max(31)[:, :3]
+        return m(tokens).float().logsumexp(-1).mean()
+    return train_against_plain(TiedEmbedding, shard, loss)
+
+
+def dataclass_output(rank, world):
+    def shard(m):  # no prefetch: the block's own pre-backward must gather it
+        mfsdp.fully_shard(m.block)
+        return mfsdp.fully_shard(m, prefetch_depth=0)
+    return train_against_plain(DataclassModel, shard, lambda m, x: m(x))
