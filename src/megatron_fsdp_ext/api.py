@@ -68,6 +68,14 @@ class FSDPModule(torch_fsdp.FSDPModule):
         """What torch's code reads as FSDP2's state: a view of our unit (fsdp2_view.py)."""
         return self._fsdp_state.fsdp2_view
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's, after waiting for the units' overlapped optimizer updates
+        (CPUAdamW(overlap_step=True)), which still read the gradients it would zero."""
+        for state in self._states(True):
+            if state.unit is not None:
+                state.unit.wait_host_update()
+        super().zero_grad(set_to_none=set_to_none)
+
     def _apply(self, *args, **kwargs):
         # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's own.
         return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)

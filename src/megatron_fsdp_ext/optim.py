@@ -156,6 +156,23 @@ class CPUAdamW(_CPUOptimizer):
                                       maximize=bool(maximize), foreach=None, capturable=False, differentiable=False,
                                       fused=None, decoupled_weight_decay=self._decoupled))
 
+    def __getstate__(self):
+        # copy.deepcopy and torch.save: the hyper-parameters and state (torch's), not the
+        # background thread or the updates in flight (waited for first).
+        self.synchronize()
+        state = super().__getstate__()
+        state.pop("_pending", None)
+        state.pop("_queue", None)
+        state["overlap_step"] = self.overlap_step
+        return state
+
+    def __setstate__(self, state) -> None:
+        state = dict(state)
+        self.overlap_step = bool(state.pop("overlap_step", False))
+        self._pending = []
+        self._queue = _C.HostTaskQueue() if self.overlap_step else None
+        super().__setstate__(state)
+
     def synchronize(self) -> None:
         """Wait until the last step's overlapped updates are done (a no-op without overlap_step)."""
         pending, self._pending = self._pending, []

@@ -371,27 +371,34 @@ def overlapped_step_contract(rank: int, world: int, opts: Dict) -> None:
     tokens = torch.randint(0, CFG.vocab_size, (2 * world, 8), generator=g).to(device)
     rows = slice(2 * rank, 2 * rank + 2)
     results, losses = {}, {}
-    for overlap in (False, True):
+    # (overlapped, zeroed in place by nn.Module.zero_grad while the update may still read them)
+    runs = ((False, False), (True, False), (True, True))
+    for run in runs:
+        overlap, module_zero = run
         model = offloaded_model()
         opt = CPUAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_step=overlap)
         # Every update starts 30 ms late: a gather that did not wait would see the old shard.
         _C.set_host_task_delay_ms(30 if overlap else 0)
         try:
-            losses[overlap] = []
+            losses[run] = []
             for _ in range(3):
-                losses[overlap].append(_step(model, tokens, tokens, rows).item())
+                losses[run].append(_step(model, tokens, tokens, rows).item())
                 opt.step()
-                opt.zero_grad(set_to_none=True)  # drops references only: does not wait
+                if module_zero:  # writes the gradients the update reads: must wait for it
+                    model.zero_grad(set_to_none=False)
+                else:
+                    opt.zero_grad(set_to_none=True)  # drops references only: does not wait
         finally:
             _C.set_host_task_delay_ms(0)
         if overlap:
             assert opt._pending, "no update was handed to the background thread"
             opt.synchronize()
             assert not opt._pending and not any(s.unit.host_update_pending for s in iter_states(model))
-        results[overlap] = [p.detach().clone() for p in model.parameters()]
-    assert losses[False] == losses[True], losses
-    for a, b in zip(results[False], results[True]):
-        assert torch.equal(a, b), "the overlapped step differs from the synchronous one"
+        results[run] = [p.detach().clone() for p in model.parameters()]
+    for run in runs[1:]:
+        assert losses[runs[0]] == losses[run], losses
+        for a, b in zip(results[runs[0]], results[run]):
+            assert torch.equal(a, b), f"the overlapped step {run} differs from the synchronous one"
     # A failing update: exp_avg of the wrong size (a corrupted state), raised at the next gather.
     model = offloaded_model()
     opt = CPUAdamW(model.parameters(), lr=1e-3, overlap_step=True)

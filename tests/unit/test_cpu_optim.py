@@ -180,3 +180,35 @@ def test_no_grad_params_are_skipped():
     opt = optim.CPUAdamW(ps)
     opt.step()
     assert torch.equal(ps[1].detach(), before) and ps[1] not in opt.state
+
+
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_a_copied_or_reloaded_optimizer_steps_as_the_original(overlap_step):
+    """copy.deepcopy and torch.save/torch.load keep torch's hyper-parameters and state and
+    the overlap setting, and the copy steps (the background queue is built anew)."""
+    import copy
+    import io
+
+    from megatron_fsdp_ext.optim import CPUAdamW
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    p.grad = torch.randn(300)
+    opt = CPUAdamW([p], lr=0.1, weight_decay=0.1, overlap_step=overlap_step)
+    opt.step()
+    opt.synchronize()
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(opt), torch.load(buf, weights_only=False)]
+    grad = torch.randn(300)
+    p.grad = grad.clone()
+    opt.step()
+    opt.synchronize()
+    for other in copies:
+        assert other.overlap_step == overlap_step
+        q = other.param_groups[0]["params"][0]
+        q.grad = grad.clone()
+        other.step()
+        other.synchronize()
+        assert torch.equal(q, p), "the copy stepped differently"
