@@ -67,11 +67,10 @@ class ShardedGrad(torch.Tensor):
         return _plain_call(func, args, kwargs)
 
 
-class PartialNorm(torch.Tensor):
-    """A local norm (0-dim) of sharded gradients: `domain` and `ord` say how it combines."""
-
-    domain: Optional[ReductionDomain] = None
-    ord: float = 2.0
+class _NormValue(torch.Tensor):
+    """A local norm of sharded gradients, or a vector of them: reduced only by
+    `vector_norm`; moved or cast it stays what it is; reading what it is needs no
+    reduction; any other use reduces it to its global value first."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -82,33 +81,30 @@ class PartialNorm(torch.Tensor):
         if func in _METADATA:
             return _plain_call(func, args, kwargs)
         if func in _KEEPS_NORM:  # .to(device), .float(), ...: the same local norm elsewhere
-            out = _plain_call(func, args, kwargs)
-            out.__class__ = type(args[0])
-            return out
+            return args[0]._same_kind(_plain_call(func, args, kwargs))
         args, kwargs = _resolve_partials((args, kwargs))
         return _plain_call(func, args, kwargs)
 
 
-class PartialNormVector(torch.Tensor):
+class PartialNorm(_NormValue):
+    """A local norm (0-dim) of sharded gradients: `domain` and `ord` say how it combines."""
+
+    domain: Optional[ReductionDomain] = None
+    ord: float = 2.0
+
+    def _same_kind(self, out: torch.Tensor) -> torch.Tensor:
+        out.__class__ = type(self)
+        return out
+
+
+class PartialNormVector(_NormValue):
     """torch.stack of norms: element i is a local norm of `keys[i]` (domain, ord), or a
     plain (global) value where keys[i] is None."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            return handler(*args, **kwargs)
-        if func in _METADATA:
-            return _plain_call(func, args, kwargs)
-        if func in _KEEPS_NORM:
-            keys = args[0]._mfsdp_keys
-            out = _plain_call(func, args, kwargs)
-            out.__class__ = PartialNormVector
-            out._mfsdp_keys = keys
-            return out
-        args, kwargs = _resolve_partials((args, kwargs))
-        return _plain_call(func, args, kwargs)
+    def _same_kind(self, out: torch.Tensor) -> torch.Tensor:
+        out.__class__ = PartialNormVector
+        out._mfsdp_keys = self._mfsdp_keys
+        return out
 
 
 def _plain_call(func, args, kwargs):

@@ -15,17 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.states import SlotsHold
 from harness import run_distributed
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 4))
-
-
-def _shard(model, **kwargs):
-    mfsdp.fully_shard(model[0], **kwargs)
-    mfsdp.fully_shard(model[2], **kwargs)
-    return mfsdp.fully_shard(model, **kwargs)
+from harness.drop_in_workers import mlp as _model, shard_mlp as _shard
 
 
 def _train(model, steps=3):

@@ -15,19 +15,21 @@ from megatron_fsdp_ext.grad_norm import ShardedGrad
 from .workers import device_for_backend
 
 
-def _model():
+def mlp():
+    """A three-layer MLP, the same on every rank (test_fsdp2_api.py uses it too)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 4))
 
 
-def _shard(model, **kwargs):
+def shard_mlp(model, **kwargs):
+    """Our fully_shard on each Linear with weights, then the root."""
     mfsdp.fully_shard(model[0], **kwargs)
     mfsdp.fully_shard(model[2], **kwargs)
     return mfsdp.fully_shard(model, **kwargs)
 
 
 def identity(rank, world):
-    model = _shard(_model())
+    model = shard_mlp(mlp())
     for m in (model, model[0], model[2]):
         assert isinstance(m, torch_fsdp.FSDPModule) and isinstance(m, mfsdp.FSDPModule)
     assert isinstance(model[0], nn.Linear) and isinstance(model, nn.Sequential)
@@ -49,8 +51,8 @@ def identity(rank, world):
         def score(self, x):
             return self(x).sum(dim=-1)
 
-    ref = _model()
-    scorer = Scorer(*_model())
+    ref = mlp()
+    scorer = Scorer(*mlp())
     mfsdp.fully_shard(scorer[0])
     mfsdp.fully_shard(scorer)
     torch_fsdp.register_fsdp_forward_method(scorer, "score")
@@ -78,7 +80,7 @@ def identity(rank, world):
 
 
 def reset_iter_state(rank, world):
-    model, ref = _shard(_model()), _shard(_model())
+    model, ref = shard_mlp(mlp()), shard_mlp(mlp())
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
 
     def explode(grad):
@@ -116,7 +118,7 @@ def _tp_model(tp_mesh, device):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model().to(device)
+    model = mlp().to(device)
     if tp_mesh is not None:  # every parameter on the tp mesh: FSDP2's norm cannot stack mixed meshes
         parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
                                             "4": ColwiseParallel(output_layouts=Replicate())})
@@ -202,8 +204,8 @@ def megatron_1f1b(rank, world, strategy):
 
     micro_batches, per = 4, 2
     device = device_for_backend()
-    ref = _model().to(device)
-    model = mfsdp.fully_shard_model(_model().to(device), mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy),
+    ref = mlp().to(device)
+    model = mfsdp.fully_shard_model(mlp().to(device), mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy),
                                     fsdp_unit_modules=[nn.Linear])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
