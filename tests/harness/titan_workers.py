@@ -32,7 +32,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.param_index import iter_states
 
 from .tp_workers import full_of_ours, placements_of, plain_name
-from .workers import device_for_backend, rel_err
+from .workers import device_for_backend, rel_err, shard_piece
 
 _TRITON_KERNELS = [
     "copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
@@ -717,3 +717,179 @@ def titan_checkpoint_interchange(rank: int, world: int, parallelism: Dict, folde
                                                      "of FSDP2 resumed from our checkpoint")
     return {"worst": worst, "rows": rows, "resumed": {k: v["rows"] for k, v in resumed.items()},
             "cpu_s": time.process_time() - cpu0}
+
+
+# ------------------------------------------------------------------ torchtitan's pipeline parallel
+#
+# torchtitan's PP path as Trainer.__init__ takes it when pipeline_parallel_degree > 1: its
+# model_spec.pipelining_fn (pipeline_llm: its stage split by _pipeline_module_split into
+# torch PipelineStages, its parallelize_llama on each stage's model part, here with
+# `impl`'s fully_shard, and _build_pipeline_schedule), then Trainer.train_step unchanged:
+# pp_forward_backward_step driving the schedule (which calls each stage's FSDPModule
+# hooks: set_requires_gradient_sync, set_is_last_backward, set_reshard_after_backward and
+# its post_backward on the state's _fsdp_param_groups), the loss normalized by the global
+# token count, clip_grad_norm_ with pp_mesh (the norm all-reduced over the stages), its
+# optimizers and LR scheduler over model_parts.
+
+def _microbatch_step_shim(schedule) -> bool:
+    """torchtitan 0.3.0's pp_forward_backward_step calls
+    `pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...,
+    return_outputs=False)`: already split micro-batches, a step API this torch's schedules
+    lack (their step(*args, target=, losses=, return_outputs=, loss_kwargs=, **kwargs) splits
+    a whole batch and would take arg_mbs & co. for model kwargs: "ValueError: Expecting 2
+    arg_mbs but got 1"). Routes such a call to the schedule's own _step_microbatches, after
+    the per-step stage setup its step does (has_backward, clear_runtime_states); the same
+    for FSDP2 and ours. Returns whether the shim was needed."""
+    import inspect
+
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        return False
+    whole_batch_step = schedule.step
+
+    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+             loss_kwargs=None, **kwargs):
+        if args or kwargs or (arg_mbs is None and kwarg_mbs is None and target_mbs is None):
+            return whole_batch_step(*args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                    **kwargs)
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                    loss_kwargs=loss_kwargs)
+        return None
+
+    schedule.step = step
+    return True
+
+
+def _titan_pp_trainer(cfg, dims, impl: str):
+    """A torchtitan Trainer for train_step with pipeline parallelism, built as
+    Trainer.__init__ builds it (its PP branch). Not done here: Trainer.__init__'s
+    to_empty + init_weights of each part (it builds on the meta device); the parts keep
+    the seeded weights of _built_model, the same under both systems."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.config, t.parallel_dims, t.device = cfg, dims, device_for_backend()
+    dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
+    spec = cfg.model_spec
+    model = _built_model(cfg)
+    t.model_config = spec.model
+    t.loss_fn = cfg.loss.build(compile_config=cfg.compile)
+    with _fully_shard_in_torchtitan(impl):
+        t.pp_schedule, t.model_parts, t.pp_has_first_stage, t.pp_has_last_stage = spec.pipelining_fn(
+            model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
+            compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder,
+            device=t.device, model_config=spec.model, parallelize_fn=spec.parallelize_fn, loss_fn=t.loss_fn)
+    del model
+    t.pp_step_shimmed = _microbatch_step_shim(t.pp_schedule)
+    for m in t.model_parts:
+        m.train()
+        if impl == "fsdp2" and dist.get_backend() == "gloo":  # as in _titan_trainer
+            for fm in _fsdp_modules(m).values():
+                fm.set_force_sum_reduction_for_comms(True)
+    batch_mesh = dims.get_mesh("batch")
+    batch_degree, batch_rank = batch_mesh.size(), batch_mesh.get_local_rank()
+    micro = cfg.parallelism.pipeline_parallel_microbatch_size
+    t.gradient_accumulation_steps = cfg.training.global_batch_size // (cfg.training.local_batch_size * batch_degree)
+    t.num_pipeline_parallel_microbatches = cfg.training.local_batch_size // micro
+    t.optimizers = cfg.optimizer.build(model_parts=t.model_parts)
+    t.lr_schedulers = cfg.lr_scheduler.build(optimizers=t.optimizers, training_steps=cfg.training.steps)
+    t.metrics_processor = _StepLog()
+    t.step, t.ntokens_seen = 0, 0
+    # Trainer.__init__'s dataloader under PP yields micro-batches (pipeline_parallel_microbatch_size
+    # rows); train_step takes num_pipeline_parallel_microbatches of them per accumulation step.
+    t.dataloader = _StepData(micro, t.gradient_accumulation_steps * t.num_pipeline_parallel_microbatches,
+                             batch_degree, batch_rank)
+    t.checkpointer = CheckpointManager.Config().build(
+        dataloader=t.dataloader, model_parts=t.model_parts, optimizers=t.optimizers,
+        lr_schedulers=t.lr_schedulers, states={"train_state": t}, sd_adapter=None, base_folder=cfg.dump_folder)
+    t.train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=False)
+    return t
+
+
+def _local_params(t, impl: str) -> Dict[str, torch.Tensor]:
+    """{name: this rank's piece of the flattened parameter} for the parts this rank holds,
+    as (offset, values): ours' 1-D shard pieces at their offsets; FSDP2's full_tensor
+    (collective over the stage's dp group) flattened whole, offset 0."""
+    out = {}
+    for i, m in enumerate(t.model_parts):
+        for n, p in m.named_parameters():
+            if impl == "fsdp2":
+                out[plain_name(n)] = (0, p.full_tensor().detach().reshape(-1).double().cpu())
+            else:
+                piece = shard_piece(p)[2]
+                out[plain_name(n)] = (piece.param_offset, p.detach().reshape(-1).double().cpu())
+    return out
+
+
+def titan_pp_vs_fsdp2(rank: int, world: int, pp: int = 2, schedule: str = "1F1B", steps: int = 3,
+                      max_norm: float = 0.25, loss: str = "ce", ac: bool = False, local_bs: int = 2,
+                      accum: int = 1, tol: float = 1e-5) -> Dict:
+    """torchtitan's pipeline parallel (pipeline_llm, `schedule`, pp stages) x FSDP
+    (dp_shard = world // pp) on its debugmodel job, FSDP2 and ours (the fully_shard swap)
+    side by side, through its Trainer.train_step: per step the global loss and max local
+    loss (as logged on the last stage's ranks), the grad norm of clip_grad_norm_ with
+    pp_mesh (clipping active), and at the end every parameter, within `tol` relative."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    parallelism = {"pipeline_parallel_degree": pp, "data_parallel_shard_degree": world // pp,
+                   "pipeline_parallel_schedule": schedule, "pipeline_parallel_microbatch_size": 1}
+    dims, cfg = _setup(world, parallelism, steps=steps, max_norm=max_norm, local_bs=local_bs, accum=accum,
+                       loss=loss, ac=ac)
+    pp_mesh = dims.get_mesh("pp")
+    pp_rank = pp_mesh.get_local_rank()
+    init = {plain_name(n): p.detach().double().cpu() for n, p in _built_model(cfg).named_parameters()}
+    runs = {impl: _titan_pp_trainer(cfg, dims, impl) for impl in ("fsdp2", "ours")}
+    for impl, t in runs.items():
+        stages = getattr(t.pp_schedule, "_stages", None) or [t.pp_schedule._stage]
+        assert all(s.submod is m for s, m in zip(stages, t.model_parts)), f"{impl}: stage modules are not the parts"
+    units = sum(check_titan_reached_ours(o, f) for o, f in zip(runs["ours"].model_parts, runs["fsdp2"].model_parts))
+    names = sorted(plain_name(n) for m in runs["ours"].model_parts for n, _ in m.named_parameters())
+    rows = {impl: [] for impl in runs}
+    for _ in range(steps):
+        for impl in ("fsdp2", "ours"):
+            rows[impl] += _train(runs[impl], 1)
+    # Every rank's rows; train_step's loss is meaningful on the last stage's ranks only
+    # (the others log the placeholder -1 its pp_forward_backward_step returns there).
+    every = [None] * world
+    dist.all_gather_object(every, (pp_rank, rows, names))
+    last = [r for p, r, _ in every if p == pp - 1]
+    worst: Dict[str, float] = {}
+    for other in last[1:]:
+        for impl in runs:
+            for a, b in zip(other[impl], last[0][impl]):
+                _compare_rows(a, b, a["step"], 0.0, {}, f"{impl}: last-stage ranks disagree")
+    for p, r, _ in every:  # the norm clip_grad_norm_ returns is global over pp: every rank's
+        for impl in runs:
+            for a, b in zip(r[impl], last[0][impl]):
+                e = _rel(a["grad_norm"], b["grad_norm"])
+                assert e <= 1e-6, f"{impl}: pp rank {p} grad norm {a['grad_norm']} vs last stage {b['grad_norm']}"
+    got_rows, ref_rows = last[0]["ours"], last[0]["fsdp2"]
+    for got, ref in zip(got_rows, ref_rows):
+        _compare_rows(got, ref, got["step"], tol, worst)
+    clipped = sum(r["grad_norm"] > max_norm for r in ref_rows)
+    assert clipped == steps, f"clipping active on {clipped} of {steps} steps only (max_norm {max_norm})"
+    assert all(2.0 < r["loss"] < 20.0 for r in ref_rows), f"implausible losses {[r['loss'] for r in ref_rows]}"
+    # Parameters: each rank's piece of ours against the same range of FSDP2's full tensor.
+    mine, theirs = _local_params(runs["ours"], "ours"), _local_params(runs["fsdp2"], "fsdp2")
+    assert sorted(mine) == sorted(theirs), f"parameter names: ours {sorted(mine)} vs FSDP2 {sorted(theirs)}"
+    param_err, moved = 0.0, 0.0
+    for n, (offset, piece) in mine.items():
+        ref = theirs[n][1][offset: offset + piece.numel()]
+        param_err = max(param_err, rel_err(piece, ref) if piece.numel() else 0.0)
+        moved = max(moved, rel_err(theirs[n][1], init[n].reshape(-1)))
+    errs = [None] * world
+    dist.all_gather_object(errs, (param_err, moved))
+    worst["param"] = max(e for e, _ in errs)
+    moved = min(m for _, m in errs)
+    assert worst["param"] <= tol, f"parameters after {steps} steps: ours vs FSDP2 rel err {worst['param']:.2e}"
+    assert moved > 1e-3, f"parameters moved by {moved:.2e} only"
+    covered = sorted({n for _, _, ns in every for n in ns})
+    assert covered == sorted(init), f"stages hold {covered}, the model {sorted(init)}"
+    return {"worst": worst, "curves": {"fsdp2": ref_rows, "ours": got_rows}, "units": units,
+            "schedule": type(runs["ours"].pp_schedule).__name__, "step_shim": runs["ours"].pp_step_shimmed,
+            "stage_names": {p: ns for p, _, ns in every}, "moved": moved,
+            "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
