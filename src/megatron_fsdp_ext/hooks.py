@@ -453,7 +453,7 @@ class FSDPState:
         if not outermost:
             return output
         self.method_active = False
-        needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+        needs_backward = any(t.requires_grad for t in _tensors_in(output))
         with torch.set_grad_enabled(needs_backward):
             return self._post_forward(module, args, output)
 
