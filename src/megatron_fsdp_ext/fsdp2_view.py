@@ -68,7 +68,7 @@ class ParamGroupView(_Unsupported):
         # Some torch versions call no final callback after the groups' post_backward: the
         # last unit's completes the step (waits, finishes the gradients); a final callback
         # after it finds nothing left to do.
-        if state is [s for s in state.ctx.states if s.unit is not None][-1]:
+        if state is state.ctx.last_reducing:
             state.ctx.finish_gradient_sync()
 
     def lazy_init(self) -> None:

@@ -63,6 +63,9 @@ class RootContext:
         # Units of several modules (fully_shard([...])): the root resets their bookkeeping
         # of which members ran at the start of every forward.
         self.group_states = [s for s in states if len(s._module_refs) > 1]
+        # The last unit with parameters: torch's pipelining reduces in this order, and its
+        # post_backward completes the step (fsdp2_view).
+        self.last_reducing = next((s for s in reversed(states) if s.unit is not None), None)
         self.device = device
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
