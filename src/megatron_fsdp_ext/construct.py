@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from . import _C, backends, fp8, tensor_parallel
 from .options import FLOAT_DTYPES, as_timeout
+from .sharded_param import ShardedParameter
 
 def groups_from_mesh(mesh, process_group):
     """(shard group, replicate group or None) from fully_shard's mesh/process_group.
@@ -358,7 +359,7 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     locals_ = unit.unsharded_views()
     mx_scales = unit.mx_scale_views() if unit.mx_block else None
     for i, (p, sview, uview) in enumerate(zip(params, unit.sharded_views(), locals_)):
-        s = nn.Parameter(sview, requires_grad=p.requires_grad)
+        s = ShardedParameter(sview, requires_grad=p.requires_grad)
         if tp is not None and i in tp.specs:
             u = tp.wrap(i, uview, p.requires_grad)
         elif fp8_weights[i] is not None:

@@ -2,6 +2,7 @@
 units once gave silently different gradients or crashed (issue 41's probe), each compared
 step by step with one plain process on the whole batch (gradients of every parameter)."""
 import pytest
+import torch
 
 from harness import run_distributed
 from harness import same_result_workers as w
@@ -28,3 +29,26 @@ def test_unit_returning_a_dataclass():
     hook (the unit is gathered for backward), as FSDP2 finds them."""
     worst = run_distributed(w.dataclass_output, 2, timeout=120)[0]
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
+@pytest.mark.parametrize("strategy,param_dtype,offload", [
+    ("optim_grads_params", None, "none"),
+    ("optim_grads", None, "none"),
+    ("optim", None, "none"),
+    ("no_shard", None, "none"),
+    ("optim_grads_params", torch.bfloat16, "none"),
+    ("optim_grads", torch.bfloat16, "none"),
+    ("optim", torch.bfloat16, "none"),
+    ("no_shard", torch.bfloat16, "none"),
+    ("optim_grads_params", torch.bfloat16, "torch_sgd"),
+    ("optim_grads_params", torch.bfloat16, "cpu_adamw"),
+    ("optim_grads_params", torch.bfloat16, "cpu_adamw_overlapped"),
+    ("optim_grads_params", None, "cpu_adamw"),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_writes_through_data_after_the_step_are_seen_like_fsdp2(strategy, param_dtype, offload):
+    """A clamp, a manual EMA and a reset through `p.data` after each step (no version
+    counter moves): the next forward must use the written values on every strategy (the
+    kept gathered or cast copies), under offload (the bf16 host copy the CPU optimizer
+    wrote) and with the overlapped CPU step, as FSDP2 (same mixed precision) does."""
+    worst = run_distributed(w.data_writes_after_step, 2, strategy, param_dtype, offload, timeout=120)[0]
+    assert max(worst.values()) < 1e-5, worst

@@ -390,6 +390,13 @@ def float8_gather_scales(rank: int, world: int) -> None:
     model.up.unshard()
     assert not units["up"].fp8_scales_stale
     model.up.reshard()
+    # A write through .data moves no version counter: handing .data out marks the shard
+    # changed, so the scales follow it (a stale scale overflows or underflows the FP8 gather).
+    for p in model.parameters():
+        p.data.mul_(4.0)
+    assert all(u.fp8_scales_stale for u in units.values())
+    model(x).float().square().mean().backward()
+    check_scales("forward after writes through .data")
 
 
 class _GatherExtension(torch.Tensor):

@@ -140,3 +140,91 @@ def dataclass_output(rank, world):
         mfsdp.fully_shard(m.block)
         return mfsdp.fully_shard(m, prefetch_depth=0)
     return train_against_plain(DataclassModel, shard, lambda m, x: m(x))
+
+
+# ---------------------------------------------------------------- writes through .data
+
+def _post_step_write(step: int, name: str, p: torch.Tensor) -> None:
+    """What scripts do to parameters between steps, all through `.data` (which moves no
+    version counter): a clamp, a manual EMA, a reset."""
+    if step == 0:
+        p.data.clamp_(-0.08, 0.08)
+    elif step == 1:
+        p.data.mul_(0.9).add_(0.01)
+    elif name.endswith("bias"):
+        p.data.zero_()
+    else:
+        p.data.clamp_(-0.05, 0.05)
+
+
+def _write_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), nn.Linear(D, D))
+
+
+def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str):
+    """Trains the same script under our fully_shard(strategy, param_dtype, offload) and
+    under FSDP2 with the same mixed precision (no offload): after every optimizer step,
+    each rank writes its parameters through `.data`. Returns the worst relative error of
+    the losses, of the last step's full gradients and of the final parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from megatron_fsdp_ext.optim import CPUAdamW
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plain = _write_model()
+    ref = copy.deepcopy(plain)
+    ours = copy.deepcopy(plain)
+    reduce_dtype = torch.float32 if param_dtype is not None else None
+    keeps = strategy != "optim_grads_params"
+    kw = dict(sharding_strategy=strategy, reshard_after_forward=not keeps,
+              mp_policy=mfsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    if offload != "none":
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in (ours[0], ours[2], ours[4]):
+        mfsdp.fully_shard(layer, **kw)
+    mfsdp.fully_shard(ours, **kw)
+    tmp = TorchMP(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # FSDP2 gathers from the shards at every forward: the reference for every strategy.
+    for layer in (ref[0], ref[2], ref[4]):
+        torch_fully_shard(layer, mp_policy=tmp)
+    torch_fully_shard(ref, mp_policy=tmp)
+    if offload == "cpu_adamw":
+        opt = CPUAdamW(ours.parameters(), lr=0.02)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, foreach=False)
+    elif offload == "cpu_adamw_overlapped":
+        opt = CPUAdamW(ours.parameters(), lr=0.02, overlap_step=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, foreach=False)
+    else:
+        opt = torch.optim.SGD(ours.parameters(), lr=0.2)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    steps = 4
+    for step in range(steps):
+        x = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))[rank]
+        losses = []
+        for model in (ours, ref):
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item())
+        worst["loss"] = max(worst["loss"], abs(losses[0] - losses[1]) / abs(losses[1]))
+        if step == steps - 1:
+            for p, q in zip(ours.parameters(), ref.parameters()):
+                g, want = _full_grad(p), q.grad.full_tensor().flatten().float()
+                worst["grad"] = max(worst["grad"], ((g.flatten() - want).norm() / want.norm()).item())
+            break
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for model in (ours, ref):
+            with torch.no_grad():  # an evaluation: units that keep their gathered copy keep this one
+                model(x)
+            for name, p in model.named_parameters():
+                _post_step_write(step, name, p)
+    full = mfsdp.full_state_dict(ours, rank0_only=False)
+    for name, q in ref.named_parameters():
+        want = q.full_tensor().float()
+        worst["param"] = max(worst["param"], ((full[name].float() - want).norm() / want.norm()).item())
+    return worst
