@@ -11,6 +11,8 @@ import torch.nn as nn
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.param_index import owner_of
 
+from .workers import device_for_backend
+
 D = 16
 
 
@@ -27,14 +29,15 @@ def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float =
     ranks' losses); returns the worst relative error of the gradients (every parameter,
     every step) and of the losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    plain = model_fn()
+    device = device_for_backend()
+    plain = model_fn().to(device)
     model = shard_fn(copy.deepcopy(plain))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=lr)
     names = [n for n, _ in plain.named_parameters()]
     worst = {"grad": 0.0, "loss": 0.0}
     for step in range(steps):
-        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))
+        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step)).to(device)
         ref_loss = sum(loss_fn(plain, batch[r]) for r in range(world)) / world
         ref_loss.backward()
         loss = loss_fn(model, batch[rank])
@@ -45,7 +48,7 @@ def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float =
         for name, p, q in zip(names, model.parameters(), plain.parameters()):
             assert q.grad is not None, name
             g = _full_grad(p)
-            err = ((g - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            err = ((g.to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
             assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
             worst["grad"] = max(worst["grad"], err)
         opt.step()
@@ -172,9 +175,11 @@ def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str
     from megatron_fsdp_ext.optim import CPUAdamW
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    device = device_for_backend()
     plain = _write_model()
-    ref = copy.deepcopy(plain)
-    ours = copy.deepcopy(plain)
+    ref = copy.deepcopy(plain).to(device)
+    # Offloaded units are sharded from the CPU (their shards stay there); others on the device.
+    ours = copy.deepcopy(plain) if offload != "none" else copy.deepcopy(plain).to(device)
     reduce_dtype = torch.float32 if param_dtype is not None else None
     keeps = strategy != "optim_grads_params"
     kw = dict(sharding_strategy=strategy, reshard_after_forward=not keeps,
@@ -201,7 +206,7 @@ def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     steps = 4
     for step in range(steps):
-        x = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))[rank]
+        x = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))[rank].to(device)
         losses = []
         for model in (ours, ref):
             loss = model(x).float().pow(2).mean()
@@ -212,7 +217,7 @@ def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str
         worst["loss"] = max(worst["loss"], abs(losses[0] - losses[1]) / abs(losses[1]))
         if step == steps - 1:
             for p, q in zip(ours.parameters(), ref.parameters()):
-                g, want = _full_grad(p), q.grad.full_tensor().flatten().float()
+                g, want = _full_grad(p).cpu(), q.grad.full_tensor().flatten().float().cpu()
                 worst["grad"] = max(worst["grad"], ((g.flatten() - want).norm() / want.norm()).item())
             break
         for o in (opt, ref_opt):
@@ -225,6 +230,6 @@ def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str
                 _post_step_write(step, name, p)
     full = mfsdp.full_state_dict(ours, rank0_only=False)
     for name, q in ref.named_parameters():
-        want = q.full_tensor().float()
+        want = q.full_tensor().float().cpu()
         worst["param"] = max(worst["param"], ((full[name].float() - want).norm() / want.norm()).item())
     return worst
