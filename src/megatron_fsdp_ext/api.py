@@ -15,7 +15,7 @@ import torch.nn as nn
 from . import _C, fsdp2_view, hf, shard_changes, tensor_parallel
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, state_dict_dims)
-from .hooks import FSDPState
+from .hooks import FSDPState, unit_kind
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
 from .state_dict import ModuleStateDictHooks
@@ -550,7 +550,7 @@ def fully_shard(
         dims = state_dict_dims(params, names, shard_placement_fn)
         tp = tensor_parallel.collect(params, names, mesh)
         unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp,
-                         offload_pin)
+                         offload_pin, label=unit_kind(modules))
         if dims is not None:
             unit.set_state_dict_dims(dims)
         groups.connect(unit, strategy)

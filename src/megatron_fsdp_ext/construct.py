@@ -317,7 +317,7 @@ class CommGroups:
 
 
 def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy, materialize_on,
-              check_for_nan_in_grad: bool, tp=None, offload_pin: Optional[bool] = None):
+              check_for_nan_in_grad: bool, tp=None, offload_pin: Optional[bool] = None, label: Optional[str] = None):
     """The C++ Unit over `params`, bound to the parameter objects the module will show:
     sharded (1-D views of this rank's shard) and unsharded (views of the gathered buffer),
     both keeping the originals' requires_grad and user attributes. The unit is their one
@@ -348,6 +348,8 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     unit = _C.Unit([m.detach() for m in masters], names, pg, fp8.alignment_for(alignment, fp8_weights),
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
     fp8.configure(unit, fp8_weights, names)
+    if label is not None:  # errors before the root's lazy init (offload's below) name the unit as FSDPState does
+        unit.set_label(label)
     if offload_pin is not None:
         if tp is not None and tp.specs:
             raise NotImplementedError(

@@ -218,6 +218,12 @@ def _tensors_in(obj) -> list:
 _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
+def unit_kind(modules) -> str:
+    """How a unit is named until the root's lazy init gives it its module path: the type(s)
+    of its module(s), e.g. "Block" or "LayerNorm+Linear"."""
+    return "+".join(type(m).__name__ for m in modules)
+
+
 class FSDPState:
     def __init__(self, modules, unit, names, slots, pg, options: UnitOptions, *,
                  check_group=None, deferred: bool = False, device_mesh=None, tp=None):
@@ -225,7 +231,7 @@ class FSDPState:
         # first of them runs in a forward and released after the last (_group_pending).
         self._module_refs = [weakref.ref(m) for m in modules]
         self._group_pending: set = set()
-        self.module_kind = "+".join(type(m).__name__ for m in modules)
+        self.module_kind = unit_kind(modules)
         self.label = self.module_kind  # the module's path in the model, once lazy init ran
         # The group this unit's collectives wait on longest (its reduce-scatter group):
         # the cross-rank consistency check runs there, under the same timeout.

@@ -39,11 +39,49 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_float(name: str, value, low: float = 0.0) -> None:
-    if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or isinstance(value, bool):
+def _check_float(name: str, value, low: float = 0.0, *, tensor_ok: bool = False) -> None:
+    """A hyper-parameter: a number, or where torch takes a tensor too (`tensor_ok`: lr,
+    betas, SGD's weight_decay) a one-element float tensor."""
+    if isinstance(value, torch.Tensor):
+        if not tensor_ok:
+            raise TypeError(f"{name} must be a number, got a tensor")
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"Tensor {name} must be a one-element float tensor, got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        number = value.item()
+    elif not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if not value >= low:
-        raise ValueError(f"invalid {name}: {value}")
+    else:
+        number = value
+    if not number >= low:
+        raise ValueError(f"invalid {name}: {number}")
+
+
+# What the kernel cannot give of torch's options, and why (refused when asked for).
+_UNSUPPORTED = {
+    "amsgrad": "the kernel keeps no running maximum of the second moment; use torch.optim for AMSGrad",
+    "capturable": "it makes a step capturable in a CUDA graph, with the state on the device; this optimizer "
+                  "steps host tensors in C++, outside any graph",
+    "differentiable": "the C++ step runs outside autograd; use torch.optim to differentiate through a step",
+}
+
+
+def _check_torch_switches(optimizer: str, foreach, fused, **asked) -> None:
+    """torch's implementation switches. foreach and fused pick among torch's own kernels
+    (per-tensor loops, multi-tensor, fused) and change no result: the step here is always
+    one fused, multithreaded C++ pass per param group, so any value is accepted and none
+    changes it. The options in `asked` (amsgrad, capturable, differentiable) change what a
+    step computes and are refused when True."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{optimizer}: {name} must be None or a bool, got {value!r}")
+    if foreach and fused:
+        raise ValueError(f"{optimizer}: fused=True and foreach=True cannot be set together (as in torch)")
+    for name, value in asked.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{optimizer}: {name} must be a bool, got {value!r}")
+        if value:
+            raise ValueError(f"{optimizer}: {name}=True is not supported: {_UNSUPPORTED[name]}")
 
 
 class _CPUOptimizer(torch.optim.Optimizer):
@@ -116,9 +154,13 @@ class _CPUOptimizer(torch.optim.Optimizer):
 class CPUAdamW(_CPUOptimizer):
     """torch.optim.AdamW for float32 parameters in host memory, stepped by one C++ pass per
     param group on num_threads() threads (csrc/cpu_optim.h). Same arguments, defaults and
-    state (`step`, `exp_avg`, `exp_avg_sq`) as torch's; amsgrad, capturable and
-    differentiable are not offered. step(grad_scale=s) reads every gradient times `s` in
-    the same pass (an unscale or clipping coefficient, without a pass of its own).
+    state (`step`, `exp_avg`, `exp_avg_sq`) as torch's. lr may be a one-element tensor, read
+    at every step (an LR scheduler fills a tensor lr in place); tensor betas are read once,
+    as torch reads them. foreach and fused are accepted and change nothing: they choose
+    among torch's kernels, and this step is always one fused host pass. amsgrad=True,
+    capturable=True (CUDA graphs; these parameters are on the host) and differentiable=True
+    raise ValueError. step(grad_scale=s) reads every gradient times `s` in the same pass (an
+    unscale or clipping coefficient, without a pass of its own).
 
     overlap_step=True: step() hands each fully_shard unit's update to a background thread,
     in the order the parameters are listed (model.parameters(): the order units are
@@ -135,26 +177,31 @@ class CPUAdamW(_CPUOptimizer):
     _mfsdp_state_kind = "AdamW"  # checkpoints move between this and torch.optim.AdamW (dcp_flat)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, maximize: bool = False, overlap_step: bool = False):
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, overlap_step: bool = False):
         if not isinstance(overlap_step, bool):
             raise TypeError(f"overlap_step must be a bool, got {overlap_step!r}")
         self.overlap_step = overlap_step
         self._pending: list = []  # HostTasks of the last overlapped step
         self._queue = _C.HostTaskQueue() if overlap_step else None
-        _check_float("lr", lr)
+        _check_torch_switches(type(self).__name__, foreach, fused, amsgrad=amsgrad, capturable=capturable,
+                              differentiable=differentiable)
+        _check_float("lr", lr, tensor_ok=True)
         _check_float("eps", eps)
         _check_float("weight_decay", weight_decay)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise TypeError(f"betas must be a pair of floats, got {betas!r}")
         for i, b in enumerate(betas):
-            _check_float(f"beta parameter at index {i}", b)
-            if not b < 1.0:
-                raise ValueError(f"invalid beta parameter at index {i}: {b}")
+            _check_float(f"beta parameter at index {i}", b, tensor_ok=True)
+            if not float(b) < 1.0:
+                raise ValueError(f"invalid beta parameter at index {i}: {float(b)}")
+        betas = tuple(float(b) for b in betas)  # as torch keeps them: numbers, read once
         # torch's keys, so that state dicts and checkpoints move between the two; the
         # options this kernel does not have keep their off values (checked at each step).
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
-                                      maximize=bool(maximize), foreach=None, capturable=False, differentiable=False,
-                                      fused=None, decoupled_weight_decay=self._decoupled))
+                                      maximize=bool(maximize), foreach=foreach, capturable=False,
+                                      differentiable=False, fused=fused, decoupled_weight_decay=self._decoupled))
 
     def __getstate__(self):
         # copy.deepcopy and torch.save: the hyper-parameters and state (torch's), not the
@@ -244,32 +291,46 @@ class CPUAdamW(_CPUOptimizer):
 
 
 class CPUAdam(CPUAdamW):
-    """torch.optim.Adam (weight decay as an L2 term of the gradient) on the CPUAdamW kernel."""
+    """torch.optim.Adam (weight decay as an L2 term of the gradient, or decoupled as AdamW's
+    with decoupled_weight_decay=True) on the CPUAdamW kernel; torch's arguments, taken as
+    CPUAdamW takes them."""
 
     _decoupled = False
     _mfsdp_state_kind = "Adam"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, maximize: bool = False):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: Optional[bool] = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, decoupled_weight_decay: bool = False):
+        if not isinstance(decoupled_weight_decay, bool):
+            raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled_weight_decay!r}")
+        self._decoupled = decoupled_weight_decay
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused)
 
 
 class CPUSGD(_CPUOptimizer):
     """torch.optim.SGD (momentum, dampening, Nesterov, weight decay, maximize) for float32
-    host parameters, one C++ pass per param group; state `momentum_buffer` as torch's."""
+    host parameters, one C++ pass per param group; state `momentum_buffer` as torch's.
+    torch's arguments, taken as CPUAdamW takes them (lr and weight_decay may be one-element
+    tensors; foreach and fused change nothing; differentiable=True raises ValueError)."""
 
     _mfsdp_state_kind = "SGD"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            _check_float(name, value)
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, differentiable: bool = False, fused: Optional[bool] = None):
+        _check_torch_switches(type(self).__name__, foreach, fused, differentiable=differentiable)
+        _check_float("lr", lr, tensor_ok=True)
+        _check_float("momentum", momentum)
+        _check_float("weight_decay", weight_decay, tensor_ok=True)
         _check_float("dampening", dampening, low=float("-inf"))
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=bool(nesterov), maximize=bool(maximize), foreach=None,
-                                      differentiable=False, fused=None))
+                                      nesterov=bool(nesterov), maximize=bool(maximize), foreach=foreach,
+                                      differentiable=False, fused=fused))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, *, grad_scale: float = 1.0):

@@ -18,7 +18,8 @@ buffer and shards that over the data-parallel ranks, as FSDP2 does:
 
 The optimizer keeps updating plain 1-D shards of the local tensors. What this cannot serve
 (TP meshes of more than one dim, Partial or strided TP placements, uneven TP shards, a TP
-mesh that is not part of the data-parallel mesh's job mesh) raises naming the parameter.
+mesh that is not part of the data-parallel mesh's job mesh or has no dim names) raises
+naming the parameter.
 """
 from __future__ import annotations
 
@@ -181,10 +182,15 @@ def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     return root[tuple(dp_mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names)]
 
 
+def _described(mesh: DeviceMesh) -> str:
+    """A mesh as errors name it: its dim names (if any) and ranks."""
+    return f"{mesh.mesh_dim_names or '(no dim names)'} {mesh.mesh.tolist()}"
+
+
 def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[TensorParallelParams]:
     """The unit's DTensor parameters checked against the data-parallel `mesh`, or None when
     it has none. They must share one 1-D TP mesh drawn from the same job mesh as `mesh`,
-    with dims of its own."""
+    with dims of its own, every dim named."""
     dtensors = [(i, p) for i, p in enumerate(params) if isinstance(p, DTensor)]
     if not dtensors:
         return None
@@ -209,10 +215,23 @@ def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[T
         raise ValueError(f"fully_shard: the data-parallel mesh is on {mesh.device_type} but parameter '{first}' is a "
                          f"DTensor on a {tp_mesh.device_type} mesh")
     dp_names = set(mesh.mesh_dim_names or ())
-    if dp_names & set(tp_mesh.mesh_dim_names or ()):
-        raise ValueError(f"fully_shard: the tensor-parallel mesh {tp_mesh.mesh_dim_names} of parameter '{first}' "
-                         f"shares a dimension with the data-parallel mesh {mesh.mesh_dim_names}; slice them as "
-                         "different dims of one job mesh")
+    # Ranks, not only names: unnamed meshes over the same ranks overlap just as well. In a
+    # (dp..., tp) mesh this rank is the only one its dp and tp slices have in common.
+    shared_ranks = set(mesh.mesh.flatten().tolist()) & set(tp_mesh.mesh.flatten().tolist())
+    if dp_names & set(tp_mesh.mesh_dim_names or ()) or len(shared_ranks) > 1:
+        raise ValueError(f"fully_shard: the tensor-parallel mesh {_described(tp_mesh)} of parameter '{first}' "
+                         f"shares a dimension with the data-parallel mesh {_described(mesh)} (ranks "
+                         f"{sorted(shared_ranks)} in both); slice them as different dims of one job mesh")
+    unnamed = [what for what, m in (("data-parallel", mesh), ("tensor-parallel", tp_mesh)) if not m.mesh_dim_names]
+    if unnamed:
+        # torch joins the two into the (dp..., tp) mesh of state-dict values by dim name
+        # (FSDP2 needs the names too), so unnamed dims cannot be placed.
+        lacking = f"the {' and '.join(unnamed)} mesh{'es have' if len(unnamed) > 1 else ' has'} no dim names"
+        raise ValueError(
+            f"fully_shard: parameter '{first}' is a DTensor on the tensor-parallel mesh {_described(tp_mesh)} and "
+            f"the data-parallel mesh is {_described(mesh)}: {lacking}, which joining them into the (dp..., tp) mesh "
+            "of state dicts needs; build one mesh with init_device_mesh(..., mesh_dim_names=('dp_shard', 'tp')) "
+            "and pass mesh['dp_shard'] to fully_shard and mesh['tp'] to parallelize_module")
     try:
         spmd_mesh = _joined(mesh, tp_mesh)
     except (RuntimeError, KeyError, ValueError) as e:

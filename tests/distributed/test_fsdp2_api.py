@@ -63,8 +63,13 @@ def _fsdp2_arguments(rank, world):
         mfsdp.fully_shard(m, offload_policy="cpu")
     with pytest.raises(TypeError, match="pin_memory must be a bool"):
         mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy(pin_memory="yes"))
-    with pytest.raises(ValueError, match="CPU offload of unit .* needs a sharding strategy that reduce-scatters"):
+    # Named as the unit is named until the root's lazy init gives it its path: its module type(s).
+    with pytest.raises(ValueError, match="CPU offload of unit 'Sequential' needs a sharding strategy that "
+                                         r"reduce-scatters gradients \('optim_grads_params' or 'optim_grads'\), not "
+                                         "'no_shard'"):
         mfsdp.fully_shard(m, offload_policy=CPUOffloadPolicy(pin_memory=False), sharding_strategy="no_shard")
+    with pytest.raises(ValueError, match="CPU offload of unit 'Linear\\+Linear' needs .* not 'optim'"):
+        mfsdp.fully_shard([m[0], m[2]], offload_policy=CPUOffloadPolicy(), sharding_strategy="optim")
     with pytest.raises(ValueError, match=r"shard_placement_fn returned Replicate\(\) for parameter '0.weight': only"):
         mfsdp.fully_shard(m, shard_placement_fn=lambda p: Replicate())
     with pytest.raises(ValueError, match=r"Shard\(2\) for parameter '0.weight' of shape \(32, 16\), which has no dim 2"):

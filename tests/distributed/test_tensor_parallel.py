@@ -55,6 +55,10 @@ def test_tp_misuse_is_refused():
     run_distributed(w.tp_misuse, 4, timeout=300)
 
 
+def test_tp_on_unnamed_meshes_is_refused_naming_the_problem():
+    run_distributed(w.tp_unnamed_meshes, 4, timeout=300)
+
+
 @pytest.mark.parametrize("sp,tie", [(False, False), (True, True)], ids=["no_sp-untied", "sp-tied"])
 def test_llama_tensor_parallel_plan_trains_like_one_process(sp, tie):
     """The library's LlamaModel under models.tensor_parallel: fused projections laid out so

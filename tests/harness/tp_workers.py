@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -544,14 +544,19 @@ def tp_full_state_dict_roundtrip(rank: int, world: int, path: str) -> None:
 
 
 def tp_misuse(rank: int, world: int) -> None:
-    """Misuse is refused naming the problem: a TP mesh from another job mesh, a process
-    group instead of the dp mesh, a dp mesh on the TP dim, uneven TP shards, TP
-    parameters handed to the layer-wise optimizer."""
+    """Misuse is refused naming the problem: a TP mesh over the data-parallel ranks or
+    from another job mesh, a process group instead of the dp mesh, a dp mesh on the TP
+    dim, uneven TP shards, TP parameters handed to the layer-wise optimizer."""
     device = device_for_backend()
     mesh = make_mesh((2, 2))
     # TP over the very ranks that shard the data: the dims overlap, so no (dp, tp) mesh exists.
     other = init_device_mesh(device.type, (2, 2), mesh_dim_names=("tp", "dp_other"))
     model = parallelize(build(device), other["tp"], False)
+    expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=mesh["dp_shard"]), ValueError,
+                 "shares a dimension", "w1.weight", f"ranks {[rank % 2, rank % 2 + 2]} in both")
+    # TP ranks in another order than the job mesh lists them: orthogonal ranks, yet no mesh holds both.
+    permuted = DeviceMesh(device.type, torch.tensor([[1, 0], [3, 2]]), mesh_dim_names=("dp_other", "tp"))
+    model = parallelize(build(device), permuted["tp"], False)
     expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=mesh["dp_shard"]), ValueError,
                  "not dims of one job mesh", "w1.weight")
     model = parallelize(build(device), mesh["tp"], False)
@@ -578,6 +583,33 @@ def tp_misuse(rank: int, world: int) -> None:
 
     expect_error(lambda: LayerwiseDistributedOptimizer(model.blocks[1], torch.optim.AdamW),
                  NotImplementedError, "w1.weight", "tensor parallel")
+
+
+def tp_unnamed_meshes(rank: int, world: int) -> None:
+    """TP with meshes without dim names (init_device_mesh without mesh_dim_names,
+    DeviceMesh.from_group) raises a ValueError naming the problem, not torch's TypeError
+    from joining unnamed meshes; FSDP2 accepts none of these setups either: TP and data
+    parallelism over the same unnamed mesh, unnamed dp and tp meshes of the right ranks, a
+    named dp mesh with an unnamed tp one."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    device = device_for_backend()
+    named = make_mesh((2, 2))
+    flat = init_device_mesh(device.type, (world,))
+    dp_unnamed = DeviceMesh.from_group(named["dp_shard"].get_group(), device.type)
+    tp_unnamed = DeviceMesh.from_group(named["tp"].get_group(), device.type)
+    cases = [(flat, flat, ("shares a dimension", "(no dim names)", f"ranks {list(range(world))} in both")),
+             (tp_unnamed, dp_unnamed, ("data-parallel and tensor-parallel meshes have no dim names",
+                                       "mesh_dim_names=('dp_shard', 'tp')")),
+             (tp_unnamed, named["dp_shard"], ("the tensor-parallel mesh has no dim names",))]
+    for tp_mesh, dp_mesh, fragments in cases:
+        model = parallelize(build(device), tp_mesh, False)
+        expect_error(lambda: mfsdp.fully_shard(model.blocks[0], mesh=dp_mesh), ValueError, "'w1.weight'", *fragments)
+        try:
+            fsdp2_fully_shard(parallelize(build(device), tp_mesh, False).blocks[0], mesh=dp_mesh)
+        except Exception:
+            continue
+        raise AssertionError(f"FSDP2 accepts TP on {tp_mesh} with dp mesh {dp_mesh}: so should fully_shard")
 
 
 def llama_tp_parity(rank: int, world: int, shape: Tuple[int, ...], sp: bool, tie: bool, steps: int = 3) -> Dict:

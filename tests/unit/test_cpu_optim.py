@@ -83,6 +83,72 @@ def test_sgd_matches_torch(kw):
             torch.testing.assert_close(oa.state[x]["momentum_buffer"], ob.state[y]["momentum_buffer"])
 
 
+TORCH_PAIRS = [(optim.CPUAdamW, torch.optim.AdamW, dict(weight_decay=0.1)),
+               (optim.CPUAdam, torch.optim.Adam, dict(weight_decay=0.1)),
+               (optim.CPUSGD, torch.optim.SGD, dict(momentum=0.9))]
+
+
+@pytest.mark.parametrize("ours, theirs, kw", TORCH_PAIRS, ids=["AdamW", "Adam", "SGD"])
+def test_tensor_lr_is_read_at_every_step_like_torch(ours, theirs, kw):
+    """lr as a one-element tensor, changed in place between steps by an LR scheduler:
+    every step uses its value then, as torch's optimizer does."""
+    results = []
+    for make in (ours, lambda ps, **k: theirs(ps, foreach=False, **k)):
+        lr = torch.tensor(0.05)
+        ps, opt = _run(lambda ps: make(ps, lr=lr, **kw), _params(), steps=0)
+        assert opt.param_groups[0]["lr"] is lr  # held, not copied: in-place changes reach the step
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.3 ** step)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            schedule.step()
+        results.append(ps)
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("ours, theirs, kw", TORCH_PAIRS, ids=["AdamW", "Adam", "SGD"])
+def test_torch_implementation_switches_are_accepted_and_change_nothing(ours, theirs, kw):
+    """foreach and fused choose among torch's kernels; ours is always one fused pass, so
+    each value torch accepts steps as the default does and is kept in the param group."""
+    reference, _ = _run(lambda ps: ours(ps, lr=1e-2, **kw), _params())
+    for foreach, fused in ((None, None), (False, False), (True, None), (True, False), (False, True), (None, True)):
+        ps, opt = _run(lambda ps: ours(ps, lr=1e-2, foreach=foreach, fused=fused, **kw), _params())
+        assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (foreach, fused)
+        for x, y in zip(ps, reference):
+            assert torch.equal(x, y), f"foreach={foreach}, fused={fused} changed the step"
+    if theirs is not torch.optim.SGD:  # torch's positional amsgrad, and Adam's decoupled form
+        ps, _ = _run(lambda ps: ours(ps, 1e-2, (0.9, 0.999), 1e-8, 0.1, False), _params())
+        for x, y in zip(ps, reference):
+            assert torch.equal(x, y)
+        a, _ = _run(lambda ps: optim.CPUAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), _params())
+        b, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False), _params())
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6)
+
+
+def test_torch_options_the_kernel_lacks_are_refused_naming_them():
+    r = [torch.nn.Parameter(torch.randn(4))]
+    for cls in (optim.CPUAdamW, optim.CPUAdam):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}: capturable=True is not supported: .*CUDA graph"):
+            cls(r, capturable=True)
+        with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+            cls(r, amsgrad=True)
+    for cls in (optim.CPUAdamW, optim.CPUAdam, optim.CPUSGD):
+        with pytest.raises(ValueError, match="differentiable=True is not supported: .*outside autograd"):
+            cls(r, differentiable=True)
+        with pytest.raises(ValueError, match="fused=True and foreach=True cannot be set together"):
+            cls(r, foreach=True, fused=True)
+        with pytest.raises(TypeError, match="foreach must be None or a bool"):
+            cls(r, foreach="yes")
+        with pytest.raises(ValueError, match=r"Tensor lr must be a one-element float tensor, .* shape \(2,\)"):
+            cls(r, lr=torch.tensor([0.1, 0.2]))
+        with pytest.raises(ValueError, match="invalid lr: -1.0"):
+            cls(r, lr=torch.tensor(-1.0))
+
+
 def test_state_dicts_interchange_with_torch():
     params = _params()
     a, oa = _run(lambda ps: optim.CPUAdamW(ps, lr=1e-2, weight_decay=0.1), params, steps=3)
