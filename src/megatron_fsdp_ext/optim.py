@@ -90,8 +90,9 @@ class _CPUOptimizer(torch.optim.Optimizer):
     def _stepped(self, group) -> List[torch.Tensor]:
         for key in ("amsgrad", "capturable", "differentiable"):
             if group.get(key):
-                raise NotImplementedError(f"{type(self).__name__}: {key}=True (e.g. from a loaded torch state dict) "
-                                          "is not supported; use torch's optimizer for it")
+                # The constructor's refusal, for a param group that a loaded state dict set.
+                raise ValueError(f"{type(self).__name__}: {key}=True (e.g. from a loaded torch state dict) "
+                                 "is not supported; use torch's optimizer for it")
         params = []
         for p in group["params"]:
             if p.grad is None:

@@ -278,3 +278,16 @@ def test_a_copied_or_reloaded_optimizer_steps_as_the_original(overlap_step):
         other.step()
         other.synchronize()
         assert torch.equal(q, p), "the copy stepped differently"
+
+
+def test_options_the_kernel_lacks_are_refused_when_a_loaded_state_dict_sets_them():
+    """torch's AdamW state dict with amsgrad=True loads into CPUAdamW's param groups: its
+    next step refuses with the constructor's ValueError rather than stepping without it."""
+    p = torch.nn.Parameter(torch.randn(4))
+    theirs = torch.optim.AdamW([p], lr=1e-2, amsgrad=True)
+    p.grad = torch.randn(4)
+    theirs.step()
+    ours = optim.CPUAdamW([p], lr=1e-2)
+    ours.load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match="CPUAdamW: amsgrad=True .*from a loaded torch state dict.* not supported"):
+        ours.step()
