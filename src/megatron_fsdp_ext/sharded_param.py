@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.optim import optimizer as _torch_optimizer
+from torch.utils import _foreach_utils
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
@@ -39,3 +41,11 @@ class ShardedParameter(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         _TENSOR_DATA.__set__(self, value)
+
+
+# torch's optimizers take their foreach and fused paths, and clip_grad_norm_ its foreach
+# path, only for tensor types listed here (DTensor lists itself the same way); unlisted,
+# AdamW would update our parameters one tensor at a time.
+for _types in (_torch_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    if ShardedParameter not in _types:
+        _types.append(ShardedParameter)

@@ -89,3 +89,26 @@ def _sharded_model(rank, world):
 
 def test_module_shows_the_units_objects():
     run_distributed(_sharded_model, 2, timeout=120)
+
+
+def _optimizer_paths(rank, world):
+    """torch's optimizers choose their fused and foreach paths by parameter type: our
+    sharded parameters must get the paths plain parameters get (else AdamW steps them one
+    tensor at a time: slower, and rounded differently from FSDP2's)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    torch.manual_seed(0)
+    net = nn.Sequential(TinyBlock(), TinyBlock())
+    plain = [nn.Parameter(torch.randn(3)) for _ in range(2)]
+    for b in net:
+        mfsdp.fully_shard(b)
+    mfsdp.fully_shard(net)
+    sharded = list(net.parameters())
+    assert all(type(p).__name__ == "ShardedParameter" for p in sharded)
+    for use_fused in (False, True):
+        assert _default_to_fused_or_foreach(sharded, False, use_fused) == \
+            _default_to_fused_or_foreach(plain, False, use_fused), use_fused
+
+
+def test_sharded_parameters_take_torchs_fused_and_foreach_optimizer_paths():
+    run_distributed(_optimizer_paths, 2, timeout=60)
