@@ -7,6 +7,13 @@
 # GPU_JOBS (default 2): NCCL test files run this many at a time, each using both GPUs;
 # tests marked gpu_exclusive (timing) run afterwards, one at a time.
 # SKIP_CPU_TESTS / SKIP_GPU_TESTS / SKIP_EXAMPLE skip a part; EXAMPLE_STEPS shortens train_gpt;
+# GPU_TESTS_TIMEOUT (default 900) / GPU_EXCLUSIVE_TIMEOUT (default: the same) bound the two GPU
+# pytest runs; MFSDP_DEADLINE (epoch seconds) ends both by then, GPU_EXCLUSIVE_RESERVE (default
+# 60) seconds of it kept for the timing tests. A stage cut by its limit gets SIGINT first, so
+# pytest still prints its failures' tracebacks and writes its junit file.
+# MFSDP_FAILURE_LOG=<file>: every GPU test's outcome, and each failure's traceback, as it
+# happens (tests/gpu/conftest.py), so a run cut short still shows what failed and why.
+# MFSDP_GPU_TESTS_FIRST: comma-separated substrings of test ids run first (tests/gpu/conftest.py).
 # MFSDP_GPU_WORLD=4 runs the NCCL tests and examples on 4 GPUs (default 2).
 # A run cannot pass empty: fewer GPUs than MFSDP_GPU_WORLD fail it at once, a skipped `gpu`
 # test fails (MFSDP_REQUIRE_GPU=1, tests/conftest.py), and $OUT/summary.md (from
@@ -76,21 +83,38 @@ if [ -z "${SKIP_CPU_TESTS:-}" ]; then
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_cpu.log" | tail -15
   rc=${PIPESTATUS[0]}; stages+=(--stage cpu_tests=$rc); [ "$rc" -eq 0 ] || status=1
 fi
+# Seconds a stage may run: its own limit, shortened to end `reserve` seconds before
+# MFSDP_DEADLINE when that is set (at least 30).
+stage_limit() {
+  local limit=$1 reserve=$2
+  if [[ -n ${MFSDP_DEADLINE:-} ]]; then
+    local left=$(( MFSDP_DEADLINE - $(date +%s) - reserve ))
+    (( left < 30 )) && left=30
+    (( left < limit )) && limit=$left
+  fi
+  echo "$limit"
+}
 if [ -z "${SKIP_GPU_TESTS:-}" ]; then
-  echo "== GPU tests"
   export MFSDP_TRACE_DIR=$OUT/traces; mkdir -p "$MFSDP_TRACE_DIR"
   export MFSDP_REQUIRE_GPU=1  # a skipped gpu test fails
-  timeout "${GPU_TESTS_TIMEOUT:-900}" \
+  limit=$(stage_limit "${GPU_TESTS_TIMEOUT:-900}" "${GPU_EXCLUSIVE_RESERVE:-60}")
+  echo "== GPU tests (limit ${limit}s)"
+  start=$(date +%s)
+  timeout -s INT -k 30 "$limit" \
     $PY -m pytest tests/gpu tests/unit/test_pack.py -v -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" \
       -m "not gpu_exclusive" --junitxml="$OUT/junit_gpu.xml" ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -25
   rc=${PIPESTATUS[0]}; stages+=(--stage gpu_tests=$rc); [ "$rc" -eq 0 ] || status=1
-  echo "== GPU timing tests (alone on the GPUs)"
-  timeout "${GPU_TESTS_TIMEOUT:-900}" \
+  echo "GPU tests: rc $rc, $(( $(date +%s) - start ))s wall" | tee -a "$OUT/env.txt"
+  limit=$(stage_limit "${GPU_EXCLUSIVE_TIMEOUT:-${GPU_TESTS_TIMEOUT:-900}}" 0)
+  echo "== GPU timing tests (alone on the GPUs, limit ${limit}s)"
+  start=$(date +%s)
+  timeout -s INT -k 30 "$limit" \
     $PY -m pytest tests/gpu -v -p no:cacheprovider -rs -p no:xdist -m gpu_exclusive \
       --junitxml="$OUT/junit_gpu_exclusive.xml" ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_gpu_exclusive.log" | tail -8
   rc=${PIPESTATUS[0]}; stages+=(--stage gpu_exclusive_tests=$rc); [ "$rc" -eq 0 ] || status=1
+  echo "GPU timing tests: rc $rc, $(( $(date +%s) - start ))s wall" | tee -a "$OUT/env.txt"
   unset MFSDP_REQUIRE_GPU
 fi
 

@@ -40,6 +40,9 @@ def test_offload_plumbing_gpu(param_dtype):
     run_distributed(w.offload_plumbing, WORLD, {"param_dtype": param_dtype}, **GPU, timeout=300)
 
 
+# Reads overlap from a profiler trace: run alone (run_all.sh runs gpu_exclusive tests after
+# the parallel ones); beside other tests' kernels it failed (2026-11-26, 1x H100, -n 4).
+@pytest.mark.gpu_exclusive
 def test_offload_copies_overlap_and_never_block_gpu(tmp_path):
     report = run_distributed(w.offload_streams, WORLD, {"dir": str(tmp_path)}, **GPU, timeout=300)[0]
     assert report["h2d"] > 0 and report["d2h"] > 0

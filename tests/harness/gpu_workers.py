@@ -195,12 +195,55 @@ def _create_cublas_workspaces(device) -> None:
     torch.cuda.synchronize()
 
 
+def _live_blocks() -> Dict[int, dict]:
+    """The caching allocator's allocated blocks by address (with their Python allocation
+    stacks while _record_memory_history records them)."""
+    return {b["address"]: b for seg in torch.cuda.memory_snapshot() for b in seg.get("blocks", [])
+            if b.get("state") == "active_allocated"}
+
+
+def _blocks_since(before: Dict[int, dict], top: int = 8) -> str:
+    """Diagnostics for a failed bound: the blocks allocated since `before` and still live,
+    largest first, each with the innermost library/harness frames that allocated it."""
+    try:
+        new = sorted((b for a, b in _live_blocks().items() if a not in before),
+                     key=lambda b: -b.get("requested_size", b["size"]))
+        lines = []
+        for b in new[:top]:
+            frames = [f for f in b.get("frames", []) if "megatron_fsdp_ext" in f.get("filename", "")
+                      or "harness" in f.get("filename", "")] or b.get("frames", [])
+            where = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3])
+            lines.append(f"{b.get('requested_size', b['size'])} B" + (f" at {where}" if where else ""))
+        total = sum(b.get("requested_size", b["size"]) for b in new)
+        return f"{len(new)} blocks ({total} B) allocated since the baseline and live now, largest: " + "; ".join(lines)
+    except Exception as e:  # diagnostics only: never hide the assertion itself
+        return f"(no block listing: {e!r})"
+
+
+@contextlib.contextmanager
+def _allocation_stacks():
+    """Record the Python stack of every live allocation (no event history) while active,
+    so a failed memory bound names who holds the surplus. Diagnostics only."""
+    record = getattr(torch.cuda.memory, "_record_memory_history", None)
+    try:
+        if record is not None:
+            record(enabled="state", stacks="python")
+    except Exception:
+        record = None
+    try:
+        yield
+    finally:
+        if record is not None:
+            record(enabled=None)
+
+
 def _step_memory(cfg: LlamaConfig, depth: int, tokens, targets, world: int, activations: int) -> Dict:
     """Steady-state bytes and forward/backward peaks of one ZeRO-3 bf16 training step,
     each checked against a bound computed from the model's parameter shapes."""
     gc.collect()
     torch.cuda.synchronize()
     baseline = _requested_bytes()
+    baseline_blocks = _live_blocks()
     model = _llama_on_device(cfg, tokens.device)
     # From the parameter shapes, before sharding: the root unit owns what no block owns.
     root_numel = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
@@ -220,6 +263,8 @@ def _step_memory(cfg: LlamaConfig, depth: int, tokens, targets, world: int, acti
     # Between steps: this rank's 1/world of every parameter as an fp32 shard, its fp32
     # gradient and Adam's two fp32 moments.
     persistent = 16 * sum(-(-n // world) for n in [root_numel] + [block_numel] * cfg.n_layers)
+    # Named in the message below when the steady state holds more or less than that.
+    steady_blocks = _blocks_since(baseline_blocks) if abs(steady - baseline - persistent) > MEMORY_MARGIN else ""
     root_bytes, block_bytes = bf16 * root_numel, bf16 * block_numel
     largest = max(root_numel, block_numel)
     # Forward: the root and at most 1 + depth blocks unsharded (the block running and
@@ -247,7 +292,7 @@ def _step_memory(cfg: LlamaConfig, depth: int, tokens, targets, world: int, acti
     mib = 2 ** 20
     assert abs(held - persistent) <= MEMORY_MARGIN, (
         f"{where}: {held / mib:.1f} MiB held between steps, expected {persistent / mib:.1f} MiB "
-        "(fp32 shard + gradient + 2 Adam moments per parameter, 1/world each)")
+        f"(fp32 shard + gradient + 2 Adam moments per parameter, 1/world each); {steady_blocks}")
     assert forward_peak <= forward_bound, (
         f"{where}: forward peak {forward_peak / mib:.1f} MiB above the steady state > bound "
         f"{forward_bound / mib:.1f} MiB (root {root_bytes / mib:.1f} + {1 + depth} x block {block_bytes / mib:.1f} "
@@ -276,11 +321,12 @@ def allocator_memory_bound(rank: int, world: int, block_counts=(4, 8), depths=(0
     tokens, targets = data[:, :-1].to(device), data[:, 1:].to(device)
     _create_cublas_workspaces(device)
     results = {}
-    for n_blocks in block_counts:
-        cfg = LlamaConfig(vocab_size=4096, d_model=2048, n_layers=n_blocks, n_heads=16, ffn_hidden=5504)
-        activations = _plain_forward_bytes(cfg, tokens, targets, device)
-        for depth in depths:
-            results[(n_blocks, depth)] = _step_memory(cfg, depth, tokens, targets, world, activations)
+    with _allocation_stacks():
+        for n_blocks in block_counts:
+            cfg = LlamaConfig(vocab_size=4096, d_model=2048, n_layers=n_blocks, n_heads=16, ffn_hidden=5504)
+            activations = _plain_forward_bytes(cfg, tokens, targets, device)
+            for depth in depths:
+                results[(n_blocks, depth)] = _step_memory(cfg, depth, tokens, targets, world, activations)
     fewest, most = min(block_counts), max(block_counts)
     mib = 2 ** 20
     for depth in depths:

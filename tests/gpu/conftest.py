@@ -1,0 +1,43 @@
+"""GPU-suite run aids (tests/gpu/run_all.sh), both off unless their variable is set:
+
+MFSDP_FAILURE_LOG=<file>: one line per test outcome (with its duration and the time since
+the run began), and every failure's full report, appended as it happens, by the process
+that prints the results (xdist's controller). A device call cut short by its time limit
+then still returns what failed and why: pytest prints tracebacks only at its end.
+
+MFSDP_GPU_TESTS_FIRST=<substring>,<substring>,...: tests whose id contains one of them run
+first, in the order given (the rest after, in collection order): with a tight device
+budget, what has not run yet on this machine comes before what has.
+"""
+import os
+import time
+
+_START = time.time()
+FAILURE_LOG_ENV = "MFSDP_FAILURE_LOG"
+FIRST_ENV = "MFSDP_GPU_TESTS_FIRST"
+
+
+def pytest_collection_modifyitems(config, items):
+    first = [s for s in os.environ.get(FIRST_ENV, "").split(",") if s]
+    if not first:
+        return
+
+    def rank(item):
+        return next((i for i, s in enumerate(first) if s in item.nodeid), len(first))
+
+    items.sort(key=rank)  # stable: collection order within each group
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(FAILURE_LOG_ENV)
+    # Under xdist a worker's reports reach the controller too: write them there only.
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.when != "call" and report.passed:
+        return
+    with open(path, "a") as f:
+        f.write(f"[{time.time() - _START:7.1f}s] {report.outcome.upper():7} {report.when:8} "
+                f"{report.duration:7.1f}s {report.nodeid}\n")
+        if report.failed:
+            f.write(report.longreprtext + "\n" + "-" * 100 + "\n")
+        f.flush()
