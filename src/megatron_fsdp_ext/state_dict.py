@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import _C, backends
 from .agree import digest_differs
@@ -55,6 +56,23 @@ def local_state_dict():
 
 def _local_mode() -> bool:
     return getattr(_mode, "local", 0) > 0
+
+
+@contextlib.contextmanager
+def unread_values():
+    """Inside this context, state_dict() of sharded modules and their optimizers gives
+    each sharded value in its usual layout (FSDP2's DTensors) but uninitialized, without
+    the collective that fills it: targets for a load to read into, whose values would be
+    thrown away. Yields {id(value): (value, unit state, parameter index)} of every value
+    so made, so that the load can tell them (and where each belongs) from values a
+    module's own hooks replaced."""
+    made: Dict[int, tuple] = {}
+    previous = getattr(_mode, "unread", None)
+    _mode.unread = made
+    try:
+        yield made
+    finally:
+        _mode.unread = previous
 
 
 # ---------------------------------------------------------------- gathering and slicing
@@ -118,11 +136,22 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
     return mesh, state.tp.placements(index, dp), tp_spec.shape, dp_ndim - 1
 
 
+def _dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape=None) -> DTensor:
+    """A DTensor over `local` where it lives. DTensor.from_local moves a local tensor to
+    the mesh's device: an offloaded unit's host rows on its CUDA mesh would be copied to
+    the GPU, where FSDP2 keeps them on the host (it builds the DTensor the same way)."""
+    shape = local.shape if shape is None else torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def _rows_as_dtensor(state, index: int, rows: torch.Tensor) -> DTensor:
     """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
     mesh, placements, shape, _ = _layout(state, index, _mesh_device_type(state, rows))
-    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return _dtensor_of(rows, mesh, placements, shape)
 
 
 def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -> list:
@@ -131,6 +160,14 @@ def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -
     DTensors, or full tensors for replicated strategies (DTensors on the TP mesh for
     tensor-parallel parameters). One collective over the unit's group."""
     unit = state.unit
+    made = getattr(_mode, "unread", None)
+    if made is not None:  # a load's targets: the layout without the values
+        values = []
+        for i in range(len(state.names)):
+            layout_only = torch.empty((), dtype=dtype, device=device).expand(unit.param_spec(i).shape)
+            values.append(_as_dtensor(state, i, layout_only, values=False))
+            made[id(values[-1])] = (values[-1], state, i)
+        return values
     if not _replicated(state) and unit.exchanges_rows:
         rows = unit.to_row_chunks(pieces, dtype)
         return [_rows_as_dtensor(state, i, r.to(device)) for i, r in enumerate(rows)]
@@ -179,22 +216,25 @@ def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Te
     return state.unit.local_piece(index, full)
 
 
-def _as_dtensor(state, index: int, full: torch.Tensor):
+def _as_dtensor(state, index: int, full: torch.Tensor, values: bool = True):
     """`full` (parameter `index`'s value as the unit holds it: the local TP shard) as
     FSDP2 stores it (see _layout); replicated strategies give plain full tensors, or a
-    tensor-parallel parameter's DTensor replicated over the dp dims."""
+    tensor-parallel parameter's DTensor replicated over the dp dims. values=False: the
+    same layout, uninitialized (`full` may then be an expanded scalar, holding no memory)."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if values else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
     if _replicated(state) and _tp_spec(state, index) is None:
-        return full
+        return full if values else own(full)
     mesh, placements, shape, shard_dim = _layout(state, index, _mesh_device_type(state, full))
     if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, placements, run_check=False)
+        return _dtensor_of(own(full), mesh, placements)
     dim = state.unit.param_spec(index).state_dict_dim
     local = full
     if not _replicated(state):
         begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
         local = full.narrow(dim, begin, end - begin)
-    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return _dtensor_of(own(local), mesh, placements, shape)
 
 
 def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor:
