@@ -10,23 +10,30 @@ What it guarantees:
   rank's write and hashing has succeeded; until then the previous checkpoint is untouched;
 * a manifest (MANIFEST_NAME), written last and listing every file with its sha256 and
   size, is the completeness marker: a directory without it is an incomplete save;
-* loads verify checksums: every file is hashed against the manifest (verify_share, each
-  file by one rank) and every file the load would read must be listed (check_covered);
-* every failure is agreed on and raised on every rank (agree.raise_agreed), naming the ranks.
+* loads verify checksums: every file is hashed against the manifest and every entry in it
+  against its zip CRC-32 (verify_share, each file by one rank; Verification runs it on a
+  thread while the load reads, and nothing is loaded before the outcome is agreed), and
+  every file the load would read must be listed (check_covered);
+* every failure is agreed on and raised on every rank (agree.raise_agreed), naming the ranks;
+* temporary directories a killed save left are removed by the next save (remove_stale_temporaries).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import struct
+import threading
 import warnings
-from typing import Dict, List, Optional, Tuple
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Collection, Dict, List, Optional, Tuple
 
-import torch.distributed as dist
-
-from .agree import rank_world
+from .agree import Agreement, describe, gather_objects, raise_agreed
 
 MANIFEST_NAME = "mfsdp_manifest.json"
 MANIFEST_FORMAT = "megatron_fsdp_ext.sharded_checkpoint"
@@ -37,19 +44,6 @@ WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupted or not ours, or a save that failed."""
-
-
-def from_rank0(obj):
-    if rank_world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def barrier() -> None:
-    if rank_world()[1] > 1:
-        dist.barrier()
 
 
 def check_same_path(what: str, paths: Dict[int, str]) -> None:
@@ -69,6 +63,15 @@ def file_digest(path: str) -> Tuple[str, int]:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
         return digest, os.fstat(f.fileno()).st_size
+
+
+def hash_files(paths: List[str], threads: int) -> Dict[str, Tuple[str, int]]:
+    """file_digest of every path, keyed by path, `threads` files at a time (hashlib
+    releases the GIL: several files hash in parallel)."""
+    if threads <= 1 or len(paths) <= 1:
+        return {p: file_digest(p) for p in paths}
+    with ThreadPoolExecutor(max_workers=min(threads, len(paths)), thread_name_prefix="mfsdp-hash") as pool:
+        return dict(zip(paths, pool.map(file_digest, paths)))
 
 
 def _fsync_dir(path: str) -> None:
@@ -134,6 +137,29 @@ def publish(target: str, tmp: str, token: str, files: Dict[str, Tuple[str, int]]
                       f"may remain at {old}", stacklevel=3)
 
 
+def remove_stale_temporaries(target: str, in_use: Collection[str] = ()) -> List[str]:
+    """Rank 0, before a save: remove the temporary sibling directories
+    (.<name>.mfsdp-tmp-<token>) that saves killed mid-write left next to `target`,
+    except those in `in_use` (saves of this process still writing). Directories a swap
+    moved aside (.<name>.mfsdp-old-*) may hold the only copy of the previous checkpoint
+    and are never removed. Returns what was removed."""
+    head, name = os.path.split(target)
+    prefix = f".{name}.mfsdp-tmp-"
+    try:
+        found = sorted(n for n in os.listdir(head) if n.startswith(prefix))
+    except OSError:
+        return []
+    keep = {os.path.abspath(p) for p in in_use}
+    removed = []
+    for entry in found:
+        where = os.path.join(head, entry)
+        if where in keep or os.path.islink(where) or not os.path.isdir(where):
+            continue
+        shutil.rmtree(where, ignore_errors=True)
+        removed.append(where)
+    return removed
+
+
 def moved_aside(target: str) -> str:
     """Where a save interrupted between its two renames left the previous checkpoint."""
     head, name = os.path.split(target)
@@ -183,22 +209,166 @@ def read_manifest(path: str, target: str) -> Optional[dict]:
     return manifest
 
 
-def verify_share(target: str, manifest: dict, rank: int, world: int) -> List[str]:
-    """Hash this rank's share of the manifest's files: what differs, one line per file."""
-    bad = []
-    for i, name in enumerate(sorted(manifest["files"])):
-        if i % world != rank:
-            continue
-        entry = manifest["files"][name]
-        where = os.path.join(target, name)
-        if not os.path.isfile(where):
-            bad.append(f"'{name}' is listed in the manifest but missing")
-            continue
-        digest, size = file_digest(where)
-        if digest != entry.get("sha256") or size != entry.get("size"):
-            bad.append(f"'{name}' has sha256 {digest} ({size} bytes), the manifest expects {entry.get('sha256')} "
-                       f"({entry.get('size')} bytes)")
-    return bad
+def check_zip_crc(data: bytes, what: str) -> None:
+    """Every member of a torch.save archive (one DCP entry, `data`) matches its CRC-32,
+    which torch.load does not check. Stored members (torch.save does not compress) are
+    checked in place, without zipfile's copies."""
+    view = memoryview(data)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    with archive.open(info) as member:  # zipfile checks the CRC as it reads
+                        member.read()
+                    continue
+                header = bytes(view[info.header_offset:info.header_offset + _LOCAL_HEADER.size])
+                if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                    raise zipfile.BadZipFile(f"no local header for member '{info.filename}'")
+                name_length, extra_length = _LOCAL_HEADER.unpack(header)[-2:]
+                start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+                member = view[start:start + info.compress_size]
+                if len(member) != info.compress_size or zlib.crc32(member) != info.CRC:
+                    raise ValueError(f"entry '{what}': member '{info.filename}' fails its CRC-32 check (the bytes "
+                                     "changed after writing)")
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"entry '{what}' is not a readable torch.save archive ({e})") from e
+
+
+# A zip local file header: signature, versions and flags, sizes, name and extra lengths.
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+
+
+def _check_file(target: str, name: str, expected: dict, entries: List[Tuple[int, int, str]]) -> Optional[str]:
+    """One file against its manifest entry (sha256, size), then every entry stored in it
+    plainly (`entries`: offset, length, key) against its zip CRC-32; what differs, if
+    anything, as one line."""
+    where = os.path.join(target, name)
+    if not os.path.isfile(where):
+        return f"'{name}' is listed in the manifest but missing"
+    digest, size = file_digest(where)
+    if digest != expected.get("sha256") or size != expected.get("size"):
+        return (f"'{name}' has sha256 {digest} ({size} bytes), the manifest expects {expected.get('sha256')} "
+                f"({expected.get('size')} bytes)")
+    with open(where, "rb") as f:
+        for offset, length, key in entries:
+            f.seek(offset)
+            data = f.read(length)
+            if len(data) != length:
+                return f"'{name}': entry '{key}' at bytes {offset}-{offset + length} ends past the end of the file"
+            try:
+                check_zip_crc(data, key)
+            except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
+                return f"'{name}': {e}" if isinstance(e, ValueError) else f"'{name}': entry '{key}' is unreadable " \
+                    f"({type(e).__name__}: {e})"
+    return None
+
+
+def verify_share(target: str, manifest: dict, rank: int, world: int, names: Optional[List[str]] = None,
+                 threads: int = 1, entries: Optional[Dict[str, List[Tuple[int, int, str]]]] = None) -> List[str]:
+    """Check this rank's share of the manifest's files (of `names`, default all; every
+    world-th in sorted order): sha256 and size, and the CRC-32 of the entries `entries`
+    lists per file. What differs, one line per file."""
+    mine = [n for i, n in enumerate(sorted(manifest["files"] if names is None else names)) if i % world == rank]
+    entries = entries or {}
+
+    def check(name: str) -> Optional[str]:
+        return _check_file(target, name, manifest["files"][name], entries.get(name, []))
+
+    if threads > 1 and len(mine) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(mine)), thread_name_prefix="mfsdp-verify") as pool:
+            found = list(pool.map(check, mine))
+    else:
+        found = [check(n) for n in mine]
+    return [line for line in found if line is not None]
+
+
+def _plain_entries(metadata) -> Dict[str, List[Tuple[int, int, str]]]:
+    """Per data file, the entries DCP stored in it without a transform: (offset, length, key)."""
+    out: Dict[str, List[Tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if not getattr(info, "transform_descriptors", None):
+            out.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for found in out.values():
+        found.sort()
+    return out
+
+
+def refuse_corrupted(what: str, shared: Dict[int, List[str]]) -> None:
+    """Every rank's lines of what differs from the manifest (by rank): refused if any."""
+    bad = [line for lines in shared.values() for line in lines]
+    if bad:
+        more = f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""
+        raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing "
+                              f"was loaded: {bad[0]}{more}")
+
+
+class Verification:
+    """A load's check of every file, overlapped with the load. The small .metadata is
+    hashed by every rank at once (it is read next); then (start()) the data files are
+    shared among the ranks (each file checked by one) and checked on a thread while the
+    load reads them into temporary targets: each file's sha256 against the manifest, and
+    the zip CRC-32 of every entry in it (which catches bytes that changed before the
+    manifest was computed over them). Nothing reaches the model before corrupted() has
+    been agreed on (read_stage()); an earlier stage that fails waits for the checks too
+    (stage()), so a corrupted file outranks the error it caused. Without a manifest
+    (verify=False) it checks nothing: the reader checks each entry's CRC as it reads."""
+
+    def __init__(self, what: str, target: str, manifest: Optional[dict], rank: int, world: int, threads: int):
+        self.what, self.target, self.manifest = what, target, manifest
+        self.rank, self.world, self.threads = rank, world, threads
+        self.checks_crc = manifest is not None
+        self.metadata_bad: List[str] = []
+        self._bad: List[str] = []
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if manifest is not None and ".metadata" in manifest["files"]:
+            self.metadata_bad = verify_share(target, manifest, 0, 1, names=[".metadata"])
+
+    def start(self, metadata) -> None:
+        """Begin checking this rank's share of the data files (`metadata`: the
+        checkpoint's, which says where each entry is)."""
+        if self.manifest is None:
+            return
+        data = [n for n in self.manifest["files"] if n != ".metadata"]
+        entries = _plain_entries(metadata)
+
+        def run() -> None:
+            try:
+                self._bad = verify_share(self.target, self.manifest, self.rank, self.world, names=data,
+                                         threads=self.threads, entries=entries)
+            except BaseException as e:  # reported by corrupted(), on the load's thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="mfsdp-verify", daemon=True)
+        self._thread.start()
+
+    def corrupted(self) -> List[str]:
+        """This rank's share of what differs from the manifest (waits for the hashes); a
+        file it could not read counts as corrupted: nothing vouches for it."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            return [f"hashing this rank's share of the files failed ({describe(self._error)})"]
+        return self._bad
+
+    def refuse(self, shared: Dict[int, List[str]], _group=None) -> None:
+        refuse_corrupted(self.what, shared)
+
+    def stage(self) -> Agreement:
+        """An Agreement for a stage before the values are read: a failure on any rank
+        first waits for every rank's hashes, and a corrupted file outranks it."""
+        def corruption_first(failed: Dict[int, str], own: Optional[BaseException]) -> None:
+            self.refuse(gather_objects(self.corrupted()))
+            raise_agreed(self.what, own, [failed], error=CheckpointError)
+
+        return Agreement(self.what, error=CheckpointError, fail=corruption_first)
+
+    def read_stage(self) -> Agreement:
+        """The Agreement of the stage that reads the values: every rank's hashes shared,
+        a corrupted file refused before anything is loaded (and before the stage's own
+        failures)."""
+        return Agreement(self.what, error=CheckpointError, share=self.corrupted, check=self.refuse)
 
 
 def check_covered(path: str, meta, manifest: dict) -> None:

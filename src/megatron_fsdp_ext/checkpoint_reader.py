@@ -25,7 +25,6 @@ import os
 import pathlib
 import pickle
 import pickletools
-import zipfile
 from typing import Any, Dict, List
 
 import numpy as np
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import CheckpointError, check_zip_crc
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _MAX_METADATA_BYTES = 1 << 30
@@ -199,13 +198,27 @@ def _validate(metadata) -> None:
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with `.metadata` read through the restricted unpickler, and every
-    data file's read failure named."""
+    data file's read failure named.
+
+    metadata: the checkpoint's `.metadata` as read_metadata_file gave it, so that the
+    several reads of one load parse it once. crc_checked_elsewhere: the load checks every
+    entry's zip CRC-32 itself (checkpoint_files.Verification, on a thread, with the
+    sha256 of each file) and agrees on the outcome before anything is loaded; the reader
+    then skips its own check, another pass over every byte on the loading thread."""
+
+    def __init__(self, path, *, metadata=None, crc_checked_elsewhere: bool = False):
+        super().__init__(path)
+        self._known_metadata = metadata
+        self._crc_checked_elsewhere = crc_checked_elsewhere
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = read_metadata_file(os.path.join(os.fspath(self.path), name))
+        if rank is None and self._known_metadata is not None:
+            metadata = self._known_metadata
+        else:
+            metadata = read_metadata_file(os.path.join(os.fspath(self.path), name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -214,9 +227,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_data(self, plan: LoadPlan, planner):
         # One file at a time, so that a failure names the file it came from. Entries
         # stored plainly (no storage transform: what save_checkpoint writes) are read here,
-        # each one's zip CRC-32 checked before torch.load reads it weights-only: a changed
-        # byte is an error, not a different value, even where no manifest vouches for the
-        # files (verify=False). Transformed entries go through DCP's own reader.
+        # each one's zip CRC-32 checked before torch.load reads it weights-only (here, or
+        # by the load's Verification before anything reaches the model): a changed byte is
+        # an error, not a different value, even where the manifest was recomputed over
+        # it, or no manifest vouches for the files (verify=False). Transformed entries go
+        # through DCP's own reader.
         by_file: Dict[str, List] = {}
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
@@ -273,7 +288,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         if len(data) != info.length:
             raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{item.storage_index.fqn}' "
                              f"(at bytes {info.offset}-{info.offset + info.length} per .metadata)")
-        check_zip_crc(data, item.storage_index.fqn)
+        if not self._crc_checked_elsewhere:
+            check_zip_crc(data, item.storage_index.fqn)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(data))
             return
@@ -291,15 +307,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         planner.commit_tensor(item, dest)
 
 
-def check_zip_crc(data: bytes, what: str) -> None:
-    """Every member of a torch.save archive matches its CRC-32 (torch.load does not check)."""
+def load_weights_only(value: io.BytesIO, where: str):
+    """A value DCP stored as bytes (a torch.save), loaded weights-only."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            bad = archive.testzip()
-    except zipfile.BadZipFile as e:
-        raise ValueError(f"entry '{what}' is not a readable torch.save archive ({e})") from e
-    if bad is not None:
-        raise ValueError(f"entry '{what}': member '{bad}' fails its CRC-32 check (the bytes changed after writing)")
+        return torch.load(value, weights_only=True)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{where}: refused or unreadable value ({type(e).__name__}: {first})") from e
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -308,13 +322,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except Exception as e:
-            info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
-            where = f"{getattr(info, 'relative_path', '?')} (entry '{fqn}', where .metadata places it)"
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise CheckpointError(f"{where}: refused or unreadable value ({type(e).__name__}: {first})") from e
+        info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
+        loaded = load_weights_only(value, f"{getattr(info, 'relative_path', '?')} (entry '{fqn}', where .metadata "
+                                          "places it)")
         if self.flatten_state_dict:
             node, path = self.original_state_dict, self.mappings[fqn]
             for key in path[:-1]:

@@ -23,24 +23,26 @@ Loading runs nothing from the files (checkpoint_reader): DCP's .metadata is read
 restricted unpickler, values stored as bytes load weights-only, our metadata is JSON.
 
 save_checkpoint publishes a checkpoint only once it is whole: all ranks agree on the
-directory, write into a fresh sibling directory, agree that every write succeeded, hash
-what they wrote, and rank 0 writes the manifest (mfsdp_manifest.json: every file with its
-sha256 and size), then swaps the directory into place with renames. load_checkpoint
-refuses a directory without the manifest and checks every file's hash (each file hashed
-once, by one rank) before it loads anything. Every failure is raised on every rank. The
-file handling (manifest, hashes, renames, rank agreement) lives in checkpoint_files.
+directory, write into a fresh sibling directory, hash what they wrote, and rank 0 writes
+the manifest (mfsdp_manifest.json: every file with its sha256 and size) once every rank
+has, then swaps the directory into place with renames. The writing ranks meet through the
+job's c10d store with a deadline (checkpoint_writer), so a stalled rank is named instead
+of holding the others, and async_save=True runs it on a thread after copying the state to
+host memory. load_checkpoint refuses a directory without the manifest and checks every
+file (each by one rank, on a thread while it reads) before it loads anything; it reads
+each rank's pieces of the shards directly where it can (checkpoint_pieces). Every failure
+is raised on every rank. The file handling (manifest, hashes, renames, rank agreement)
+lives in checkpoint_files.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
-import shutil
 import uuid
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -49,20 +51,30 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.tensor import DTensor
 
 from . import backends, shard_changes
-from .agree import Agreement, describe, gather_objects, listing, rank_world
+from .agree import Agreement, gather_objects, rank_world
 from .checkpoint_files import (  # CheckpointError and MANIFEST_NAME are also this module's API
-    MANIFEST_NAME, WRITER, CheckpointError, barrier, check_covered, check_replaceable, check_same_path, file_digest,
-    from_rank0, moved_aside, no_manifest_message, publish, read_manifest, sibling, verify_share,
+    MANIFEST_NAME, CheckpointError, check_covered, check_replaceable, check_same_path, moved_aside, no_manifest_message,
+    Verification, read_manifest, refuse_corrupted, remove_stale_temporaries, sibling,
 )
+from .checkpoint_writer import (  # noqa: F401  (AsyncSave, release_async_save_buffers: this module's API too)
+    AsyncSave, SaveJob, checkpoint_timeout, release_async_save_buffers, stage_on_host, start_async_save,
+    temporaries_in_use, wait_for_previous_save, write_and_publish,
+)
+from .checkpoint_pieces import PieceTarget, piece_targets, read_locally, set_at
 from .checkpoint_reader import SafeFileSystemReader, decode_json, decode_object, encode_json, encode_object
 from .dcp_flat import (check_covers_world, optimizer_state_kind, check_groups, check_keys, check_optimizer_class, finish_load,
-                       is_flat_format, plan_load, quiet, read_into)
+                       is_flat_format, plan_load, read_into)
 from .param_index import iter_states
+from .state_dict import local_state_dict, unread_values
 
 FORMAT = {"format": "torch_state_dict", "version": 2}
 _FORMAT_KEY = "meta.format"
 _CLASS_KEY = "meta.optimizer_class"
 _OURS = (_FORMAT_KEY, _CLASS_KEY)
+# Files (and writer threads) per rank: written, hashed at save and verified at load in
+# parallel (one file's sha256 is sequential: a rank's single file of a large model would
+# take seconds to hash).
+_WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 # ----------------------------------------------------------------------------- the state dict
@@ -125,7 +137,8 @@ def _refuse_without_data(what: str) -> None:
         backends.check_moves_data(what, dist.group.WORLD)
 
 
-def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    async_save: bool = False) -> Optional[AsyncSave]:
     """Save model (and optimizer) state to directory `path`, replacing the checkpoint
     there only once the new one is complete. Collective: call on all ranks, with the
     same path.
@@ -134,10 +147,22 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     hashes its files, rank 0 writes the manifest (mfsdp_manifest.json: file -> sha256 and
     size) and renames the directory into place. A failure on any rank (a full disk, a
     crash in a write) raises CheckpointError on every rank naming the failing rank(s);
-    the previous checkpoint at `path` is left as it was. Different paths on different
+    so does a rank that stalls longer than the checkpoint timeout (the units'
+    fully_shard(timeout=...), else the default group's), once that timeout has passed.
+    The previous checkpoint at `path` is then left as it was. Different paths on different
     ranks raise ValueError on every rank before anything is written. `path` must be new,
-    or a directory holding only a checkpoint. For storage other than a filesystem, pass
-    sharded_state_dict() to torch.distributed.checkpoint.save yourself (unverified)."""
+    or a directory holding only a checkpoint; temporary directories a killed save left
+    beside it are removed. For storage other than a filesystem, pass sharded_state_dict()
+    to torch.distributed.checkpoint.save yourself (unverified).
+
+    async_save=True returns an AsyncSave as soon as the state is copied to host memory
+    (pinned, for CUDA tensors; the buffers are kept for the next asynchronous save,
+    release_async_save_buffers() frees them): training may change the parameters and
+    optimizer state right away. The files are written, hashed and published on a
+    background thread, which issues no collective (the ranks meet through the job's
+    c10d store). handle.result() waits and raises the save's CheckpointError; the next
+    save_checkpoint or load_checkpoint waits for it first, and raises its failure on
+    every rank if no result() call did. Wait for it before destroying the process group."""
     _refuse_without_data("save_checkpoint")
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
@@ -148,53 +173,23 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
         check_same_path("save_checkpoint", {r: p for r, (p, _token) in shared.items()})
 
     with Agreement(what, error=CheckpointError, share=(target, token), check=same_path) as prepared:
+        previous_failure = wait_for_previous_save(what)
+        # Collective (every rank makes the state dicts, even one that is about to raise).
         sd = sharded_state_dict(module, optimizer)
+        if previous_failure is not None:
+            raise previous_failure
+        if async_save:  # before returning: training may change the parameters next
+            sd = stage_on_host(sd)
         if rank == 0:
             check_replaceable(target)
+            remove_stale_temporaries(target, in_use=temporaries_in_use())
     token = prepared.shared[0][1]
-    tmp = sibling(target, "tmp", token)
-
-    def abort(stage: str, failed: Dict[int, str], cause: Optional[BaseException]):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()  # the temporary directory is gone on return, on every rank
-        kept = (f"the previous checkpoint at {target} is unchanged" if os.path.isdir(target)
-                else f"nothing was written to {target}")
-        raise CheckpointError(f"{what}: {stage} failed on rank(s) {sorted(failed)} ({listing(failed)}); "
-                              f"{kept}") from cause
-
-    # 1. Write. DCP gathers a failed write into a CheckpointException on every rank.
-    with Agreement(what, fail=functools.partial(abort, "writing the checkpoint")) as written:
-        with quiet():
-            dcp.save(sd, checkpoint_id=tmp)
-        if rank == 0:  # every rank's write has finished once dcp.save returns on rank 0
-            written.share = sorted(n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n)))
-    files = written.shared[0]
-
-    # 2. Hash: each rank the files it wrote (rank 0 also the metadata).
-    with Agreement(what, share={}, fail=functools.partial(abort, "hashing the written files")) as hashed:
-        for name in files:
-            m = WRITER.match(name)
-            writer = int(m.group(1)) if m and int(m.group(1)) < world else 0
-            if writer == rank:
-                hashed.share[name] = file_digest(os.path.join(tmp, name))
-
-    # 3. Publish (rank 0), then tell everyone how it went: this is also the final barrier.
-    outcome = None
-    if rank == 0:
-        try:
-            everything: Dict[str, Tuple[str, int]] = {}
-            for digests in hashed.shared.values():
-                everything.update(digests)
-            publish(target, tmp, token, everything, world)
-        except Exception as e:
-            outcome = describe(e)
-            shutil.rmtree(tmp, ignore_errors=True)
-    outcome = from_rank0(outcome)
-    if outcome is not None:
-        kept = (f"the previous checkpoint at {target} is unchanged" if os.path.isdir(target)
-                else f"nothing was written to {target}{moved_aside(target)}")
-        raise CheckpointError(f"{what}: publishing the checkpoint failed on rank 0 ({outcome}); {kept}")
+    job = SaveJob(what=what, target=target, tmp=sibling(target, "tmp", token), token=token, rank=rank, world=world,
+                  timeout_s=checkpoint_timeout(module), write_threads=_WRITE_THREADS)
+    if async_save:
+        return start_async_save(job, sd)
+    write_and_publish(job, sd)
+    return None
 
 
 def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -217,24 +212,23 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     what = f"load_checkpoint({path})"
     check_same_path("load_checkpoint", gather_objects(target))
 
-    # Local checks: integrity (this rank's share of the hashes: the corrupted files it
-    # found), then what the metadata alone tells. Agreed in one collective; a corrupted
-    # file outranks any other error.
-    def refuse_corrupted(shared: Dict[int, List[str]], _) -> None:
-        bad = [line for lines in shared.values() for line in lines]
-        if bad:
-            more = f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""
-            raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing "
-                                  f"was loaded: {bad[0]}{more}")
-
-    with Agreement(what, error=CheckpointError, share=[], check=refuse_corrupted) as checked:
+    # Local checks: the previous save done, the manifest and .metadata checked (the data
+    # files' hashes go on on a thread: Verification), then what the metadata alone
+    # tells. Agreed in one collective; a corrupted file outranks any other error.
+    with Agreement(what, error=CheckpointError, share=[],
+                   check=lambda shared, _: refuse_corrupted(what, shared)) as checked:
+        previous_failure = wait_for_previous_save(what)  # it may be writing this very directory
+        if previous_failure is not None:
+            raise previous_failure
         if not os.path.isdir(target):
             raise FileNotFoundError(f"{what}: no checkpoint directory at {target}{moved_aside(target)}")
         manifest = read_manifest(path, target) if verify else None
-        if manifest is not None:
-            checked.share = verify_share(target, manifest, rank, world)
+        verification = Verification(what, target, manifest, rank, world, _WRITE_THREADS)
+        checked.share = verification.metadata_bad
         if not checked.share:
-            meta = _read_metadata(path, target, manifest, verify)
+            metadata = _read_metadata(path, target, manifest, verify)
+            verification.start(metadata)
+            meta = metadata.state_dict_metadata
             unverified = verify and manifest is None  # refused once the compatibility checks ran
             for state in iter_states(module):
                 if state.unit is not None:
@@ -242,44 +236,59 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
             if optimizer is not None:
                 # Its state dicts speak full shapes from now on, before its first step too.
                 shard_changes.adopt(optimizer)
-            flat_plan = plan_load(path, target, module, optimizer, meta, unverified) if is_flat_format(meta, module) else None
+            flat_plan = None
+            if is_flat_format(meta, module):  # the earlier format loads as before: verified first
+                checked.share = verification.corrupted()
+                if not checked.share:
+                    flat_plan = plan_load(path, target, module, optimizer, meta, unverified)
     if flat_plan is not None:
         finish_load(flat_plan, path, module, optimizer)
     else:
-        _load_state_dicts(path, target, module, optimizer, meta, unverified)
+        _load_state_dicts(path, target, module, optimizer, metadata, unverified, verification)
 
 
 def _read_metadata(path: str, target: str, manifest: Optional[dict], verify: bool):
     if verify and manifest is None and not os.path.isfile(os.path.join(target, ".metadata")):
         raise CheckpointError(no_manifest_message(path, target, False))
-    meta = SafeFileSystemReader(target).read_metadata()
+    metadata = SafeFileSystemReader(target).read_metadata()
     if manifest is not None:
-        check_covered(path, meta, manifest)
-    return meta.state_dict_metadata
+        check_covered(path, metadata, manifest)
+    return metadata
 
 
-def _copies(tree):
+def _copies(tree, fresh: Dict[int, tuple]):
     """The state dict's containers and plain tensors copied (the DTensors our state-dict
-    hooks return are fresh already): DCP reads into these, so that a failed read leaves
-    the model and optimizer as they were."""
+    hooks return, and the values in `fresh`, are new already): DCP reads into these, so
+    that a failed read leaves the model and optimizer as they were."""
     if isinstance(tree, dict):
-        return {k: _copies(v) for k, v in tree.items()}
+        return {k: _copies(v, fresh) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_copies(v) for v in tree)
-    if isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor):
+        return type(tree)(_copies(v, fresh) for v in tree)
+    if isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor) and id(tree) not in fresh:
         return tree.detach().clone()
     return tree
 
 
-def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, meta, unverified: bool) -> None:
-    """A checkpoint of torch's state dicts: read into the state dicts torch's helpers give
-    (a collective), checked against the metadata first; each stage agreed on every rank."""
+def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, metadata, unverified: bool,
+                      verification: Verification) -> None:
+    """A checkpoint of torch's state dicts: read into targets laid out as torch's helpers
+    give them (state_dict.unread_values: no collective fills them), checked against the
+    metadata first; each stage agreed on every rank, the values loaded only once every
+    file matched the manifest. Where every sharded value is a unit's own, each rank reads
+    its pieces of the shards directly (checkpoint_pieces) and loads them as they are;
+    otherwise DCP reads the DTensors and the state-dict hooks cut them (an exchange)."""
     what = f"load_checkpoint({path})"
+    meta = metadata.state_dict_metadata
     meta_file = os.path.join(directory, ".metadata")
-    with Agreement(what, error=CheckpointError):  # before any state dict is made
+    crc_checked = verification.checks_crc  # on the verification's thread, not while reading
+
+    with verification.stage():  # before any state dict is made
         check_covers_world(iter_states(module))
         small = {k: "" for k in _OURS if k in meta and (optimizer is not None or k == _FORMAT_KEY)}
-        read_into(small, path, directory)
+        groups = {k: [] for k in _group_keys(meta)}  # every saved group, ours or not
+        if small or groups:
+            loaded = read_locally(directory, metadata, {**small, **groups}, crc_checked)
+            small, groups = {k: loaded[k] for k in small}, {k: loaded[k] for k in groups}
         _check_format(path, meta_file, small)
         if optimizer is not None:
             _check_optimizer_params(module, optimizer)
@@ -288,17 +297,15 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
     # gradients and lr 0): a load refused after that takes it back.
     fresh = optimizer is not None and not optimizer.state
     try:
-        targets = {"model": _copies(get_model_state_dict(module))}
+        with unread_values() as made:
+            targets = {"model": _copies(get_model_state_dict(module), made)}
+            if optimizer is not None:
+                targets["optimizer"] = _copies(get_optimizer_state_dict(module, optimizer), made)
         extra = [k for k in targets["model"] if _is_extra_state(k)]
         for key in extra:
             targets["model"][key] = b""  # read as saved (opaque bytes), decoded below
-        if optimizer is not None:
-            targets["optimizer"] = _copies(get_optimizer_state_dict(module, optimizer))
-        flat, _ = flatten_state_dict(targets)
-        with Agreement(what, error=CheckpointError):
-            groups = {k: [] for k in _group_keys(meta)}  # every saved group, ours or not
-            if groups:
-                read_into(groups, path, directory)
+        flat, mappings = flatten_state_dict(targets)
+        with verification.stage():
             try:
                 _check_against_metadata(path, meta_file, meta, flat, groups, optimizer)
             except (KeyError, ValueError) as e:
@@ -307,8 +314,16 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
                 raise
             if unverified:
                 raise CheckpointError(no_manifest_message(path, directory, True))
-        with Agreement(what, error=CheckpointError):
-            read_into(targets, path, directory)
+        pieces = piece_targets(flat, made)  # the same on every rank: the units and the keys agree
+        with verification.read_stage():
+            if pieces is not None:
+                for key, value in read_locally(directory, metadata, pieces, crc_checked).items():
+                    set_at(targets, mappings[key], value)
+                for key, value in pieces.items():
+                    if isinstance(value, PieceTarget):
+                        set_at(targets, mappings[key], value.piece)
+            else:
+                read_into(targets, path, directory, metadata=metadata, crc_checked_elsewhere=crc_checked)
             for key in extra:
                 targets["model"][key] = decode_object(targets["model"][key], f"{what}: 'model.{key}'")
     except BaseException:
@@ -316,11 +331,13 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
             optimizer.state.clear()
         raise
     with Agreement(what, error=CheckpointError):
-        set_model_state_dict(module, targets["model"])
-        for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
-            state.mark_loaded()
-        if optimizer is not None:
-            set_optimizer_state_dict(module, optimizer, targets["optimizer"])
+        # Pieces load as they are (no exchange); otherwise the hooks cut each value.
+        with local_state_dict() if pieces is not None else contextlib.nullcontext():
+            set_model_state_dict(module, targets["model"])
+            for state in iter_states(module):  # every parameter was in the checkpoint (keys match exactly)
+                state.mark_loaded()
+            if optimizer is not None:
+                set_optimizer_state_dict(module, optimizer, targets["optimizer"])
 
 
 def _check_format(path: str, meta_file: str, small: dict) -> None:

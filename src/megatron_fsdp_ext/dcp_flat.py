@@ -400,12 +400,14 @@ def _apply_optimizer(plan: _Plan, small: dict, optimizer) -> None:
         optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
 
 
-def read_into(target: dict, path: str, directory: str) -> None:
+def read_into(target: dict, path: str, directory: str, metadata=None, crc_checked_elsewhere: bool = False) -> None:
     """dcp.load, whose failures (gathered from every rank into a CheckpointException on
-    every rank) become a CheckpointError naming the failing ranks."""
+    every rank) become a CheckpointError naming the failing ranks. metadata,
+    crc_checked_elsewhere: SafeFileSystemReader's."""
     try:
         with quiet():
-            dcp.load(target, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner())
+            reader = SafeFileSystemReader(directory, metadata=metadata, crc_checked_elsewhere=crc_checked_elsewhere)
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as e:
         failed = failures(e, 0)
         raise CheckpointError(f"load_checkpoint({path}): reading failed on rank(s) {sorted(failed)}: "

@@ -283,3 +283,27 @@ def test_simulate_tiny_cpu(tmp_path):
         assert ours["all_gather"] == r["c10d_calls_per_step"]["c10d::_allgather_base_"], r
         assert ours["reduce_scatter"] == r["c10d_calls_per_step"]["c10d::_reduce_scatter_base_"], r
         assert r["estimate_gib"] > 0
+
+
+def test_bench_async_save_tiny_cpu(tmp_path):
+    """bench_async_save.py, one run per system: every mode's times are the slowest rank's,
+    summarized over the repeats; an asynchronous save blocks for less time than it takes
+    in all; both systems save the same model."""
+    runs = {}
+    for port, system in ((29579, "mfsdp"), (29580, "fsdp2")):
+        out = tmp_path / f"{system}.json"
+        run_script(2, _script("bench_async_save.py"), "--system", system, "--device", "cpu", "--model", "tiny",
+                   "--repeats", "2", "--dir", str(tmp_path), "--out", str(out), port=port)
+        runs[system] = data = json.loads(out.read_text())
+        check_meta(data["meta"], "bench_async_save.py")
+        assert data["system"] == system and data["world"] == 2 and data["checkpoint_bytes"] > 0 and data["staging"]
+        results = data["results"]
+        assert set(results) == {"sync", "async", "load"}
+        for times in (results["sync"]["blocked_s"], results["async"]["blocked_s"], results["async"]["total_s"],
+                      results["load"]["seconds"]):
+            assert len(times["all"]) == 2 and min(times["all"]) > 0
+            assert times["median"] == pytest.approx(statistics.median(times["all"]))
+            assert times["min"] == min(times["all"]) and times["max"] == max(times["all"])
+        assert all(b < t for b, t in zip(results["async"]["blocked_s"]["all"], results["async"]["total_s"]["all"]))
+    assert runs["mfsdp"]["params"] == runs["fsdp2"]["params"] == sum(p.numel() for p in _tiny_model().parameters())
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [], "a run left checkpoints behind"
