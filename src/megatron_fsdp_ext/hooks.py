@@ -636,3 +636,8 @@ class FSDPState:
         self.backward_progress = BackwardProgress.NONE
         self.reduce_again = False
         self._pending_backward_calls = 0
+        if self.unit is not None and not self.slots.holds_unsharded:
+            # A slot the user re-assigned (module.weight = nn.Parameter(full)) on a unit this
+            # step did not call: adopted now, so model.parameters() yields the unit's shard
+            # (an optimizer built from it then steps the unit), as for a unit that ran.
+            self._adopt_replaced(self.slots.install(False), unsharded=False)

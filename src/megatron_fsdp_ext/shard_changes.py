@@ -147,7 +147,12 @@ def adopt_replaced_params(state, replaced_slots) -> None:
             raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
                              f"{type(new).__name__}, not a tensor")
         set_full_value(state, index, new.detach())
-        params_dict[name] = state.unit.sharded_param(index)
+        sharded = state.unit.sharded_param(index)
+        # The replacement's requires_grad is the user's word on training it (the unsharded
+        # parameter follows the sharded one at its next install).
+        if sharded.requires_grad != new.requires_grad:
+            sharded.requires_grad_(new.requires_grad)
+        params_dict[name] = sharded
 
 
 def set_full_value(state, index: int, value: torch.Tensor) -> None:
