@@ -84,7 +84,7 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
     PieceTarget over a fresh buffer shaped like the rank's piece; None when any sharded
     value cannot be read so: a tensor-parallel parameter, or a value a module's hook put
     in place of ours (its key or layout is then the hook's, not the unit's)."""
-    from .state_dict import _tp_spec
+    from .state_dict import tp_spec_of
 
     out: Dict[str, Any] = {}
     for key, value in flat.items():
@@ -96,7 +96,7 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
             continue
         _, state, index = entry
         spec = state.unit.param_spec(index)
-        if _tp_spec(state, index) is not None or spec.slice.numel != state.unit.sharded_param(index).numel():
+        if tp_spec_of(state, index) is not None or spec.slice.numel != state.unit.sharded_param(index).numel():
             return None
         local = value.to_local() if isinstance(value, DTensor) else value
         piece = torch.empty(spec.slice.numel, dtype=local.dtype, device=local.device)

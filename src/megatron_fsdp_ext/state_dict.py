@@ -108,7 +108,8 @@ def _replicated(state) -> bool:
     return state.unit.strategy.replicated
 
 
-def _tp_spec(state, index: int):
+def tp_spec_of(state, index: int):
+    """Parameter `index`'s tensor-parallel spec in its unit, or None (not TP-sharded)."""
     tp = state.tp
     return tp.specs.get(index) if tp is not None else None
 
@@ -121,7 +122,7 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
     (dp..., tp) mesh, its TP placements after, the dp shard strided by TP's shards of the
     same dim (tensor_parallel.py)."""
     spec = state.unit.param_spec(index)
-    tp_spec = _tp_spec(state, index)
+    tp_spec = tp_spec_of(state, index)
     if tp_spec is None:
         mesh = _mesh(state, device_type)
         dp_ndim = mesh.ndim
@@ -197,7 +198,7 @@ def _exchangeable(state, value: DTensor, index: int) -> bool:
 
 
 def _full_shape(state, index: int) -> tuple:
-    tp_spec = _tp_spec(state, index)
+    tp_spec = tp_spec_of(state, index)
     return tuple(tp_spec.shape) if tp_spec is not None else tuple(state.unit.param_spec(index).shape)
 
 
@@ -212,7 +213,7 @@ def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Te
             local = local.to(value.device_mesh.device_type)
         return state.unit.piece_from_rows(index, local.contiguous())
     full = _full_value(value, _full_shape(state, index), local_numel, what)
-    if _tp_spec(state, index) is not None:
+    if tp_spec_of(state, index) is not None:
         full = state.tp.local_of_full(index, full)
     return state.unit.local_piece(index, full)
 
@@ -225,7 +226,7 @@ def _as_dtensor(state, index: int, full: torch.Tensor, values: bool = True):
     def own(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if values else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
-    if _replicated(state) and _tp_spec(state, index) is None:
+    if _replicated(state) and tp_spec_of(state, index) is None:
         return full if values else own(full)
     mesh, placements, shape, shard_dim = _layout(state, index, _mesh_device_type(state, full))
     if full.dim() == 0:
