@@ -21,7 +21,7 @@ import torch.distributed as dist
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import MANIFEST_NAME, CheckpointError, load_checkpoint, save_checkpoint
 from harness import run_distributed
-from harness.workers import build_models, expect_error, shard
+from harness.workers import assert_same_snapshot, build_models, checkpoint_snapshot, expect_error, shard
 
 TINY = {"layers": 1, "d_model": 16, "ffn": 40, "vocab": 32}
 
@@ -42,26 +42,6 @@ def _step(model, opt, seed):
     model.loss(tokens, tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def _snapshot(model, opt=None):
-    """Full parameters (every rank) and this rank's optimizer state, cloned."""
-    full = {k: v.clone() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
-    state = {}
-    if opt is not None:
-        for i, p in enumerate(opt.param_groups[0]["params"]):
-            for key, value in opt.state.get(p, {}).items():
-                state[f"{i}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
-    return full, state
-
-
-def _assert_same(got, expected, what):
-    (gf, gs), (ef, es) = got, expected
-    assert set(gf) == set(ef) and set(gs) == set(es), what
-    for k in ef:
-        assert torch.equal(gf[k], ef[k]), f"{what}: parameter '{k}' differs"
-    for k in es:
-        assert torch.equal(torch.as_tensor(gs[k]), torch.as_tensor(es[k])), f"{what}: optimizer state '{k}' differs"
 
 
 def _files(path):
@@ -108,10 +88,10 @@ def failed_save_keeps_previous(rank, world, path):
     opt = _adamw(model)
     _step(model, opt, 0)
     save_checkpoint(path, model, opt)
-    saved = _snapshot(model, opt)
+    saved = checkpoint_snapshot(model, opt)
     files = _files(path)
     _step(model, opt, 1)  # the state a failed save would have written
-    changed = _snapshot(model, opt)
+    changed = checkpoint_snapshot(model, opt)
     assert not torch.equal(changed[0]["norm.weight"], saved[0]["norm.weight"])
 
     for failing in (1, 0):  # a non-coordinator, then the rank that writes the metadata
@@ -129,13 +109,13 @@ def failed_save_keeps_previous(rank, world, path):
     fresh_opt = _adamw(fresh)
     _step(fresh, fresh_opt, 5)  # state of its own, to be replaced
     load_checkpoint(path, fresh, fresh_opt)
-    _assert_same(_snapshot(fresh, fresh_opt), saved, "after failed saves, the loaded checkpoint")
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), saved, "after failed saves, the loaded checkpoint")
 
     # A save that succeeds replaces it, and leaves no temporary directory behind.
     save_checkpoint(path, model, opt)
     assert _siblings(path) == [] and _files(path) != files
     load_checkpoint(path, fresh, fresh_opt)
-    _assert_same(_snapshot(fresh, fresh_opt), changed, "the replaced checkpoint")
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), changed, "the replaced checkpoint")
     return True
 
 
@@ -160,10 +140,10 @@ def corrupted_byte(rank, world, path):
     dist.barrier()
     fresh = _model(seed=7)
     fresh_opt = _adamw(fresh)
-    before = _snapshot(fresh, fresh_opt)
+    before = checkpoint_snapshot(fresh, fresh_opt)
     expect_error(lambda: load_checkpoint(path, fresh, fresh_opt), CheckpointError,
                  "the checkpoint is corrupted", f"'{victim}' has sha256", "the manifest expects")
-    _assert_same(_snapshot(fresh, fresh_opt), before, "a refused load changed the model")
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), before, "a refused load changed the model")
     return True
 
 
@@ -185,10 +165,10 @@ def different_paths(rank, world, root):
         save_checkpoint(os.path.join(root, name), model, opt)
         _step(model, opt, 0)
     fresh = _model(seed=7)
-    before = _snapshot(fresh)
+    before = checkpoint_snapshot(fresh)
     expect_error(lambda: load_checkpoint(mine, fresh), ValueError, "different checkpoint paths",
                  f"rank 0: {root}/rank0", f"rank 1: {root}/rank1")
-    _assert_same(_snapshot(fresh), before, "a refused load changed the model")
+    assert_same_snapshot(checkpoint_snapshot(fresh), before, "a refused load changed the model")
     return True
 
 
@@ -204,18 +184,18 @@ def no_manifest(rank, world, root):
     model = _model()
     path = os.path.join(root, "ckpt")
     save_checkpoint(path, model)
-    expected = _snapshot(model)
+    expected = checkpoint_snapshot(model)
     dist.barrier()
     if rank == 0:
         os.remove(os.path.join(path, MANIFEST_NAME))  # as if the save stopped before its last step
     dist.barrier()
     fresh = _model(seed=7)
-    before = _snapshot(fresh)
+    before = checkpoint_snapshot(fresh)
     expect_error(lambda: load_checkpoint(path, fresh), CheckpointError, f"has no {MANIFEST_NAME}",
                  "incomplete or interrupted save", "not written by save_checkpoint", "verify=False")
-    _assert_same(_snapshot(fresh), before, "a refused load changed the model")
+    assert_same_snapshot(checkpoint_snapshot(fresh), before, "a refused load changed the model")
     load_checkpoint(path, fresh, verify=False)  # the explicit way to read an unverified one
-    _assert_same(_snapshot(fresh), expected, "an unverified load")
+    assert_same_snapshot(checkpoint_snapshot(fresh), expected, "an unverified load")
 
     empty = os.path.join(root, "empty")
     if rank == 0:
@@ -229,7 +209,7 @@ def no_manifest(rank, world, root):
     dcp.save(model.state_dict(), checkpoint_id=foreign)
     expect_error(lambda: load_checkpoint(foreign, fresh), CheckpointError, f"has no {MANIFEST_NAME}",
                  "dcp.load", "get_model_state_dict", "set_model_state_dict")
-    _assert_same(_snapshot(fresh), expected, "a refused load changed the model")
+    assert_same_snapshot(checkpoint_snapshot(fresh), expected, "a refused load changed the model")
     return True
 
 
@@ -247,7 +227,7 @@ def round_trip(rank, world, path):
     for s in range(2):
         _step(model, opt, s)
     save_checkpoint(path, model, opt)
-    saved = _snapshot(model, opt)
+    saved = checkpoint_snapshot(model, opt)
     with open(os.path.join(path, MANIFEST_NAME)) as f:
         manifest = json.load(f)
     on_disk = _files(path)
@@ -259,10 +239,10 @@ def round_trip(rank, world, path):
     fresh = _model(seed=7)
     fresh_opt = _adamw(fresh)
     load_checkpoint(path, fresh, fresh_opt)
-    _assert_same(_snapshot(fresh, fresh_opt), saved, "the round trip")
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), saved, "the round trip")
     _step(model, opt, 9)
     _step(fresh, fresh_opt, 9)
-    _assert_same(_snapshot(fresh, fresh_opt), _snapshot(model, opt), "a step after the round trip")
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), checkpoint_snapshot(model, opt), "a step after the round trip")
     return True
 
 
@@ -275,7 +255,7 @@ def test_round_trip_is_exact_and_manifest_lists_every_file(tmp_path):
 def full_state_dict_keys_differ(rank, world):
     model = _model()
     good = mfsdp.full_state_dict(model, rank0_only=False)
-    before = _snapshot(model)
+    before = checkpoint_snapshot(model)
     other = _model(seed=7)
     everything = mfsdp.full_state_dict(other, rank0_only=False)
     partial = dict(everything)
@@ -296,9 +276,9 @@ def full_state_dict_keys_differ(rank, world):
         expect_error(lambda: mfsdp.load_full_state_dict(model, bad, strict=False), RuntimeError,
                      "failed on rank(s) [1]", f"'{key}' has shape (3, 3)")
     # Nothing was loaded, and the ranks are still in step.
-    _assert_same(_snapshot(model), before, "a refused load_full_state_dict changed the model")
+    assert_same_snapshot(checkpoint_snapshot(model), before, "a refused load_full_state_dict changed the model")
     mfsdp.load_full_state_dict(model, everything, strict=False)
-    _assert_same(_snapshot(model), _snapshot(other), "load_full_state_dict after the refusals")
+    assert_same_snapshot(checkpoint_snapshot(model), checkpoint_snapshot(other), "load_full_state_dict after the refusals")
     return True
 
 
@@ -321,10 +301,10 @@ def sgd_into_adamw(rank, world, root):
     save_checkpoint(path, model, sgd)
     fresh = _model(seed=7)
     adamw = _adamw(fresh)
-    before = _snapshot(fresh, adamw)
+    before = checkpoint_snapshot(fresh, adamw)
     expect_error(lambda: load_checkpoint(path, fresh, adamw), ValueError,
                  "the checkpoint was saved from SGD", "this optimizer is AdamW", "nothing was loaded")
-    _assert_same(_snapshot(fresh, adamw), before, "a refused load changed the model or optimizer")
+    assert_same_snapshot(checkpoint_snapshot(fresh, adamw), before, "a refused load changed the model or optimizer")
     # A checkpoint of the flat format that does not name its optimizer (older ones): told
     # by the hyper-parameters.
     unnamed = flat_state_dict(model, sgd)
@@ -333,7 +313,7 @@ def sgd_into_adamw(rank, world, root):
         dcp.save(unnamed, checkpoint_id=os.path.join(root, "unnamed"))
     expect_error(lambda: load_checkpoint(os.path.join(root, "unnamed"), fresh, adamw, verify=False), ValueError,
                  "hyper-parameters ['dampening', 'momentum', 'nesterov']", "this AdamW does not have")
-    _assert_same(_snapshot(fresh, adamw), before, "a refused load changed the model or optimizer")
+    assert_same_snapshot(checkpoint_snapshot(fresh, adamw), before, "a refused load changed the model or optimizer")
     # The same class loads.
     load_checkpoint(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
     return True

@@ -10,10 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import AsyncSave, CheckpointError, load_checkpoint, save_checkpoint
 
+from .workers import assert_same_snapshot as assert_same
 from .workers import build_models, expect_error, shard
+from .workers import checkpoint_snapshot as snapshot
 
 TINY = {"layers": 1, "d_model": 16, "ffn": 40, "vocab": 32}
 
@@ -35,25 +36,6 @@ def train_step(model, opt, seed):
     model.loss(tokens, tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def snapshot(model, opt):
-    """Full parameters (every rank) and this rank's optimizer state, cloned."""
-    full = {k: v.clone() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
-    state = {}
-    for i, p in enumerate(opt.param_groups[0]["params"]):
-        for key, value in opt.state.get(p, {}).items():
-            state[f"{i}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
-    return full, state
-
-
-def assert_same(got, expected, what):
-    (gf, gs), (ef, es) = got, expected
-    assert set(gf) == set(ef) and set(gs) == set(es), what
-    for k in ef:
-        assert torch.equal(gf[k], ef[k]), f"{what}: parameter '{k}' differs"
-    for k in es:
-        assert torch.equal(torch.as_tensor(gs[k]), torch.as_tensor(es[k])), f"{what}: optimizer state '{k}' differs"
 
 
 def loaded(path):

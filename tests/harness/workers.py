@@ -53,6 +53,27 @@ def expect_error(fn, exc_type, *fragments: str) -> None:
     raise AssertionError(f"no {exc_type.__name__} raised (expected one mentioning {fragments})")
 
 
+def checkpoint_snapshot(model, opt=None):
+    """Full parameters (every rank) and this rank's optimizer state, cloned: what a
+    checkpoint test compares before and after a save or load."""
+    full = {k: v.clone() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
+    state = {}
+    if opt is not None:
+        for i, p in enumerate(opt.param_groups[0]["params"]):
+            for key, value in opt.state.get(p, {}).items():
+                state[f"{i}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
+    return full, state
+
+
+def assert_same_snapshot(got, expected, what):
+    (gf, gs), (ef, es) = got, expected
+    assert set(gf) == set(ef) and set(gs) == set(es), what
+    for k in ef:
+        assert torch.equal(gf[k], ef[k]), f"{what}: parameter '{k}' differs"
+    for k in es:
+        assert torch.equal(torch.as_tensor(gs[k]), torch.as_tensor(es[k])), f"{what}: optimizer state '{k}' differs"
+
+
 def unique_storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (None skipped): what they keep
     alive, views of one flat buffer counted once."""
