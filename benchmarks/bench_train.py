@@ -16,6 +16,7 @@ model that needs FSDP.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -50,7 +51,9 @@ CONFIGS = {
 # "mfsdp_bucketed": ours with gather_bucket_bytes=32 MiB and reduce_bucket_bytes=64 MiB
 # (consecutive blocks share one all-gather and one reduce-scatter; fp32 gradients take
 # twice the bytes of bf16 parameters, so both group the same blocks).
-SYSTEMS = ("mfsdp", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
+# "mfsdp": ours with defaults (bucket budgets "auto": from the link timed after the first
+# backward); "mfsdp_unbucketed": one collective per unit (gather/reduce_bucket_bytes=0).
+SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
            "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed",
            "mfsdp_nancheck")
 # "mfsdp_nancheck": ours with check_for_nan_in_grad=True (its cost against "mfsdp").
@@ -128,15 +131,15 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
     with torch.device("meta" if meta_init else device):
         model = LlamaModel(cfg)
     bf16 = device.type == "cuda"
-    if system in ("mfsdp", "mfsdp_bucketed", "mfsdp_nancheck"):
+    if system in ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
         check = system == "mfsdp_nancheck"
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp, check_for_nan_in_grad=check)
-        bucketed = system == "mfsdp_bucketed"
-        mfsdp.fully_shard(model, mp_policy=mp, gather_bucket_bytes=GATHER_BUCKET_BYTES if bucketed else 0,
-                          reduce_bucket_bytes=REDUCE_BUCKET_BYTES if bucketed else 0, check_for_nan_in_grad=check)
+        buckets = {"mfsdp_bucketed": dict(gather_bucket_bytes=GATHER_BUCKET_BYTES, reduce_bucket_bytes=REDUCE_BUCKET_BYTES),
+                   "mfsdp_unbucketed": dict(gather_bucket_bytes=0, reduce_bucket_bytes=0)}.get(system, {})
+        mfsdp.fully_shard(model, mp_policy=mp, check_for_nan_in_grad=check, **buckets)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False
@@ -279,6 +282,10 @@ def run_one(system, name, device, args):
         # Rank 0's loss of each timed step and the optimizer steps taken before the first
         # of them (a graphed system warms up eagerly before capture): trajectories of
         # systems line up once shifted by the difference.
+        # Ours: the bucket budgets in effect (bytes) and the link they came from.
+        "bucket_budgets": list(model.bucket_budgets()) if hasattr(model, "bucket_budgets") else None,
+        "link": dataclasses.asdict(model._fsdp_state.ctx.link) if getattr(getattr(getattr(model, "_fsdp_state", None),
+                                                                                   "ctx", None), "link", None) else None,
         "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) + 1 if graphed else 0),
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,

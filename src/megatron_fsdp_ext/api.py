@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, List, Optional, Tuple, Union
 
 import contextlib
 
@@ -133,16 +133,27 @@ class FSDPModule(torch_fsdp.FSDPModule):
         instead of the previous ones in the recorded forward order."""
         self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
-    def set_gather_bucket_bytes(self, nbytes: int) -> None:
+    def set_gather_bucket_bytes(self, nbytes: Union[int, str]) -> None:
         """(root) Consecutive units whose gathered parameters add up to at most `nbytes`
-        are all-gathered by one coalesced collective (0: one per unit). Applies from the
+        are all-gathered by one coalesced collective (0: one per unit; "auto": from the
+        measured link, see fully_shard). Applies from the
         next forward, in the order recorded in the first iteration. Only the root's value
         is used: on another unit this raises (at once, or at the first forward)."""
         self._set_root_option("set_gather_bucket_bytes", gather_bucket_bytes=nbytes)
 
-    def set_reduce_bucket_bytes(self, nbytes: int) -> None:
+    def bucket_budgets(self) -> Tuple[int, int]:
+        """(root) The gather and reduce bucket budgets in effect, in bytes: the options'
+        values with "auto" resolved (0 until the first backward measured the link)."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return (0, 0)
+        schedule = state.ctx.schedule
+        return schedule.budget("gather_bucket_bytes"), schedule.budget("reduce_bucket_bytes")
+
+    def set_reduce_bucket_bytes(self, nbytes: Union[int, str]) -> None:
         """(root) Consecutive units whose packed gradients add up to at most `nbytes` are
-        reduce-scattered by one coalesced collective (0: one per unit). Applies from the
+        reduce-scattered by one coalesced collective (0: one per unit; "auto": from the
+        measured link, see fully_shard). Applies from the
         next backward, in the order recorded in the first iteration. Only the root's
         value is used: on another unit this raises (at once, or at the first forward)."""
         self._set_root_option("set_reduce_bucket_bytes", reduce_bucket_bytes=nbytes)
@@ -387,8 +398,8 @@ def fully_shard(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     alignment: int = _C.DEFAULT_ALIGNMENT,
     prefetch_depth: int = 1,
-    gather_bucket_bytes: int = 0,
-    reduce_bucket_bytes: int = 0,
+    gather_bucket_bytes: Union[int, str] = "auto",
+    reduce_bucket_bytes: Union[int, str] = "auto",
     all_gather_group: Optional[dist.ProcessGroup] = None,
     reduce_scatter_group: Optional[dist.ProcessGroup] = None,
     create_all_gather_group: Optional[bool] = None,
@@ -442,14 +453,19 @@ def fully_shard(
                      gathered parameters add up to at most this many bytes are
                      all-gathered by one coalesced collective (one c10d call for many
                      small units), in forward and backward; prefetching then runs a
-                     bucket ahead. 0 (default): one all-gather per unit.
+                     bucket ahead. 0: one all-gather per unit. "auto" (default): the
+                     budget at which a collective's fixed cost is at most 10% of its
+                     time, from two all-gathers timed on the group at the end of the
+                     first backward (megatron_fsdp_ext.link; the slowest rank's
+                     times, so every rank plans alike; at most 256 MiB; 0 at world 1
+                     and where nothing moves). bucket_budgets() says what was chosen.
     reduce_bucket_bytes: (root) the same for gradients: consecutive units whose packed
                      gradients (reduce dtype) add up to at most this many bytes are
                      reduce-scattered by one coalesced collective once the last of them
                      (the first in forward order) is done with backward; until then
                      their gradients wait unpacked. HSDP meshes and the full-gradient
-                     strategies (no_shard, optim) reduce per unit. 0 (default): one
-                     reduce-scatter per unit.
+                     strategies (no_shard, optim) reduce per unit. 0: one
+                     reduce-scatter per unit; "auto" (default): as gather_bucket_bytes.
     all_gather_group: an explicit group (same ranks, same order) for all-gathers.
     reduce_scatter_group: an explicit group (same ranks, same order) for gradient
                      reductions (default: process_group), e.g. one per expert-parallel group.

@@ -156,6 +156,9 @@ def estimate_memory(
     in fully_shard: reduction buffers are counted for the largest bucket (the root first,
     then the other units in module order), unless the mesh replicates (HSDP) or the
     strategy all-reduces full gradients (no_shard, optim), which reduce per unit.
+    Both are bytes (default 0): fully_shard's default "auto" picks its budgets from the
+    link at run time, so pass what the root's bucket_budgets() reports (up to 256 MiB)
+    to count them.
     `offload_fraction` as FSDPConfig.optimizer_offload_fraction (0: no offload, 1: every
     unit, as fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)) on each): the
     offloaded units' shards, gradients and optimizer state count as host bytes."""

@@ -9,16 +9,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import weakref
 from typing import List, Optional
 
 import torch
 import torch.autograd.profiler as autograd_profiler
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import _C, fp8, grad_norm, shard_changes
+from . import _C, fp8, grad_norm, link, shard_changes
 from .consistency import check_units_agree
 from .options import UnitOptions
 from .param_index import check_materialized
@@ -70,6 +72,8 @@ class RootContext:
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
         self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
+        # The units' link as measured for the "auto" bucket budgets (link.py); None until then.
+        self.link: Optional[link.LinkModel] = None
         # Units that gather FP8 weights (fp8.py): their scales are refreshed together.
         self.fp8_units = [s.unit for s in states if s.unit is not None and s.unit.gathers_bytes]
         # CPU offload: reduced gradients are copied to host memory, which the host reads.
@@ -135,6 +139,20 @@ class RootContext:
             self.comm.wait_reductions()
         self.end_backward()
         self.schedule.freeze()
+        if self.link is None and self.schedule.wants_auto:
+            self._measure_link()
+
+    def _measure_link(self) -> None:
+        """Resolve the "auto" bucket budgets: time the link of the units' group (every
+        rank reaches this at the end of the same backward)."""
+        state = next(s for s in self.states if s.unit is not None)
+        group = state.process_group
+        if dist.get_world_size(group) == 1:
+            self.link = link.LinkModel(alpha_s=0.0, bytes_per_s=math.inf)
+        else:
+            with torch.profiler.record_function("megatron_fsdp_ext::measure_link"):
+                self.link = link.measure_link(group, self.device)
+        self.schedule.auto_bucket_bytes = link.auto_bucket_bytes(self.link)
 
     def end_backward(self) -> None:
         """The gradients are final: give the new ones their ShardedGrad type (torch's norm

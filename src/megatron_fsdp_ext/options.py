@@ -15,11 +15,12 @@ import datetime
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from . import _C
+from .link import AUTO
 from .strategy import sharding_strategy
 
 
@@ -27,6 +28,14 @@ def check_count(name: str, value, what: str = "") -> None:
     """`value` must be an int >= 0 (not a bool); the error names `name`, after `what`."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{what}{name} must be an int >= 0, got {value!r}")
+
+
+def check_bucket_bytes(name: str, value, what: str = "") -> None:
+    """A bucket budget: an int >= 0 or "auto" (link.py)."""
+    if value == AUTO and isinstance(value, str):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what}{name} must be an int >= 0 or {AUTO!r}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,13 @@ class UnitOptions:
     # Units all-gathered ahead of use; the root's value governs its tree.
     prefetch_depth: int = 1
     # (root) Consecutive units (recorded forward order) whose gathered bytes add up to at
-    # most this many share one coalesced all-gather; 0: one collective per unit.
-    gather_bucket_bytes: int = 0
+    # most this many share one coalesced all-gather; 0: one collective per unit; "auto":
+    # the budget the link measures at the end of the first backward (link.py).
+    gather_bucket_bytes: Union[int, str] = AUTO
     # (root) The same for gradients: consecutive units whose packed gradients add up to at
     # most this many bytes are reduce-scattered by one coalesced collective once the last
     # of them is done with backward. HSDP and full-gradient strategies reduce per unit.
-    reduce_bucket_bytes: int = 0
+    reduce_bucket_bytes: Union[int, str] = AUTO
     # (root) start_param_sync() launches the first all-gathers after the optimizer step.
     all_gather_in_start_param_sync: bool = False
     # False: backward waits for each gradient reduction before going on (debugging).
@@ -58,8 +68,9 @@ class UnitOptions:
 
     def __post_init__(self):
         sharding_strategy(self.sharding_strategy)
-        for name in ("prefetch_depth", "gather_bucket_bytes", "reduce_bucket_bytes"):
-            check_count(name, getattr(self, name))
+        check_count("prefetch_depth", self.prefetch_depth)
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
+            check_bucket_bytes(name, getattr(self, name))
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
                      "reshard_after_backward", "unshard_in_backward", "check_for_nan_in_grad"):
             if not isinstance(getattr(self, name), bool):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
+from .link import AUTO
 from .states import BackwardProgress, ForwardOrder
 
 
@@ -77,6 +78,9 @@ class Schedule:
         self.forward_order: list = []
         self._position: dict = {}
         self.order = ForwardOrder.RECORDING
+        # The budget "auto" stands for (link.py), set once the first backward measured
+        # the link (resolve_auto); 0 until then.
+        self.auto_bucket_bytes = 0
         self._gathers = BucketPlan(lambda s: s.unit.unsharded_nbytes)
         self._reductions = BucketPlan(_reduce_nbytes)
         # Reduce buckets whose members wait until the last of them is done with backward:
@@ -123,8 +127,19 @@ class Schedule:
             return None
         return plan.bucket_of(self.forward_order, state, nbytes)
 
+    def budget(self, name: str) -> int:
+        """The root's `name` option (gather_bucket_bytes or reduce_bucket_bytes) in bytes."""
+        value = getattr(self._options(), name)
+        return self.auto_bucket_bytes if value == AUTO else value
+
+    @property
+    def wants_auto(self) -> bool:
+        """Whether a bucket option is "auto" and there are units to bucket."""
+        o = self._options()
+        return AUTO in (o.gather_bucket_bytes, o.reduce_bucket_bytes) and len(self.forward_order) > 1
+
     def _gather_bucket(self, state) -> Optional[int]:
-        return self._bucket(self._gathers, self._options().gather_bucket_bytes, state)
+        return self._bucket(self._gathers, self.budget("gather_bucket_bytes"), state)
 
     def forward_gathers(self, state) -> Tuple[list, bool]:
         """Units to all-gather in `state`'s pre-forward, and whether they form buckets:
@@ -158,7 +173,7 @@ class Schedule:
         """Whether `state`'s gradients wait for its reduce bucket (it is in one of two or
         more members), and the bucket's members to reduce together now if `state` was the
         last of them to finish backward."""
-        b = self._bucket(self._reductions, self._options().reduce_bucket_bytes, state)
+        b = self._bucket(self._reductions, self.budget("reduce_bucket_bytes"), state)
         members = self._reductions.buckets[b] if b is not None else ()
         if len(members) < 2:
             return False, None

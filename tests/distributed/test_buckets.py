@@ -3,10 +3,13 @@
 one process (or FSDP2 under bf16) for the layouts and strategies that join a bucket and
 for those that must not (full gradients, HSDP: tests/distributed/test_hsdp.py), and the
 number of collectives per step."""
+import math
+
 import pytest
 import torch
 
 from harness import run_distributed
+from megatron_fsdp_ext import link
 from harness.workers import bucketed_collective_counts, train_parity
 
 # The test model's units in forward order: root 32,896 B, then three blocks of 50,432 B
@@ -44,8 +47,12 @@ def test_bucketed_reductions_train_like_one_process(world, opts):
     run_distributed(train_parity, world, _with_dtypes(opts, steps=4), timeout=240)
 
 
+PER_UNIT = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0}
+AUTO = {"gather_bucket_bytes": "auto", "reduce_bucket_bytes": "auto"}  # fully_shard's default
+
+
 def test_buckets_issue_one_collective_per_bucket():
-    plain = run_distributed(bucketed_collective_counts, 2, {}, timeout=180)[0]
+    plain = run_distributed(bucketed_collective_counts, 2, PER_UNIT, timeout=180)[0]
     units, params = plain["units"], plain["params"]
     # Every unit gathered in forward, every block again in backward; one collective per
     # unit and use, and one reduce-scatter per unit.
@@ -76,3 +83,39 @@ def _with_dtypes(opts, **more):
     if opts.get("param_dtype") == "bf16":
         opts.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return opts
+
+
+def test_auto_buckets_come_from_the_measured_link_and_agree_on_every_rank():
+    """The default ("auto"): at the end of the first backward the link is timed and every
+    rank plans with the same budget (the slowest rank's times); the budget is the one
+    link.auto_bucket_bytes derives, and the plan is the one an explicit budget gives."""
+    ranks = run_distributed(bucketed_collective_counts, 2, AUTO, timeout=180)
+    assert ranks[0]["budgets"] == ranks[1]["budgets"] and ranks[0]["link"] == ranks[1]["link"], ranks
+    gather, reduce = ranks[0]["budgets"]
+    # Gloo over loopback: a fixed cost well above zero, a finite bandwidth.
+    assert ranks[0]["link"].alpha_s > 0 and math.isfinite(ranks[0]["link"].bytes_per_s), ranks[0]["link"]
+    assert gather == reduce == link.auto_bucket_bytes(ranks[0]["link"]) > 0, ranks[0]
+    # A link whose fixed cost is worth 900 KB (1e-4 s at 1e9 B/s, times 9): a 1 MiB
+    # budget, more than the whole test model, so one bucket each way.
+    fast = run_distributed(bucketed_collective_counts, 2, AUTO, False, (1e-4, 1e9), timeout=180)[0]
+    assert fast["budgets"] == (1 << 20, 1 << 20) and fast["unit_bytes"] < 1 << 20, fast
+    assert fast["all_gathers"] == 2 and fast["reduce_scatters"] == 1, fast
+    explicit = run_distributed(bucketed_collective_counts, 2, {"gather_bucket_bytes": 1 << 20,
+                                                               "reduce_bucket_bytes": 1 << 20}, timeout=180)[0]
+    assert {k: v for k, v in fast.items() if k != "link"} == {k: v for k, v in explicit.items() if k != "link"}
+    # A link with no latency worth saving (1 us at 1 MB/s: 9 bytes): 16 B, below any unit
+    # (the root's 32,896 B), so every bucket is one unit, as with that budget set.
+    slow = run_distributed(bucketed_collective_counts, 2, AUTO, False, (1e-6, 1e6), timeout=180)[0]
+    assert slow["budgets"] == (16, 16), slow
+    tiny = run_distributed(bucketed_collective_counts, 2, {"gather_bucket_bytes": 16, "reduce_bucket_bytes": 16},
+                           timeout=180)[0]
+    assert {k: v for k, v in slow.items() if k != "link"} == {k: v for k, v in tiny.items() if k != "link"}
+
+
+def test_auto_buckets_are_off_where_nothing_moves():
+    """World 1 and torch's fake backend (nothing moves: no bandwidth to measure) plan no
+    buckets, and train."""
+    one = run_distributed(bucketed_collective_counts, 1, AUTO, timeout=180)[0]
+    assert one["budgets"] == (0, 0), one
+    fake = run_distributed(bucketed_collective_counts, 8, AUTO, backend="fake", simulate_rank=3, timeout=180)[0]
+    assert fake["budgets"] == (0, 0) and math.isinf(fake["link"].bytes_per_s), fake

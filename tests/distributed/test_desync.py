@@ -97,7 +97,9 @@ def _trained_step(net, opt, x):
 def _desync(rank, world, case):
     # "<case>+buckets": every unit in one gather and one reduce bucket (coalesced collectives).
     case, _, variant = case.partition("+")
-    buckets = {"gather_bucket_bytes": 1 << 30, "reduce_bucket_bytes": 1 << 30} if variant == "buckets" else {}
+    # Without: one collective per unit (the "auto" default would bucket this small model too).
+    buckets = {"gather_bucket_bytes": 1 << 30, "reduce_bucket_bytes": 1 << 30} if variant == "buckets" \
+        else {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0}
     if case != "stall":
         # Units out of step: without the check, Gloo aborts the process on the size
         # mismatch ("collective mismatch") and NCCL hangs until its watchdog fires.

@@ -28,7 +28,7 @@ def _events(rank, world):
     net = _Net()
     for b in net.blocks:
         mfsdp.fully_shard(b)
-    mfsdp.fully_shard(net)
+    mfsdp.fully_shard(net, gather_bucket_bytes=0, reduce_bucket_bytes=0)  # a label per unit
     x = torch.randn(4, 8)
     net(x).sum().backward()  # records the forward order: the next step prefetches
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -66,7 +66,8 @@ def _traced_step(rank, world, cuda):
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for b in net.blocks:
         mfsdp.fully_shard(b, mp_policy=mp)
-    mfsdp.fully_shard(net, mp_policy=mp)
+    # Per unit: the replay checks each unit's own gathers and frees.
+    mfsdp.fully_shard(net, mp_policy=mp, gather_bucket_bytes=0, reduce_bucket_bytes=0)
     x = torch.randn(4, 8, device=device)
     net(x).float().sum().backward()  # names the units and records the forward order
     states = [net._fsdp_state] + [b._fsdp_state for b in net.blocks]

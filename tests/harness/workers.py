@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -649,7 +649,8 @@ def prefetch_semantics(rank: int, world: int, depth: int) -> Dict:
     ref = copy.deepcopy(model)
     for b in model.blocks:
         mfsdp.fully_shard(b, prefetch_depth=depth)
-    mfsdp.fully_shard(model, prefetch_depth=depth)
+    # Per-unit prefetch is what this checks (buckets: test_buckets.py).
+    mfsdp.fully_shard(model, prefetch_depth=depth, gather_bucket_bytes=0, reduce_bucket_bytes=0)
     root = model._fsdp_state
     blocks = [b._fsdp_state for b in model.blocks]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -741,14 +742,17 @@ def param_sync_modes(rank: int, world: int, on: bool) -> None:
         assert rel_err(model(tokens), fresh(tokens)) < 1e-6, "stale all-gather survived load_full_state_dict"
 
 
-def _bf16_sharded_llama(cfg: LlamaConfig, device, depth: int = 1) -> LlamaModel:
-    """A seeded LlamaModel with every block and the root sharded in bf16 (fp32 reduce)."""
+def _bf16_sharded_llama(cfg: LlamaConfig, device, depth: int = 1, buckets=0) -> LlamaModel:
+    """A seeded LlamaModel with every block and the root sharded in bf16 (fp32 reduce);
+    `buckets`: the root's gather and reduce bucket budgets (0: per unit, whose memory
+    bound these tests count)."""
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(device)
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
         mfsdp.fully_shard(b, mp_policy=mp, prefetch_depth=depth)
-    mfsdp.fully_shard(model, mp_policy=mp, prefetch_depth=depth)
+    mfsdp.fully_shard(model, mp_policy=mp, prefetch_depth=depth, gather_bucket_bytes=buckets,
+                      reduce_bucket_bytes=buckets)
     return model
 
 
@@ -1035,13 +1039,21 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
     return {"gathers": len(gathers), "overlapping": n_overlapping, "buckets": len(lopt.buckets)}
 
 
-def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter: bool = False) -> Dict:
+def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter: bool = False,
+                               link_model: Optional[Tuple[float, float]] = None) -> Dict:
     """Collectives per training step (after the first, which records the order) with
-    `buckets` (fully_shard's gather_bucket_bytes / reduce_bucket_bytes), the units
-    gathered in each phase and the sharded parameters that got a gradient. Every unit is
-    still gathered once in forward and once in backward (the root only in forward: it
-    stays unsharded)."""
+    `buckets` (fully_shard's gather_bucket_bytes / reduce_bucket_bytes, 0 where
+    missing; "auto" as fully_shard's default), the units gathered in each phase and the sharded parameters that got a
+    gradient. Every unit is still gathered once in forward and once in backward (the
+    root only in forward: it stays unsharded). link_model: (alpha seconds, bytes/s) the
+    link measurement returns instead of timing the link; the budgets chosen and the
+    link are returned too."""
+    from unittest import mock
+
+    from megatron_fsdp_ext import link
     from .observe import count_collectives
+    if link_model is not None:
+        mock.patch.object(link, "measure_link", lambda group, device: link.LinkModel(*link_model)).start()
     device = device_for_backend()
     cfg, model, _ = build_models({}, device)
     shard(model, {} if via_setter else buckets)
@@ -1072,4 +1084,6 @@ def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter:
     return {"all_gathers": counts.get("all_gather", 0), "reduce_scatters": counts.get("reduce_scatter", 0),
             "c10d_calls": {k: v for k, v in counts.items() if k.startswith("c10d::")},
             "units": len(states), "params": len(list(model.parameters())), "params_with_grad": with_grad[2:],
-            "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd"))}
+            "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd")),
+            "budgets": model.bucket_budgets(), "link": model._fsdp_state.ctx.link,
+            "unit_bytes": sum(s.unit.unsharded_nbytes for s in states)}
