@@ -139,7 +139,10 @@ class RootContext:
             self.comm.wait_reductions()
         self.end_backward()
         self.schedule.freeze()
-        if self.link is None and self.schedule.wants_auto:
+        # Not while a CUDA graph is captured (the probe synchronizes): the next eager
+        # backward measures, and buckets wait until then.
+        if self.link is None and self.schedule.wants_auto and not (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self._measure_link()
 
     def _measure_link(self) -> None:
