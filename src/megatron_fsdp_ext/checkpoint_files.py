@@ -8,12 +8,19 @@ What it guarantees:
 * a save publishes by rename only after every rank succeeded: the ranks write into a
   fresh sibling directory, and rank 0 renames it into place (publish) only once every
   rank's write and hashing has succeeded; until then the previous checkpoint is untouched;
-* a manifest (MANIFEST_NAME), written last and listing every file with its sha256 and
-  size, is the completeness marker: a directory without it is an incomplete save;
-* loads verify checksums: every file is hashed against the manifest and every entry in it
-  against its zip CRC-32 (verify_share, each file by one rank; Verification runs it on a
-  thread while the load reads, and nothing is loaded before the outcome is agreed), and
-  every file the load would read must be listed (check_covered);
+* a manifest (MANIFEST_NAME), written last, is the completeness marker: a directory
+  without it is an incomplete save. It lists every file with its size; .metadata with its
+  sha256, each data file with the sha256 of each byte range DCP stored an entry in
+  (offset, length), the ranges tiling the file exactly (entry_ranges: gaps get ranges of
+  their own), each hashed by the rank that wrote the file in one pass (digest_ranges);
+* loads verify every byte that reaches the model: .metadata is hashed by every rank
+  before it is parsed; every storage entry .metadata names must be a range the manifest
+  lists (check_covered); each data file's size and ranges are checked by one rank
+  (Verification.start), and the reader hashes each entry's bytes right after reading
+  them, and checks the zip CRC-32 of every member, before torch.load sees them
+  (Verification.check_entry); nothing is loaded before every rank's findings are agreed
+  on. Manifests of version 1 (one sha256 per file) are verified as then: each file hashed
+  whole by one rank on a thread while the load reads (verify_share);
 * every failure is agreed on and raised on every rank (agree.raise_agreed), naming the ranks;
 * temporary directories a killed save left are removed by the next save (remove_stale_temporaries).
 """
@@ -31,15 +38,18 @@ import warnings
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 from .agree import Agreement, describe, gather_objects, raise_agreed
 
 MANIFEST_NAME = "mfsdp_manifest.json"
 MANIFEST_FORMAT = "megatron_fsdp_ext.sharded_checkpoint"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 _OWN_FILES = re.compile(r"^(\.metadata|\.metadata\.tmp|__\d+_\d+\.distcp|" + re.escape(MANIFEST_NAME) + r"(\.part)?)$")
 WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HASH_BLOCK = 8 << 20  # bytes read at a time when hashing a file's ranges
+_T = TypeVar("_T")
 
 
 class CheckpointError(RuntimeError):
@@ -65,13 +75,74 @@ def file_digest(path: str) -> Tuple[str, int]:
         return digest, os.fstat(f.fileno()).st_size
 
 
-def hash_files(paths: List[str], threads: int) -> Dict[str, Tuple[str, int]]:
-    """file_digest of every path, keyed by path, `threads` files at a time (hashlib
-    releases the GIL: several files hash in parallel)."""
-    if threads <= 1 or len(paths) <= 1:
-        return {p: file_digest(p) for p in paths}
-    with ThreadPoolExecutor(max_workers=min(threads, len(paths)), thread_name_prefix="mfsdp-hash") as pool:
-        return dict(zip(paths, pool.map(file_digest, paths)))
+def whole_file_record(path: str) -> dict:
+    """A manifest record of the file at `path` hashed whole (what .metadata gets)."""
+    digest, size = file_digest(path)
+    return {"sha256": digest, "size": size}
+
+
+def _each(fn: Callable[[str], _T], names: List[str], threads: int, prefix: str) -> List[_T]:
+    """fn of every name, `threads` at a time (hashlib releases the GIL: files hash in parallel)."""
+    if threads <= 1 or len(names) <= 1:
+        return [fn(n) for n in names]
+    with ThreadPoolExecutor(max_workers=min(threads, len(names)), thread_name_prefix=prefix) as pool:
+        return list(pool.map(fn, names))
+
+
+def entry_ranges(name: str, size: int, entries: Iterable[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The byte ranges (offset, length) a manifest lists for data file `name` of `size`
+    bytes: the entries DCP stored in it (a range several entries share, once), and every
+    gap before, between or after them as a range of its own, so that the ranges tile the
+    file exactly. Entries that overlap, or end past the end of the file, are a ValueError
+    naming the file."""
+    out: List[Tuple[int, int]] = []
+    cursor = 0
+    for offset, length in sorted(set(entries)):
+        if offset < cursor:
+            raise ValueError(f"'{name}': the entry at bytes {offset}-{offset + length} overlaps the one before it, "
+                             f"which ends at byte {cursor}")
+        if offset > cursor:
+            out.append((cursor, offset - cursor))
+        out.append((offset, length))
+        cursor = offset + length
+    if cursor > size:
+        raise ValueError(f"'{name}' has {size} bytes, but an entry ends at byte {cursor}")
+    if cursor < size:
+        out.append((cursor, size - cursor))
+    return out
+
+
+def digest_ranges(path: str, ranges: List[Tuple[int, int]]) -> List[list]:
+    """[offset, length, sha256] of each range of the file at `path`, in one pass over its
+    bytes (the ranges are entry_ranges': in order, tiling the file)."""
+    out: List[list] = []
+    buffer = memoryview(bytearray(max(1, min(_HASH_BLOCK, max((n for _, n in ranges), default=0)))))
+    with open(path, "rb", buffering=0) as f:
+        for offset, length in ranges:
+            f.seek(offset)
+            hasher = hashlib.sha256()
+            left = length
+            while left:
+                got = f.readinto(buffer[:min(left, len(buffer))])
+                if not got:
+                    raise ValueError(f"'{os.path.basename(path)}' ends before byte {offset + length}")
+                hasher.update(buffer[:got])
+                left -= got
+            out.append([offset, length, hasher.hexdigest()])
+    return out
+
+
+def data_file_records(directory: str, entries: Dict[str, List[Tuple[int, int]]], threads: int) -> Dict[str, dict]:
+    """Manifest records of the data files `entries` names (file -> the (offset, length) of
+    every entry DCP wrote into it): size, and the sha256 of every range of entry_ranges;
+    `threads` files at a time."""
+    def record(name: str) -> dict:
+        where = os.path.join(directory, name)
+        size = os.path.getsize(where)
+        return {"size": size, "entries": digest_ranges(where, entry_ranges(name, size, entries[name]))}
+
+    names = sorted(entries)
+    return dict(zip(names, _each(record, names, threads, "mfsdp-hash")))
 
 
 def _fsync_dir(path: str) -> None:
@@ -100,14 +171,15 @@ def check_replaceable(target: str) -> None:
         )
 
 
-def publish(target: str, tmp: str, token: str, files: Dict[str, Tuple[str, int]], world: int) -> None:
-    """Rank 0: write the manifest (the completeness marker) into `tmp`, then swap `tmp`
-    in for `target`. Until the second rename, `target` is the previous checkpoint."""
+def publish(target: str, tmp: str, token: str, files: Dict[str, dict], world: int) -> None:
+    """Rank 0: write the manifest (the completeness marker; `files`: every file's record,
+    whole_file_record or data_file_records) into `tmp`, then swap `tmp` in for `target`.
+    Until the second rename, `target` is the previous checkpoint."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "world_size": world,
-        "files": {name: {"sha256": digest, "size": size} for name, (digest, size) in sorted(files.items())},
+        "files": dict(sorted(files.items())),
     }
     part = os.path.join(tmp, MANIFEST_NAME + ".part")
     with open(part, "w") as f:
@@ -206,7 +278,39 @@ def read_manifest(path: str, target: str) -> Optional[dict]:
     if not isinstance(manifest.get("version"), int) or manifest["version"] > MANIFEST_VERSION:
         raise CheckpointError(f"load_checkpoint({path}): manifest version {manifest.get('version')!r} is newer than "
                               f"this library reads ({MANIFEST_VERSION}); upgrade megatron_fsdp_ext")
+    for name, record in manifest["files"].items():
+        problem = _record_problem(record)
+        if problem is not None:
+            raise CheckpointError(f"load_checkpoint({path}): {where}: the record of '{name}' {problem}: the manifest "
+                                  "is corrupted or was modified after the save; nothing was loaded")
     return manifest
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _record_problem(record) -> Optional[str]:
+    """What is wrong with one file's manifest record, if anything: a size, and either a
+    sha256 of the whole file or [offset, length, sha256] ranges that tile it exactly."""
+    if not isinstance(record, dict) or not _is_count(record.get("size")):
+        return "gives no size"
+    if "entries" not in record:
+        return None if isinstance(record.get("sha256"), str) else "gives neither a sha256 nor ranges"
+    ranges = record["entries"]
+    if not isinstance(ranges, list) or not all(
+            isinstance(r, list) and len(r) == 3 and _is_count(r[0]) and _is_count(r[1])
+            and isinstance(r[2], str) and _SHA256.match(r[2]) for r in ranges):
+        return "lists ranges that are not [offset, length, sha256]"
+    cursor = 0
+    for offset, length, _ in ranges:
+        if offset != cursor:
+            return (f"lists ranges that do not tile the file: one starts at byte {offset}, the one before ends at "
+                    f"{cursor}")
+        cursor += length
+    if cursor != record["size"]:
+        return f"lists ranges that end at byte {cursor}, but gives a size of {record['size']} bytes"
+    return None
 
 
 def check_zip_crc(data: bytes, what: str) -> None:
@@ -238,6 +342,16 @@ def check_zip_crc(data: bytes, what: str) -> None:
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 
 
+def _crc_problem(name: str, key: str, data: bytes) -> Optional[str]:
+    """check_zip_crc of one entry of file `name`, as one line naming the file, if it fails."""
+    try:
+        check_zip_crc(data, key)
+    except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
+        return f"'{name}': {e}" if isinstance(e, ValueError) else \
+            f"'{name}': entry '{key}' is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
 def _check_file(target: str, name: str, expected: dict, entries: List[Tuple[int, int, str]]) -> Optional[str]:
     """One file against its manifest entry (sha256, size), then every entry stored in it
     plainly (`entries`: offset, length, key) against its zip CRC-32; what differs, if
@@ -255,11 +369,9 @@ def _check_file(target: str, name: str, expected: dict, entries: List[Tuple[int,
             data = f.read(length)
             if len(data) != length:
                 return f"'{name}': entry '{key}' at bytes {offset}-{offset + length} ends past the end of the file"
-            try:
-                check_zip_crc(data, key)
-            except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
-                return f"'{name}': {e}" if isinstance(e, ValueError) else f"'{name}': entry '{key}' is unreadable " \
-                    f"({type(e).__name__}: {e})"
+            problem = _crc_problem(name, key, data)
+            if problem is not None:
+                return problem
     return None
 
 
@@ -274,12 +386,7 @@ def verify_share(target: str, manifest: dict, rank: int, world: int, names: Opti
     def check(name: str) -> Optional[str]:
         return _check_file(target, name, manifest["files"][name], entries.get(name, []))
 
-    if threads > 1 and len(mine) > 1:
-        with ThreadPoolExecutor(max_workers=min(threads, len(mine)), thread_name_prefix="mfsdp-verify") as pool:
-            found = list(pool.map(check, mine))
-    else:
-        found = [check(n) for n in mine]
-    return [line for line in found if line is not None]
+    return [line for line in _each(check, mine, threads, "mfsdp-verify") if line is not None]
 
 
 def _plain_entries(metadata) -> Dict[str, List[Tuple[int, int, str]]]:
@@ -295,7 +402,7 @@ def _plain_entries(metadata) -> Dict[str, List[Tuple[int, int, str]]]:
 
 def refuse_corrupted(what: str, shared: Dict[int, List[str]]) -> None:
     """Every rank's lines of what differs from the manifest (by rank): refused if any."""
-    bad = [line for lines in shared.values() for line in lines]
+    bad = list(dict.fromkeys(line for lines in shared.values() for line in lines))  # ranks may find the same
     if bad:
         more = f"; and {len(bad) - 1} more: {bad[1:4]}" if len(bad) > 1 else ""
         raise CheckpointError(f"{what}: the checkpoint is corrupted (checked against {MANIFEST_NAME}); nothing "
@@ -303,38 +410,55 @@ def refuse_corrupted(what: str, shared: Dict[int, List[str]]) -> None:
 
 
 class Verification:
-    """A load's check of every file, overlapped with the load. The small .metadata is
-    hashed by every rank at once (it is read next); then (start()) the data files are
-    shared among the ranks (each file checked by one) and checked on a thread while the
-    load reads them into temporary targets: each file's sha256 against the manifest, and
-    the zip CRC-32 of every entry in it (which catches bytes that changed before the
-    manifest was computed over them). Nothing reaches the model before corrupted() has
-    been agreed on (read_stage()); an earlier stage that fails waits for the checks too
-    (stage()), so a corrupted file outranks the error it caused. Without a manifest
-    (verify=False) it checks nothing: the reader checks each entry's CRC as it reads."""
+    """A load's check of every byte it loads; nothing reaches the model before corrupted()
+    has been agreed on (read_stage()), and an earlier stage that fails waits for the
+    checks too (stage()), so a corrupted file outranks the error it caused.
+
+    The small .metadata is hashed by every rank at once (it is read next). Then (start())
+    the data files are shared among the ranks for the checks of whole files: with ranges
+    in the manifest (version 2), each file's size; with one sha256 per file (version 1),
+    its sha256 and the zip CRC-32 of every entry, on a thread while the load reads. The
+    entries of version-2 files are checked as they are read (check_entry): the reader
+    hashes each one's bytes right after reading them, and loads them only if they match
+    the manifest's range and every zip member matches its CRC-32 (which catches bytes that
+    changed before the manifest was computed over them); a mismatch is recorded, naming
+    the file and the entry. Without a manifest (verify=False) check_entry checks the CRC
+    alone and raises."""
 
     def __init__(self, what: str, target: str, manifest: Optional[dict], rank: int, world: int, threads: int):
         self.what, self.target, self.manifest = what, target, manifest
         self.rank, self.world, self.threads = rank, world, threads
-        self.checks_crc = manifest is not None
         self.metadata_bad: List[str] = []
-        self._bad: List[str] = []
+        self._bad: List[str] = []  # the thread's (whole files)
+        self._found: List[str] = []  # sizes and entries, found on this rank's threads
+        self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        if manifest is not None and ".metadata" in manifest["files"]:
-            self.metadata_bad = verify_share(target, manifest, 0, 1, names=[".metadata"])
+        self._ranges: Dict[str, Dict[Tuple[int, int], str]] = {}
+        if manifest is not None:
+            self._ranges = {name: {(offset, length): digest for offset, length, digest in record["entries"]}
+                            for name, record in manifest["files"].items() if "entries" in record}
+            if ".metadata" in manifest["files"]:
+                self.metadata_bad = verify_share(target, manifest, 0, 1, names=[".metadata"])
 
     def start(self, metadata) -> None:
-        """Begin checking this rank's share of the data files (`metadata`: the
-        checkpoint's, which says where each entry is)."""
+        """Check this rank's share of the data files: the sizes of those with ranges, now;
+        those hashed whole, on a thread (`metadata`: the checkpoint's, which says where
+        each entry is)."""
         if self.manifest is None:
             return
-        data = [n for n in self.manifest["files"] if n != ".metadata"]
+        data = sorted(n for n in self.manifest["files"] if n != ".metadata")
+        for name in data[self.rank::self.world]:
+            if name in self._ranges:
+                self._check_size(name)
+        whole = [n for n in data if n not in self._ranges]
+        if not whole:
+            return
         entries = _plain_entries(metadata)
 
         def run() -> None:
             try:
-                self._bad = verify_share(self.target, self.manifest, self.rank, self.world, names=data,
+                self._bad = verify_share(self.target, self.manifest, self.rank, self.world, names=whole,
                                          threads=self.threads, entries=entries)
             except BaseException as e:  # reported by corrupted(), on the load's thread
                 self._error = e
@@ -342,15 +466,64 @@ class Verification:
         self._thread = threading.Thread(target=run, name="mfsdp-verify", daemon=True)
         self._thread.start()
 
+    def _check_size(self, name: str) -> None:
+        where = os.path.join(self.target, name)
+        expected = self.manifest["files"][name]["size"]
+        if not os.path.isfile(where):
+            self._record(f"'{name}' is listed in the manifest but missing")
+        elif os.path.getsize(where) != expected:
+            self._record(f"'{name}' has {os.path.getsize(where)} bytes, the manifest expects {expected}")
+
+    def _record(self, line: str) -> None:
+        with self._lock:
+            self._found.append(line)
+
+    def check_entry(self, name: str, key: str, offset: int, length: int, data: bytes,
+                    zip_members: bool = True) -> bool:
+        """Whether the bytes `data` of entry `key`, read from bytes offset..offset+length
+        of data file `name`, may be loaded. With ranges in the manifest: their sha256 is
+        the manifest's for exactly that range, and (zip_members: a torch.save archive, as
+        DCP stores entries without a transform) every member matches its CRC-32; what
+        differs is recorded and False returned. A file hashed whole is checked on the
+        thread (True). Without a manifest: the CRC-32 check, raising ValueError. Safe
+        to call from several threads."""
+        if self.manifest is None:
+            if zip_members:
+                check_zip_crc(data, key)
+            return True
+        ranges = self._ranges.get(name)
+        if ranges is None:
+            if name in self.manifest["files"]:
+                return True
+            self._record(f"'{name}' is not listed in the manifest")
+            return False
+        expected = ranges.get((offset, length))
+        if expected is None:
+            self._record(f"'{name}': entry '{key}' at bytes {offset}-{offset + length} is not a range the manifest "
+                         "lists")
+            return False
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != length or digest != expected:
+            self._record(f"'{name}' has sha256 {digest} at bytes {offset}-{offset + len(data)} (entry '{key}'), the "
+                         f"manifest expects {expected} for bytes {offset}-{offset + length}")
+            return False
+        problem = _crc_problem(name, key, data) if zip_members else None
+        if problem is not None:
+            self._record(problem)
+            return False
+        return True
+
     def corrupted(self) -> List[str]:
-        """This rank's share of what differs from the manifest (waits for the hashes); a
-        file it could not read counts as corrupted: nothing vouches for it."""
+        """This rank's findings of what differs from the manifest (waits for the thread's
+        hashes); a file the thread could not read counts as corrupted: nothing vouches
+        for it."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             return [f"hashing this rank's share of the files failed ({describe(self._error)})"]
-        return self._bad
+        with self._lock:
+            return self._bad + list(dict.fromkeys(self._found))
 
     def refuse(self, shared: Dict[int, List[str]], _group=None) -> None:
         refuse_corrupted(self.what, shared)
@@ -365,17 +538,29 @@ class Verification:
         return Agreement(self.what, error=CheckpointError, fail=corruption_first)
 
     def read_stage(self) -> Agreement:
-        """The Agreement of the stage that reads the values: every rank's hashes shared,
+        """The Agreement of the stage that reads the values: every rank's findings shared,
         a corrupted file refused before anything is loaded (and before the stage's own
         failures)."""
         return Agreement(self.what, error=CheckpointError, share=self.corrupted, check=self.refuse)
 
 
 def check_covered(path: str, meta, manifest: dict) -> None:
-    """Every file DCP would read is one the manifest vouches for."""
-    listed = set(manifest["files"])
-    needed = {".metadata"} | {getattr(s, "relative_path", None) for s in (meta.storage_data or {}).values()}
-    unlisted = sorted(n for n in needed - listed if n is not None)
+    """Every file DCP would read is one the manifest vouches for, and every entry
+    .metadata places in a file with ranges in the manifest is exactly one of those ranges
+    (so that the reader can check each entry it reads against its own sha256)."""
+    files = manifest["files"]
+    storage = meta.storage_data or {}
+    needed = {".metadata"} | {getattr(s, "relative_path", None) for s in storage.values()}
+    unlisted = sorted(n for n in needed - set(files) if n is not None)
     if unlisted:
         raise CheckpointError(f"load_checkpoint({path}): its .metadata points at {unlisted[:5]}, which its manifest "
                               "does not list: it is corrupted or was modified after the save; nothing was loaded")
+    ranges = {name: {(offset, length) for offset, length, _ in record["entries"]}
+              for name, record in files.items() if "entries" in record}
+    for index, info in storage.items():
+        listed = ranges.get(info.relative_path)
+        if listed is not None and (info.offset, info.length) not in listed:
+            raise CheckpointError(
+                f"load_checkpoint({path}): its .metadata places '{index.fqn}' at bytes {info.offset}-"
+                f"{info.offset + info.length} of '{info.relative_path}', which its manifest does not list as an entry "
+                "of that file: .metadata or the manifest was modified after the save; nothing was loaded")

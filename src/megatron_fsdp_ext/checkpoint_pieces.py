@@ -106,7 +106,10 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
 
 class _Destinations:
     """What SafeFileSystemReader.read_data asks of a planner, for reads planned here:
-    where each read item's data goes."""
+    where each read item's data goes. Every item has a place of its own: the reader's
+    threads call it at once."""
+
+    reads_concurrently = True
 
     def __init__(self, targets: Dict[str, Any], storage_data: dict):
         self.targets = targets
@@ -130,12 +133,13 @@ class _Destinations:
         self.loaded[fqn] = load_weights_only(value, where)
 
 
-def read_locally(directory: str, metadata, flat: Dict[str, Any], crc_checked_elsewhere: bool) -> Dict[str, Any]:
+def read_locally(directory: str, metadata, flat: Dict[str, Any], verification, threads: int = 1) -> Dict[str, Any]:
     """Read every entry of `flat` on this rank alone (no collective): tensors and
     PieceTargets are filled in place; entries stored as bytes are returned, by key. The
     keys and shapes must have been checked against `metadata` (every key present, tensors
-    where it holds tensors). crc_checked_elsewhere: SafeFileSystemReader's."""
-    reader = SafeFileSystemReader(directory, metadata=metadata, crc_checked_elsewhere=crc_checked_elsewhere)
+    where it holds tensors). verification, threads: SafeFileSystemReader's (an entry
+    whose bytes the verification refused is left unread, and recorded there)."""
+    reader = SafeFileSystemReader(directory, metadata=metadata, verification=verification, threads=threads)
     reader.set_up_storage_reader(metadata, False)
     entries = metadata.state_dict_metadata
     items: List[ReadItem] = []

@@ -17,6 +17,7 @@ not trust. So nothing read from one may run code:
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import json
@@ -25,7 +26,9 @@ import os
 import pathlib
 import pickle
 import pickletools
-from typing import Any, Dict, List
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -43,6 +46,69 @@ _REFUSED_OPCODES = {"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "B
 _DCP_FILESYSTEM_CLASSES = {"_StorageInfo"}
 _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex"}
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+
+
+def _opcode_table() -> List[Any]:
+    """Per opcode byte, how its argument is laid out: a fixed size in bytes; ("count",
+    bytes, signed) for a length field followed by that many bytes; ("lines", n) for n
+    newline-terminated lines; "stop"; ("refused", name); None for no opcode."""
+    table: List[Any] = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if op.name in _REFUSED_OPCODES:
+            kind: Any = ("refused", op.name)
+        elif op.name == "STOP":
+            kind = "stop"
+        elif arg is None:
+            kind = 0
+        elif arg.n >= 0:
+            kind = arg.n
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            kind = ("lines", 2 if arg.name == "stringnl_noescape_pair" else 1)
+        else:
+            kind = ("count", {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+                              pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}[arg.n],
+                    arg.n == pickletools.TAKEN_FROM_ARGUMENT4)
+        table[ord(op.code)] = kind
+    return table
+
+
+_OPCODES = _opcode_table()
+
+
+def check_pickle_lengths(data: bytes) -> None:
+    """Walk the opcodes of the pickle `data` up to its STOP without decoding anything:
+    every opcode known and admitted (_REFUSED_OPCODES are not), and every argument,
+    counted ones included, within the data. ValueError otherwise."""
+    table, end, at = _OPCODES, len(data), 0
+    while at < end:
+        kind = table[data[at]]
+        at += 1
+        if type(kind) is int:
+            at += kind
+            continue
+        if kind is None:
+            raise ValueError(f"unknown pickle opcode {data[at - 1]:#04x} at byte {at - 1}")
+        if kind == "stop":
+            return
+        if kind[0] == "refused":
+            raise ValueError(f"pickle opcode {kind[1]}, which DCP's metadata never uses")
+        if kind[0] == "lines":
+            for _ in range(kind[1]):
+                newline = data.find(b"\n", at)
+                if newline < 0:
+                    raise ValueError(f"a pickle argument at byte {at} has no end of line")
+                at = newline + 1
+            continue
+        _, width, signed = kind
+        if at + width > end:
+            break
+        count = int.from_bytes(data[at:at + width], "little", signed=signed)
+        at += width
+        if count < 0 or at + count > end:
+            raise ValueError(f"a pickle argument at byte {at} claims {count} bytes; {end - at} follow")
+        at += count
+    raise ValueError(f"the pickle ends (at byte {end}) before its STOP opcode")
 
 
 def _torch_value(name: str):
@@ -101,11 +167,9 @@ def read_metadata_file(path: str):
                              f"({_MAX_METADATA_BYTES})")
         with open(path, "rb") as f:
             data = f.read()
-        # Walked once first (pure Python, bounds-checked): a length field the file garbled
-        # must not make the C unpickler allocate what the file does not hold.
-        for op, _, _ in pickletools.genops(data):
-            if op.name in _REFUSED_OPCODES:
-                raise ValueError(f"pickle opcode {op.name}, which DCP's metadata never uses")
+        # Walked once first (bounds-checked): a length field the file garbled must not
+        # make the C unpickler allocate what the file does not hold.
+        check_pickle_lengths(data)
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointError:
         raise
@@ -197,19 +261,22 @@ def _validate(metadata) -> None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` read through the restricted unpickler, and every
-    data file's read failure named.
+    """DCP's file reader with `.metadata` read through the restricted unpickler, every data
+    file's read failure named, and the entries read by several threads.
 
     metadata: the checkpoint's `.metadata` as read_metadata_file gave it, so that the
-    several reads of one load parse it once. crc_checked_elsewhere: the load checks every
-    entry's zip CRC-32 itself (checkpoint_files.Verification, on a thread, with the
-    sha256 of each file) and agrees on the outcome before anything is loaded; the reader
-    then skips its own check, another pass over every byte on the loading thread."""
+    several reads of one load parse it once. verification: the load's
+    checkpoint_files.Verification, which checks each entry's bytes as they are read
+    (against the manifest, and their zip CRC-32) and records what differs; None (a load
+    that verifies nothing but the CRC, as with verify=False): the reader checks each
+    entry's CRC-32 itself. threads: how many entries are read (and hashed, and loaded) at
+    a time."""
 
-    def __init__(self, path, *, metadata=None, crc_checked_elsewhere: bool = False):
+    def __init__(self, path, *, metadata=None, verification=None, threads: int = 1):
         super().__init__(path)
         self._known_metadata = metadata
-        self._crc_checked_elsewhere = crc_checked_elsewhere
+        self._verification = verification
+        self._threads = max(1, int(threads))
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -225,40 +292,83 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner):
-        # One file at a time, so that a failure names the file it came from. Entries
-        # stored plainly (no storage transform: what save_checkpoint writes) are read here,
-        # each one's zip CRC-32 checked before torch.load reads it weights-only (here, or
-        # by the load's Verification before anything reaches the model): a changed byte is
-        # an error, not a different value, even where the manifest was recomputed over
-        # it, or no manifest vouches for the files (verify=False). Transformed entries go
-        # through DCP's own reader.
-        by_file: Dict[str, List] = {}
+        # Entries stored plainly (no storage transform: what save_checkpoint writes) are
+        # read here, each once however many read items it serves: its bytes checked
+        # (Verification.check_entry, or its zip CRC-32) before torch.load reads them
+        # weights-only, so that a changed byte is an error, not a different value, even
+        # where the manifest was recomputed over it, or no manifest vouches for the files
+        # (verify=False). Threads read runs of entries of one file each; a failure names
+        # the file. Transformed entries go through DCP's own reader, their bytes checked
+        # against the manifest first.
+        by_file: Dict[str, Dict[Any, List]] = {}
+        transformed: Dict[str, List] = {}
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
             if info is None:
                 raise CheckpointError(f"{self._metadata_file()}: lists chunk {item.storage_index.fqn} at "
                                       f"{tuple(item.storage_index.offset or ())} but no storage for it")
-            by_file.setdefault(info.relative_path, []).append(item)
-        for relative_path, items in by_file.items():
+            if getattr(info, "transform_descriptors", None):
+                transformed.setdefault(info.relative_path, []).append(item)
+            else:
+                by_file.setdefault(info.relative_path, {}).setdefault(item.storage_index, []).append(item)
+        runs = _runs({name: sorted(entries.items(), key=lambda e: self.storage_data[e[0]].offset)
+                      for name, entries in by_file.items()},
+                     lambda entry: self.storage_data[entry[0]].length, self._threads)
+        lock = None if getattr(planner, "reads_concurrently", False) else threading.Lock()
+        stop = threading.Event()
+
+        def read_run(run) -> None:
+            relative_path, entries = run
             where = os.path.join(os.fspath(self.path), relative_path)
             try:
-                plain = [i for i in items if not getattr(self.storage_data[i.storage_index],
-                                                         "transform_descriptors", None)]
-                with open(where, "rb") as f:
-                    for item in plain:
-                        self._read_plain(f, item, planner)
-                rest = [i for i in items if getattr(self.storage_data[i.storage_index], "transform_descriptors", None)]
-                if rest:
-                    super().read_data(LoadPlan(items=rest, storage_data=plan.storage_data,
-                                               planner_data=plan.planner_data), planner)
-            except CheckpointError:
-                raise
-            except Exception as e:  # where the bytes are, .metadata says: either file may be at fault
-                raise CheckpointError(f"{where}: reading failed at the places .metadata gives "
-                                      f"({type(e).__name__}: {e})") from e
+                with open(where, "rb", buffering=0) as f:
+                    for index, items in entries:
+                        if stop.is_set():
+                            return
+                        self._read_entry(f, relative_path, index, items, planner, lock)
+            except BaseException as e:
+                stop.set()
+                self._raise_named(where, e)
+
+        if len(runs) <= 1 or self._threads == 1:
+            for run in runs:
+                read_run(run)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self._threads, len(runs)),
+                                    thread_name_prefix="mfsdp-read") as pool:
+                done = [pool.submit(read_run, run) for run in runs]
+            for future in done:  # the first failure, in the order of the runs
+                if future.exception() is not None:
+                    raise future.exception()
+        for relative_path, items in transformed.items():
+            where = os.path.join(os.fspath(self.path), relative_path)
+            try:
+                self._read_transformed(where, relative_path, items, plan, planner)
+            except BaseException as e:
+                self._raise_named(where, e)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _raise_named(where: str, e: BaseException) -> None:
+        """Raise `e`, a failure reading the file at `where`, as a CheckpointError naming it."""
+        if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+            raise e
+        # Where the bytes are, .metadata says: either file may be at fault.
+        raise CheckpointError(f"{where}: reading failed at the places .metadata gives ({type(e).__name__}: {e})") from e
+
+    def _read_transformed(self, where: str, relative_path: str, items: List, plan: LoadPlan, planner) -> None:
+        if self._verification is not None:
+            with open(where, "rb") as f:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    f.seek(info.offset)
+                    if not self._verification.check_entry(relative_path, item.storage_index.fqn, info.offset,
+                                                          info.length, f.read(info.length), zip_members=False):
+                        return  # recorded: nothing of the file is loaded
+        super().read_data(LoadPlan(items=items, storage_data=plan.storage_data, planner_data=plan.planner_data),
+                          planner)
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -267,44 +377,75 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def _metadata_file(self) -> str:
         return os.path.join(os.fspath(self.path), ".metadata")
 
-    def _check_against_metadata(self, tensor: torch.Tensor, item) -> None:
+    def _check_against_metadata(self, tensor: torch.Tensor, index) -> None:
         """What the data holds must be what .metadata says it is (dtype, chunk size): a
         changed .metadata would otherwise load other values into the right places."""
-        md = getattr(self, "_tensor_metadata", {}).get(item.storage_index.fqn)
-        chunk = next((c for c in getattr(md, "chunks", ()) if list(c.offsets) == list(item.storage_index.offset)),
-                     None)
+        md = getattr(self, "_tensor_metadata", {}).get(index.fqn)
+        chunk = next((c for c in getattr(md, "chunks", ()) if list(c.offsets) == list(index.offset)), None)
         if md is None or chunk is None:
-            raise CheckpointError(f"{self._metadata_file()}: no chunk of '{item.storage_index.fqn}' at "
-                                  f"{tuple(item.storage_index.offset)}")
+            raise CheckpointError(f"{self._metadata_file()}: no chunk of '{index.fqn}' at {tuple(index.offset)}")
         if tensor.dtype != md.properties.dtype or list(tensor.shape) != list(chunk.sizes):
             raise CheckpointError(
-                f"{self._metadata_file()}: says '{item.storage_index.fqn}' at {tuple(chunk.offsets)} is "
+                f"{self._metadata_file()}: says '{index.fqn}' at {tuple(chunk.offsets)} is "
                 f"{md.properties.dtype} {tuple(chunk.sizes)}, but its data is {tensor.dtype} {tuple(tensor.shape)}")
 
-    def _read_plain(self, f, item, planner) -> None:
-        info = self.storage_data[item.storage_index]
+    def _read_entry(self, f, relative_path: str, index, items: List, planner, lock) -> None:
+        """One stored entry: read, checked, loaded once, and copied to each of `items`."""
+        info = self.storage_data[index]
         f.seek(info.offset)
         data = f.read(info.length)
         if len(data) != info.length:
-            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{item.storage_index.fqn}' "
+            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{index.fqn}' "
                              f"(at bytes {info.offset}-{info.offset + info.length} per .metadata)")
-        if not self._crc_checked_elsewhere:
-            check_zip_crc(data, item.storage_index.fqn)
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(data))
-            return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"entry '{item.storage_index.fqn}' holds a {type(tensor).__name__}, not a tensor")
-        self._check_against_metadata(tensor, item)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            tensor = tensor.narrow(dim, start, length)
-        dest = planner.resolve_tensor(item).detach()
-        if dest.size() != tensor.size():
-            raise ValueError(f"entry '{item.storage_index.fqn}': a chunk of {tuple(tensor.size())} for a target of "
-                             f"{tuple(dest.size())}")
-        dest.copy_(tensor)
-        planner.commit_tensor(item, dest)
+        if self._verification is not None:
+            if not self._verification.check_entry(relative_path, index.fqn, info.offset, info.length, data):
+                return  # recorded, and refused on every rank before anything is loaded
+        else:
+            check_zip_crc(data, index.fqn)
+        tensor = None
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                with lock or contextlib.nullcontext():
+                    planner.load_bytes(item, io.BytesIO(data))
+                continue
+            if tensor is None:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"entry '{index.fqn}' holds a {type(tensor).__name__}, not a tensor")
+                self._check_against_metadata(tensor, index)
+            source = tensor
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                source = source.narrow(dim, start, length)
+            with lock or contextlib.nullcontext():
+                dest = planner.resolve_tensor(item).detach()
+            if dest.size() != source.size():
+                raise ValueError(f"entry '{index.fqn}': a chunk of {tuple(source.size())} for a target of "
+                                 f"{tuple(dest.size())}")
+            dest.copy_(source)
+            with lock or contextlib.nullcontext():
+                planner.commit_tensor(item, dest)
+
+
+def _runs(per_file: Dict[str, List], size, threads: int) -> List[Tuple[str, List]]:
+    """Each file's entries (in file order) cut into runs of consecutive entries, as many
+    runs in all as `threads` can read at once where the files are fewer: (file, entries)
+    per run, the largest first. `size(entry)`: its bytes."""
+    total = sum(size(e) for entries in per_file.values() for e in entries)
+    target = max(1, -(-total // threads))
+    runs: List[Tuple[int, str, List]] = []
+    for name, entries in per_file.items():
+        run: List = []
+        bytes_in_run = 0
+        for entry in entries:
+            if run and bytes_in_run + size(entry) > target:
+                runs.append((bytes_in_run, name, run))
+                run, bytes_in_run = [], 0
+            run.append(entry)
+            bytes_in_run += size(entry)
+        if run:
+            runs.append((bytes_in_run, name, run))
+    runs.sort(key=lambda r: -r[0])
+    return [(name, run) for _, name, run in runs]
 
 
 def load_weights_only(value: io.BytesIO, where: str):
@@ -318,7 +459,10 @@ def load_weights_only(value: io.BytesIO, where: str):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, with values stored as bytes loaded weights-only (torch's
-    own loads them with weights_only=False) and a failure naming the file."""
+    own loads them with weights_only=False) and a failure naming the file. Its lookups
+    and the values it sets are by key: several reader threads may call it at once."""
+
+    reads_concurrently = True
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from .agree import describe, listing
-from .checkpoint_files import (WRITER, CheckpointError, file_digest, hash_files, moved_aside, publish)
+from .checkpoint_files import (WRITER, CheckpointError, data_file_records, moved_aside, publish, whole_file_record)
 from .dcp_flat import quiet
 from .param_index import iter_states
 
@@ -392,9 +392,16 @@ def _rounds(job: SaveJob, meeting: Meeting, state_dict: dict, coordinator: bool)
             results = writer.write_data(planner.finish_plan(mine), planner)
             results.wait()
             results = results.value()
-        names = _own_files(job)
-        digests = hash_files([os.path.join(job.tmp, n) for n in names], job.write_threads)
-        written = (results, {n: digests[os.path.join(job.tmp, n)] for n in names})
+        # The manifest's records of this rank's files: each entry's byte range hashed
+        # (what a load checks as it reads), the gaps between them too.
+        entries: Dict[str, List[Tuple[int, int]]] = {n: [] for n in _own_files(job)}
+        for result in results:
+            info = result.storage_data
+            if info.relative_path not in entries:
+                raise CheckpointError(f"{job.what}: DCP reports entry '{result.index.fqn}' in "
+                                      f"{info.relative_path!r}, which is not a file this rank wrote")
+            entries[info.relative_path].append((info.offset, info.length))
+        written = (results, data_file_records(job.tmp, entries, job.write_threads))
         meeting.send("written", written)
     except Exception as e:
         own = e
@@ -405,10 +412,10 @@ def _rounds(job: SaveJob, meeting: Meeting, state_dict: dict, coordinator: bool)
     parts = meeting.collect("written", _WRITING, own)
     try:
         writer.finish(metadata=metadata, results=[parts[r][0] for r in range(job.world)])
-        files: Dict[str, Tuple[str, int]] = {}
-        for _, digests in parts.values():
-            files.update(digests)
-        files[".metadata"] = file_digest(os.path.join(job.tmp, ".metadata"))
+        files: Dict[str, dict] = {}
+        for _, records in parts.values():
+            files.update(records)
+        files[".metadata"] = whole_file_record(os.path.join(job.tmp, ".metadata"))
     except Exception as e:
         meeting.fail(_WRITING, {0: describe(e)}, e)
     meeting.publish(lambda: publish(job.target, job.tmp, job.token, files, job.world))

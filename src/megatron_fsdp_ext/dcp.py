@@ -24,15 +24,17 @@ restricted unpickler, values stored as bytes load weights-only, our metadata is 
 
 save_checkpoint publishes a checkpoint only once it is whole: all ranks agree on the
 directory, write into a fresh sibling directory, hash what they wrote, and rank 0 writes
-the manifest (mfsdp_manifest.json: every file with its sha256 and size) once every rank
-has, then swaps the directory into place with renames. The writing ranks meet through the
-job's c10d store with a deadline (checkpoint_writer), so a stalled rank is named instead
-of holding the others, and async_save=True runs it on a thread after copying the state to
-host memory. load_checkpoint refuses a directory without the manifest and checks every
-file (each by one rank, on a thread while it reads) before it loads anything; it reads
-each rank's pieces of the shards directly where it can (checkpoint_pieces). Every failure
-is raised on every rank. The file handling (manifest, hashes, renames, rank agreement)
-lives in checkpoint_files.
+the manifest (mfsdp_manifest.json: every file with its size; .metadata with its sha256,
+each data file with the sha256 of every entry's byte range) once every rank has, then
+swaps the directory into place with renames. The writing ranks meet through the job's
+c10d store with a deadline (checkpoint_writer), so a stalled rank is named instead of
+holding the others, and async_save=True runs it on a thread after copying the state to
+host memory. load_checkpoint refuses a directory without the manifest; each rank reads
+the entries it needs on several threads, hashing each one's bytes as it reads them, and
+nothing is loaded before every rank found its bytes to match; it reads each rank's
+pieces of the shards directly where it can (checkpoint_pieces). Every failure is raised
+on every rank. The file handling (manifest, hashes, renames, rank agreement) lives in
+checkpoint_files.
 """
 from __future__ import annotations
 
@@ -71,9 +73,9 @@ FORMAT = {"format": "torch_state_dict", "version": 2}
 _FORMAT_KEY = "meta.format"
 _CLASS_KEY = "meta.optimizer_class"
 _OURS = (_FORMAT_KEY, _CLASS_KEY)
-# Files (and writer threads) per rank: written, hashed at save and verified at load in
-# parallel (one file's sha256 is sequential: a rank's single file of a large model would
-# take seconds to hash).
+# Files (and writer threads) per rank, written and hashed at save in parallel (one
+# file's hashing is sequential: a rank's single file of a large model would take seconds),
+# and the threads that read (and hash, and load) a rank's entries at load.
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -144,8 +146,9 @@ def save_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     same path.
 
     The ranks write into a fresh sibling directory; when every write succeeded, each rank
-    hashes its files, rank 0 writes the manifest (mfsdp_manifest.json: file -> sha256 and
-    size) and renames the directory into place. A failure on any rank (a full disk, a
+    hashes its files (each entry's byte range), rank 0 writes the manifest
+    (mfsdp_manifest.json: every file's size and hashes) and renames the directory into
+    place. A failure on any rank (a full disk, a
     crash in a write) raises CheckpointError on every rank naming the failing rank(s);
     so does a rank that stalls longer than the checkpoint timeout (the units'
     fully_shard(timeout=...), else the default group's), once that timeout has passed.
@@ -199,13 +202,16 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     on all ranks, with the same path.
 
     Before anything is loaded: the ranks must agree on the path (ValueError otherwise);
-    the directory must hold the manifest save_checkpoint writes last, and every file must
-    match its sha256 there (each file is hashed by one rank; CheckpointError naming the
-    file otherwise); keys must match exactly (a missing or extra key, or a shape mismatch,
-    is an error naming the key); the optimizer must be of the class that was saved.
-    Every error is raised on every rank. verify=False skips the manifest and hashes (for
-    checkpoints written with dcp.save(sharded_state_dict(...)), or by torch's helpers
-    under the same keys). Checkpoints of the earlier flat format load too."""
+    the directory must hold the manifest save_checkpoint writes last, every file must
+    have its size there, and every entry read must match its sha256 there (each rank
+    hashes what it reads; CheckpointError naming the file and the entry otherwise, on
+    every rank; manifests of one sha256 per file, from earlier versions, have each file
+    hashed whole by one rank); keys must match exactly (a missing or extra key, or a
+    shape mismatch, is an error naming the key); the optimizer must be of the class that
+    was saved. Every error is raised on every rank. verify=False skips the manifest and
+    hashes and checks each entry's zip CRC-32 alone (for checkpoints written with
+    dcp.save(sharded_state_dict(...)), or by torch's helpers under the same keys).
+    Checkpoints of the earlier flat format load too."""
     _refuse_without_data("load_checkpoint")
     rank, world = rank_world()
     target = os.path.abspath(os.fspath(path))
@@ -213,8 +219,9 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
     check_same_path("load_checkpoint", gather_objects(target))
 
     # Local checks: the previous save done, the manifest and .metadata checked (the data
-    # files' hashes go on on a thread: Verification), then what the metadata alone
-    # tells. Agreed in one collective; a corrupted file outranks any other error.
+    # files are checked as they are read, or hashed whole on a thread: Verification),
+    # then what the metadata alone tells. Agreed in one collective; a corrupted file
+    # outranks any other error.
     with Agreement(what, error=CheckpointError, share=[],
                    check=lambda shared, _: refuse_corrupted(what, shared)) as checked:
         previous_failure = wait_for_previous_save(what)  # it may be writing this very directory
@@ -242,7 +249,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 if not checked.share:
                     flat_plan = plan_load(path, target, module, optimizer, meta, unverified)
     if flat_plan is not None:
-        finish_load(flat_plan, path, module, optimizer)
+        finish_load(flat_plan, path, module, optimizer, verification, _WRITE_THREADS)
     else:
         _load_state_dicts(path, target, module, optimizer, metadata, unverified, verification)
 
@@ -274,20 +281,19 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
     """A checkpoint of torch's state dicts: read into targets laid out as torch's helpers
     give them (state_dict.unread_values: no collective fills them), checked against the
     metadata first; each stage agreed on every rank, the values loaded only once every
-    file matched the manifest. Where every sharded value is a unit's own, each rank reads
+    rank found what it read to match the manifest. Where every sharded value is a unit's own, each rank reads
     its pieces of the shards directly (checkpoint_pieces) and loads them as they are;
     otherwise DCP reads the DTensors and the state-dict hooks cut them (an exchange)."""
     what = f"load_checkpoint({path})"
     meta = metadata.state_dict_metadata
     meta_file = os.path.join(directory, ".metadata")
-    crc_checked = verification.checks_crc  # on the verification's thread, not while reading
 
     with verification.stage():  # before any state dict is made
         check_covers_world(iter_states(module))
         small = {k: "" for k in _OURS if k in meta and (optimizer is not None or k == _FORMAT_KEY)}
         groups = {k: [] for k in _group_keys(meta)}  # every saved group, ours or not
         if small or groups:
-            loaded = read_locally(directory, metadata, {**small, **groups}, crc_checked)
+            loaded = read_locally(directory, metadata, {**small, **groups}, verification)
             small, groups = {k: loaded[k] for k in small}, {k: loaded[k] for k in groups}
         _check_format(path, meta_file, small)
         if optimizer is not None:
@@ -317,13 +323,14 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
         pieces = piece_targets(flat, made)  # the same on every rank: the units and the keys agree
         with verification.read_stage():
             if pieces is not None:
-                for key, value in read_locally(directory, metadata, pieces, crc_checked).items():
+                for key, value in read_locally(directory, metadata, pieces, verification, _WRITE_THREADS).items():
                     set_at(targets, mappings[key], value)
                 for key, value in pieces.items():
                     if isinstance(value, PieceTarget):
                         set_at(targets, mappings[key], value.piece)
             else:
-                read_into(targets, path, directory, metadata=metadata, crc_checked_elsewhere=crc_checked)
+                read_into(targets, path, directory, metadata=metadata, verification=verification,
+                          threads=_WRITE_THREADS)
             for key in extra:
                 targets["model"][key] = decode_object(targets["model"][key], f"{what}: 'model.{key}'")
     except BaseException:

@@ -400,13 +400,13 @@ def _apply_optimizer(plan: _Plan, small: dict, optimizer) -> None:
         optimizer.load_state_dict({"state": osd_state, "param_groups": osd_groups})
 
 
-def read_into(target: dict, path: str, directory: str, metadata=None, crc_checked_elsewhere: bool = False) -> None:
+def read_into(target: dict, path: str, directory: str, metadata=None, verification=None, threads: int = 1) -> None:
     """dcp.load, whose failures (gathered from every rank into a CheckpointException on
     every rank) become a CheckpointError naming the failing ranks. metadata,
-    crc_checked_elsewhere: SafeFileSystemReader's."""
+    verification, threads: SafeFileSystemReader's."""
     try:
         with quiet():
-            reader = SafeFileSystemReader(directory, metadata=metadata, crc_checked_elsewhere=crc_checked_elsewhere)
+            reader = SafeFileSystemReader(directory, metadata=metadata, verification=verification, threads=threads)
             dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as e:
         failed = failures(e, 0)
@@ -461,19 +461,21 @@ def check_keys(what: str, expected: set, stored: set, path: str) -> None:
         raise KeyError(f"load_checkpoint({path}): {what} keys differ; " + "; ".join(parts))
 
 
-def finish_load(plan: _Plan, path: str, module: nn.Module, optimizer) -> None:
+def finish_load(plan: _Plan, path: str, module: nn.Module, optimizer, verification, threads: int = 1) -> None:
     """Check the plan against the small entries, read, then apply; each stage agreed on
     every rank, so that a failure anywhere leaves every rank's module and optimizer as
-    they were (nothing is half-loaded)."""
+    they were (nothing is half-loaded). `verification` (checkpoint_files.Verification)
+    checks the bytes as they are read; what it found is agreed on before anything is
+    applied, and outranks any other failure."""
     what = f"load_checkpoint({path})"
-    with Agreement(what, error=CheckpointError):
+    with verification.stage():
         small = {k: b"" for k in SMALL_ENTRIES
                  if k in plan.meta and (optimizer is not None or k == FORMAT_KEY)}
         if small:
-            read_into(small, path, plan.reader_path)
+            read_into(small, path, plan.reader_path, verification=verification)
         _check_plan(plan, small, module, optimizer, path)
-    with Agreement(what, error=CheckpointError):
-        read_into(plan.target, path, plan.reader_path)
+    with verification.read_stage():
+        read_into(plan.target, path, plan.reader_path, verification=verification, threads=threads)
         objects = {k[len("model."):]: _decode_extra_state(plan.target[k], k, path) for k in plan.objects}
     with Agreement(what, error=CheckpointError):
         _commit(plan.staged)

@@ -6,7 +6,13 @@
   every rank, before anything is loaded or written;
 - load_full_state_dict refuses state dicts whose keys differ across ranks (instead of
   issuing different all-gathers on different ranks);
-- an SGD checkpoint does not load into AdamW.
+- an SGD checkpoint does not load into AdamW;
+- each rank checks the entries it reads as it reads them (the manifest's sha256 of each
+  entry's byte range, then the zip CRC-32): flipped bytes (in data or in padding no CRC
+  covers), swapped or truncated files, and manifests edited so that their ranges no longer
+  hash, match .metadata or tile the file are refused by name on every rank, the model
+  unchanged; manifests of version 1 (one sha256 per file) still load and are verified;
+  several reading threads load what one does.
 
 Resharding (2 -> 1, 2 -> 4) and strategy changes of verified checkpoints are covered by
 test_strategies.py (checkpoint_save / checkpoint_resume) and test_torch_state_dict.py.
@@ -19,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
+from megatron_fsdp_ext.checkpoint_reader import read_metadata_file
 from megatron_fsdp_ext.dcp import MANIFEST_NAME, CheckpointError, load_checkpoint, save_checkpoint
 from harness import run_distributed
 from harness.workers import assert_same_snapshot, build_models, checkpoint_snapshot, expect_error, shard
@@ -232,9 +239,25 @@ def round_trip(rank, world, path):
         manifest = json.load(f)
     on_disk = _files(path)
     assert set(manifest["files"]) == set(on_disk) - {MANIFEST_NAME}, (manifest["files"], on_disk)
-    for name, entry in manifest["files"].items():
-        assert entry["sha256"] == on_disk[name] and entry["size"] == os.path.getsize(os.path.join(path, name))
-    assert manifest["version"] == 1 and manifest["world_size"] == world
+    assert manifest["version"] == 2 and manifest["world_size"] == world
+    # .metadata hashed whole; each data file by ranges that tile it, one per entry.
+    assert manifest["files"][".metadata"] == {"sha256": on_disk[".metadata"],
+                                              "size": os.path.getsize(os.path.join(path, ".metadata"))}
+    stored = {(info.relative_path, info.offset, info.length)
+              for info in read_metadata_file(os.path.join(path, ".metadata")).storage_data.values()}
+    for name, record in manifest["files"].items():
+        if name == ".metadata":
+            continue
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        assert record["size"] == len(data) and "sha256" not in record, (name, record)
+        cursor = 0
+        for offset, length, digest in record["entries"]:
+            assert offset == cursor and hashlib.sha256(data[offset:offset + length]).hexdigest() == digest
+            assert (name, offset, length) in stored, f"'{name}': range {offset}+{length} is no entry (DCP's tile)"
+            cursor += length
+        assert cursor == len(data), f"'{name}': the ranges end at {cursor} of {len(data)} bytes"
+    assert {n for n, _, _ in stored} == set(manifest["files"]) - {".metadata"}
 
     fresh = _model(seed=7)
     fresh_opt = _adamw(fresh)
@@ -321,3 +344,248 @@ def sgd_into_adamw(rank, world, root):
 
 def test_sgd_checkpoint_into_adamw_is_a_clear_error(tmp_path):
     assert run_distributed(sgd_into_adamw, 2, str(tmp_path), timeout=120) == [True, True]
+
+
+# ------------------------------------------------------------------------ verified as read
+
+def _manifest(path):
+    import json
+    with open(os.path.join(path, MANIFEST_NAME)) as f:
+        return json.load(f)
+
+
+def _write_manifest(path, manifest):
+    import json
+    with open(os.path.join(path, MANIFEST_NAME), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+
+
+def _largest_entry(path):
+    """(file, offset, length, key) of the largest entry .metadata places in a data file."""
+    storage = read_metadata_file(os.path.join(path, ".metadata")).storage_data
+    index, info = max(storage.items(), key=lambda kv: kv[1].length)
+    return info.relative_path, info.offset, info.length, index.fqn
+
+
+def _on_rank0(fn):
+    if dist.get_rank() == 0:
+        fn()
+    dist.barrier()
+
+
+def _case(good, root, name, change):
+    """A copy of checkpoint `good` at root/name, changed by change(path) on rank 0."""
+    import shutil
+
+    path = os.path.join(root, name)
+
+    def make():
+        shutil.copytree(good, path)
+        change(path)
+
+    _on_rank0(make)
+    return path
+
+
+def _message_of(fn):
+    try:
+        fn()
+    except CheckpointError as e:
+        return str(e)
+    raise AssertionError("no CheckpointError raised")
+
+
+def _flip(path, name, at):
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def verified_as_read(rank, world, root):
+    """Version-2 manifests: every data file by byte ranges, one per entry. Each rank checks
+    the entries it reads right after reading them (sha256 against the manifest's range, then
+    the zip CRC-32), the file sizes, that .metadata's entries are the manifest's ranges and
+    that the ranges tile each file; whatever differs is refused on every rank, naming the
+    file (and the entry), and the model is left as it was."""
+    model = _model()
+    opt = _adamw(model)
+    _step(model, opt, 0)
+    good = os.path.join(root, "good")
+    save_checkpoint(good, model, opt)
+    saved = checkpoint_snapshot(model, opt)
+    name, offset, length, key = _largest_entry(good)
+    fresh = _model(seed=7)
+    fresh_opt = _adamw(fresh)
+    _step(fresh, fresh_opt, 3)
+    before = checkpoint_snapshot(fresh, fresh_opt)
+
+    def refused(path, *fragments):
+        expect_error(lambda: load_checkpoint(path, fresh, fresh_opt), CheckpointError, *fragments)
+        assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), before, f"a refused load ({path}) changed it")
+
+    # A flipped byte in the middle of an entry that a rank loads: its sha256 differs.
+    flipped = _case(good, root, "flipped", lambda p: _flip(p, name, offset + length // 2))
+    refused(flipped, "the checkpoint is corrupted", f"'{name}' has sha256", f"at bytes {offset}-{offset + length}",
+            f"(entry '{key}')", "the manifest expects")
+
+    # A flipped byte that no CRC-32 covers (the alignment padding torch.save puts in a zip
+    # header): torch.load would read the same values, but the bytes are not the saved ones.
+    def flip_padding(p):
+        with open(os.path.join(p, name), "rb") as f:
+            f.seek(offset)
+            entry = f.read(length)
+        _flip(p, name, offset + entry.index(b"ZZZZ"))
+
+    padding = _case(good, root, "padding", flip_padding)
+    refused(padding, f"'{name}' has sha256", f"(entry '{key}')")
+
+    # Two data files swapped.
+    data = sorted(n for n in _manifest(good)["files"] if n != ".metadata")
+
+    def swap(p):
+        a, b = (os.path.join(p, n) for n in data[:2])
+        os.rename(a, a + ".x")
+        os.rename(b, a)
+        os.rename(a + ".x", b)
+
+    swapped = _case(good, root, "swapped", swap)
+    message = _message_of(lambda: load_checkpoint(swapped, fresh, fresh_opt))
+    assert "the checkpoint is corrupted" in message and any(f"'{n}' has" in message for n in data[:2]), message
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), before, "a refused load (swapped) changed the model")
+
+    # A truncated file: its size differs (and the entry past the end cannot be read).
+    def truncate(p):
+        with open(os.path.join(p, name), "r+b") as f:
+            f.truncate(offset + length // 2)
+
+    truncated = _case(good, root, "truncated", truncate)
+    size = os.path.getsize(os.path.join(good, name))
+    refused(truncated, "the checkpoint is corrupted",
+            f"'{name}' has {offset + length // 2} bytes, the manifest expects {size}")
+
+    # The manifest edited: a range's hash, two ranges merged into one (tiling kept, but
+    # .metadata's entries are no longer its ranges), a range dropped (no longer tiling).
+    def edit(change):
+        def apply(p):
+            manifest = _manifest(p)
+            change(manifest["files"][name]["entries"])
+            _write_manifest(p, manifest)
+        return apply
+
+    def other_hash(ranges):
+        entry = next(r for r in ranges if r[0] == offset)
+        entry[2] = hashlib.sha256(b"other").hexdigest()
+
+    def merged(ranges):
+        first, second = ranges[0], ranges[1]
+        ranges[:2] = [[first[0], first[1] + second[1], first[2]]]
+
+    refused(_case(good, root, "rehashed", edit(other_hash)), f"'{name}' has sha256", f"(entry '{key}')")
+    refused(_case(good, root, "merged", edit(merged)), "its .metadata places", f"of '{name}'",
+            "which its manifest does not list")
+    refused(_case(good, root, "dropped", edit(lambda ranges: ranges.pop(0))), f"the record of '{name}'",
+            "do not tile the file")
+
+    # The untouched checkpoint still loads, exactly.
+    load_checkpoint(good, fresh, fresh_opt)
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), saved, "the verified load")
+    return True
+
+
+def test_entries_are_verified_as_they_are_read(tmp_path):
+    assert run_distributed(verified_as_read, 2, str(tmp_path), timeout=240) == [True, True]
+
+
+def manifest_v1(rank, world, root):
+    """A checkpoint whose manifest is of version 1 (one sha256 per file, as save_checkpoint
+    wrote before) loads exactly, and is still verified: a flipped byte is refused, naming the
+    file's sha256 (each file hashed whole, by one rank)."""
+    from megatron_fsdp_ext.checkpoint_files import file_digest
+
+    model = _model()
+    opt = _adamw(model)
+    _step(model, opt, 0)
+    good = os.path.join(root, "good")
+    save_checkpoint(good, model, opt)
+    saved = checkpoint_snapshot(model, opt)
+
+    def as_v1(p):
+        manifest = _manifest(p)
+        manifest["version"] = 1
+        for name in manifest["files"]:
+            digest, size = file_digest(os.path.join(p, name))
+            manifest["files"][name] = {"sha256": digest, "size": size}
+        _write_manifest(p, manifest)
+
+    v1 = _case(good, root, "v1", as_v1)
+    fresh = _model(seed=7)
+    fresh_opt = _adamw(fresh)
+    load_checkpoint(v1, fresh, fresh_opt)
+    assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), saved, "the load of a version-1 manifest")
+
+    name, offset, length, key = _largest_entry(good)
+    flipped = _case(v1, root, "v1_flipped", lambda p: _flip(p, name, offset + length // 2))
+    other = _model(seed=9)
+    other_opt = _adamw(other)
+    before = checkpoint_snapshot(other, other_opt)
+    size = os.path.getsize(os.path.join(good, name))
+    expect_error(lambda: load_checkpoint(flipped, other, other_opt), CheckpointError, "the checkpoint is corrupted",
+                 f"'{name}' has sha256", f"({size} bytes), the manifest expects")
+    assert_same_snapshot(checkpoint_snapshot(other, other_opt), before, "a refused load changed the model")
+    return True
+
+
+def test_version_1_manifest_still_loads_and_is_verified(tmp_path):
+    assert run_distributed(manifest_v1, 2, str(tmp_path), timeout=240) == [True, True]
+
+
+def threads_read_alike(rank, world, root):
+    """Reading with several threads gives the values one thread gives (and the saved ones),
+    and several threads do read: where each rank reads its pieces of the shards
+    (read_locally) and where dcp.load reads the DTensors (read_into, DCP's planner)."""
+    import threading
+
+    import megatron_fsdp_ext.dcp as dcp_module
+    from megatron_fsdp_ext.checkpoint_reader import SafeFileSystemReader
+
+    model = _model()
+    opt = _adamw(model)
+    for s in range(2):
+        _step(model, opt, s)
+    path = os.path.join(root, "ckpt")
+    save_checkpoint(path, model, opt)
+    saved = checkpoint_snapshot(model, opt)
+    originals = dcp_module._WRITE_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets
+    readers = set()
+
+    def counting(self, *args, **kwargs):
+        readers.add(threading.get_ident())
+        return originals[1](self, *args, **kwargs)
+
+    got = {}
+    SafeFileSystemReader._read_entry = counting
+    try:
+        for way in ("pieces", "dcp.load"):
+            # No pieces: the load reads the DTensors through dcp.load.
+            dcp_module.piece_targets = originals[2] if way == "pieces" else (lambda flat, made: None)
+            for threads in (1, 4):
+                dcp_module._WRITE_THREADS = threads
+                readers.clear()
+                fresh = _model(seed=7)
+                fresh_opt = _adamw(fresh)
+                load_checkpoint(path, fresh, fresh_opt)
+                got[way, threads] = (checkpoint_snapshot(fresh, fresh_opt), len(readers))
+    finally:
+        dcp_module._WRITE_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets = originals
+    for way in ("pieces", "dcp.load"):
+        one, four = got[way, 1], got[way, 4]
+        assert one[1] == 1 and four[1] > 1, f"{way}: threads that read entries: {one[1]} and {four[1]}"
+        assert_same_snapshot(four[0], one[0], f"{way}: four reading threads against one")
+        assert_same_snapshot(one[0], saved, f"{way}: the load")
+    return True
+
+
+def test_several_reading_threads_load_what_one_does(tmp_path):
+    assert run_distributed(threads_read_alike, 2, str(tmp_path), timeout=240) == [True, True]

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.checkpoint_files import MANIFEST_NAME, file_digest
+from megatron_fsdp_ext.checkpoint_files import MANIFEST_NAME, digest_ranges, entry_ranges, whole_file_record
+from megatron_fsdp_ext.checkpoint_reader import read_metadata_file
 from megatron_fsdp_ext.dcp import sharded_state_dict
 
 from .flat_format import flat_state_dict
@@ -36,16 +37,40 @@ class Opens:
 
 
 def reseal(path: str) -> None:
-    """Rewrite the manifest so every file's sha256 and size match again, as an attacker
-    who edited the files would."""
+    """Rewrite the manifest so that every file matches it again, as an attacker who edited
+    the files would: .metadata's sha256 and size; each data file's size, and the sha256 of
+    each of its ranges (the entries the current .metadata places in it, else those the
+    manifest listed, cut to the file as it is now, with the gaps as ranges of their own)."""
     where = os.path.join(path, MANIFEST_NAME)
     with open(where) as f:
         manifest = json.load(f)
+    try:
+        storage = read_metadata_file(os.path.join(path, ".metadata")).storage_data
+        placed = {}
+        for info in storage.values():
+            placed.setdefault(info.relative_path, set()).add((info.offset, info.length))
+    except Exception:  # noqa: BLE001 - a garbled .metadata: the ranges the manifest listed
+        placed = None
     files = {}
     for name in sorted(os.listdir(path)):
-        if name != MANIFEST_NAME and os.path.isfile(os.path.join(path, name)):
-            digest, size = file_digest(os.path.join(path, name))
-            files[name] = {"sha256": digest, "size": size}
+        full = os.path.join(path, name)
+        if name == MANIFEST_NAME or not os.path.isfile(full):
+            continue
+        if name == ".metadata":
+            files[name] = whole_file_record(full)
+            continue
+        size = os.path.getsize(full)
+        if placed is not None and name in placed:
+            entries = placed[name]
+        else:
+            entries = {(o, n) for o, n, _ in manifest["files"].get(name, {}).get("entries", [])}
+        ranges, cursor = [], 0
+        for offset, length in sorted(entries):  # cut to the file; overlaps dropped
+            offset, end = max(offset, cursor), min(offset + length, size)
+            if end > offset:
+                ranges.append((offset, end - offset))
+                cursor = end
+        files[name] = {"size": size, "entries": digest_ranges(full, entry_ranges(name, size, ranges))}
     manifest["files"] = files
     with open(where, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
