@@ -7,7 +7,8 @@
 # and commit: set MFSDP_COMMIT where the tree has no .git); logs beside them.
 # REPEATS (default 3), MODEL (default 1b), WORLDS (default "1 4"), SYSTEMS (default
 # "mfsdp fsdp2"), CKPT_DIR (where checkpoints are written and removed; default /tmp) and
-# RUN_TIMEOUT (seconds per run, default 150) override the defaults. A 1b checkpoint with
+# RUN_TIMEOUT (seconds per run, default 150) and MODES (default sync,async,load) override the
+# defaults. A 1b checkpoint with
 # AdamW state is ~16 GB: each is removed as soon as it is measured.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -26,6 +27,7 @@ for world in ${WORLDS:-1 4}; do
     echo "== $name ($(date +%T))"
     timeout "${RUN_TIMEOUT:-150}" $PY -m torch.distributed.run --nproc_per_node="$world" --master_port=29591 \
       benchmarks/bench_async_save.py --system "$system" --model "${MODEL:-1b}" --repeats "${REPEATS:-3}" \
+      --modes "${MODES:-sync,async,load}" \
       --dir "${CKPT_DIR:-/tmp}" --out "$DEST/$name.json" > "$DEST/$name.log" 2>&1 \
       || { echo "$name failed (rc $?)"; status=1; }
     tail -3 "$DEST/$name.log"

@@ -30,11 +30,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import os
 import pickle
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -84,17 +86,66 @@ def checkpoint_timeout(module: nn.Module) -> float:
 
 # ----------------------------------------------------------------------------- staging
 
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ARENA_ALIGN - 1) // _ARENA_ALIGN * _ARENA_ALIGN
+
+
+_ARENA_ALIGN = 64  # bytes: every view starts aligned for any dtype
+# Threads that fault in a new arena's pages before it is page-locked (first touch is
+# what makes pinning slow; the kernel takes faults on several cores at once).
+_TOUCH_THREADS = max(1, min(8, os.cpu_count() or 1))
+_TOUCH_CHUNK = 64 << 20
+
+
+class PinnedArena:
+    """One host allocation for all of a save's CUDA tensors, page-locked once with
+    cudaHostRegister at its exact size (torch's pinned allocator rounds every tensor up
+    to a power of two and pins each on its own), its pages first touched by several
+    threads. Tensors are views of it; close() unregisters it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.base = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        chunks = list(self.base.split(_TOUCH_CHUNK))
+        if len(chunks) > 1 and _TOUCH_THREADS > 1:
+            with ThreadPoolExecutor(max_workers=_TOUCH_THREADS, thread_name_prefix="mfsdp-touch") as pool:
+                list(pool.map(lambda c: c.fill_(0), chunks))  # fill_ releases the GIL
+        else:
+            self.base.fill_(0)
+        error = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.base.numel(), 0)
+        if int(error) != 0:
+            raise CheckpointError(f"save_checkpoint: page-locking {self.base.numel()} bytes of host memory for "
+                                  f"the asynchronous save's copy failed (cudaHostRegister: {error})")
+        self._registered = True
+        self._used = 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        view = self.base[self._used: self._used + nbytes].view(dtype).view(shape)
+        self._used += _aligned(nbytes)
+        return view
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self._registered = False
+
+
 class HostStaging:
     """Host copies of a state dict's tensors, taken on the caller's thread so that the
     background write reads values that training no longer changes. DTensors keep their
     placement (their local shard copied, their mesh and layout as they were), everything
     else is deep-copied. The buffers are kept for the next save of the same shapes:
-    pinning host memory costs far more than the copy into it; release() frees them."""
+    pinning host memory costs far more than the copy into it; release() frees them.
+    CUDA tensors are copied into one PinnedArena (laid out again when a tensor's shape
+    or dtype changes), CPU tensors into buffers of their own."""
 
     def __init__(self) -> None:
         self._buffers: Dict[Tuple, torch.Tensor] = {}
+        self._arena: Optional[PinnedArena] = None
+        self._arena_layout: Optional[List[Tuple]] = None
 
     def stage(self, tree):
+        self._prepare_arena(tree)
         cuda_devices: set = set()
         used: set = set()
         staged = self._copy(tree, (), cuda_devices, used)
@@ -106,6 +157,39 @@ class HostStaging:
 
     def release(self) -> None:
         self._buffers.clear()
+        if self._arena is not None:
+            self._arena.close()
+        self._arena, self._arena_layout = None, None
+
+    def _prepare_arena(self, tree) -> None:
+        """Lay out (or keep) the arena for the CUDA tensors of `tree`."""
+        layout: List[Tuple] = []
+        self._cuda_tensors(tree, (), layout)
+        if layout == self._arena_layout:
+            return
+        for path, _, _ in self._arena_layout or ():
+            self._buffers.pop(path, None)
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._arena_layout = layout
+        if layout:
+            self._arena = PinnedArena(sum(_aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in layout))
+            for path, shape, dtype in layout:
+                self._buffers[path] = self._arena.take(shape, dtype)
+
+    def _cuda_tensors(self, value, path: Tuple, out: List[Tuple]) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cuda":
+                out.append((path, tuple(value.shape), value.dtype))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                self._cuda_tensors(v, path + (k,), out)
+        elif type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                self._cuda_tensors(v, path + (i,), out)
 
     def _copy(self, value, path: Tuple, cuda_devices: set, used: set):
         if isinstance(value, DTensor):
@@ -122,9 +206,10 @@ class HostStaging:
     def _tensor(self, source: torch.Tensor, path: Tuple, cuda_devices: set, used: set) -> torch.Tensor:
         on_cuda = source.device.type == "cuda"
         buffer = self._buffers.get(path)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype \
-                or buffer.is_pinned() != on_cuda:
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_cuda)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            if on_cuda:  # the arena was laid out from this very tree
+                raise AssertionError(f"no staging buffer for CUDA tensor at {path}")
+            buffer = torch.empty(source.shape, dtype=source.dtype)
             self._buffers[path] = buffer
         used.add(path)
         buffer.copy_(source, non_blocking=on_cuda)

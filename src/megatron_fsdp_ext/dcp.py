@@ -74,9 +74,12 @@ _FORMAT_KEY = "meta.format"
 _CLASS_KEY = "meta.optimizer_class"
 _OURS = (_FORMAT_KEY, _CLASS_KEY)
 # Files (and writer threads) per rank, written and hashed at save in parallel (one
-# file's hashing is sequential: a rank's single file of a large model would take seconds),
-# and the threads that read (and hash, and load) a rank's entries at load.
+# file's hashing is sequential: a rank's single file of a large model would take seconds).
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Threads that read (hash, and load) a rank's entries at load: the host's cores shared
+# among the ranks on it (LOCAL_WORLD_SIZE, as torchrun sets it), at most 8.
+_LOCAL_WORLD = os.environ.get("LOCAL_WORLD_SIZE", "1")
+_READ_THREADS = max(1, min(8, (os.cpu_count() or 1) // max(1, int(_LOCAL_WORLD) if _LOCAL_WORLD.isdigit() else 1)))
 
 
 # ----------------------------------------------------------------------------- the state dict
@@ -249,7 +252,7 @@ def load_checkpoint(path: str, module: nn.Module, optimizer: Optional[torch.opti
                 if not checked.share:
                     flat_plan = plan_load(path, target, module, optimizer, meta, unverified)
     if flat_plan is not None:
-        finish_load(flat_plan, path, module, optimizer, verification, _WRITE_THREADS)
+        finish_load(flat_plan, path, module, optimizer, verification, _READ_THREADS)
     else:
         _load_state_dicts(path, target, module, optimizer, metadata, unverified, verification)
 
@@ -323,14 +326,14 @@ def _load_state_dicts(path: str, directory: str, module: nn.Module, optimizer, m
         pieces = piece_targets(flat, made)  # the same on every rank: the units and the keys agree
         with verification.read_stage():
             if pieces is not None:
-                for key, value in read_locally(directory, metadata, pieces, verification, _WRITE_THREADS).items():
+                for key, value in read_locally(directory, metadata, pieces, verification, _READ_THREADS).items():
                     set_at(targets, mappings[key], value)
                 for key, value in pieces.items():
                     if isinstance(value, PieceTarget):
                         set_at(targets, mappings[key], value.piece)
             else:
                 read_into(targets, path, directory, metadata=metadata, verification=verification,
-                          threads=_WRITE_THREADS)
+                          threads=_READ_THREADS)
             for key in extra:
                 targets["model"][key] = decode_object(targets["model"][key], f"{what}: 'model.{key}'")
     except BaseException:

@@ -13,14 +13,14 @@ import torch.distributed as dist
 from megatron_fsdp_ext.dcp import AsyncSave, CheckpointError, load_checkpoint, save_checkpoint
 
 from .workers import assert_same_snapshot as assert_same
-from .workers import build_models, expect_error, shard
+from .workers import build_models, device_for_backend, expect_error, shard
 from .workers import checkpoint_snapshot as snapshot
 
 TINY = {"layers": 1, "d_model": 16, "ffn": 40, "vocab": 32}
 
 
 def model_and_optimizer(seed=None, timeout=None, dims=None):
-    _, model, _ = build_models(dims or TINY, torch.device("cpu"))
+    _, model, _ = build_models(dims or TINY, device_for_backend())
     if seed is not None:  # another initialisation: a load must overwrite all of it
         torch.manual_seed(seed)
         with torch.no_grad():
@@ -32,7 +32,7 @@ def model_and_optimizer(seed=None, timeout=None, dims=None):
 
 def train_step(model, opt, seed):
     g = torch.Generator().manual_seed(seed + dist.get_rank())
-    tokens = torch.randint(0, TINY["vocab"], (2, 8), generator=g)
+    tokens = torch.randint(0, TINY["vocab"], (2, 8), generator=g).to(device_for_backend())
     model.loss(tokens, tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -237,3 +237,55 @@ def stalled_write_times_out(rank, world, path, stalled_rank, timeout_s, async_sa
     assert siblings(path) == [], f"the stalled save left {siblings(path)}"
     assert_same(loaded(path), snapshot(model, opt), "the next save")
     return elapsed
+
+
+def staging_is_pinned_and_reused(rank, world, root):
+    """On CUDA the asynchronous save copies into one page-locked arena: every staged CUDA
+    tensor is pinned, the second save of the same shapes reuses the arena (no pinning
+    again), and the values loaded back are those at save time."""
+    from megatron_fsdp_ext import checkpoint_writer as cw
+    from megatron_fsdp_ext import dcp
+    model, opt = model_and_optimizer()
+    train_step(model, opt, 0)
+    staged = []
+    original = dcp.stage_on_host
+
+    def spy(state_dict):
+        out = original(state_dict)
+        staged.append(out)
+        return out
+
+    dcp.stage_on_host = spy
+    try:
+        at_save = snapshot(model, opt)
+        save_checkpoint(os.path.join(root, "a"), model, opt, async_save=True).result(timeout=120)
+        arena = cw._staging._arena
+        train_step(model, opt, 1)
+        at_second = snapshot(model, opt)
+        save_checkpoint(os.path.join(root, "b"), model, opt, async_save=True).result(timeout=120)
+        assert cw._staging._arena is arena and arena is not None, "the second save pinned a new arena"
+    finally:
+        dcp.stage_on_host = original
+    cuda_staged = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            cuda_staged.append(local)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(staged[-1])
+    base = arena.base
+    in_arena = [t for t in cuda_staged if base.data_ptr() <= t.data_ptr() < base.data_ptr() + base.numel()]
+    assert len(in_arena) >= len(list(model.parameters())), (len(in_arena), len(cuda_staged))
+    assert all(t.is_pinned() for t in in_arena), "a staged tensor is not page-locked"
+    assert_same(loaded(os.path.join(root, "a")), at_save, "the first asynchronous checkpoint")
+    assert_same(loaded(os.path.join(root, "b")), at_second, "the second, through the reused arena")
+    cw.release_async_save_buffers()
+    assert cw._staging._arena is None
+    return True

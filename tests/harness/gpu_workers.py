@@ -167,9 +167,14 @@ def _llama_on_device(cfg: LlamaConfig, device) -> LlamaModel:
 
 
 def _shard_bf16(model: LlamaModel, depth: int) -> LlamaModel:
-    """Every block and the root sharded with bf16 parameters and fp32 gradient reduction."""
+    """Every block and the root sharded with bf16 parameters and fp32 gradient reduction,
+    one collective per unit (what these tests bound and count: buckets, the "auto"
+    default, gather several units at once)."""
     mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return shard_blocks_and_root(model, mp_policy=mp, prefetch_depth=depth)
+    shard_blocks_and_root(model, mp_policy=mp, prefetch_depth=depth)
+    model.set_gather_bucket_bytes(0)
+    model.set_reduce_bucket_bytes(0)
+    return model
 
 
 def _plain_forward_bytes(cfg: LlamaConfig, tokens, targets, device) -> int:
