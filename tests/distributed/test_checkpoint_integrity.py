@@ -557,7 +557,7 @@ def threads_read_alike(rank, world, root):
     path = os.path.join(root, "ckpt")
     save_checkpoint(path, model, opt)
     saved = checkpoint_snapshot(model, opt)
-    originals = dcp_module._WRITE_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets
+    originals = dcp_module._READ_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets
     readers = set()
 
     def counting(self, *args, **kwargs):
@@ -571,14 +571,14 @@ def threads_read_alike(rank, world, root):
             # No pieces: the load reads the DTensors through dcp.load.
             dcp_module.piece_targets = originals[2] if way == "pieces" else (lambda flat, made: None)
             for threads in (1, 4):
-                dcp_module._WRITE_THREADS = threads
+                dcp_module._READ_THREADS = threads
                 readers.clear()
                 fresh = _model(seed=7)
                 fresh_opt = _adamw(fresh)
                 load_checkpoint(path, fresh, fresh_opt)
                 got[way, threads] = (checkpoint_snapshot(fresh, fresh_opt), len(readers))
     finally:
-        dcp_module._WRITE_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets = originals
+        dcp_module._READ_THREADS, SafeFileSystemReader._read_entry, dcp_module.piece_targets = originals
     for way in ("pieces", "dcp.load"):
         one, four = got[way, 1], got[way, 4]
         assert one[1] == 1 and four[1] > 1, f"{way}: threads that read entries: {one[1]} and {four[1]}"
