@@ -327,7 +327,8 @@ def float8_gather_bytes(rank: int, world: int) -> Dict:
     device = device_for_backend()
     report = {}
     for gather in (True, False):
-        model = _shard_fp8_gathered(gather=gather)
+        # One all-gather per unit use is what is counted (no buckets).
+        model = _shard_fp8_gathered(gather=gather, gather_bucket_bytes=0, reduce_bucket_bytes=0)
         x = torch.randn(ROWS, D_IN, device=device)
         model(x).float().square().mean().backward()  # lazy init and first gathers
         _C.reset_collective_counts()

@@ -298,6 +298,9 @@ def estimate_matches_what_units_hold(rank: int, world: int, strategy: str, bf16:
         _freeze_some(model)
     mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(data_parallel_sharding_strategy=strategy, bf16=bf16,
                                                     grad_reduce_in_fp32=bf16), fsdp_unit_modules=[block])
+    # estimate_memory's default budgets (0: no buckets) against the same held by the model.
+    model.set_gather_bucket_bytes(0)
+    model.set_reduce_bucket_bytes(0)
     states = [s for s in iter_states(model) if s.unit is not None]
     assert est.num_units == len(states), (est.num_units, len(states))
     again = mfsdp.estimate_memory(model, world, unit_modules=block, sharding_strategy=strategy, mp_policy=mp,
