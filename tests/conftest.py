@@ -19,6 +19,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu_exclusive: a timing measurement; tests/gpu/run_all.sh runs it after the parallel GPU tests, "
         "with the GPUs to itself")
+    config.addinivalue_line(
+        "markers", "long_gpu: a gpu test that takes tens of seconds; tests/gpu/conftest.py starts these first, so the "
+        "parallel stage does not end waiting on one long test started last")
 
 
 def _gpus_found() -> int:

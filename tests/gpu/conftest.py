@@ -7,7 +7,9 @@ then still returns what failed and why: pytest prints tracebacks only at its end
 
 MFSDP_GPU_TESTS_FIRST=<substring>,<substring>,...: tests whose id contains one of them run
 first, in the order given (the rest after, in collection order): with a tight device
-budget, what has not run yet on this machine comes before what has.
+budget, what has not run yet on this machine comes before what has. Within each group,
+tests marked `long_gpu` come first, so the parallel stage does not end on one long test
+that started last.
 """
 import os
 import time
@@ -19,11 +21,10 @@ FIRST_ENV = "MFSDP_GPU_TESTS_FIRST"
 
 def pytest_collection_modifyitems(config, items):
     first = [s for s in os.environ.get(FIRST_ENV, "").split(",") if s]
-    if not first:
-        return
 
     def rank(item):
-        return next((i for i, s in enumerate(first) if s in item.nodeid), len(first))
+        named = next((i for i, s in enumerate(first) if s in item.nodeid), len(first))
+        return named, item.get_closest_marker("long_gpu") is None
 
     items.sort(key=rank)  # stable: collection order within each group
 

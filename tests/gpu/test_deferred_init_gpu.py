@@ -12,6 +12,7 @@ WORLD = gpu_world()
 GPU = gpu_launch()  # MFSDP_GPU_BACKEND: NCCL (a GPU per rank) or Gloo (ranks share a GPU)
 
 
+@pytest.mark.long_gpu
 def test_nccl_materialize_equals_direct_build_and_trains_alike():
     import torch
 

@@ -21,6 +21,7 @@ def test_nccl_hsdp_trains_like_one_process(replicate):
     run_distributed(hsdp_parity, WORLD, replicate, SCENARIOS, **GPU, timeout=300)
 
 
+@pytest.mark.long_gpu
 def test_nccl_hsdp_checkpoints_move_between_meshes(tmp_path):
     if WORLD < 2:
         pytest.skip("HSDP needs two GPUs or more")

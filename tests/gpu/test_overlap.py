@@ -37,6 +37,7 @@ def test_allocator_peak_memory_bounded_and_independent_of_model_depth():
         print(name, {k: f"{v / 2**20:.1f} MiB" for k, v in r.items()})
 
 
+@pytest.mark.long_gpu
 def test_unsharded_bytes_bounded_by_prefetch_depth():
     for depth in (0, 1, 2):
         peaks = [run_distributed(W.unsharded_memory_bound, WORLD, n, depth, **GPU, timeout=300)[0]
@@ -44,6 +45,7 @@ def test_unsharded_bytes_bounded_by_prefetch_depth():
         assert peaks[0]["peak_unsharded_bytes"] == peaks[1]["peak_unsharded_bytes"], (depth, peaks)
 
 
+@pytest.mark.long_gpu
 def test_nccl_prefetch_semantics_and_param_sync():
     for depth in (1, 2):
         run_distributed(W.prefetch_semantics, WORLD, depth, **GPU, timeout=300)
@@ -59,6 +61,7 @@ def test_whole_training_step_in_a_cuda_graph_matches_plain_pytorch(buckets):
     print(stats)
 
 
+@pytest.mark.long_gpu
 def test_a_gather_bucket_records_and_waits_once():
     plain = run_distributed(GW.forward_event_calls, WORLD, {}, **GPU, timeout=300)[0]
     one = run_distributed(GW.forward_event_calls, WORLD, {"gather_bucket_bytes": 1 << 30}, **GPU,

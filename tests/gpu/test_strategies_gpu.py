@@ -16,6 +16,7 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "lr": 1e-3
         "extra_runs": [{"optimizer": "sgd", "clip": 0.05}]}
 
 
+@pytest.mark.long_gpu
 @pytest.mark.parametrize("strategy", SW.STRATEGIES)
 def test_nccl_strategy_parity(strategy):
     for opts in (EVERYTHING, BF16):
@@ -24,6 +25,7 @@ def test_nccl_strategy_parity(strategy):
     run_distributed(SW.strategy_api, WORLD, strategy, **GPU, timeout=300)
 
 
+@pytest.mark.long_gpu
 def test_nccl_peak_memory_orders_with_strategy():
     peaks = {s: run_distributed(SW.strategy_peak_memory, WORLD, s, **GPU, timeout=300)[0] for s in SW.STRATEGIES}
     p = {s: r["peak"] for s, r in peaks.items()}
@@ -34,6 +36,7 @@ def test_nccl_peak_memory_orders_with_strategy():
     assert p["optim_grads"] >= p["optim_grads_params"] + gap, p
 
 
+@pytest.mark.long_gpu
 def test_nccl_checkpoints(tmp_path):
     path = str(tmp_path / "zero3")
     run_distributed(SW.checkpoint_save, WORLD, "optim_grads_params", path, **GPU, timeout=300)

@@ -38,6 +38,7 @@ def test_tp_matches_fsdp2_tp_in_bf16_gpu(sp):
     run_distributed(w.tp_vs_fsdp2, WORLD, HALF, sp, **GPU, timeout=300)
 
 
+@pytest.mark.long_gpu
 def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path):
     _needs_even_world()
     run_distributed(w.tp_state_dicts, WORLD, str(tmp_path), **GPU, timeout=400)
