@@ -171,7 +171,8 @@ def main():
                       + (f"{row['step_s'] * 1e3:.1f} ms" if "error" not in row else row["error"]), flush=True)
                 if meta is None and "error" not in row:
                     meta = json.loads((out / f"round{k}" / config / system / "results.json").read_text())["meta"]
-        (out / "rows.json").write_text(json.dumps(rows, indent=2))
+                # After every run: a call cut by its time limit keeps what finished.
+                (out / "rows.json").write_text(json.dumps(rows, indent=2))
     meta = dict(meta or {}, command=" ".join([Path(sys.executable).name] + sys.argv), rounds=args.rounds,
                 interleaving="each system in its own torchrun process; order of systems rotated every round")
     write_summary(summarize(rows), meta, out)

@@ -11,7 +11,9 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mfsdp_out}
 PY=${PYTHON:-python3}
-WORK=$(mktemp -d)
+# COMPARE_DIR: where every run's output is kept (default: a new temporary folder).
+WORK=${COMPARE_DIR:-$(mktemp -d)}
+mkdir -p "$WORK"
 mkdir -p "$OUT"
 $PY -m pip install -q --no-deps .whl/*.whl > "$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
 if [ -z "${SKIP_BUILD:-}" ]; then
