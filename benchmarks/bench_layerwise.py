@@ -37,10 +37,9 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
 
-CONFIGS = {  # name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
-    "1b": (32000, 2048, 24, 16, 5504, 4, 2048),
-    "tiny": (256, 64, 4, 4, 176, 2, 32),
-}
+import shapes  # noqa: E402
+
+CONFIGS = {"1b": shapes.LLAMA_1_3B, "tiny": shapes.TINY}  # benchmarks/shapes.py
 SYSTEMS = ("replicated", "layerwise_sync", "layerwise_overlap")
 
 

@@ -32,18 +32,18 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
+import shapes  # noqa: E402
 
-# name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
+# name: shape (benchmarks/shapes.py: vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
-    "1b": (32000, 2048, 24, 16, 5504, 4, 2048),
-    "1b_comm_bound": (32000, 2048, 24, 16, 5504, 1, 512),
-    "small_many": (8192, 512, 48, 8, 1536, 8, 512),
-    "8b_ish": (32000, 4096, 16, 32, 11008, 2, 2048),
-    "tiny": (256, 64, 4, 4, 176, 2, 32),
-    # 12.7B parameters: fp32 AdamW training takes 16 bytes a parameter, 204 GB, more than
-    # one H200 (141 GB); ZeRO-3 over two needs ~102 GB a rank plus activations. Built on
-    # the meta device (--meta-init): it never exists whole on any rank.
-    "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
+    "1b": shapes.LLAMA_1_3B,
+    "1b_comm_bound": shapes.LLAMA_1_3B._replace(micro_batch=1, seq=512),
+    "small_many": shapes.SMALL_MANY,
+    "8b_ish": shapes.LLAMA_7B._replace(layers=16, micro_batch=2),  # 3.5B
+    "tiny": shapes.TINY,
+    # ZeRO-3 over two H200s needs ~102 GB a rank plus activations; --meta-init builds it
+    # on the meta device, so it never exists whole on any rank.
+    "13b": shapes.LLAMA_13B,
 }
 # "<system>_compiled": each block compiled (torch.compile, inductor) after sharding.
 # "<system>_graphed": the whole training step (forward, backward with its collectives, a

@@ -37,14 +37,17 @@ import sys
 import time
 from pathlib import Path
 
-# name: (vocab, d_model, layers, heads, ffn, micro_batch, seq)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
+
+# name: shape (benchmarks/shapes.py)
 CONFIGS = {
-    "tiny": (256, 64, 2, 4, 176, 2, 64),
-    "1.3b": (32000, 2048, 24, 16, 5504, 2, 2048),
-    "3b": (32000, 3072, 26, 24, 8192, 1, 2048),
-    "5b": (32000, 4096, 24, 32, 11008, 1, 2048),
-    "7b": (32000, 4096, 32, 32, 11008, 1, 2048),
-    "8b": (32000, 4096, 36, 32, 11008, 1, 2048),
+    "tiny": shapes.TINY._replace(layers=2, seq=64),
+    "1.3b": shapes.LLAMA_1_3B._replace(micro_batch=2),
+    "3b": shapes.LLAMA_3B,
+    "5b": shapes.LLAMA_7B._replace(layers=24),
+    "7b": shapes.LLAMA_7B,
+    "8b": shapes.LLAMA_7B._replace(layers=36),
 }
 SYSTEMS = ("mfsdp", "mfsdp_overlap", "fsdp2", "fsdp2_fused", "deepspeed")
 

@@ -39,15 +39,19 @@ import sys
 import time
 from pathlib import Path
 
-# name: (vocab, d_model, layers, heads, ffn, micro_batch, seq). Bench shapes; no GQA.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
+
+# name: shape (benchmarks/shapes.py). "8b" is the 32-layer d 4096 shape (6.7B), the name
+# earlier results use.
 CONFIGS = {
-    "small_many": (8192, 512, 48, 8, 1536, 8, 512),
-    "1.3b": (32000, 2048, 24, 16, 5504, 4, 2048),
-    "8b": (32000, 4096, 32, 32, 11008, 1, 2048),
-    "13b": (32000, 5120, 40, 40, 13824, 1, 1024),
-    "70b": (32000, 8192, 80, 64, 28672, 1, 1024),
-    "405b": (32000, 16384, 126, 128, 53248, 1, 256),
-    "tiny": (256, 64, 2, 4, 176, 2, 32),  # CPU smoke runs
+    "small_many": shapes.SMALL_MANY,
+    "1.3b": shapes.LLAMA_1_3B,
+    "8b": shapes.LLAMA_7B,
+    "13b": shapes.LLAMA_13B,
+    "70b": shapes.LLAMA_70B,
+    "405b": shapes.LLAMA_405B,
+    "tiny": shapes.TINY._replace(layers=2),
 }
 SYSTEMS = ("mfsdp", "fsdp2", "local")
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,

@@ -8,19 +8,9 @@
 #   PART=all    both.
 # Usage (device machine, repo root): PART=tests MFSDP_GPU_WORLD=4 bash tests/gpu/run_drop_in.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-OUT=${OUT:-/tmp/mfsdp_out}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-$PY -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/env.txt"
-if ! PYTHONPATH=src $PY -c "import megatron_fsdp_ext" 2>/dev/null; then
-  start=$(date +%s)
-  MAX_JOBS=16 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "built in $(( $(date +%s) - start ))s"
-fi
-status=0
+source "$(dirname "$0")/prelude.sh"
+record_env
+build_in_place || exit 1
 run_tests() {
   PYTHONPATH=src MFSDP_GPU_WORLD=${MFSDP_GPU_WORLD:-4} MFSDP_GPU_BACKEND=nccl MFSDP_REQUIRE_GPU=1 \
     timeout "${TEST_TIMEOUT:-420}" $PY -m pytest ${TESTS:-tests/gpu/test_drop_in_gpu.py tests/gpu/test_pipelining_gpu.py} \

@@ -9,26 +9,12 @@
 #   PHASE=all: both
 # Carries torchao as a wheel in .whl/ (torch 2.11 there: torchao 0.18.0 imports; its MXFP8 training gate is bypassed by the tests).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/mfsdp_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/prelude.sh"
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
-status=0
-$PY -c "import torchao" 2>/dev/null || $PY -m pip install -q --no-deps .whl/torchao-${TORCHAO:-0.18.0}-*.whl \
-  >> "$OUT/env.txt" 2>&1
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import torch, torchao; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchao', torchao.__version__)"
-  git log --oneline -1 2>/dev/null
-} 2>&1 | tee -a "$OUT/env.txt"
-if ! $PY -c "import megatron_fsdp_ext._C" 2>/dev/null; then
-  start=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
-fi
-$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+install_wheel torchao "torchao-${TORCHAO:-0.18.0}-*.whl"
+record_env "$($PY -c 'import torchao; print("torchao", torchao.__version__)' 2>&1)"
+build_in_place || exit 1
+report_build
 phase=${PHASE:-tests}
 case "$phase" in
   tests|all)

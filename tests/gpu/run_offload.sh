@@ -8,32 +8,20 @@
 # A build from an earlier call may be carried in .gpu_build/ (copied into place, skipping the build).
 # DeepSpeed and its dependencies are carried as wheels in .whl/ds/ (installed only where missing).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/mfsdp_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/prelude.sh"
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
-status=0
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  nproc; free -g | head -2
-  git log --oneline -1 2>/dev/null
-} 2>&1 | tee -a "$OUT/env.txt"
+record_env "$(free -g | head -2)"
 if [ -f .gpu_build/_C.so ]; then
   cp .gpu_build/_C.so src/megatron_fsdp_ext/_C.cpython-312-x86_64-linux-gnu.so
   cp .gpu_build/_build_info.py src/megatron_fsdp_ext/_build_info.py
 fi
 if ! $PY -c "import megatron_fsdp_ext._C" 2>/dev/null; then
-  start=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
+  build_in_place || exit 1
   mkdir -p "$OUT/build"
   cp src/megatron_fsdp_ext/_C.cpython-312-x86_64-linux-gnu.so "$OUT/build/_C.so"
   cp src/megatron_fsdp_ext/_build_info.py "$OUT/build/_build_info.py"
 fi
-$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+report_build
 phase=${PHASE:-tests}
 case "$phase" in
   tests)

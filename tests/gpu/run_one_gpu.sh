@@ -9,24 +9,13 @@
 #   TESTS_<world> (test paths or ids for that world; default tests/gpu), PYTEST_ARGS,
 #   SKIP_BUILD=1, SKIP_PROBE=1, SUITE_TIMEOUT (s per world).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/prelude.sh"
 export MFSDP_GPU_BACKEND=gloo MFSDP_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/mfsdp_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
-status=0
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
-} 2>&1 | tee -a "$OUT/env.txt"
-if [ -z "${SKIP_BUILD:-}" ]; then
-  start=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
-fi
-$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+record_env
+# In place, rebuilt every call: a mutation (tests/gpu/mutation_check.py) rebuilds only what changed.
+[ -n "${SKIP_BUILD:-}" ] || FORCE_BUILD=1 build_in_place || exit 1
+report_build
 if [ -z "${SKIP_PROBE:-}" ]; then
   timeout 240 $PY tests/gpu/probe_backends.py "$OUT/probe.md" > "$OUT/probe.log" 2>&1 || status=1
   grep "|" "$OUT/probe.md" 2>/dev/null || tail -5 "$OUT/probe.log"

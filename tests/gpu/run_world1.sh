@@ -6,21 +6,15 @@
 # (tests/gpu/run_all.sh) remains the record for anything distributed.
 # Usage (device machine, repo root): OUT=... bash tests/gpu/run_world1.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/mfsdp_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-status=0
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-} 2>&1 | tee "$OUT/env.txt"
-$PY -c "import safetensors" 2>/dev/null || $PY -m pip install -q --no-deps .whl/safetensors-*.whl >> "$OUT/env.txt" 2>&1
+source "$(dirname "$0")/prelude.sh"
+record_env
+install_wheel safetensors "safetensors-*.whl"
+# Installed (editable), not only built in place: the tests' subprocesses import the package.
 start=$(date +%s)
-TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-  $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+MAX_JOBS=${MAX_JOBS:-16} $PY -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - start ))s" | tee -a "$OUT/env.txt"
-$PY -c "import megatron_fsdp_ext as m; print(m.build_info())" | tee -a "$OUT/env.txt"
+report_build
 MFSDP_GPU_WORLD=1 MFSDP_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -rA -s \
   tests/gpu/test_deferred_init_gpu.py \
   tests/distributed/test_profiler_labels.py::test_unit_trace_sees_backward_on_autograd_threads_under_nccl \
