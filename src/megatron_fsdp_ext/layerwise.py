@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
-from .hooks import run_outside_dynamo
+from .hook_support import run_outside_dynamo
 
 OptimizerFactory = Callable[[List[nn.Parameter]], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]]
 

@@ -39,12 +39,12 @@ def stream_chaos():
     missing cross-stream wait produces wrong numbers instead of passing by luck, also
     where the host itself waits for the collective (Gloo): there only what follows the
     collective on the side stream can race. Everything is restored on exit."""
-    from megatron_fsdp_ext import hooks
+    from megatron_fsdp_ext import hook_support, hooks
 
     def as_cuda_stream(s):
         return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
-    orig_units_to_gather = hooks._units_to_gather
+    orig_units_to_gather = hook_support.units_to_gather
     orig_unshard = hooks.FSDPState.unshard
     orig_post_backward = hooks.FSDPState.post_backward
     contexts = []
@@ -75,13 +75,13 @@ def stream_chaos():
                 torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
         orig_post_backward(self)
 
-    hooks._units_to_gather = units_to_gather
+    hook_support.units_to_gather = units_to_gather
     hooks.FSDPState.unshard = unshard
     hooks.FSDPState.post_backward = post_backward
     try:
         yield
     finally:
-        hooks._units_to_gather = orig_units_to_gather
+        hook_support.units_to_gather = orig_units_to_gather
         hooks.FSDPState.unshard = orig_unshard
         hooks.FSDPState.post_backward = orig_post_backward
         for comm in contexts:

@@ -1,0 +1,62 @@
+"""Gathering and releasing a unit's parameters outside the hooks' fixed order (a mixin
+of FSDPState): explicit unshard/reshard, releasing by strategy, parameters the user
+replaced, and the gathers launched ahead of the next forward."""
+from __future__ import annotations
+
+from typing import List
+
+from . import shard_changes
+
+
+class UnitResidency:
+    def unshard(self) -> None:
+        if self.unit is not None:
+            if self.unit.fp8_scales_stale:
+                self.ctx.refresh_fp8_scales()
+            self.unit.unshard()
+
+    def wait_unshard(self) -> None:
+        self._adopt_replaced(self.slots.use([], False), unsharded=True)
+
+    def reshard(self) -> None:
+        self._adopt_replaced(self.slots.release(False), unsharded=False)
+
+    @property
+    def keeps_params_unsharded(self) -> bool:
+        """Strategies other than optim_grads_params keep the unsharded copy between uses."""
+        return self.unit is not None and self.options.keeps_params_unsharded
+
+    def release(self, keep_unsharded: bool = False) -> None:
+        """Done with the unsharded parameters for now: the module's slots get the sharded
+        ones back; the memory is freed unless the strategy keeps it (or `keep_unsharded`;
+        the next use then gathers again only if the shards changed)."""
+        self._adopt_replaced(self.slots.release(keep_unsharded or self.keeps_params_unsharded), unsharded=False)
+
+    def _adopt_replaced(self, replaced: List[int], unsharded: bool) -> None:
+        """After the slots got the unsharded (or sharded) parameters: slots the user
+        re-assigned since the last install (module.weight = nn.Parameter(...)) give their
+        values to the unit, then the slots are installed again."""
+        if not replaced:
+            return
+        shard_changes.adopt_replaced_params(self, replaced)
+        if unsharded:  # the gathered copy predates the new values: gather again, then install
+            self.slots.use([], False)
+        else:
+            self.slots.install(False)
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gathers the next forward needs first (the root's and, with
+        prefetching, the next units'), e.g. right after the optimizer step so they
+        overlap data loading. A no-op unless all_gather_in_start_param_sync is on,
+        so that by default nothing is launched outside forward (CUDA-graph safe)."""
+        if not self.options.all_gather_in_start_param_sync:
+            return
+        self.lazy_init()
+        ctx = self.ctx
+        first = ctx.schedule.first_gathers(self)
+        # Strategies that keep params unsharded hold memory for every unit anyway: all
+        # stale ones are gathered again now, in forward order (after a reshard() or a
+        # checkpoint load this allocates every unit's copy here, outside forward).
+        persistent = [s for s in (ctx.schedule.forward_order or ctx.states) if s.keeps_params_unsharded]
+        for state in dict.fromkeys(first + persistent):
+            state.unshard()
