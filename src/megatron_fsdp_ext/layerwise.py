@@ -37,7 +37,8 @@ def newton_schulz_cost(p: torch.Tensor) -> float:
 
 
 @dataclass
-class _Bucket:
+class OwnerBucket:
+    """Parameters stored in one flat buffer, each segment updated by its owner rank."""
     index: int
     params: List[nn.Parameter]
     names: List[str]
@@ -52,6 +53,111 @@ class _Bucket:
 
     def owned(self, rank: int) -> List[int]:
         return [i for i in range(len(self.params)) if self.layout.owner(i) == rank]
+
+
+def build_owner_buckets(named, bucket_size: int, cost_fn, alignment: int, world: int) -> List[OwnerBucket]:
+    """Consecutive parameters (same dtype and device) in buckets of at most `bucket_size`
+    elements, each balanced over the ranks by `cost_fn` from what earlier buckets gave
+    them; every parameter becomes a view of its bucket's flat buffer."""
+    groups, cur, cur_numel = [], [], 0
+    for n, p in named:
+        if getattr(p, "_mfsdp_owner", None) is not None:
+            raise ValueError(f"parameter '{n}' is sharded by fully_shard; the layer-wise optimizer takes replicated parameters")
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"parameter '{n}' is a DTensor placed {tuple(p.placements)} on mesh {p.device_mesh.mesh_dim_names} "
+                "(tensor parallel); the layer-wise optimizer takes plain replicated parameters: use fully_shard "
+                "with a torch optimizer for tensor-parallel models")
+        if cur and (cur_numel + p.numel() > bucket_size or p.dtype != cur[0][1].dtype or p.device != cur[0][1].device):
+            groups.append(cur)
+            cur, cur_numel = [], 0
+        cur.append((n, p))
+        cur_numel += p.numel()
+    if cur:
+        groups.append(cur)
+    buckets, loads = [], []
+    for k, group in enumerate(groups):
+        names = [n for n, _ in group]
+        params = [p for _, p in group]
+        # Balance within the bucket, starting from what earlier buckets assigned.
+        owners, loads = _C.balance_owners([float(cost_fn(p)) for p in params], world, loads)
+        layout = _C.FlatLayout.by_owner([p.numel() for p in params], owners, world, alignment)
+        flat = torch.zeros(layout.total_numel, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                view = flat[layout.offsets[i]: layout.offsets[i] + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view  # the parameter now lives in the bucket: gathers write it in place
+        buckets.append(OwnerBucket(k, params, names, layout, flat))
+    return buckets
+
+
+class BucketGather:
+    """The all-gather-v of each bucket back from its owners after a step, in bucket order:
+    launched ahead (on the C++ side stream on CUDA) and finished by forward pre-hooks
+    right before a bucket is used, or all at once."""
+
+    def __init__(self, buckets: List[OwnerBucket], comm, rank: int, gather_algo):
+        self.buckets = buckets
+        self.comm, self.rank, self.gather_algo = comm, rank, gather_algo
+        # The C++ side streams and events (one all-gather stream; none on CPU, where a
+        # gather completes when issued).
+        self._ctx = _C.CommContext(buckets[0].flat.device)
+        self._hooks = []
+
+    def install_forward_hooks(self, model: nn.Module, bucket_of: Dict[int, tuple]) -> None:
+        """Each module with parameters waits, before its forward, for the last bucket they live in."""
+        for module in model.modules():
+            direct = [p for p in module.parameters(recurse=False) if id(p) in bucket_of]
+            if not direct:
+                continue
+            last = max(bucket_of[id(p)][0].index for p in direct)
+            self._hooks.append(module.register_forward_pre_hook(
+                run_outside_dynamo(lambda m, args, b=last: self.finish(b))))
+
+    def remove_hooks(self) -> None:
+        self.finish_all()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def reset(self) -> None:
+        """The owners stepped: every bucket must be gathered again."""
+        for b in self.buckets:
+            b.started, b.done = False, False
+
+    def start(self, index: int) -> None:
+        """Launch bucket `index`'s all-gather-v (on a side stream on CUDA)."""
+        if index >= len(self.buckets):
+            return
+        b = self.buckets[index]
+        if b.started or b.done:
+            return
+        b.started = True
+        lay = b.layout
+        mine = b.flat.narrow(0, lay.segment_starts[self.rank], lay.segment_numels[self.rank])
+        verify, b.verified = not b.verified, True
+        # Ordered after the owners' updates already queued on the current stream.
+        b.pending = self._ctx.all_gather_v_async(self.comm, b.flat, mine, list(lay.segment_starts),
+                                                 list(lay.segment_numels), self.gather_algo, verify=verify)
+
+    def finish(self, index: int) -> None:
+        """Make bucket `index` (and every earlier one) usable, then launch the next."""
+        if index >= len(self.buckets) or self.buckets[index].done:
+            return
+        for k in range(index + 1):
+            b = self.buckets[k]
+            if b.done:
+                continue
+            self.start(k)
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
+            b.done = True
+        self.start(index + 1)
+
+    def finish_all(self) -> None:
+        self.finish(len(self.buckets) - 1)
 
 
 class LayerwiseDistributedOptimizer:
@@ -105,7 +211,7 @@ class LayerwiseDistributedOptimizer:
         named = self._named_params(params_or_model)
         if not named:
             raise ValueError("LayerwiseDistributedOptimizer got no parameters that require grad")
-        self.buckets = self._build_buckets(named, bucket_size, cost_fn, alignment)
+        self.buckets = build_owner_buckets(named, bucket_size, cost_fn, alignment, self.world)
         self._owner_of: Dict[int, tuple] = {}
         owned: List[nn.Parameter] = []
         for b in self.buckets:
@@ -123,12 +229,9 @@ class LayerwiseDistributedOptimizer:
                 for p in group["params"]:
                     if id(p) not in owned_ids:
                         raise ValueError("optimizer_factory must only use the parameters it was given (this rank's)")
-        # The C++ side streams and events (one all-gather stream; none on CPU, where a
-        # gather completes when issued).
-        self._ctx = _C.CommContext(self.buckets[0].flat.device)
-        self._hooks = []
+        self.gather = BucketGather(self.buckets, self.comm, self.rank, self.gather_algo)
         if self.overlap_param_gather and self.model is not None:
-            self._install_forward_hooks(self.model)
+            self.gather.install_forward_hooks(self.model, self._owner_of)
 
     # ------------------------------------------------------------ construction
 
@@ -141,48 +244,6 @@ class LayerwiseDistributedOptimizer:
             for k, x in enumerate(src):
                 items.append(x if isinstance(x, tuple) else (f"param_{k}", x))
         return [(n, p) for n, p in items if p.requires_grad]
-
-    def _build_buckets(self, named, bucket_size, cost_fn, alignment) -> List[_Bucket]:
-        groups, cur, cur_numel = [], [], 0
-        for n, p in named:
-            if getattr(p, "_mfsdp_owner", None) is not None:
-                raise ValueError(f"parameter '{n}' is sharded by fully_shard; the layer-wise optimizer takes replicated parameters")
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"parameter '{n}' is a DTensor placed {tuple(p.placements)} on mesh {p.device_mesh.mesh_dim_names} "
-                    "(tensor parallel); the layer-wise optimizer takes plain replicated parameters: use fully_shard "
-                    "with a torch optimizer for tensor-parallel models")
-            if cur and (cur_numel + p.numel() > bucket_size or p.dtype != cur[0][1].dtype or p.device != cur[0][1].device):
-                groups.append(cur)
-                cur, cur_numel = [], 0
-            cur.append((n, p))
-            cur_numel += p.numel()
-        if cur:
-            groups.append(cur)
-        buckets, loads = [], []
-        for k, group in enumerate(groups):
-            names = [n for n, _ in group]
-            params = [p for _, p in group]
-            # Balance within the bucket, starting from what earlier buckets assigned.
-            owners, loads = _C.balance_owners([float(cost_fn(p)) for p in params], self.world, loads)
-            layout = _C.FlatLayout.by_owner([p.numel() for p in params], owners, self.world, alignment)
-            flat = torch.zeros(layout.total_numel, dtype=params[0].dtype, device=params[0].device)
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    view = flat[layout.offsets[i]: layout.offsets[i] + p.numel()].view_as(p)
-                    view.copy_(p)
-                    p.data = view  # the parameter now lives in the bucket: gathers write it in place
-            buckets.append(_Bucket(k, params, names, layout, flat))
-        return buckets
-
-    def _install_forward_hooks(self, model: nn.Module) -> None:
-        for module in model.modules():
-            direct = [p for p in module.parameters(recurse=False) if id(p) in self._owner_of]
-            if not direct:
-                continue
-            last = max(self._owner_of[id(p)][0].index for p in direct)
-            self._hooks.append(module.register_forward_pre_hook(
-                run_outside_dynamo(lambda m, args, b=last: self.finish_param_sync(b))))
 
     # ------------------------------------------------------------ gradient reduction + step
 
@@ -218,8 +279,7 @@ class LayerwiseDistributedOptimizer:
         self._reduce_grads()
         for opt in self.optimizers:
             opt.step()
-        for b in self.buckets:
-            b.started, b.done = False, False
+        self.gather.reset()
         if self.overlap_param_gather:
             self.start_param_sync(0)
         else:
@@ -232,41 +292,6 @@ class LayerwiseDistributedOptimizer:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-
-    # ------------------------------------------------------------ parameter gather
-
-    def start_param_sync(self, index: int) -> None:
-        """Launch bucket `index`'s all-gather-v (on a side stream on CUDA)."""
-        if index >= len(self.buckets):
-            return
-        b = self.buckets[index]
-        if b.started or b.done:
-            return
-        b.started = True
-        lay = b.layout
-        mine = b.flat.narrow(0, lay.segment_starts[self.rank], lay.segment_numels[self.rank])
-        verify, b.verified = not b.verified, True
-        # Ordered after the owners' updates already queued on the current stream.
-        b.pending = self._ctx.all_gather_v_async(self.comm, b.flat, mine, list(lay.segment_starts),
-                                                 list(lay.segment_numels), self.gather_algo, verify=verify)
-
-    def finish_param_sync(self, index: int) -> None:
-        """Make bucket `index` (and every earlier one) usable, then launch the next."""
-        if index >= len(self.buckets) or self.buckets[index].done:
-            return
-        for k in range(index + 1):
-            b = self.buckets[k]
-            if b.done:
-                continue
-            self.start_param_sync(k)
-            if b.pending is not None:
-                b.pending.wait()
-                b.pending = None
-            b.done = True
-        self.start_param_sync(index + 1)
-
-    def finish_all(self) -> None:
-        self.finish_param_sync(len(self.buckets) - 1)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -313,10 +338,20 @@ class LayerwiseDistributedOptimizer:
                     index += 1
             opt.load_state_dict({"state": index_state, "param_groups": own["param_groups"]})
 
+    # ------------------------------------------------------------ parameter gather (BucketGather)
+
+    def start_param_sync(self, index: int) -> None:
+        """Launch bucket `index`'s all-gather-v (on a side stream on CUDA)."""
+        self.gather.start(index)
+
+    def finish_param_sync(self, index: int) -> None:
+        """Make bucket `index` (and every earlier one) usable, then launch the next."""
+        self.gather.finish(index)
+
+    def finish_all(self) -> None:
+        self.gather.finish_all()
+
     def remove_hooks(self) -> None:
         """Stop finishing gathers in forward hooks: from now on step() gathers itself."""
-        self.finish_all()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.gather.remove_hooks()
         self.overlap_param_gather = False
