@@ -16,9 +16,9 @@ What it guarantees:
 * loads verify every byte that reaches the model: .metadata is hashed by every rank
   before it is parsed; every storage entry .metadata names must be a range the manifest
   lists (check_covered); each data file's size and ranges are checked by one rank
-  (Verification.start), and the reader hashes each entry's bytes right after reading
-  them, and checks the zip CRC-32 of every member, before torch.load sees them
-  (Verification.check_entry); nothing is loaded before every rank's findings are agreed
+  (Verification.start), and the reader hashes each entry's bytes as it reads them, and
+  checks the zip CRC-32 of every member, before it loads them (Verification.entry_check,
+  check_entry); nothing is loaded before every rank's findings are agreed
   on. Manifests of version 1 (one sha256 per file) are verified as then: each file hashed
   whole by one rank on a thread while the load reads (verify_share);
 * every failure is agreed on and raised on every rank (agree.raise_agreed), naming the ranks;
@@ -38,7 +38,7 @@ import warnings
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple, TypeVar
+from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Tuple, TypeVar
 
 from .agree import Agreement, describe, gather_objects, raise_agreed
 
@@ -409,6 +409,11 @@ def refuse_corrupted(what: str, shared: Dict[int, List[str]]) -> None:
                               f"was loaded: {bad[0]}{more}")
 
 
+class EntryCheck(NamedTuple):
+    sha256: Optional[str]  # what the entry's bytes must hash to; None: not hashed by the reader
+    zip_crc: bool  # the reader checks the CRC-32 of the entry's zip members
+
+
 class Verification:
     """A load's check of every byte it loads; nothing reaches the model before corrupted()
     has been agreed on (read_stage()), and an earlier stage that fails waits for the
@@ -478,6 +483,45 @@ class Verification:
         with self._lock:
             self._found.append(line)
 
+    def entry_check(self, name: str, key: str, offset: int, length: int) -> Optional[EntryCheck]:
+        """How the reader checks the bytes of entry `key`, at bytes offset..offset+length
+        of data file `name`, before it loads them: the sha256 they must have (ranges in
+        the manifest) or None (no manifest; a file hashed whole on the thread), and whether
+        the zip CRC-32 of their members is checked here (not for a file the thread checks
+        whole). None: the entry is not to be read (a file or range the manifest does not
+        list; recorded)."""
+        if self.manifest is None:
+            return EntryCheck(None, True)
+        ranges = self._ranges.get(name)
+        if ranges is None:
+            if name in self.manifest["files"]:
+                return EntryCheck(None, False)
+            self._record(f"'{name}' is not listed in the manifest")
+            return None
+        expected = ranges.get((offset, length))
+        if expected is None:
+            self._record(f"'{name}': entry '{key}' at bytes {offset}-{offset + length} is not a range the manifest "
+                         "lists")
+            return None
+        return EntryCheck(expected, True)
+
+    def digest_matches(self, name: str, key: str, offset: int, length: int, got: int, digest: str,
+                       expected: str) -> bool:
+        """Whether the sha256 `digest` of the `got` bytes read of an entry (entry_check)
+        is the `expected` one; what differs is recorded."""
+        if got == length and digest == expected:
+            return True
+        self._record(f"'{name}' has sha256 {digest} at bytes {offset}-{offset + got} (entry '{key}'), the manifest "
+                     f"expects {expected} for bytes {offset}-{offset + length}")
+        return False
+
+    def refuse_entry(self, name: str, problem: str) -> None:
+        """Entry bytes of data file `name` failed a check (`problem`, naming the entry):
+        recorded against the manifest, or, without one, raised as a ValueError."""
+        if self.manifest is None:
+            raise ValueError(problem)
+        self._record(f"'{name}': {problem}")
+
     def check_entry(self, name: str, key: str, offset: int, length: int, data: bytes,
                     zip_members: bool = True) -> bool:
         """Whether the bytes `data` of entry `key`, read from bytes offset..offset+length
@@ -487,30 +531,20 @@ class Verification:
         differs is recorded and False returned. A file hashed whole is checked on the
         thread (True). Without a manifest: the CRC-32 check, raising ValueError. Safe
         to call from several threads."""
-        if self.manifest is None:
-            if zip_members:
+        check = self.entry_check(name, key, offset, length)
+        if check is None:
+            return False
+        if check.sha256 is not None and not self.digest_matches(name, key, offset, length, len(data),
+                                                                hashlib.sha256(data).hexdigest(), check.sha256):
+            return False
+        if zip_members and check.zip_crc:
+            if self.manifest is None:
                 check_zip_crc(data, key)
-            return True
-        ranges = self._ranges.get(name)
-        if ranges is None:
-            if name in self.manifest["files"]:
                 return True
-            self._record(f"'{name}' is not listed in the manifest")
-            return False
-        expected = ranges.get((offset, length))
-        if expected is None:
-            self._record(f"'{name}': entry '{key}' at bytes {offset}-{offset + length} is not a range the manifest "
-                         "lists")
-            return False
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != length or digest != expected:
-            self._record(f"'{name}' has sha256 {digest} at bytes {offset}-{offset + len(data)} (entry '{key}'), the "
-                         f"manifest expects {expected} for bytes {offset}-{offset + length}")
-            return False
-        problem = _crc_problem(name, key, data) if zip_members else None
-        if problem is not None:
-            self._record(problem)
-            return False
+            problem = _crc_problem(name, key, data)
+            if problem is not None:
+                self._record(problem)
+                return False
         return True
 
     def corrupted(self) -> List[str]:

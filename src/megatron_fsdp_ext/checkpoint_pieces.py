@@ -107,9 +107,12 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
 class _Destinations:
     """What SafeFileSystemReader.read_data asks of a planner, for reads planned here:
     where each read item's data goes. Every item has a place of its own: the reader's
-    threads call it at once."""
+    threads call it at once. The targets are fresh tensors that nothing reads unless the
+    whole load is agreed on, so the reader may read an entry's bytes straight into one
+    before it has checked them."""
 
     reads_concurrently = True
+    fills_fresh_tensors = True
 
     def __init__(self, targets: Dict[str, Any], storage_data: dict):
         self.targets = targets
@@ -135,7 +138,9 @@ class _Destinations:
 
 def read_locally(directory: str, metadata, flat: Dict[str, Any], verification, threads: int = 1) -> Dict[str, Any]:
     """Read every entry of `flat` on this rank alone (no collective): tensors and
-    PieceTargets are filled in place; entries stored as bytes are returned, by key. The
+    PieceTargets are filled in place (they must be fresh: an entry whose bytes fail their
+    checks may have been read into its target already); entries stored as bytes are
+    returned, by key. The
     keys and shapes must have been checked against `metadata` (every key present, tensors
     where it holds tensors). verification, threads: SafeFileSystemReader's (an entry
     whose bytes the verification refused is left unread, and recorded there)."""

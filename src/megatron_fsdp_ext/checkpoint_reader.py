@@ -7,6 +7,11 @@ not trust. So nothing read from one may run code:
   an unpickler that admits only the classes DCP's metadata is made of (its dataclasses
   and enums, torch.Size, dtypes, layouts, paths, builtin containers); anything else is a
   CheckpointError naming the file and the class.
+- Tensor entries (torch.save archives) are read by `tensor_entry`: the zip directory by
+  hand, data.pkl through an unpickler that admits only what torch.save writes for one
+  tensor (any other global is a CheckpointError naming the file and the entry), the
+  tensor a view of the bytes read, or those bytes read straight into the destination;
+  safe tensors of another form (a conjugate bit, big-endian) load weights-only.
 - Values DCP stores as bytes (our metadata, extra state, non-tensor optimizer state; torch
   would `torch.load(..., weights_only=False)` them) are loaded by `SafeLoadPlanner` with
   `weights_only=True`: tensors, numbers, strings, bytes and builtin containers, plus what
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hashlib
 import io
 import json
 import math
@@ -26,9 +32,11 @@ import os
 import pathlib
 import pickle
 import pickletools
+import struct
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +45,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
-from .checkpoint_files import CheckpointError, check_zip_crc
+from . import tensor_entry
+from .checkpoint_files import CheckpointError, EntryCheck, check_zip_crc
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _MAX_METADATA_BYTES = 1 << 30
@@ -270,7 +279,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     (against the manifest, and their zip CRC-32) and records what differs; None (a load
     that verifies nothing but the CRC, as with verify=False): the reader checks each
     entry's CRC-32 itself. threads: how many entries are read (and hashed, and loaded) at
-    a time."""
+    a time. A planner whose `fills_fresh_tensors` is true (targets nothing reads unless
+    the load is agreed on) has large entries read straight into its tensors, before
+    their bytes are checked."""
 
     def __init__(self, path, *, metadata=None, verification=None, threads: int = 1):
         super().__init__(path)
@@ -294,12 +305,15 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_data(self, plan: LoadPlan, planner):
         # Entries stored plainly (no storage transform: what save_checkpoint writes) are
         # read here, each once however many read items it serves: its bytes checked
-        # (Verification.check_entry, or its zip CRC-32) before torch.load reads them
-        # weights-only, so that a changed byte is an error, not a different value, even
+        # (their sha256 against the manifest, the zip CRC-32 of its members) before they
+        # are loaded, so that a changed byte is an error, not a different value, even
         # where the manifest was recomputed over it, or no manifest vouches for the files
-        # (verify=False). Threads read runs of entries of one file each; a failure names
-        # the file. Transformed entries go through DCP's own reader, their bytes checked
-        # against the manifest first.
+        # (verify=False). Large entries whose destinations are fresh go straight into
+        # them, checked block by block as they arrive (_stream_entry); the others are read
+        # whole into a thread's buffer and their tensors made over it (_read_entry).
+        # Threads read runs of entries of one file each; a failure names the file.
+        # Transformed entries go through DCP's own reader, their bytes checked against the
+        # manifest first.
         by_file: Dict[str, Dict[Any, List]] = {}
         transformed: Dict[str, List] = {}
         for item in plan.items:
@@ -316,30 +330,40 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                      lambda entry: self.storage_data[entry[0]].length, self._threads)
         lock = None if getattr(planner, "reads_concurrently", False) else threading.Lock()
         stop = threading.Event()
+        per_thread = threading.local()
+        scratches: List[_Scratch] = []
 
         def read_run(run) -> None:
             relative_path, entries = run
             where = os.path.join(os.fspath(self.path), relative_path)
+            scratch = getattr(per_thread, "scratch", None)
+            if scratch is None:
+                scratch = per_thread.scratch = _Scratch()
+                scratches.append(scratch)
             try:
                 with open(where, "rb", buffering=0) as f:
                     for index, items in entries:
                         if stop.is_set():
                             return
-                        self._read_entry(f, relative_path, index, items, planner, lock)
+                        self._read_entry(f, relative_path, index, items, planner, lock, scratch)
             except BaseException as e:
                 stop.set()
                 self._raise_named(where, e)
 
-        if len(runs) <= 1 or self._threads == 1:
-            for run in runs:
-                read_run(run)
-        else:
-            with ThreadPoolExecutor(max_workers=min(self._threads, len(runs)),
-                                    thread_name_prefix="mfsdp-read") as pool:
-                done = [pool.submit(read_run, run) for run in runs]
-            for future in done:  # the first failure, in the order of the runs
-                if future.exception() is not None:
-                    raise future.exception()
+        try:
+            if len(runs) <= 1 or self._threads == 1:
+                for run in runs:
+                    read_run(run)
+            else:
+                with ThreadPoolExecutor(max_workers=min(self._threads, len(runs)),
+                                        thread_name_prefix="mfsdp-read") as pool:
+                    done = [pool.submit(read_run, run) for run in runs]
+                for future in done:  # the first failure, in the order of the runs
+                    if future.exception() is not None:
+                        raise future.exception()
+        finally:
+            for scratch in scratches:
+                scratch.finish()
         for relative_path, items in transformed.items():
             where = os.path.join(os.fspath(self.path), relative_path)
             try:
@@ -372,47 +396,76 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._tensor_metadata = metadata.state_dict_metadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        # (key, chunk offsets) -> (dtype, chunk sizes), as .metadata says
+        self._chunks = {(fqn, tuple(chunk.offsets)): (entry.properties.dtype, tuple(chunk.sizes))
+                        for fqn, entry in metadata.state_dict_metadata.items()
+                        if isinstance(entry, TensorStorageMetadata) for chunk in entry.chunks}
 
     def _metadata_file(self) -> str:
         return os.path.join(os.fspath(self.path), ".metadata")
 
-    def _check_against_metadata(self, tensor: torch.Tensor, index) -> None:
+    def _check_against_metadata(self, dtype: torch.dtype, shape, index) -> None:
         """What the data holds must be what .metadata says it is (dtype, chunk size): a
         changed .metadata would otherwise load other values into the right places."""
-        md = getattr(self, "_tensor_metadata", {}).get(index.fqn)
-        chunk = next((c for c in getattr(md, "chunks", ()) if list(c.offsets) == list(index.offset)), None)
-        if md is None or chunk is None:
-            raise CheckpointError(f"{self._metadata_file()}: no chunk of '{index.fqn}' at {tuple(index.offset)}")
-        if tensor.dtype != md.properties.dtype or list(tensor.shape) != list(chunk.sizes):
+        offsets = tuple(index.offset or ())
+        chunk = getattr(self, "_chunks", {}).get((index.fqn, offsets))
+        if chunk is None:
+            raise CheckpointError(f"{self._metadata_file()}: no chunk of '{index.fqn}' at {offsets}")
+        if dtype != chunk[0] or list(shape) != list(chunk[1]):
             raise CheckpointError(
-                f"{self._metadata_file()}: says '{index.fqn}' at {tuple(chunk.offsets)} is "
-                f"{md.properties.dtype} {tuple(chunk.sizes)}, but its data is {tensor.dtype} {tuple(tensor.shape)}")
+                f"{self._metadata_file()}: says '{index.fqn}' at {offsets} is {chunk[0]} {chunk[1]}, but its data "
+                f"is {dtype} {tuple(shape)}")
 
-    def _read_entry(self, f, relative_path: str, index, items: List, planner, lock) -> None:
-        """One stored entry: read, checked, loaded once, and copied to each of `items`."""
+    def _read_entry(self, f, relative_path: str, index, items: List, planner, lock, scratch: "_Scratch") -> None:
+        """One stored entry: read, checked, loaded once, and copied to each of `items`
+        (or read straight into the one destination it fills: _stream_entry)."""
         info = self.storage_data[index]
-        f.seek(info.offset)
-        data = f.read(info.length)
-        if len(data) != info.length:
-            raise ValueError(f"the file ends {info.length - len(data)} bytes before entry '{index.fqn}' "
+        where = os.path.join(os.fspath(self.path), relative_path)
+        check = (self._verification.entry_check(relative_path, index.fqn, info.offset, info.length)
+                 if self._verification is not None else EntryCheck(None, True))
+        if check is None:
+            return  # recorded, and refused on every rank before anything is loaded
+        targets = self._direct_targets(index, items, planner, lock, info.length)
+
+        def commit(item, dest) -> None:
+            with lock or contextlib.nullcontext():
+                planner.commit_tensor(item, dest)
+
+        if targets is not None and self._stream_entry(f, relative_path, where, index, info, check, targets, scratch,
+                                                      commit):
+            return
+        view = scratch.entry(info.length)
+        hasher = hashlib.sha256() if check.sha256 is not None else None
+        got = _read_into(f, info.offset, view, hasher)
+        if got != info.length:
+            raise ValueError(f"the file ends {info.length - got} bytes before entry '{index.fqn}' "
                              f"(at bytes {info.offset}-{info.offset + info.length} per .metadata)")
-        if self._verification is not None:
-            if not self._verification.check_entry(relative_path, index.fqn, info.offset, info.length, data):
-                return  # recorded, and refused on every rank before anything is loaded
-        else:
-            check_zip_crc(data, index.fqn)
+        if hasher is not None and not self._verification.digest_matches(
+                relative_path, index.fqn, info.offset, info.length, got, hasher.hexdigest(), check.sha256):
+            return
+        try:
+            layout = tensor_entry.layout_of(view)
+        except tensor_entry.NotPlain:
+            layout = None
+        if check.zip_crc:
+            if layout is None:  # an archive of another layout: zipfile reads it
+                problem = _crc_problem_of(view, index.fqn)
+            else:
+                problem = tensor_entry.crc_problem(list(layout[1].values()), lambda p: view[p.start:p.start + p.size],
+                                                   index.fqn)
+            if problem is not None:
+                self._refuse(relative_path, problem)
+                return
         tensor = None
         for item in items:
             if item.type == LoadItemType.BYTE_IO:
                 with lock or contextlib.nullcontext():
-                    planner.load_bytes(item, io.BytesIO(data))
+                    planner.load_bytes(item, io.BytesIO(bytes(view)))
                 continue
             if tensor is None:
-                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                if not isinstance(tensor, torch.Tensor):
-                    raise ValueError(f"entry '{index.fqn}' holds a {type(tensor).__name__}, not a tensor")
-                self._check_against_metadata(tensor, index)
+                tensor = self._tensor_of(view, scratch.buffer, layout, f"{where} (entry '{index.fqn}')", index.fqn)
+                self._check_against_metadata(tensor.dtype, tensor.shape, index)
             source = tensor
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 source = source.narrow(dim, start, length)
@@ -424,6 +477,296 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             dest.copy_(source)
             with lock or contextlib.nullcontext():
                 planner.commit_tensor(item, dest)
+
+    def _refuse(self, relative_path: str, problem: str) -> None:
+        if self._verification is None:
+            raise ValueError(problem)
+        self._verification.refuse_entry(relative_path, problem)
+
+    @staticmethod
+    def _tensor_of(view, buffer, layout, where: str, key: str) -> torch.Tensor:
+        """The tensor of the entry `view` (checked bytes; a view of `buffer` from its
+        start): a view of the storage's bytes where they are when the entry is of the
+        plain form, else torch.load's (weights-only) of them."""
+        if layout is not None:
+            roles, places = layout
+
+            def member(m):
+                place = places[m.name]
+                return view[place.start:place.start + place.size]
+
+            try:
+                record = tensor_entry.read_tensor_pickle(bytes(member(roles.pickle)), where)
+                tensor_entry.check_little_endian(None if roles.byteorder is None else member(roles.byteorder))
+                storage = roles.storages.get(record.key)
+                if storage is None:
+                    raise ValueError(f"its data.pkl names storage '{record.key}', which it does not hold")
+                if storage.size != record.storage_bytes:
+                    raise ValueError(f"storage '{record.key}' has {storage.size} bytes, its data.pkl says "
+                                     f"{record.storage_bytes}")
+                return record.tensor_over(buffer, places[storage.name].start)
+            except tensor_entry.NotPlain:
+                pass  # safe, of another form: torch.load reads it
+            except ValueError as e:
+                raise ValueError(f"entry '{key}': {e}") from e
+        tensor = torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"entry '{key}' holds a {type(tensor).__name__}, not a tensor")
+        return tensor
+
+    def _direct_targets(self, index, items: List, planner, lock, length: int) -> Optional[List["_Target"]]:
+        """Where each item of entry `index` goes, if the entry's storage bytes may be read
+        straight into the destinations: every item a contiguous range of the chunk's
+        row-major elements, going to a fresh (the planner says so), contiguous tensor of
+        the chunk's dtype; the entry large enough to be worth it. In storage order."""
+        if length < _STREAM_MIN_BYTES or not getattr(planner, "fills_fresh_tensors", False):
+            return None
+        chunk = self._chunks.get((index.fqn, tuple(index.offset or ())))
+        if chunk is None or any(item.type == LoadItemType.BYTE_IO for item in items):
+            return None
+        dtype, sizes = chunk
+        targets: List[_Target] = []
+        for item in items:
+            start = _contiguous_range(sizes, item.storage_offsets, item.lengths)
+            if start is None:
+                return None
+            with lock or contextlib.nullcontext():
+                dest = planner.resolve_tensor(item).detach()
+            if (dest.dtype != dtype or list(dest.shape) != list(item.lengths) or not dest.is_contiguous()
+                    or dest.device.type not in ("cpu", "cuda") or dest.is_conj() or dest.is_neg()):
+                return None
+            targets.append(_Target(start * dtype.itemsize, dest.numel() * dtype.itemsize, item, dest))
+        targets.sort(key=lambda t: t.start)
+        if any(a.start + a.size > b.start for a, b in zip(targets, targets[1:])):
+            return None
+        return targets
+
+    def _stream_entry(self, f, relative_path: str, where: str, index, info, check: EntryCheck,
+                      targets: List["_Target"], scratch: "_Scratch", commit) -> bool:
+        """Read entry `index` with the ranges of its storage's bytes that `targets` take
+        going straight into their fresh destinations (the rest through a scratch block),
+        hashing and CRC-checking every byte block by block as it arrives, the small
+        members beside them. False, with nothing checked or recorded, where the entry is
+        not of the plain form that allows it (the caller reads it whole). True once it is
+        loaded, or found to differ (recorded; the destinations then hold bytes nobody
+        will load)."""
+        length = info.length
+        tail_size = min(length, _TAIL_BYTES)
+        tail = _pread(f, info.offset + length - tail_size, tail_size)
+        if len(tail) != tail_size:
+            return False
+        dtype, sizes = self._chunks[(index.fqn, tuple(index.offset or ()))]
+        try:
+            directory = tensor_entry.read_directory(tail, length - tail_size, length)
+            roles = tensor_entry.roles(directory)
+            if len(roles.storages) != 1:
+                return False
+            (key, storage), = roles.storages.items()
+            head = _pread(f, info.offset, min(length, storage.header + _HEADER_SLACK))
+            data = tensor_entry.locate(storage, head, 0)
+            data_end = data.start + data.size
+            if data.start > len(head) or data_end > directory.start:
+                return False
+            if data_end < length - tail_size:
+                tail = _pread(f, info.offset + data_end, length - tail_size - data_end) + tail
+                if len(tail) != length - data_end:
+                    return False
+            else:
+                tail = tail[data_end - (length - tail_size):]
+            places = []
+            for member in directory.members:  # every other member lies before or after the storage
+                if member is storage:
+                    continue
+                place = (tensor_entry.locate(member, head[:data.start], 0) if member.header < data.start
+                         else tensor_entry.locate(member, tail, data_end))
+                if not (place.start + place.size <= data.start
+                        or data_end <= place.start and place.start + place.size <= directory.start):
+                    return False
+                places.append(place)
+            by_name = {p.name: p for p in places}
+
+            def bytes_of(place):
+                if place.start < data.start:
+                    return head[place.start:place.start + place.size]
+                return tail[place.start - data_end:place.start - data_end + place.size]
+
+            record = tensor_entry.read_tensor_pickle(bytes_of(by_name[roles.pickle.name]), where)
+            tensor_entry.check_little_endian(None if roles.byteorder is None
+                                              else bytes_of(by_name[roles.byteorder.name]))
+        except (tensor_entry.NotPlain, CheckpointError, ValueError, KeyError, struct.error):
+            return False  # read whole, checked first: what is wrong is then reported as such
+        if (record.key != key or record.dtype != dtype or list(record.size) != list(sizes)
+                or not record.is_dense() or record.storage_bytes != data.size
+                or targets[-1].start + targets[-1].size > data.size):
+            return False
+        hasher = hashlib.sha256() if check.sha256 is not None else None
+        if hasher is not None:
+            hasher.update(head[:data.start])
+        data_crc = scratch.stream(f, info.offset + data.start, data.size, targets, hasher)
+        if data_crc is None:
+            raise ValueError(f"the file ends inside entry '{index.fqn}' (at bytes {info.offset}-"
+                             f"{info.offset + length} per .metadata)")
+        if hasher is not None:
+            hasher.update(tail)
+            if not self._verification.digest_matches(relative_path, index.fqn, info.offset, length, length,
+                                                     hasher.hexdigest(), check.sha256):
+                return True
+        if check.zip_crc:
+            problem = tensor_entry.crc_problem([data] + places, bytes_of, index.fqn, known={data.name: data_crc})
+            if problem is not None:
+                self._refuse(relative_path, problem)
+                return True
+        for target in targets:
+            commit(target.item, target.dest)
+        return True
+
+
+class _Target(NamedTuple):
+    """A range of an entry's storage bytes (start, size) and the fresh, contiguous tensor
+    of the read item that takes it."""
+    start: int
+    size: int
+    item: Any
+    dest: torch.Tensor
+
+
+def _contiguous_range(sizes, offsets, lengths) -> Optional[int]:
+    """The first element (row-major) of the box (offsets, lengths) of a tensor of
+    `sizes`, if the box's elements are one contiguous run of its elements; else None."""
+    if len(sizes) != len(offsets) or len(sizes) != len(lengths):
+        return None
+    outer = next((d for d, n in enumerate(lengths) if n != 1), len(sizes))
+    if any(lengths[d] != sizes[d] for d in range(outer + 1, len(sizes))):
+        return None
+    start, step = 0, 1
+    for d in reversed(range(len(sizes))):
+        start += offsets[d] * step
+        step *= sizes[d]
+    return start
+
+
+_STREAM_MIN_BYTES = 1 << 20  # smaller entries are read whole: one read, one copy
+_TAIL_BYTES = 1 << 13  # read first from an entry's end: its zip directory
+_HEADER_SLACK = 1 << 10  # bytes read past a storage's local header: its name and padding
+_BLOCK_BYTES = 4 << 20  # hashed and CRC-checked right after reading, while in cache
+_PINNED_SLOTS = 3  # per reading thread, for CUDA destinations
+
+
+def _pread(f, position: int, size: int) -> bytes:
+    f.seek(position)
+    return f.read(size)
+
+
+def _read_into(f, position: int, view, hasher) -> int:
+    """Read len(view) bytes from `position` into `view`, block by block, each hashed
+    right after it arrives; the number of bytes read (less at the end of the file)."""
+    f.seek(position)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:got + _BLOCK_BYTES])
+        if not n:
+            break
+        if hasher is not None:
+            hasher.update(view[got:got + n])
+        got += n
+    return got
+
+
+def _crc_problem_of(view, key: str) -> Optional[str]:
+    try:
+        check_zip_crc(bytes(view), key)
+    except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
+        return str(e) if isinstance(e, ValueError) else f"entry '{key}' is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+class _Scratch:
+    """One reading thread's buffers, reused from entry to entry: the bytes of an entry
+    read whole, and for CUDA destinations a few page-locked blocks that the storage's
+    bytes pass through on their way to the GPU (each block's copy runs while the next
+    is read)."""
+
+    def __init__(self):
+        self.buffer = bytearray(0)
+        self._pinned: List[torch.Tensor] = []
+        self._views: List[memoryview] = []
+        self._copies: List[Optional[Any]] = []
+        self._next = 0
+
+    def entry(self, size: int) -> memoryview:
+        """A writable view of `size` bytes at the start of the thread's buffer."""
+        if len(self.buffer) < size:
+            self.buffer = bytearray(size)  # a new one: tensors made over the old may live on
+        return memoryview(self.buffer)[:size]
+
+    def stream(self, f, position: int, total: int, targets: List[_Target], hasher) -> Optional[int]:
+        """Read the `total` storage bytes at `position`: the ranges `targets` take into
+        their destinations (on the CPU straight into their memory, on CUDA through the
+        page-locked blocks), the rest into a scratch block; each block hashed and its
+        CRC-32 taken while it is in cache. The CRC-32 of them all, or None where the
+        file ends first."""
+        segments = []  # (start, size, destination bytes or None), tiling [0, total)
+        at = 0
+        for target in targets:
+            if target.start > at:
+                segments.append((at, target.start - at, None))
+            segments.append((target.start, target.size, tensor_entry.byte_view(target.dest)))
+            at = target.start + target.size
+        if at < total:
+            segments.append((at, total - at, None))
+        f.seek(position)
+        crc = 0
+        for start, size, raw in segments:
+            on_cuda = raw is not None and raw.device.type == "cuda"
+            memory = memoryview(raw.numpy()) if raw is not None and not on_cuda else None
+            done = 0
+            while done < size:
+                n = min(_BLOCK_BYTES, size - done)
+                if on_cuda:
+                    slot = self._slot(raw.device)
+                    view = self._views[slot][:n]
+                elif memory is not None:
+                    view = memory[done:done + n]
+                else:
+                    view = self.entry(_BLOCK_BYTES)[:n]
+                got = 0
+                while got < n:
+                    read = f.readinto(view[got:])
+                    if not read:
+                        return None
+                    got += read
+                if hasher is not None:
+                    hasher.update(view)
+                crc = zlib.crc32(view, crc)
+                if on_cuda:
+                    raw[done:done + n].copy_(self._pinned[slot][:n], non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(raw.device))
+                    self._copies[slot] = copied
+                done += n
+        return crc
+
+    def _slot(self, device) -> int:
+        """A page-locked block no copy is still reading from."""
+        if not self._pinned:
+            with torch.cuda.device(device):
+                self._pinned = [torch.empty(_BLOCK_BYTES, dtype=torch.uint8, pin_memory=True)
+                                for _ in range(_PINNED_SLOTS)]
+            self._views = [memoryview(t.numpy()) for t in self._pinned]
+            self._copies = [None] * _PINNED_SLOTS
+        slot = self._next
+        self._next = (slot + 1) % len(self._pinned)
+        if self._copies[slot] is not None:
+            self._copies[slot].synchronize()
+            self._copies[slot] = None
+        return slot
+
+    def finish(self) -> None:
+        """Wait for the copies still reading from the blocks (before they are reused)."""
+        for done in self._copies:
+            if done is not None:
+                done.synchronize()
+        self._copies = [None] * len(self._copies)
 
 
 def _runs(per_file: Dict[str, List], size, threads: int) -> List[Tuple[str, List]]:

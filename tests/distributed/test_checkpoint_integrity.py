@@ -12,7 +12,10 @@
   covers), swapped or truncated files, and manifests edited so that their ranges no longer
   hash, match .metadata or tile the file are refused by name on every rank, the model
   unchanged; manifests of version 1 (one sha256 per file) still load and are verified;
-  several reading threads load what one does.
+  several reading threads load what one does;
+- entries large enough to be read straight into each rank's pieces (no torch.load, no
+  copy) load exactly, and a flipped byte in one is refused by its sha256, by its CRC-32
+  where the manifest was recomputed over it, and by its CRC-32 with verify=False.
 
 Resharding (2 -> 1, 2 -> 4) and strategy changes of verified checkpoints are covered by
 test_strategies.py (checkpoint_save / checkpoint_resume) and test_torch_state_dict.py.
@@ -589,3 +592,98 @@ def threads_read_alike(rank, world, root):
 
 def test_several_reading_threads_load_what_one_does(tmp_path):
     assert run_distributed(threads_read_alike, 2, str(tmp_path), timeout=240) == [True, True]
+
+
+# Entries of a few MiB: read straight into the ranks' pieces (checkpoint_reader._stream_entry).
+LARGE = {"layers": 1, "d_model": 768, "ffn": 2048, "vocab": 2048}
+
+
+def _large_model(seed=None):
+    _, model, _ = build_models(LARGE, torch.device("cpu"))
+    if seed is not None:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    return shard(model, {})
+
+
+def large_entries(rank, world, root):
+    """Entries of 1 MiB and more are read straight into each rank's pieces of the shards
+    (their bytes hashed and CRC-checked as they arrive): they load exactly, on one reading
+    thread or several, and also through dcp.load's planner (read whole, then copied); a
+    flipped byte in the storage of one is refused naming the file and the entry (sha256),
+    the model unchanged; with the manifest recomputed over the flipped byte, its CRC-32
+    refuses it, and with verify=False too."""
+    import megatron_fsdp_ext.checkpoint_reader as reader
+    import megatron_fsdp_ext.dcp as dcp_module
+    from megatron_fsdp_ext import tensor_entry
+    from harness.trust_workers import reseal
+
+    model = _large_model()
+    opt = _adamw(model)
+    _step_large(model, opt, 0)
+    good = os.path.join(root, "good")
+    save_checkpoint(good, model, opt)
+    saved = checkpoint_snapshot(model, opt)
+    name, offset, length, key = _largest_entry(good)
+    assert length >= reader._STREAM_MIN_BYTES, length
+
+    streamed = []
+    original = reader._Scratch.stream
+
+    def counting(self, *args, **kwargs):
+        streamed.append(args[2])
+        return original(self, *args, **kwargs)
+
+    originals = dcp_module._READ_THREADS, dcp_module.piece_targets
+    reader._Scratch.stream = counting
+    try:
+        for way, threads in (("pieces", 1), ("pieces", 4), ("dcp.load", 2)):
+            dcp_module._READ_THREADS = threads
+            dcp_module.piece_targets = originals[1] if way == "pieces" else (lambda flat, made: None)
+            streamed.clear()
+            fresh = _large_model(seed=7)
+            fresh_opt = _adamw(fresh)
+            load_checkpoint(good, fresh, fresh_opt)
+            assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), saved, f"{way}, {threads} threads")
+            assert (len(streamed) > 0) == (way == "pieces"), f"{way}: {len(streamed)} entries read straight in"
+    finally:
+        reader._Scratch.stream = original
+        dcp_module._READ_THREADS, dcp_module.piece_targets = originals
+
+    def flip_storage(p):
+        with open(os.path.join(p, name), "rb") as f:
+            f.seek(offset)
+            entry = f.read(length)
+        roles, places = tensor_entry.layout_of(entry)
+        storage = places[next(iter(roles.storages.values())).name]
+        _flip(p, name, offset + storage.start + storage.size // 3)
+
+    fresh = _large_model(seed=7)
+    fresh_opt = _adamw(fresh)
+    _step_large(fresh, fresh_opt, 3)
+    before = checkpoint_snapshot(fresh, fresh_opt)
+
+    def refused(path, *fragments, **kwargs):
+        expect_error(lambda: load_checkpoint(path, fresh, fresh_opt, **kwargs), CheckpointError, *fragments)
+        assert_same_snapshot(checkpoint_snapshot(fresh, fresh_opt), before, f"a refused load ({path}) changed it")
+
+    flipped = _case(good, root, "flipped", flip_storage)
+    refused(flipped, "the checkpoint is corrupted", f"'{name}' has sha256", f"(entry '{key}')")
+    refused(flipped, name, f"entry '{key}'", "fails its CRC-32 check", verify=False)
+    resealed = _case(good, root, "resealed", lambda p: (flip_storage(p), reseal(p)))
+    refused(resealed, "the checkpoint is corrupted", f"'{name}': entry '{key}'", "fails its CRC-32 check")
+    return True
+
+
+def _step_large(model, opt, seed):
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    tokens = torch.randint(0, LARGE["vocab"], (2, 8), generator=g)
+    model.loss(tokens, tokens).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_large_entries_load_straight_into_pieces_and_are_verified(tmp_path):
+    assert run_distributed(large_entries, 2, str(tmp_path), timeout=300) == [True, True]
