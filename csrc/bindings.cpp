@@ -8,6 +8,7 @@
 #include "comm_context.h"
 #include "cpu_optim.h"
 #include "dtypes.h"
+#include "freed_storage.h"
 #include "gather_bytes.h"
 #include "host_memory.h"
 #include "host_tasks.h"

@@ -1,39 +1,32 @@
 // Fused multi-tensor cast/copy kernels (see pack.h).
 #include "pack.h"
 
+#include "dispatch_float.h"
+#include "multi_tensor_launch.cuh"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 
 namespace mfsdp {
 namespace {
 
-constexpr int kMaxTensorsPerLaunch = 48;
-constexpr int kMaxBlocksPerLaunch = 256;
-constexpr int64_t kChunkElems = 16384;
-constexpr int kThreads = 512;
-
-// Passed by value as a kernel argument (< 4 KiB), so one launch needs no H2D copy.
-struct PackLaunch {
-  const void* src[kMaxTensorsPerLaunch];
-  int64_t dst_offset[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int16_t block_tensor[kMaxBlocksPerLaunch];
-  int32_t block_chunk[kMaxBlocksPerLaunch];
+// One gradient of a pack: where it is read from and where it lands in the flat buffer.
+struct PackTensor {
+  const void* src;
+  int64_t dst_offset;
+  int64_t numel;
 };
 
 template <typename Src, typename Dst, bool kAccumulate>
-__global__ void pack_kernel(PackLaunch args, Dst* __restrict__ flat) {
-  const int t = args.block_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(args.block_chunk[blockIdx.x]) * kChunkElems;
-  const int64_t end = min(args.numel[t], begin + kChunkElems);
-  const Src* __restrict__ src = static_cast<const Src*>(args.src[t]);
-  Dst* __restrict__ dst = flat + args.dst_offset[t];
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+__global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __restrict__ flat) {
+  const multi_tensor::BlockChunk chunk = multi_tensor::block_chunk(table);
+  const PackTensor& t = table.tensors[chunk.tensor];
+  const Src* __restrict__ src = static_cast<const Src*>(t.src);
+  Dst* __restrict__ dst = flat + t.dst_offset;
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += blockDim.x) {
     float v = static_cast<float>(src[i]);
     if (kAccumulate) v += static_cast<float>(dst[i]);
     dst[i] = static_cast<Dst>(v);
@@ -51,23 +44,6 @@ __global__ void cast_scale_kernel(const Src* __restrict__ src, Dst* __restrict__
   }
 }
 
-template <typename F>
-void dispatch_float(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: MFSDP_CHECK(false, what, ": unsupported dtype ", t);
-  }
-}
-
-template <typename Src, typename Dst>
-void launch_pack(PackLaunch& args, int blocks, Dst* flat, bool accumulate, cudaStream_t stream) {
-  if (accumulate) pack_kernel<Src, Dst, true><<<blocks, kThreads, 0, stream>>>(args, flat);
-  else pack_kernel<Src, Dst, false><<<blocks, kThreads, 0, stream>>>(args, flat);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
 
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
@@ -79,36 +55,13 @@ void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensor
     using Dst = decltype(dst_tag);
     dispatch_float(src_type, "pack_into_flat", [&](auto src_tag) {
       using Src = decltype(src_tag);
-      Dst* dst = flat.data_ptr<Dst>();
-      PackLaunch args;
-      int n_tensors = 0, n_blocks = 0;
-      auto flush = [&]() {
-        if (n_blocks > 0) launch_pack<Src, Dst>(args, n_blocks, dst, accumulate, stream);
-        n_tensors = 0;
-        n_blocks = 0;
-      };
+      std::vector<PackTensor> descs;
+      descs.reserve(tensors.size());
       for (size_t i = 0; i < tensors.size(); ++i) {
-        const int64_t numel = tensors[i].numel();
-        const int64_t chunks = (numel + kChunkElems - 1) / kChunkElems;
-        int slot = -1;  // this tensor's slot in the current launch
-        for (int64_t c = 0; c < chunks; ++c) {
-          if (n_blocks == kMaxBlocksPerLaunch) {
-            flush();
-            slot = -1;
-          }
-          if (slot < 0) {
-            if (n_tensors == kMaxTensorsPerLaunch) flush();
-            slot = n_tensors++;
-            args.src[slot] = tensors[i].data_ptr();
-            args.dst_offset[slot] = offsets[i];
-            args.numel[slot] = numel;
-          }
-          args.block_tensor[n_blocks] = static_cast<int16_t>(slot);
-          args.block_chunk[n_blocks] = static_cast<int32_t>(c);
-          ++n_blocks;
-        }
+        descs.push_back(PackTensor{tensors[i].data_ptr(), offsets[i], tensors[i].numel()});
       }
-      flush();
+      auto kernel = accumulate ? pack_kernel<Src, Dst, true> : pack_kernel<Src, Dst, false>;
+      multi_tensor::launch(kernel, descs, stream, flat.data_ptr<Dst>());
     });
   });
 }

@@ -12,10 +12,15 @@
 //    the sharded params' .grad.
 //
 // The shared side streams and the in-flight reduction live in CommContext (comm_context.h).
+// One class, its definitions split by concern (unit.cpp: construction and storage;
+// unit_gather, unit_reduce, unit_offload, unit_fp8, unit_state_dict, unit_collectives):
+// every concern reads and writes the same state (the shard, the unsharded buffer, the
+// state machine), which one class keeps in one place.
 #pragma once
 
 #include "errors.h"
 #include <ATen/ATen.h>
+#include <c10/util/FunctionRef.h>
 
 #include <array>
 #include <memory>
@@ -23,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "collective_phase.h"
 #include "comm.h"
 #include "comm_context.h"
 #include "fp8.h"
@@ -38,23 +44,7 @@ namespace mfsdp {
 
 enum class UnitState { kSharded = 0, kGathering = 1, kUnsharded = 2 };
 
-// What a unit's collective is for: named in errors, compared across ranks by the
-// collective check (set_check_collectives).
-enum class CollectivePhase {
-  kAllGatherParams = 0,
-  kReduceScatterGrads = 1,
-  kAllReduceGrads = 2,
-  kAllGatherFullParams = 3,
-  kAllReduceReplicas = 4,  // HSDP: reduced gradient shards across the replicas
-  kExchangeRows = 5,       // state dicts: our layout pieces <-> FSDP2's rows (row_exchange.h)
-  kAllReduceFp8Amax = 6,   // FP8 gather: every FP8 parameter's amax, max over the ranks
-};
-const char* phase_name(CollectivePhase phase);
-
-// Whether this build's torch lets freed unsharded storage refuse reads with our message
-// (StorageImpl's custom data-pointer error, with a way to clear it). Without it, a
-// tensor kept from an unsharded parameter past reshard() points at freed memory.
-bool freed_storage_guard();
+struct GradBuffers;  // one gradient reduction's buffers (grad_buffers.h)
 
 class Unit {
  public:
@@ -310,17 +300,16 @@ class Unit {
   void exchange(const RowExchangePlan& plan, at::ScalarType dtype, Src&& parts, Dst&& dest);
   // Runs one collective; a failure (a timeout, a peer that left, a desynchronized rank)
   // is rethrown naming this unit, the phase and the likely causes.
-  template <typename F>
-  void run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, F&& issue);
+  void run_collective(CollectivePhase phase, const Communicator& comm, int64_t numel, c10::function_ref<void()> issue);
   // `together`: how many units share the collective (a bucket), 1 for a unit's own; ranks
   // that bucket differently are out of step too.
   void check_in_step(CollectivePhase phase, const Communicator& comm, int64_t numel, int64_t together = 1) const;
   // One coalesced collective of `units` (the first leads, its communicator `comm`) for
   // `phase`: under the scope "mfsdp::<collective>[<lead> +N units]", after the cross-rank
   // check of every unit's size (`numels`) when the lead checks, a failure naming them all.
-  template <typename F>
   static void run_coalesced(CollectivePhase phase, const std::vector<Unit*>& units,
-                            const std::vector<int64_t>& numels, const Communicator& comm, F&& issue);
+                            const std::vector<int64_t>& numels, const Communicator& comm,
+                            c10::function_ref<void()> issue);
   // The unsharded buffer, sized (and typed) for the gather: the param dtype, or bytes.
   void make_unsharded_buffer();
   // A tensor of `dtype` and `shape` at element `offset` (in `dtype`) of the unsharded
@@ -350,19 +339,7 @@ class Unit {
   at::Tensor flat_grad_behind_views() const;
   CommContext& ctx();
 
-  // reduce_grads, in its three steps.
-  // How the reduced shard meets the sharded .grad: the first gradient since zero_grad
-  // (views of a new buffer), added into our own flat gradient, or the rare mixed case
-  // (some .grad set by hand) merged per parameter.
-  enum class Landing { kFresh, kAccumulate, kMixed };
-  struct GradBuffers {
-    Landing landing = Landing::kFresh;
-    at::Tensor flat;     // packed unsharded grads, reduce dtype
-    at::Tensor reduced;  // this rank's reduced segment, reduce dtype (may alias flat or target)
-    at::Tensor target;   // fp32 (orig dtype) segment behind the sharded .grad views
-                         // (offloaded: on the device, copied into `host` after the reduction)
-    at::Tensor host;     // offloaded: where the reduced fp32 segment lands in host memory
-  };
+  // reduce_grads, in its three steps (unit_reduce.cpp).
   // Packs the unsharded grads (added to any accumulated ones) into a flat reduce-dtype
   // buffer and frees them; undefined when there was nothing to pack.
   at::Tensor pack_grads(bool sync);
@@ -380,7 +357,7 @@ class Unit {
   void land_grads(const GradBuffers& b, const PendingCollective& done);
   // The end of a reduction on the reduce-scatter stream: the reduced segment scaled and
   // cast into `target`, checked when asked, and copied out to `host` when offloaded.
-  // (An offloaded unit never lands as kAccumulate: plan_reduction makes it kMixed.)
+  // (An offloaded unit never lands as GradLanding::kAccumulate: plan_reduction makes it kMixed.)
   void finish_reduction(GradBuffers& b);
   // Offloaded: `target` copied out into `host` on the current (reduce-scatter) stream.
   void copy_out(const GradBuffers& b) const;

@@ -19,7 +19,7 @@ CHAOS = "tests/gpu/test_nccl.py::test_nccl_parity_under_stream_chaos[adamw]"
 
 # (name, file, original, mutated, tests that must fail, tests reported only)
 MUTATIONS = [
-    ("gradient scale doubled", "csrc/unit.cpp",
+    ("gradient scale doubled", "csrc/unit_reduce.cpp",
      "return 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);",
      "return 2.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);",
      [PARITY], []),
@@ -36,7 +36,7 @@ MUTATIONS = [
     # The compute stream does not wait for the all-gather. Under NCCL stream chaos catches
     # it; where the host waits for the collective itself (Gloo) only the copy back to the
     # device can race, so this one is reported, not required.
-    ("compute stream skips the wait for the all-gather", "csrc/unit.cpp",
+    ("compute stream skips the wait for the all-gather", "csrc/unit_gather.cpp",
      "    gathered_->block(current_stream(device_));\n", "    // mutated: no wait\n",
      [CHAOS] if os.environ.get("MFSDP_GPU_BACKEND", "nccl") == "nccl" else [], [CHAOS]),
 ]

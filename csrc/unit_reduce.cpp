@@ -1,0 +1,298 @@
+// Unit: the gradient reduction. reduce_grads packs the unsharded gradients into a flat
+// reduce-dtype buffer, plans where the result lands, reduces it on the reduce-scatter
+// stream (then across replicas under HSDP) and lands it as the sharded .grad;
+// reduce_together does the same for a bucket in one collective.
+#include "unit.h"
+
+#include "coalescing.h"
+#include "grad_buffers.h"
+#include "pack.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace mfsdp {
+
+void Unit::set_gradient_divide_factor(double factor) {
+  MFSDP_CHECK(factor >= 0 && std::isfinite(factor), "gradient divide factor must be finite and > 0 (0 restores the "
+              "default, the group size), got ", factor);
+  grad_divide_factor_ = factor;
+}
+
+at::Tensor Unit::flat_grad_behind_views() const {
+  // The grads view either a segment-sized buffer from offset 0 (reduce-scatter, or a
+  // cast after an all-reduce) or, for full-gradient strategies (no_shard, optim)
+  // without a cast, this rank's segment of the whole all-reduced flat buffer.
+  const int64_t seg = layout_.segment_numel(shard_index());
+  int64_t base = 0;
+  c10::Storage storage;
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    if (!has_grad_[i]) continue;
+    const auto& g = sharded_params_[i].grad();
+    if (!g.defined() || g.scalar_type() != orig_dtype_ || g.numel() != specs_[i].slice.numel) return {};
+    if (specs_[i].slice.numel == 0) continue;  // an empty view may not share the storage object
+    if (!storage) {
+      storage = g.storage();
+      const auto numel = static_cast<int64_t>(storage.nbytes() / g.element_size());
+      if (numel == seg) {
+        base = 0;  // a segment-sized buffer (reduce-scatter, or a cast after the all-reduce)
+      } else if (full_grads() && numel == layout_.total_numel()) {
+        base = layout_.segment_start(shard_index());  // this rank's segment of the all-reduced buffer
+      } else {
+        return {};
+      }
+    } else if (!g.storage().is_alias_of(storage)) {
+      return {};
+    }
+    auto* expect = static_cast<const char*>(storage.data()) + (base + specs_[i].slice.shard_offset) * g.element_size();
+    if (static_cast<const char*>(g.const_data_ptr()) != expect) return {};
+  }
+  if (!storage) return {};
+  return at::empty({0}, sharded_flat_.options()).set_(storage, base, {seg}, {1});
+}
+
+bool Unit::reduce_grads(bool sync) {
+  check_bound("reduce_grads");
+  at::Tensor flat = pack_grads(sync);
+  const bool defer = sync && replicate_comm_.defined() && !requires_all_reduce_;
+  if (!flat.defined()) {
+    // No gradient this time, but deferred shards still wait for their all-reduce: the
+    // reduction runs with zeros so that it happens (every rank of the group alike).
+    if (!sync || defer || !partial_.defined()) return false;
+    ctx().make_room_for_reduction();
+    flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
+  }
+  if (!sync) {
+    accumulated_ = flat;
+    return true;
+  }
+  accumulated_ = at::Tensor();
+  GradBuffers buffers = plan_reduction(std::move(flat), defer);
+  at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
+  if (defer && !partial_.defined()) {
+    partial_ = at::zeros({layout_.segment_numel(shard_index())}, device_options(reduce_dtype_));
+  }
+  auto done = reduce(buffers, defer);
+  if (defer) {
+    // Nothing lands: has_grad_ keeps which parameters will get a gradient view.
+    ctx().hold_reduction({buffers.flat, buffers.reduced, partial_}, std::move(done));
+    return true;
+  }
+  partial_ = at::Tensor();
+  land_grads(buffers, *done);
+  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, buffers.host, partial}, std::move(done));
+  std::fill(has_grad_.begin(), has_grad_.end(), false);
+  return true;
+}
+
+at::Tensor Unit::pack_grads(bool sync) {
+  const int64_t n = layout_.num_params();
+  std::vector<at::Tensor> grads(n);
+  bool any = false, all = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& g = unsharded_locals_[i].grad();
+    if (g.defined()) {
+      MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", specs_[i].name, "' has ",
+                  g.numel(), " elements, expected ", layout_.param_numel(i));
+      grads[i] = g;
+      any = true;
+      has_grad_[i] = true;
+    } else {
+      all = false;
+    }
+  }
+  if (!any && !accumulated_.defined()) return {};
+
+  const bool accumulate = accumulated_.defined();
+  // The held reduction's buffers are retired before new ones are allocated.
+  if (!accumulate && sync) ctx().make_room_for_reduction();
+  at::Tensor flat = accumulate
+      ? accumulated_
+      : at::empty({layout_.total_numel()}, device_options(reduce_dtype_));
+  pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
+  // The packed copy is all we need: free the unsharded gradients right away.
+  for (int64_t i = 0; i < n; ++i) {
+    if (grads[i].defined()) unsharded_locals_[i].mutable_grad() = at::Tensor();
+  }
+  return flat;
+}
+
+GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
+  wait_host_update();  // a step still reading the gradient this reduction lands in
+  GradBuffers b;
+  b.flat = std::move(flat);
+  const int64_t seg = layout_.segment_numel(shard_index());
+  if (defer) {
+    b.reduced = full_grads() ? b.flat.narrow(0, layout_.segment_start(shard_index()), seg)
+                             : at::empty({seg}, device_options(reduce_dtype_));
+    return b;
+  }
+  bool all_none = true;
+  for (size_t i = 0; i < has_grad_.size(); ++i) {
+    if (has_grad_[i] && sharded_params_[i].grad().defined()) all_none = false;
+  }
+  if (offloaded_) {
+    // Reduced and scaled on the device, then copied out: into the kept host buffer when
+    // the .grads are fresh, else into host staging that land_grads adds per parameter
+    // once the copy is done (a host wait, as FSDP2's accumulation into offloaded grads).
+    b.landing = all_none ? GradLanding::kFresh : GradLanding::kMixed;
+    b.target = at::empty({seg}, device_options(orig_dtype_));
+    b.reduced = reduce_dtype_ == orig_dtype_ ? b.target : at::empty({seg}, device_options(reduce_dtype_));
+    b.host = all_none ? host_grad_buffer()
+                      : at::empty({seg}, at::TensorOptions().dtype(orig_dtype_).pinned_memory(pinned_));
+    return b;
+  }
+  at::Tensor existing = all_none ? at::Tensor() : flat_grad_behind_views();
+  b.landing = all_none ? GradLanding::kFresh : (existing.defined() ? GradLanding::kAccumulate : GradLanding::kMixed);
+  const auto grad_options = device_options(orig_dtype_);
+  // Full gradients (no_shard, optim) are all-reduced in place; this rank's segment of
+  // the flat buffer is then its reduced shard, and in the fresh fp32 case the sharded
+  // .grad views alias it, keeping the full buffer alive: ZeRO-1's full-gradient memory.
+  const bool reduce_into_target = b.landing == GradLanding::kFresh && reduce_dtype_ == orig_dtype_;
+  if (b.landing == GradLanding::kAccumulate) b.target = existing;
+  if (full_grads()) {
+    b.reduced = b.flat.narrow(0, layout_.segment_start(shard_index()), seg);
+    if (b.landing != GradLanding::kAccumulate) b.target = reduce_into_target ? b.reduced : at::empty({seg}, grad_options);
+  } else {
+    if (b.landing != GradLanding::kAccumulate) b.target = at::empty({seg}, grad_options);
+    b.reduced = reduce_into_target ? b.target : at::empty({seg}, grad_options.dtype(reduce_dtype_));
+  }
+  return b;
+}
+
+double Unit::grad_scale() const {
+  const double mean_over = static_cast<double>(world_size()) * replicate_size();
+  return 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);
+}
+
+template <typename F>
+std::shared_ptr<PendingCollective> Unit::on_reduce_stream(F&& issue) {
+  // One event per unit, recorded again each reduction: the context retires the held
+  // reduction before the next is recorded (at worst it then waits for the newer one,
+  // which is ordered after it on the same stream).
+  if (!reduction_done_) reduction_done_ = std::make_shared<PendingCollective>(device_);
+  const auto& streams = ctx().streams();
+  if (!streams.enabled()) {
+    issue();
+    return reduction_done_;
+  }
+  compute_ready_.record(current_stream(device_));
+  c10::StreamGuard guard(streams.reduce_scatter());
+  compute_ready_.block(streams.reduce_scatter());
+  issue();
+  reduction_done_->record(streams.reduce_scatter());
+  return reduction_done_;
+}
+
+std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
+  return on_reduce_stream([&]() {
+    if (full_grads()) {
+      run_collective(CollectivePhase::kAllReduceGrads, rs_comm_, b.flat.numel(),
+                     [&] { rs_comm_.all_reduce(b.flat, c10d::ReduceOp::SUM); });
+    } else {
+      run_collective(CollectivePhase::kReduceScatterGrads, rs_comm_, b.flat.numel(),
+                     [&] { rs_comm_.reduce_scatter_flat(b.reduced, b.flat); });
+    }
+    if (defer) {
+      partial_.add_(b.reduced);
+      return;
+    }
+    if (replicate_comm_.defined()) {
+      // On the same stream, after the reduce-scatter: with one reduction in flight a
+      // stream of its own would only reorder work the next reduction waits for anyway.
+      if (partial_.defined()) b.reduced.add_(partial_);
+      run_collective(CollectivePhase::kAllReduceReplicas, replicate_comm_, b.reduced.numel(),
+                     [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
+    }
+    ctx().delay_after_collective();
+    finish_reduction(b);
+  });
+}
+
+void Unit::finish_reduction(GradBuffers& b) {
+  cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == GradLanding::kAccumulate);
+  if (check_nonfinite_) ctx().check_nonfinite({b.target});
+  copy_out(b);
+}
+
+
+void Unit::reduce_together(const std::vector<Unit*>& units) {
+  auto [together, alone] = split_for_coalescing(
+      units, "reduce_together", [](Unit&) { return true; },
+      [](const Unit& u) { return u.can_share_reduction() && u.ctx_ != nullptr; },
+      [](const Unit& lead, const Unit& u) {
+        return u.rs_comm_.group().get() == lead.rs_comm_.group().get() && u.reduce_dtype_ == lead.reduce_dtype_ &&
+               u.ctx_ == lead.ctx_;
+      });
+  for (Unit* u : alone) u->reduce_grads(/*sync=*/true);
+  // Pack every member's gradients (the first pack retires the held reduction); units
+  // without any gradient drop out, as reduce_grads would skip them.
+  std::vector<Unit*> members;
+  std::vector<GradBuffers> buffers;
+  for (Unit* u : together) {
+    u->check_bound("reduce_grads");
+    at::Tensor flat = u->pack_grads(/*sync=*/true);
+    if (!flat.defined()) continue;
+    u->accumulated_ = at::Tensor();
+    members.push_back(u);
+    buffers.push_back(u->plan_reduction(std::move(flat), /*defer=*/false));
+  }
+  if (members.empty()) return;
+  Unit& lead = *members.front();
+  std::vector<at::Tensor> outs, ins;
+  std::vector<int64_t> numels;
+  for (auto& b : buffers) {
+    outs.push_back(b.reduced);
+    ins.push_back(b.flat);
+    numels.push_back(b.flat.numel());
+  }
+  auto done = lead.on_reduce_stream([&]() {
+    run_coalesced(CollectivePhase::kReduceScatterGrads, members, numels, lead.rs_comm_,
+                  [&] { lead.rs_comm_.reduce_scatter_flat_coalesced(outs, ins); });
+    lead.ctx().delay_after_collective();
+    std::vector<at::Tensor> checked;  // one fused check for the bucket
+    for (size_t i = 0; i < members.size(); ++i) {
+      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
+                      buffers[i].landing == GradLanding::kAccumulate);
+      if (members[i]->check_nonfinite_) checked.push_back(buffers[i].target);
+    }
+    if (!checked.empty()) lead.ctx().check_nonfinite(checked);
+    for (size_t i = 0; i < members.size(); ++i) members[i]->copy_out(buffers[i]);
+  });
+  std::vector<at::Tensor> held;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Unit& u = *members[i];
+    u.land_grads(buffers[i], *done);
+    held.insert(held.end(), {buffers[i].flat, buffers[i].reduced, buffers[i].target, buffers[i].host});
+    std::fill(u.has_grad_.begin(), u.has_grad_.end(), false);
+  }
+  lead.ctx().hold_reduction(std::move(held), std::move(done));
+}
+
+void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
+  const int64_t n = layout_.num_params();
+  // Offloaded, the gradient lands in `host`, read by the host.
+  const at::Tensor& landed = offloaded_ ? b.host : b.target;
+  if (b.landing == GradLanding::kMixed) {
+    // Per-parameter merge reads `target` on the current stream (or `host` on the host):
+    // wait for it first.
+    if (offloaded_) done.synchronize();
+    else done.wait();
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!has_grad_[i]) continue;
+      auto view = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+      auto& g = sharded_params_[i].mutable_grad();
+      if (g.defined()) g.add_(view.view_as(g));
+      else g = view;
+    }
+  } else if (b.landing == GradLanding::kFresh) {
+    // Views only: the current stream reads them after the final callback's wait.
+    for (int64_t i = 0; i < n; ++i) {
+      if (!has_grad_[i]) continue;
+      sharded_params_[i].mutable_grad() = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+    }
+  }
+}
+
+}  // namespace mfsdp
