@@ -28,6 +28,7 @@ as torchao's FP8 recipes expect.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -57,6 +58,20 @@ SYSTEMS = ("mfsdp", "fsdp2", "local")
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
                "unsigned char": 1, "signed char": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
 FP8_MODES = ("none", "tensorwise", "tensorwise_gather")
+
+
+def parse_link(text: str):
+    """--link: "ALPHA_US:GBPS" or a link_probe.py JSON file -> megatron_fsdp_ext.link.LinkModel."""
+    from megatron_fsdp_ext.link import LinkModel
+    if Path(text).is_file():
+        found = json.loads(Path(text).read_text())["measurements"]
+        return LinkModel(alpha_s=statistics.median(m["alpha_s"] for m in found),
+                         bytes_per_s=statistics.median(m["bytes_per_s"] for m in found))
+    alpha_us, sep, gbps = text.partition(":")
+    try:
+        return LinkModel(alpha_s=float(alpha_us) * 1e-6, bytes_per_s=float(gbps) * 1e9)
+    except ValueError as e:
+        raise SystemExit(f"--link {text!r}: expected ALPHA_US:GBPS (e.g. 40:500) or a link_probe.py JSON ({e})")
 
 
 def parse_config(text: str):
@@ -218,6 +233,8 @@ def measure(args, world: int) -> dict:
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
         mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
+        if args.link:  # plan the "auto" buckets as on the machine whose link this is
+            model.set_link_model(parse_link(args.link))
         mfsdp.materialize(model)
     elif args.system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -298,6 +315,8 @@ def measure(args, world: int) -> dict:
         "forward_ms": statistics.median(r["forward_ms"] for r in rows),
         "backward_ms": statistics.median(r["backward_ms"] for r in rows),
         "optimizer_ms": statistics.median(r["optimizer_ms"] for r in rows),
+        "bucket_budgets": list(model.bucket_budgets()) if args.system == "mfsdp" else None,
+        "link_model": dataclasses.asdict(parse_link(args.link)) if args.link and args.system == "mfsdp" else None,
         "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
     }
@@ -332,7 +351,7 @@ def run_system(system: str, config: str, worlds, args) -> list:
     cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)] + \
-        (["--compile"] if args.compile else [])
+        (["--compile"] if args.compile else []) + (["--link", args.link] if args.link else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -362,6 +381,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="compile every block (inductor) after sharding")
     p.add_argument("--fp8", choices=FP8_MODES, default="none",
                    help="torchao Float8Linear blocks: bf16 weight gather (tensorwise) or FP8 (tensorwise_gather)")
+    p.add_argument("--link", help="plan our \"auto\" buckets from this link instead of none (nothing moves "
+                   "under the fake backend): ALPHA_US:GBPS (all-gather output GB/s), or a benchmarks/link_probe.py "
+                   "JSON (the median of its measurements)")
     p.add_argument("--out", default="runs/simulate")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -373,6 +395,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.link:
+        parse_link(args.link)  # a bad --link fails here, not in every child
     Path(args.out).mkdir(parents=True, exist_ok=True)
     systems = args.systems.split(",")
     for s in systems:

@@ -16,6 +16,7 @@ from . import _C, fsdp2_view, hf, shard_changes, tensor_parallel
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, state_dict_dims)
 from .hooks import FSDPState, unit_kind
+from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
 from .state_dict import ModuleStateDictHooks
@@ -157,6 +158,15 @@ class FSDPModule(torch_fsdp.FSDPModule):
         next backward, in the order recorded in the first iteration. Only the root's
         value is used: on another unit this raises (at once, or at the first forward)."""
         self._set_root_option("set_reduce_bucket_bytes", reduce_bucket_bytes=nbytes)
+
+    def set_link_model(self, link_model: Optional[LinkModel]) -> None:
+        """(root) Plan the "auto" bucket budgets from `link_model` (megatron_fsdp_ext.link.LinkModel:
+        alpha seconds, all-gather bytes per second) instead of timing the link after the first
+        backward; None: time it. For a model measured once and reused (no probe at start-up,
+        the same plan every run), and for sizing under torch's fake backend, where nothing
+        moves and "auto" would otherwise plan no buckets. Takes effect at the end of the
+        next backward if the budgets were not resolved yet."""
+        self._set_root_option("set_link_model", link_model=link_model)
 
     def _set_root_option(self, setter: str, **change) -> None:
         state = self._fsdp_state

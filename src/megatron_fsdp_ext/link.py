@@ -48,6 +48,16 @@ class LinkModel:
     alpha_s: float
     bytes_per_s: float
 
+    def __post_init__(self):
+        for name in ("alpha_s", "bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise TypeError(f"LinkModel.{name} must be a number, got {value!r}")
+        if self.alpha_s < 0 or math.isinf(self.alpha_s):
+            raise ValueError(f"LinkModel.alpha_s must be finite and >= 0 seconds, got {self.alpha_s!r}")
+        if self.bytes_per_s <= 0:
+            raise ValueError(f"LinkModel.bytes_per_s must be > 0 (inf: nothing to move), got {self.bytes_per_s!r}")
+
     def seconds(self, nbytes: int) -> float:
         return self.alpha_s + nbytes / self.bytes_per_s
 

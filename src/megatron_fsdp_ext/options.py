@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _C
-from .link import AUTO
+from .link import AUTO, LinkModel
 from .strategy import sharding_strategy
 
 
@@ -55,6 +55,9 @@ class UnitOptions:
     # most this many bytes are reduce-scattered by one coalesced collective once the last
     # of them is done with backward. HSDP and full-gradient strategies reduce per unit.
     reduce_bucket_bytes: Union[int, str] = AUTO
+    # (root) The link "auto" budgets are planned from, instead of timing it (None): a
+    # measured model reused, or the real machine's under torch's fake backend.
+    link_model: Optional[LinkModel] = None
     # (root) start_param_sync() launches the first all-gathers after the optimizer step.
     all_gather_in_start_param_sync: bool = False
     # False: backward waits for each gradient reduction before going on (debugging).
@@ -71,6 +74,8 @@ class UnitOptions:
         check_count("prefetch_depth", self.prefetch_depth)
         for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
             check_bucket_bytes(name, getattr(self, name))
+        if self.link_model is not None and not isinstance(self.link_model, LinkModel):
+            raise TypeError(f"link_model must be a megatron_fsdp_ext.link.LinkModel or None, got {self.link_model!r}")
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
                      "reshard_after_backward", "unshard_in_backward", "check_for_nan_in_grad"):
             if not isinstance(getattr(self, name), bool):

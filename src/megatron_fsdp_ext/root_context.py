@@ -101,11 +101,14 @@ class RootContext:
             self.comm.wait_reductions()
         self.end_backward()
         self.schedule.freeze()
-        # Not while a CUDA graph is captured (the probe synchronizes): the next eager
-        # backward measures, and buckets wait until then.
-        if self.link is None and self.schedule.wants_auto and not (
-                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            self._measure_link()
+        if self.link is None and self.schedule.wants_auto:
+            given = self.root.options.link_model
+            if given is not None:
+                self._use_link(given)
+            # Not while a CUDA graph is captured (the probe synchronizes): the next eager
+            # backward measures, and buckets wait until then.
+            elif not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._measure_link()
 
     def _measure_link(self) -> None:
         """Resolve the "auto" bucket budgets: time the link of the units' group (every
@@ -113,11 +116,14 @@ class RootContext:
         state = next(s for s in self.states if s.unit is not None)
         group = state.process_group
         if dist.get_world_size(group) == 1:
-            self.link = link.LinkModel(alpha_s=0.0, bytes_per_s=math.inf)
+            self._use_link(link.LinkModel(alpha_s=0.0, bytes_per_s=math.inf))
         else:
             with torch.profiler.record_function("megatron_fsdp_ext::measure_link"):
-                self.link = link.measure_link(group, self.device)
-        self.schedule.auto_bucket_bytes = link.auto_bucket_bytes(self.link)
+                self._use_link(link.measure_link(group, self.device))
+
+    def _use_link(self, model: "link.LinkModel") -> None:
+        self.link = model
+        self.schedule.auto_bucket_bytes = link.auto_bucket_bytes(model)
 
     def end_backward(self) -> None:
         """The gradients are final: give the new ones their ShardedGrad type (torch's norm

@@ -285,6 +285,28 @@ def test_simulate_tiny_cpu(tmp_path):
         assert r["estimate_gib"] > 0
 
 
+def test_simulate_plans_auto_buckets_from_a_given_link(tmp_path):
+    """simulate.py --link: ours plans its "auto" buckets from the given link (under the fake
+    backend nothing moves, so without it no buckets), records the link and the budgets,
+    and issues the bucketed collectives: 100 us at 1 GB/s gives 1 MiB, more than all of
+    tiny's units together, so one all-gather each way and one reduce-scatter."""
+    out = tmp_path / "sim"
+    proc = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems", "mfsdp",
+                           "--steps", "2", "--warmup", "1", "--link", "100:1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((out / "simulate.json").read_text())["rows"]
+    assert "error" not in row, row
+    assert row["bucket_budgets"] == [1 << 20, 1 << 20], row
+    assert row["link_model"] == {"alpha_s": pytest.approx(1e-4), "bytes_per_s": pytest.approx(1e9)}, row
+    calls = {k: v[0] for k, v in row["c10d_calls_per_step"].items()}
+    # A bucket of several units goes as one coalesced collective.
+    assert calls == {"c10d::allgather_into_tensor_coalesced_": 2, "c10d::reduce_scatter_tensor_coalesced_": 1}, row
+    bad = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems", "mfsdp",
+                          "--link", "fast", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--link 'fast': expected ALPHA_US:GBPS" in bad.stdout + bad.stderr
+
+
 def test_bench_async_save_tiny_cpu(tmp_path):
     """bench_async_save.py, one run per system: every mode's times are the slowest rank's,
     summarized over the repeats; an asynchronous save blocks for less time than it takes

@@ -119,3 +119,29 @@ def test_auto_buckets_are_off_where_nothing_moves():
     assert one["budgets"] == (0, 0), one
     fake = run_distributed(bucketed_collective_counts, 8, AUTO, backend="fake", simulate_rank=3, timeout=180)[0]
     assert fake["budgets"] == (0, 0) and math.isinf(fake["link"].bytes_per_s), fake
+
+
+def test_a_given_link_plans_auto_buckets_without_timing_even_where_nothing_moves():
+    """set_link_model: "auto" plans from the link the root was given, without the probe
+    (the worker fails if it runs), also under torch's fake backend, where a sizing run
+    then buckets as the real machine would; the plan is the one that budget set
+    explicitly gives."""
+    given = (1e-4, 1e9)  # 1 MiB budget: one bucket each way for the test model
+    fake = run_distributed(bucketed_collective_counts, 8, AUTO, False, None, given, backend="fake",
+                           simulate_rank=3, timeout=180)[0]
+    assert fake["budgets"] == (1 << 20, 1 << 20) and fake["link"] == link.LinkModel(*given), fake
+    assert fake["all_gathers"] == 2 and fake["reduce_scatters"] == 1, fake
+    gloo = run_distributed(bucketed_collective_counts, 2, AUTO, False, None, given, timeout=180)[0]
+    explicit = run_distributed(bucketed_collective_counts, 2, {"gather_bucket_bytes": 1 << 20,
+                                                               "reduce_bucket_bytes": 1 << 20}, timeout=180)[0]
+    assert {k: v for k, v in gloo.items() if k != "link"} == {k: v for k, v in explicit.items() if k != "link"}
+
+
+def test_link_models_and_the_setter_refuse_bad_values():
+    for bad, error in (((-1e-6, 1e9), ValueError), ((1e-6, 0.0), ValueError), ((math.inf, 1e9), ValueError),
+                       ((math.nan, 1e9), TypeError), (("1e-6", 1e9), TypeError)):
+        with pytest.raises(error, match="LinkModel"):
+            link.LinkModel(*bad)
+    from megatron_fsdp_ext.options import UnitOptions
+    with pytest.raises(TypeError, match="link_model must be a megatron_fsdp_ext.link.LinkModel"):
+        UnitOptions(link_model=(1e-6, 1e9))

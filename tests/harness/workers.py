@@ -1040,14 +1040,16 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
 
 
 def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter: bool = False,
-                               link_model: Optional[Tuple[float, float]] = None) -> Dict:
+                               link_model: Optional[Tuple[float, float]] = None,
+                               given_link: Optional[Tuple[float, float]] = None) -> Dict:
     """Collectives per training step (after the first, which records the order) with
     `buckets` (fully_shard's gather_bucket_bytes / reduce_bucket_bytes, 0 where
     missing; "auto" as fully_shard's default), the units gathered in each phase and the sharded parameters that got a
     gradient. Every unit is still gathered once in forward and once in backward (the
     root only in forward: it stays unsharded). link_model: (alpha seconds, bytes/s) the
     link measurement returns instead of timing the link; the budgets chosen and the
-    link are returned too."""
+    link are returned too. given_link: (alpha seconds, bytes/s) handed to the root's
+    set_link_model (the public way), and the link measurement made to fail if it runs."""
     from unittest import mock
 
     from megatron_fsdp_ext import link
@@ -1057,6 +1059,11 @@ def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter:
     device = device_for_backend()
     cfg, model, _ = build_models({}, device)
     shard(model, {} if via_setter else buckets)
+    if given_link is not None:
+        def no_probe(group, device):
+            raise AssertionError("the link was timed although set_link_model gave one")
+        mock.patch.object(link, "measure_link", no_probe).start()
+        model.set_link_model(link.LinkModel(*given_link))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     states = [m._fsdp_state for m in model.modules() if "_mfsdp_state" in m.__dict__]
     batches = list(global_batches(cfg, 4, 2 * world, 8, device))
