@@ -46,9 +46,9 @@ def _model(seed=None):
     return shard(model, {})
 
 
-def _step(model, opt, seed):
+def _step(model, opt, seed, vocab=TINY["vocab"]):
     g = torch.Generator().manual_seed(seed + dist.get_rank())
-    tokens = torch.randint(0, TINY["vocab"], (2, 8), generator=g)
+    tokens = torch.randint(0, vocab, (2, 8), generator=g)
     model.loss(tokens, tokens).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -622,7 +622,7 @@ def large_entries(rank, world, root):
 
     model = _large_model()
     opt = _adamw(model)
-    _step_large(model, opt, 0)
+    _step(model, opt, 0, vocab=LARGE["vocab"])
     good = os.path.join(root, "good")
     save_checkpoint(good, model, opt)
     saved = checkpoint_snapshot(model, opt)
@@ -662,7 +662,7 @@ def large_entries(rank, world, root):
 
     fresh = _large_model(seed=7)
     fresh_opt = _adamw(fresh)
-    _step_large(fresh, fresh_opt, 3)
+    _step(fresh, fresh_opt, 3, vocab=LARGE["vocab"])
     before = checkpoint_snapshot(fresh, fresh_opt)
 
     def refused(path, *fragments, **kwargs):
@@ -675,14 +675,6 @@ def large_entries(rank, world, root):
     resealed = _case(good, root, "resealed", lambda p: (flip_storage(p), reseal(p)))
     refused(resealed, "the checkpoint is corrupted", f"'{name}': entry '{key}'", "fails its CRC-32 check")
     return True
-
-
-def _step_large(model, opt, seed):
-    g = torch.Generator().manual_seed(seed + dist.get_rank())
-    tokens = torch.randint(0, LARGE["vocab"], (2, 8), generator=g)
-    model.loss(tokens, tokens).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def test_large_entries_load_straight_into_pieces_and_are_verified(tmp_path):
