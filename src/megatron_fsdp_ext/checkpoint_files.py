@@ -325,11 +325,11 @@ def check_zip_crc(data: bytes, what: str) -> None:
                     with archive.open(info) as member:  # zipfile checks the CRC as it reads
                         member.read()
                     continue
-                header = bytes(view[info.header_offset:info.header_offset + _LOCAL_HEADER.size])
-                if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                header = bytes(view[info.header_offset:info.header_offset + ZIP_LOCAL_HEADER.size])
+                if len(header) != ZIP_LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
                     raise zipfile.BadZipFile(f"no local header for member '{info.filename}'")
-                name_length, extra_length = _LOCAL_HEADER.unpack(header)[-2:]
-                start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+                name_length, extra_length = ZIP_LOCAL_HEADER.unpack(header)[-2:]
+                start = info.header_offset + ZIP_LOCAL_HEADER.size + name_length + extra_length
                 member = view[start:start + info.compress_size]
                 if len(member) != info.compress_size or zlib.crc32(member) != info.CRC:
                     raise ValueError(f"entry '{what}': member '{info.filename}' fails its CRC-32 check (the bytes "
@@ -339,17 +339,22 @@ def check_zip_crc(data: bytes, what: str) -> None:
 
 
 # A zip local file header: signature, versions and flags, sizes, name and extra lengths.
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+ZIP_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+
+
+def zip_crc_problem(data, key: str) -> Optional[str]:
+    """check_zip_crc of entry `key` (its bytes `data`), as one line, if it fails."""
+    try:
+        check_zip_crc(bytes(data), key)
+    except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
+        return str(e) if isinstance(e, ValueError) else f"entry '{key}' is unreadable ({type(e).__name__}: {e})"
+    return None
 
 
 def _crc_problem(name: str, key: str, data: bytes) -> Optional[str]:
-    """check_zip_crc of one entry of file `name`, as one line naming the file, if it fails."""
-    try:
-        check_zip_crc(data, key)
-    except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
-        return f"'{name}': {e}" if isinstance(e, ValueError) else \
-            f"'{name}': entry '{key}' is unreadable ({type(e).__name__}: {e})"
-    return None
+    """zip_crc_problem of one entry of file `name`, naming the file."""
+    problem = zip_crc_problem(data, key)
+    return None if problem is None else f"'{name}': {problem}"
 
 
 def _check_file(target: str, name: str, expected: dict, entries: List[Tuple[int, int, str]]) -> Optional[str]:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
 from . import tensor_entry
-from .checkpoint_files import CheckpointError, EntryCheck, check_zip_crc
+from .checkpoint_files import CheckpointError, EntryCheck, zip_crc_problem
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _MAX_METADATA_BYTES = 1 << 30
@@ -450,7 +450,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             layout = None
         if check.zip_crc:
             if layout is None:  # an archive of another layout: zipfile reads it
-                problem = _crc_problem_of(view, index.fqn)
+                problem = zip_crc_problem(view, index.fqn)
             else:
                 problem = tensor_entry.crc_problem(list(layout[1].values()), lambda p: view[p.start:p.start + p.size],
                                                    index.fqn)
@@ -496,8 +496,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 return view[place.start:place.start + place.size]
 
             try:
-                record = tensor_entry.read_tensor_pickle(bytes(member(roles.pickle)), where)
-                tensor_entry.check_little_endian(None if roles.byteorder is None else member(roles.byteorder))
+                record = tensor_entry.read_record(roles, member, where)
                 storage = roles.storages.get(record.key)
                 if storage is None:
                     raise ValueError(f"its data.pkl names storage '{record.key}', which it does not hold")
@@ -590,9 +589,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                     return head[place.start:place.start + place.size]
                 return tail[place.start - data_end:place.start - data_end + place.size]
 
-            record = tensor_entry.read_tensor_pickle(bytes_of(by_name[roles.pickle.name]), where)
-            tensor_entry.check_little_endian(None if roles.byteorder is None
-                                              else bytes_of(by_name[roles.byteorder.name]))
+            record = tensor_entry.read_record(roles, lambda m: bytes_of(by_name[m.name]), where)
         except (tensor_entry.NotPlain, CheckpointError, ValueError, KeyError, struct.error):
             return False  # read whole, checked first: what is wrong is then reported as such
         if (record.key != key or record.dtype != dtype or list(record.size) != list(sizes)
@@ -670,14 +667,6 @@ def _read_into(f, position: int, view, hasher) -> int:
             hasher.update(view[got:got + n])
         got += n
     return got
-
-
-def _crc_problem_of(view, key: str) -> Optional[str]:
-    try:
-        check_zip_crc(bytes(view), key)
-    except Exception as e:  # garbled bytes fail in many ways (an unknown compression method, ...)
-        return str(e) if isinstance(e, ValueError) else f"entry '{key}' is unreadable ({type(e).__name__}: {e})"
-    return None
 
 
 class _Scratch:

@@ -30,11 +30,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .checkpoint_files import CheckpointError
+from .checkpoint_files import ZIP_LOCAL_HEADER, CheckpointError
 
-# Zip records (all little-endian): local file header, central directory header, end of
-# central directory, and the zip64 end record and its locator.
-_LOCAL = struct.Struct("<4s2B4HL2L2H")
+# Zip records (all little-endian; the local file header is checkpoint_files'): central
+# directory header, end of central directory, and the zip64 end record and its locator.
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
 _END = struct.Struct("<4s4H2LH")
 _END64 = struct.Struct("<4sQ2H2L4Q")
@@ -151,12 +150,12 @@ def locate(member: Member, local, local_start: int) -> Located:
     """Where `member`'s bytes are, from its local header inside `local` (the archive's
     bytes from offset `local_start`)."""
     at = member.header - local_start
-    if at < 0 or at + _LOCAL.size > len(local):
+    if at < 0 or at + ZIP_LOCAL_HEADER.size > len(local):
         raise NotPlain(f"the local header of '{member.name}' is not in the bytes read")
-    sig, *_, name_length, extra_length = _LOCAL.unpack_from(local, at)
+    sig, *_, name_length, extra_length = ZIP_LOCAL_HEADER.unpack_from(local, at)
     if sig != b"PK\x03\x04":
         raise NotPlain(f"no local header for '{member.name}'")
-    return Located(member.name, member.header + _LOCAL.size + name_length + extra_length, member.size, member.crc)
+    return Located(member.name, member.header + ZIP_LOCAL_HEADER.size + name_length + extra_length, member.size, member.crc)
 
 
 class Roles(NamedTuple):
@@ -396,6 +395,14 @@ def read_tensor_pickle(data: bytes, where: str) -> TensorRecord:
         raise ValueError(f"unreadable data.pkl ({type(e).__name__}: {e})") from e
     if not isinstance(record, TensorRecord):
         raise ValueError(f"holds a {type(record).__name__}, not a tensor")
+    return record
+
+
+def read_record(roles, member_bytes, where: str) -> TensorRecord:
+    """The tensor record of an entry whose members play `roles`, `member_bytes(member)`
+    giving a member's bytes: data.pkl read (read_tensor_pickle), the byte order checked."""
+    record = read_tensor_pickle(bytes(member_bytes(roles.pickle)), where)
+    check_little_endian(None if roles.byteorder is None else member_bytes(roles.byteorder))
     return record
 
 
