@@ -175,6 +175,7 @@ def measure(args, world: int) -> dict:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
+    link_model = parse_link(args.link) if args.link and args.system == "mfsdp" else None
     cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
     with torch.device("meta"):
         shapes = LlamaModel(cfg)
@@ -233,8 +234,8 @@ def measure(args, world: int) -> dict:
         for block in model.blocks:
             mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
         mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
-        if args.link:  # plan the "auto" buckets as on the machine whose link this is
-            model.set_link_model(parse_link(args.link))
+        if link_model is not None:  # plan the "auto" buckets as on the machine whose link this is
+            model.set_link_model(link_model)
         mfsdp.materialize(model)
     elif args.system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -316,7 +317,7 @@ def measure(args, world: int) -> dict:
         "backward_ms": statistics.median(r["backward_ms"] for r in rows),
         "optimizer_ms": statistics.median(r["optimizer_ms"] for r in rows),
         "bucket_budgets": list(model.bucket_budgets()) if args.system == "mfsdp" else None,
-        "link_model": dataclasses.asdict(parse_link(args.link)) if args.link and args.system == "mfsdp" else None,
+        "link_model": dataclasses.asdict(link_model) if link_model is not None else None,
         "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
     }
