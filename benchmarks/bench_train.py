@@ -76,7 +76,7 @@ def parse_args():
                         "(mfsdp: materialize(); fsdp2: to_empty() + reset_parameters()); ddp is skipped")
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
-                        "for python -m megatron_fsdp_ext.memory")
+                        "for python -m megatron_fsdp_ext.tools.memory")
     return p.parse_args()
 
 

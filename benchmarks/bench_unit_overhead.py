@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.hooks import FSDPState
-from megatron_fsdp_ext.root_context import RootContext
+from megatron_fsdp_ext.core.hooks import FSDPState
+from megatron_fsdp_ext.core.root_context import RootContext
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -33,7 +33,7 @@ from megatron_fsdp_ext.models import Block, LlamaConfig, LlamaModel  # noqa: E40
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
-                   choices=sorted(mfsdp.config.SHARDING_STRATEGIES))
+                   choices=sorted(mfsdp.tools.config.SHARDING_STRATEGIES))
     p.add_argument("--bf16", action="store_true", help="bf16 params and compute (default on with GPUs)")
     p.add_argument("--grad-reduce-in-fp32", action="store_true")
     p.add_argument("--no-overlap-grad-reduce", action="store_true")

@@ -13,7 +13,9 @@ except ImportError as _err:  # pragma: no cover - depends on how the package was
         f"({_err}). Build it with `pip install --no-build-isolation .` (or `-e .` for development, "
         "or `python setup.py build_ext --inplace` with src/ on PYTHONPATH)."
     ) from _err
-from .api import (
+import sys as _sys
+
+from .core.api import (
     FSDPModule,
     MixedPrecisionPolicy,
     UnshardHandle,
@@ -21,17 +23,32 @@ from .api import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from .backends import register_backend_capabilities
-from .checkpoint import full_state_dict, load_full_state_dict
-from .clip import clip_grad_norm_
-from .config import FSDPConfig, fully_shard_model
-from .dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
-from .estimate import MemoryEstimate, estimate_memory
-from .fp8 import refresh_fp8_scales
-from .materialize import materialize
-from .nonfinite import NonFiniteGradientError, check_for_nan_in_grad
-from .safetensors_io import load_safetensors
-from .state_dict import local_state_dict
+from .core.backends import register_backend_capabilities
+from .core.nonfinite import NonFiniteGradientError, check_for_nan_in_grad
+from .core.state_dict import local_state_dict
+
+# The layers above the core register with it as they are imported (core/extension_points.py):
+# importing them all here puts every registration in place before any fully_shard.
+from . import optim  # noqa: E402  (the CPU optimizers: megatron_fsdp_ext.optim)
+from .checkpoint import dcp, hf  # noqa: F401  (hf: Hugging Face method overrides)
+from .checkpoint.dcp import CheckpointError, load_checkpoint, save_checkpoint, sharded_state_dict
+from .checkpoint.full_state import full_state_dict, load_full_state_dict
+from .checkpoint.safetensors_io import load_safetensors
+from .core import backends, link
+from .parallel import layerwise, tensor_parallel  # noqa: F401  (tensor_parallel: DTensor TP parameters)
+from .precision.fp8 import refresh_fp8_scales
+from .tools import trace
+from .tools.clip import clip_grad_norm_
+from .tools.config import FSDPConfig, fully_shard_model
+from .tools.estimate import MemoryEstimate, estimate_memory
+from .tools.materialize import materialize
+
+# The public modules keep their flat paths (import megatron_fsdp_ext.dcp, from
+# megatron_fsdp_ext.link import LinkModel): each is the layer's module under a second name,
+# one object, so patches and isinstance checks agree.
+for _public in (backends, dcp, layerwise, link, trace):
+    _sys.modules[f"{__name__}.{_public.__name__.rsplit('.', 1)[1]}"] = _public
+del _public
 
 
 def build_info() -> dict:

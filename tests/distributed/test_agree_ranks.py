@@ -11,7 +11,7 @@ class Refused(RuntimeError):
 def _outcomes(rank, world):
     import torch.distributed as dist
 
-    from megatron_fsdp_ext.agree import Agreement
+    from megatron_fsdp_ext.core.agree import Agreement
 
     gathers = []
     real = dist.all_gather_object

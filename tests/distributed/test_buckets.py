@@ -142,6 +142,6 @@ def test_link_models_and_the_setter_refuse_bad_values():
                        ((math.nan, 1e9), TypeError), (("1e-6", 1e9), TypeError)):
         with pytest.raises(error, match="LinkModel"):
             link.LinkModel(*bad)
-    from megatron_fsdp_ext.options import UnitOptions
+    from megatron_fsdp_ext.core.options import UnitOptions
     with pytest.raises(TypeError, match="link_model must be a megatron_fsdp_ext.link.LinkModel"):
         UnitOptions(link_model=(1e-6, 1e9))

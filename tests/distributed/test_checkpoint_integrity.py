@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.checkpoint_reader import read_metadata_file
+from megatron_fsdp_ext.checkpoint.reader import read_metadata_file
 from megatron_fsdp_ext.dcp import MANIFEST_NAME, CheckpointError, load_checkpoint, save_checkpoint
 from harness import run_distributed
 from harness.workers import assert_same_snapshot, build_models, checkpoint_snapshot, expect_error, shard
@@ -318,7 +318,7 @@ def sgd_into_adamw(rank, world, root):
     import torch.distributed.checkpoint as dcp
 
     from harness.flat_format import flat_state_dict
-    from megatron_fsdp_ext.dcp_flat import quiet
+    from megatron_fsdp_ext.checkpoint.dcp_flat import quiet
 
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -505,7 +505,7 @@ def manifest_v1(rank, world, root):
     """A checkpoint whose manifest is of version 1 (one sha256 per file, as save_checkpoint
     wrote before) loads exactly, and is still verified: a flipped byte is refused, naming the
     file's sha256 (each file hashed whole, by one rank)."""
-    from megatron_fsdp_ext.checkpoint_files import file_digest
+    from megatron_fsdp_ext.checkpoint.files import file_digest
 
     model = _model()
     opt = _adamw(model)
@@ -551,7 +551,7 @@ def threads_read_alike(rank, world, root):
     import threading
 
     import megatron_fsdp_ext.dcp as dcp_module
-    from megatron_fsdp_ext.checkpoint_reader import SafeFileSystemReader
+    from megatron_fsdp_ext.checkpoint.reader import SafeFileSystemReader
 
     model = _model()
     opt = _adamw(model)
@@ -615,9 +615,9 @@ def large_entries(rank, world, root):
     flipped byte in the storage of one is refused naming the file and the entry (sha256),
     the model unchanged; with the manifest recomputed over the flipped byte, its CRC-32
     refuses it, and with verify=False too."""
-    import megatron_fsdp_ext.checkpoint_reader as reader
+    import megatron_fsdp_ext.checkpoint.reader as reader
     import megatron_fsdp_ext.dcp as dcp_module
-    from megatron_fsdp_ext import tensor_entry
+    from megatron_fsdp_ext.checkpoint import tensor_entry
     from harness.trust_workers import reseal
 
     model = _large_model()

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.states import SlotsHold
+from megatron_fsdp_ext.core.states import SlotsHold
 from harness import run_distributed
 from harness.drop_in_workers import mlp as _model, shard_mlp as _shard
 

@@ -141,7 +141,7 @@ def _bucketed_worker(rank, world, arch):
     ref = _build(arch)
     model = copy.deepcopy(ref)
     mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(bucket_size=2000))
-    units = [s.module for s in mfsdp.param_index.iter_states(model)]
+    units = [s.module for s in mfsdp.core.param_index.iter_states(model)]
     assert len(units) > 2, [type(u).__name__ for u in units]
     assert not any(isinstance(u, torch.nn.ModuleList) for u in units)
     emb = model.get_input_embeddings()

@@ -39,7 +39,7 @@ def _loss(net, tokens):
 
 def _group_parity(rank, world, reshard_after_forward, path):
     import megatron_fsdp_ext as mfsdp
-    from megatron_fsdp_ext.param_index import owner_of
+    from megatron_fsdp_ext.core.param_index import owner_of
 
     torch.manual_seed(0)
     ref = Net()

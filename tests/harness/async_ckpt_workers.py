@@ -243,7 +243,7 @@ def staging_is_pinned_and_reused(rank, world, root):
     """On CUDA the asynchronous save copies into one page-locked arena: every staged CUDA
     tensor is pinned, the second save of the same shapes reuses the arena (no pinning
     again), and the values loaded back are those at save time."""
-    from megatron_fsdp_ext import checkpoint_writer as cw
+    from megatron_fsdp_ext.checkpoint import writer as cw
     from megatron_fsdp_ext import dcp
     model, opt = model_and_optimizer()
     train_step(model, opt, 0)

@@ -138,7 +138,7 @@ def dtensor_gather_matches_full_tensor(rank: int, world: int) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from megatron_fsdp_ext.state_dict import gather_dtensor
+    from megatron_fsdp_ext.core.state_dict import gather_dtensor
 
     flat = init_device_mesh("cpu", (world,))
     square = init_device_mesh("cpu", (2, world // 2))

@@ -1,7 +1,7 @@
 """Workers of tests/distributed/test_checkpoint_load.py: how load_checkpoint reads."""
 from __future__ import annotations
 
-from megatron_fsdp_ext import state_dict as state_dict_module
+from megatron_fsdp_ext.core import state_dict as state_dict_module
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 
 from .async_ckpt_workers import TINY, assert_same, model_and_optimizer, snapshot, train_step

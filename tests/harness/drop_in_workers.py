@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext import fsdp2_view
-from megatron_fsdp_ext.grad_norm import ShardedGrad
+from megatron_fsdp_ext.core import fsdp2_view
+from megatron_fsdp_ext.core.grad_norm import ShardedGrad
 
 from .workers import device_for_backend
 
@@ -160,7 +160,7 @@ def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
 def _full_grads(model):
     """The full gradient of each parameter of our model (named_parameters order), gathered
     from the pieces (and, for a tensor-parallel parameter, from the tp shards)."""
-    from megatron_fsdp_ext.param_index import owner_of
+    from megatron_fsdp_ext.core.param_index import owner_of
 
     out = []
     for p in model.parameters():

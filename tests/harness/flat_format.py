@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from megatron_fsdp_ext.checkpoint_reader import encode_json
-from megatron_fsdp_ext.dcp_flat import model_entries, optimizer_param_names, param_shapes, sharded_param_ranges
+from megatron_fsdp_ext.checkpoint.reader import encode_json
+from megatron_fsdp_ext.checkpoint.dcp_flat import model_entries, optimizer_param_names, param_shapes, sharded_param_ranges
 
 
 def flat_state_dict(module: nn.Module, optimizer=None) -> dict:

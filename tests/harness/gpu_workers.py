@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.states import BackwardProgress
+from megatron_fsdp_ext.core.states import BackwardProgress
 
 from .workers import (build_models, device_for_backend, expect_error, global_batches, make_optimizer, rel_err, shard,
                       shard_blocks_and_root, train_parity, unique_storage_bytes)
@@ -39,7 +39,7 @@ def stream_chaos():
     missing cross-stream wait produces wrong numbers instead of passing by luck, also
     where the host itself waits for the collective (Gloo): there only what follows the
     collective on the side stream can race. Everything is restored on exit."""
-    from megatron_fsdp_ext import hook_support, hooks
+    from megatron_fsdp_ext.core import hook_support, hooks
 
     def as_cuda_stream(s):
         return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
@@ -393,7 +393,7 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
                 tells overlap from serial execution.
     Every run must also show one all-gather per unit in forward (root + N), one per block
     in backward and one reduce-scatter per unit."""
-    from megatron_fsdp_ext.param_index import iter_states
+    from megatron_fsdp_ext.core.param_index import iter_states
 
     from megatron_fsdp_ext.trace import plot_timeline, step_overlap
 

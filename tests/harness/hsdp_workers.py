@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .observe import count_collectives
 from .workers import _full, device_for_backend, expect_error, rel_err, shard_piece, unique_storage_bytes

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .workers import (check_grads, device_for_backend, expect_error, global_batches, rel_err, shard_blocks_and_root,
                       shard_piece)
@@ -325,7 +325,7 @@ def load_safetensors_into_meta_model(rank: int, world: int, opts: Dict, director
 
 def _module_full_bytes(model: nn.Module) -> int:
     """The largest full size (bytes, original dtype) of one module's own parameters."""
-    from megatron_fsdp_ext.param_index import owner_of
+    from megatron_fsdp_ext.core.param_index import owner_of
 
     largest = 0
     for m in model.modules():

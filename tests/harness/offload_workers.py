@@ -16,7 +16,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.optim import CPUAdamW
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .workers import device_for_backend, global_batches, shard_blocks_and_root
 
@@ -202,7 +202,7 @@ def offload_config(rank: int, world: int, opts: Dict) -> None:
     the units options.offloaded_units picks, and estimate_memory counts the same host
     bytes the units hold."""
     from megatron_fsdp_ext.models.llama import Block
-    from megatron_fsdp_ext.options import offloaded_units
+    from megatron_fsdp_ext.core.options import offloaded_units
 
     device = device_for_backend()
     fraction = opts["fraction"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 from megatron_fsdp_ext.models import Block, LlamaModel
 
 from .observe import UnitTrace
@@ -733,7 +733,7 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
 
 def warnings_silenced():
     """DCP warns that ShardedTensor is deprecated (see dcp_flat.quiet)."""
-    from megatron_fsdp_ext.dcp_flat import quiet
+    from megatron_fsdp_ext.checkpoint.dcp_flat import quiet
 
     return quiet()
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
-from megatron_fsdp_ext.states import SlotsHold
+from megatron_fsdp_ext.core.states import SlotsHold
 
 from .workers import device_for_backend, rel_err, shard_piece
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .workers import rel_err
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.param_index import owner_of
+from megatron_fsdp_ext.core.param_index import owner_of
 
 from .workers import device_for_backend
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.dcp import load_checkpoint, save_checkpoint
-from megatron_fsdp_ext.param_index import iter_states
-from megatron_fsdp_ext.states import SlotsHold
+from megatron_fsdp_ext.core.param_index import iter_states
+from megatron_fsdp_ext.core.states import SlotsHold
 
 from .workers import (build_models, check_grads, device_for_backend, expect_error, global_batches, rel_err, shard,
                       step_with_reference)

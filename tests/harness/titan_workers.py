@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .tp_workers import full_of_ours, placements_of, plain_name
 from .workers import device_for_backend, rel_err, shard_piece

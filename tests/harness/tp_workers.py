@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.param_index import iter_states
+from megatron_fsdp_ext.core.param_index import iter_states
 
 from .funcol_c10d import route_functional_collectives_through_c10d
 from .workers import device_for_backend, expect_error, rel_err, shard_piece

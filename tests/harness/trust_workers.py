@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.checkpoint_files import MANIFEST_NAME, digest_ranges, entry_ranges, whole_file_record
-from megatron_fsdp_ext.checkpoint_reader import read_metadata_file
+from megatron_fsdp_ext.checkpoint.files import MANIFEST_NAME, digest_ranges, entry_ranges, whole_file_record
+from megatron_fsdp_ext.checkpoint.reader import read_metadata_file
 from megatron_fsdp_ext.dcp import sharded_state_dict
 
 from .flat_format import flat_state_dict

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
-from megatron_fsdp_ext.states import SlotsHold
+from megatron_fsdp_ext.core.states import SlotsHold
 
 from .launcher import TEST_DEVICE_ENV
 from .observe import UnitTrace
@@ -276,7 +276,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
                                shape=t.shape, stride=t.stride())
     if dist.get_backend(t.device_mesh.get_group(0)) == "gloo" and t.device.type == "cuda":
-        from megatron_fsdp_ext.state_dict import gather_dtensor
+        from megatron_fsdp_ext.core.state_dict import gather_dtensor
         return gather_dtensor(t)
     return t.full_tensor()
 

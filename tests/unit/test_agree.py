@@ -5,8 +5,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_fsdp_ext import agree
-from megatron_fsdp_ext.agree import Agreement
+from megatron_fsdp_ext.core import agree
+from megatron_fsdp_ext.core.agree import Agreement
 
 
 class Refused(RuntimeError):

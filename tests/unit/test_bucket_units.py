@@ -3,7 +3,7 @@ forward qualify (a ModuleList's hooks never fire) and a tied parameter is never 
 across units (fully_shard would refuse it)."""
 import torch.nn as nn
 
-from megatron_fsdp_ext.config import _size_based_units
+from megatron_fsdp_ext.tools.config import _size_based_units
 
 
 class Tied(nn.Module):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron_fsdp_ext.checkpoint_files import (MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError, data_file_records,
+from megatron_fsdp_ext.checkpoint.files import (MANIFEST_FORMAT, MANIFEST_NAME, CheckpointError, data_file_records,
                                                 digest_ranges, entry_ranges, read_manifest)
 
 
@@ -30,7 +30,7 @@ def test_overlapping_entries_or_entries_past_the_end_are_refused():
 
 
 def test_each_range_is_hashed_and_the_records_tile_the_file(tmp_path, monkeypatch):
-    import megatron_fsdp_ext.checkpoint_files as files
+    import megatron_fsdp_ext.checkpoint.files as files
 
     monkeypatch.setattr(files, "_HASH_BLOCK", 7)  # ranges longer than one read
     data = os.urandom(100)
@@ -74,7 +74,7 @@ def test_metadata_pickles_are_walked_for_lengths_before_unpickling(tmp_path):
     refused; real pickles pass."""
     import pickle
 
-    from megatron_fsdp_ext.checkpoint_reader import check_pickle_lengths, read_metadata_file
+    from megatron_fsdp_ext.checkpoint.reader import check_pickle_lengths, read_metadata_file
 
     for value in ({"a": [1, 2.5, "x" * 300, b"y" * 70000, (None, True)]}, list(range(1000))):
         for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):

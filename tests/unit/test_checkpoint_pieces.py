@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from megatron_fsdp_ext.checkpoint_pieces import PieceTarget, boxes
+from megatron_fsdp_ext.checkpoint.pieces import PieceTarget, boxes
 
 
 def _elements(shape, box):

@@ -20,9 +20,9 @@ def _run(make, params, steps=5, seed=1, grad_scale=None):
     for _ in range(steps):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
-            if grad_scale is not None and not isinstance(opt, optim._CPUOptimizer):
+            if grad_scale is not None and not isinstance(opt, optim.cpu._CPUOptimizer):
                 p.grad.mul_(grad_scale)
-        if grad_scale is not None and isinstance(opt, optim._CPUOptimizer):
+        if grad_scale is not None and isinstance(opt, optim.cpu._CPUOptimizer):
             opt.step(grad_scale=grad_scale)
         else:
             opt.step()

@@ -1,5 +1,5 @@
 """How load_checkpoint splits a stored optimizer key into parameter name and state key."""
-from megatron_fsdp_ext.dcp_flat import split_state_key as _split_state_key
+from megatron_fsdp_ext.checkpoint.dcp_flat import split_state_key as _split_state_key
 
 KNOWN = {"blocks.0.w.weight", "blocks.0.w", "head.weight"}
 

@@ -143,7 +143,7 @@ def test_offload_moves_offloaded_units_to_host_bytes():
 
 
 def test_offloaded_units_rule():
-    from megatron_fsdp_ext.options import offloaded_units
+    from megatron_fsdp_ext.core.options import offloaded_units
 
     assert offloaded_units([10, 10, 10, 5], 0.0) == [False] * 4
     assert offloaded_units([10, 10, 10, 5], 1.0) == [True] * 4

@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from megatron_fsdp_ext.checkpoint_files import CheckpointError
-from megatron_fsdp_ext.checkpoint_reader import read_metadata_file
+from megatron_fsdp_ext.checkpoint.files import CheckpointError
+from megatron_fsdp_ext.checkpoint.reader import read_metadata_file
 
 
 def _write(tmp_path, chunks, size=(16, 4)):

@@ -6,8 +6,8 @@ behaviour that follows from it against plain PyTorch."""
 import pytest
 
 from megatron_fsdp_ext import _C
-from megatron_fsdp_ext.options import UnitOptions
-from megatron_fsdp_ext.strategy import SHARDING_STRATEGIES, sharding_strategy
+from megatron_fsdp_ext.core.options import UnitOptions
+from megatron_fsdp_ext.core.strategy import SHARDING_STRATEGIES, sharding_strategy
 
 #            replicated, gathers, keeps_unsharded, keeps_gathered, full_grads
 EXPECTED = {

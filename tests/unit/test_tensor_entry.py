@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 
-import megatron_fsdp_ext.checkpoint_reader as reader
-from megatron_fsdp_ext import tensor_entry
-from megatron_fsdp_ext.checkpoint_files import MANIFEST_FORMAT, CheckpointError, Verification, data_file_records
-from megatron_fsdp_ext.checkpoint_pieces import PieceTarget, read_locally
+import megatron_fsdp_ext.checkpoint.reader as reader
+from megatron_fsdp_ext.checkpoint import tensor_entry
+from megatron_fsdp_ext.checkpoint.files import MANIFEST_FORMAT, CheckpointError, Verification, data_file_records
+from megatron_fsdp_ext.checkpoint.pieces import PieceTarget, read_locally
 
 DTYPES = [getattr(torch, name) for name in (
     "float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",

@@ -1,0 +1,601 @@
+"""Public API: fully_shard (construction: construct.py) and the FSDPModule methods."""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Iterable, List, Optional, Tuple, Union
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn as nn
+
+from .. import _C
+from . import fsdp2_view, shard_changes
+from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
+                        groups_from_mesh, make_unit, state_dict_dims)
+from .extension_points import class_overrides, outer_sharding
+from .hooks import FSDPState, unit_kind
+from .link import LinkModel
+from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
+from .param_index import iter_states
+from .state_dict import ModuleStateDictHooks
+from .strategy import sharding_strategy as strategy_named
+
+
+class UnshardHandle(torch_fsdp.UnshardHandle):
+    """Returned by FSDPModule.unshard(async_op=True); wait() makes the parameters usable.
+    An instance of torch's UnshardHandle, as FSDP2's handles are."""
+
+    def __init__(self, state: Optional[FSDPState]):
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state = None
+
+
+def _original_class(cls: type) -> type:
+    """The user's class behind a class fully_shard made: the first class of the MRO after
+    torch's FSDPModule."""
+    mro = cls.__mro__
+    return mro[mro.index(torch_fsdp.FSDPModule) + 1]
+
+
+class FSDPModule(torch_fsdp.FSDPModule):
+    """Mixin added to every module passed to fully_shard (the class is swapped in place).
+
+    It derives from torch's FSDPModule, so torch's and torchtitan's `isinstance(m,
+    FSDPModule)` checks treat our modules as FSDP2's, and it overrides every method torch's
+    FSDPModule defines: each does what FSDP2's does on our units, or raises naming the
+    method (docs/design.md lists torch's and torchtitan's checks and what each does here).
+    `fully_shard.state(module)` returns a view of our unit for torch's pipelining
+    (fsdp2_view.py)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Indexing a container (nn.Sequential[1:]) calls type(self)(...): build the
+        # original class, not a module without a unit (as FSDP2 does).
+        orig = _original_class(cls)
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    @property
+    def _fsdp_state(self) -> FSDPState:
+        return self.__dict__["_mfsdp_state"]
+
+    def _get_fsdp_state(self):
+        """What torch's code reads as FSDP2's state: a view of our unit (fsdp2_view.py)."""
+        return self._fsdp_state.fsdp2_view
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's, after waiting for the units' overlapped optimizer updates
+        (CPUAdamW(overlap_step=True)), which still read the gradients it would zero."""
+        for state in self._states(True):
+            if state.unit is not None:
+                state.unit.wait_host_update()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _apply(self, *args, **kwargs):
+        # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's own.
+        return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters; with async_op, return a handle to wait on."""
+        state = self._fsdp_state
+        state.lazy_init()
+        state.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones again."""
+        self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward accumulates gradients locally without communication
+        (gradient accumulation); the next backward with True reduces everything."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}")
+        for state in self._states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        states = self._states(recurse)
+        if reshard_after_forward:  # check every unit before changing any
+            for state in states:
+                if state.keeps_params_unsharded:
+                    raise ValueError(
+                        f"set_reshard_after_forward(True): {state} uses sharding_strategy="
+                        f"{state.options.sharding_strategy!r}, which keeps parameters unsharded between uses")
+        for state in states:
+            if state.unit is not None or not reshard_after_forward:
+                state.set_options(reshard_after_forward=reshard_after_forward)
+
+    def start_param_sync(self) -> None:
+        """With all_gather_in_start_param_sync=True (on this root): launch the first
+        units' all-gathers now, typically right after optimizer.step(), so they overlap
+        data loading; the next forward finds them in flight. Otherwise a no-op."""
+        self._fsdp_state.start_param_sync()
+
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """All-gather these FSDP modules' parameters when this module's forward starts,
+        instead of the next ones in the recorded forward order."""
+        self._fsdp_state.forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """All-gather these FSDP modules' parameters when this module's backward starts,
+        instead of the previous ones in the recorded forward order."""
+        self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_gather_bucket_bytes(self, nbytes: Union[int, str]) -> None:
+        """(root) Consecutive units whose gathered parameters add up to at most `nbytes`
+        are all-gathered by one coalesced collective (0: one per unit; "auto": from the
+        measured link, see fully_shard). Applies from the
+        next forward, in the order recorded in the first iteration. Only the root's value
+        is used: on another unit this raises (at once, or at the first forward)."""
+        self._set_root_option("set_gather_bucket_bytes", gather_bucket_bytes=nbytes)
+
+    def bucket_budgets(self) -> Tuple[int, int]:
+        """(root) The gather and reduce bucket budgets in effect, in bytes: the options'
+        values with "auto" resolved (0 until the first backward measured the link)."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return (0, 0)
+        schedule = state.ctx.schedule
+        return schedule.budget("gather_bucket_bytes"), schedule.budget("reduce_bucket_bytes")
+
+    def set_reduce_bucket_bytes(self, nbytes: Union[int, str]) -> None:
+        """(root) Consecutive units whose packed gradients add up to at most `nbytes` are
+        reduce-scattered by one coalesced collective (0: one per unit; "auto": from the
+        measured link, see fully_shard). Applies from the
+        next backward, in the order recorded in the first iteration. Only the root's
+        value is used: on another unit this raises (at once, or at the first forward)."""
+        self._set_root_option("set_reduce_bucket_bytes", reduce_bucket_bytes=nbytes)
+
+    def set_link_model(self, link_model: Optional[LinkModel]) -> None:
+        """(root) Plan the "auto" bucket budgets from `link_model` (megatron_fsdp_ext.link.LinkModel:
+        alpha seconds, all-gather bytes per second) instead of timing the link after the first
+        backward; None: time it. For a model measured once and reused (no probe at start-up,
+        the same plan every run), and for sizing under torch's fake backend, where nothing
+        moves and "auto" would otherwise plan no buckets. Takes effect at the end of the
+        next backward if the budgets were not resolved yet."""
+        self._set_root_option("set_link_model", link_model=link_model)
+
+    def _set_root_option(self, setter: str, **change) -> None:
+        state = self._fsdp_state
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(f"{setter}: {state.label} is not the root of its model ({state.ctx.root.label}); only "
+                             f"the root's setting is used, so call {setter} on the root")
+        state.set_options(**change)
+        state.root_setters_called.add(setter)  # checked at lazy init if this unit turns out not to be the root
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many units ahead to all-gather (0: no prefetch). Read by the root at its
+        first forward; on the root after that, applies to its whole tree."""
+        self._fsdp_state.set_options(prefetch_depth=depth)
+
+    def _states(self, recurse: bool):
+        return list(iter_states(self)) if recurse else [self._fsdp_state]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility: every backward here ends by waiting for its
+        reductions (the final callback), so each one behaves as FSDP2's last backward."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward expects a bool, got {is_last_backward!r}")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP (fully_shard on a 2-D mesh): with False, backward still reduce-scatters
+        inside the shard group but keeps the reduced shards in a partial sum instead of
+        all-reducing them across replicas; the next backward with True all-reduces the
+        sum once. For gradient accumulation across nodes: the cross-node traffic is paid
+        once per step, not once per micro-batch. Without replication there is nothing to
+        defer and this changes nothing (as in FSDP2)."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"set_requires_all_reduce expects a bool, got {requires_all_reduce!r}")
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: with False, a unit keeps its gathered parameters after its backward
+        (memory for less communication, e.g. across gradient-accumulation steps); the
+        next use gathers again only if the optimizer changed the shards since."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"set_reshard_after_backward expects a bool, got {reshard_after_backward!r}")
+        for state in self._states(recurse):
+            state.set_options(reshard_after_backward=reshard_after_backward)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's: with False, this unit's parameters are not gathered for backward, for
+        modules whose backward does not read them (e.g. an embedding: its weight gradient
+        needs only the indices). A backward that does read them raises (torch refuses to
+        unpack a saved weight onto the freed storage) instead of computing garbage."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"set_unshard_in_backward expects a bool, got {unshard_in_backward!r}")
+        self._fsdp_state.set_options(unshard_in_backward=unshard_in_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's: this unit's reduced gradients are the sum over ranks divided by
+        `factor` instead of the group size (the mean)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}")
+        unit = self._fsdp_state.unit
+        if unit is not None:
+            unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of set_gradient_divide_factor."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's: use a SUM reduction in the collective. Ours always does (SUM, then one
+        scale by 1/divide factor after it), so either value gives the same gradients."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms expects a bool, got {enable!r}")
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's: after an exception aborted a forward or backward, reset the root's
+        per-iteration state (call on the root): in-flight reductions are waited for,
+        gradients still on unsharded parameters dropped, every unit resharded. Gradients
+        already reduced stay (zero_grad clears them)."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return
+        if not state.is_root:
+            raise RuntimeError(f"reset_iter_state must be called on the root FSDP module ({state.ctx.root.label}), "
+                               f"not on {state.label}")
+        state.ctx.abandon_backward()
+        for s in state.ctx.states:
+            s._group_pending.clear()
+            s.reshard()
+
+    def no_sync(self):
+        """Megatron's and DDP's gradient-accumulation context: backward inside it
+        accumulates gradients locally (set_requires_gradient_sync(False) on this module's
+        units), and the next backward outside it, or finish_grad_sync(), reduces them."""
+        return _no_sync(self)
+
+    def finish_grad_sync(self) -> None:
+        """Megatron's: reduce now whatever the units under this module accumulated without
+        sync (after the last micro-batch of a pipeline schedule, with sync switched back
+        on) and wait; every .grad is complete when it returns. Gradients already reduced
+        by a synced backward are left as they are."""
+        state = self._fsdp_state
+        if state.ctx is None:
+            return
+        for s in self._states(True):
+            s.requires_gradient_sync = True
+        state.ctx.finish_gradient_sync()
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: whether parameters without a gradient join the reduction as zeros. Our
+        units always reduce the whole flat buffer (zeros where a parameter got no
+        gradient), so the collectives never mismatch across ranks; either value works."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"set_reduce_scatter_unused_params expects a bool, got {reduce_scatter_unused_params!r}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers expects an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers != 1:
+            _unsupported("set_reduce_scatter_max_input_buffers",
+                         "one reduction stays in flight (retired before the next allocates); only 1 is supported")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        _unsupported("set_separate_reduce_scatter_group",
+                     "all-gathers get their own communicator instead: fully_shard(create_all_gather_group=True), "
+                     "the default where collectives run on device streams (NCCL)")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        _unsupported("set_allocate_memory_from_process_group_for_comm",
+                     "communication buffers come from torch's caching allocator")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        _unsupported("set_symm_mem_for_comm", "communication buffers come from torch's caching allocator")
+
+    def _set_unshard_async_op(self, async_op: bool):
+        _unsupported("_set_unshard_async_op", "gathers always run on the all-gather stream")
+
+    def set_post_optim_event(self, event) -> None:
+        _unsupported("set_post_optim_event", "the optimizer step is tracked by a step hook; nothing to wait on")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        _unsupported("set_all_reduce_hook", "reduce gradients yourself after backward with "
+                     "set_requires_gradient_sync(False), or use sharding_strategy='optim'")
+
+    def set_custom_all_gather(self, comm) -> None:
+        _unsupported("set_custom_all_gather", "pass all_gather_group= to fully_shard for a dedicated group")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        _unsupported("set_custom_reduce_scatter", "pass reduce_scatter_group= to fully_shard for a dedicated group")
+
+    def share_comm_ctx(self, modules) -> None:
+        _unsupported("share_comm_ctx", "all units under one root already share streams and events")
+
+
+@contextlib.contextmanager
+def _no_sync(module: "FSDPModule"):
+    states = module._states(True)
+    previous = [s.requires_gradient_sync for s in states]
+    for s in states:
+        s.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        for s, p in zip(states, previous):
+            s.requires_gradient_sync = p
+
+
+def _unsupported(what: str, alternative: str):
+    raise NotImplementedError(f"FSDPModule.{what} is not supported by megatron_fsdp_ext: {alternative}")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>()` (e.g. Hugging Face's generate) gather the unit's
+    parameters for the whole call and release them after, as forward() does; forward
+    calls inside it find the unit gathered. torch's own register_fsdp_forward_method
+    does the same on our modules (through fsdp2_view); this one also resets the unit if
+    the method raises."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"register_fsdp_forward_method needs a fully_shard module, got {type(module).__name__}")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(f"{type(module).__name__} has no method {method_name!r}")
+    if method_name == "forward":
+        raise ValueError("forward is already driven by fully_shard's hooks")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        outermost = not state.method_active
+        args, kwargs = state.enter_method(module, args, kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            if outermost:
+                state.method_active = False
+            raise
+        return state.exit_method(module, args, output, outermost)
+
+    module.__dict__[method_name] = wrapped
+
+
+def attach_param_sync(optimizer: torch.optim.Optimizer, module: nn.Module):
+    """Call module.start_param_sync() after every optimizer.step(). Returns the hook
+    handle (remove() to detach)."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"attach_param_sync needs a fully_shard module, got {type(module).__name__}")
+    # Adopted first, so its post-hook marks the stepped units stale before this one
+    # launches their gathers (post-hooks run in registration order).
+    shard_changes.adopt(optimizer)
+    return optimizer.register_step_post_hook(lambda opt, args, kwargs: module.start_param_sync())
+
+
+def _states_of(modules, what: str):
+    states = []
+    for m in modules:
+        state = m.__dict__.get("_mfsdp_state") if isinstance(m, nn.Module) else None
+        if state is None:
+            raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
+        states.append(state)
+    return states
+
+
+_CLASS_CACHE: dict = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                 {"__module__": cls.__module__, **class_overrides(cls)})
+    return _CLASS_CACHE[cls]
+
+
+def fully_shard(
+    module: Union[nn.Module, List[nn.Module]],
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    sharding_strategy: str = "optim_grads_params",
+    reshard_after_forward: Optional[bool] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    alignment: int = _C.DEFAULT_ALIGNMENT,
+    prefetch_depth: int = 1,
+    gather_bucket_bytes: Union[int, str] = "auto",
+    reduce_bucket_bytes: Union[int, str] = "auto",
+    all_gather_group: Optional[dist.ProcessGroup] = None,
+    reduce_scatter_group: Optional[dist.ProcessGroup] = None,
+    create_all_gather_group: Optional[bool] = None,
+    all_gather_in_start_param_sync: bool = False,
+    overlap_grad_reduce: bool = True,
+    check_for_nan_in_grad: bool = False,
+    mesh=None,
+    offload_policy=None,
+    shard_placement_fn=None,
+    timeout=None,
+    dp_mesh_dims=None,
+) -> nn.Module:
+    """Shard `module`'s parameters (those not already claimed by an inner fully_shard
+    call) across `process_group` and install the hooks that all-gather them for
+    forward/backward and reduce their gradients.
+
+    Call it bottom-up: each transformer block first, then the root. Returns `module`,
+    whose class now also derives from FSDPModule. A list of modules (FSDP2's, e.g.
+    torchtitan's [model.norm, model.output]) makes one unit of them all: gathered before
+    the first of them runs in a forward, released after the last; their parent must be
+    sharded too (a unit of several modules is never the root). `module.parameters()` then yields
+    this rank's shards (1-D), which is what the optimizer updates.
+
+    Deferred init: a module built under torch.device("meta") is sharded without ever
+    existing in full: each rank allocates only its shards, as FSDP2 does: on the mesh's
+    device type, else on the current CUDA device when CUDA is available and the group's
+    backend communicates CUDA tensors, else on the CPU. Then call
+    megatron_fsdp_ext.materialize(model) (or
+    load a checkpoint: load_full_state_dict, load_safetensors, load_checkpoint) before
+    the first forward.
+
+    process_group:   the group parameters are sharded over; gradients are
+                     reduce-scattered on it (the reduce-scatter group). Any c10d
+                     backend that communicates the parameters' device: NCCL, Gloo
+                     (CPU or CUDA tensors, ranks sharing a GPU or not), torch's fake
+                     backend (one process simulating rank r of W: nothing moves),
+                     mixed ones ("cpu:gloo,cuda:nccl"); what a backend lacks is
+                     replaced (megatron_fsdp_ext.backends, docs/design.md).
+    sharding_strategy: "optim_grads_params" (ZeRO-3, default): params gathered per use
+                     and freed after; "optim_grads" (ZeRO-2) and "optim" (ZeRO-1, full
+                     all-reduced gradients): params stay unsharded between steps and
+                     are gathered again only after the optimizer changed the shards;
+                     "no_shard": everything replicated, gradients all-reduced, no
+                     gather at all. Optimizer state is sharded except under no_shard.
+    reshard_after_forward: free a unit's params after its forward and gather them
+                     again for backward (default: True for optim_grads_params; the
+                     other strategies keep them, and True is an error there).
+    prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
+                     the first iteration (0: off). The root's value governs its tree.
+    gather_bucket_bytes: (root) consecutive units, in the recorded forward order, whose
+                     gathered parameters add up to at most this many bytes are
+                     all-gathered by one coalesced collective (one c10d call for many
+                     small units), in forward and backward; prefetching then runs a
+                     bucket ahead. 0: one all-gather per unit. "auto" (default): the
+                     budget at which a collective's fixed cost is at most 10% of its
+                     time, from two all-gathers timed on the group at the end of the
+                     first backward (megatron_fsdp_ext.link; the slowest rank's
+                     times, so every rank plans alike; at most 256 MiB; 0 at world 1
+                     and where nothing moves). bucket_budgets() says what was chosen.
+    reduce_bucket_bytes: (root) the same for gradients: consecutive units whose packed
+                     gradients (reduce dtype) add up to at most this many bytes are
+                     reduce-scattered by one coalesced collective once the last of them
+                     (the first in forward order) is done with backward; until then
+                     their gradients wait unpacked. HSDP meshes and the full-gradient
+                     strategies (no_shard, optim) reduce per unit. 0: one
+                     reduce-scatter per unit; "auto" (default): as gather_bucket_bytes.
+    all_gather_group: an explicit group (same ranks, same order) for all-gathers.
+    reduce_scatter_group: an explicit group (same ranks, same order) for gradient
+                     reductions (default: process_group), e.g. one per expert-parallel group.
+    create_all_gather_group: give all-gathers their own communicator, created once per
+                     group and cached, so they overlap reduce-scatters. Default: on where
+                     collectives run on device streams and move data (NCCL), off
+                     otherwise (Megatron-FSDP's `create_all_gather_group`).
+    all_gather_in_start_param_sync: (root) let start_param_sync() launch the first
+                     all-gathers right after the optimizer step; off: nothing is ever
+                     launched outside forward/backward.
+    check_for_nan_in_grad: (Megatron's) every reduced gradient shard of this unit is
+                     checked for NaN/Inf by one fused kernel on the reduce-scatter
+                     stream (no host synchronization); optimizer.step() (and
+                     clip_grad_norm_) then refuses to run on them, on every rank,
+                     raising NonFiniteGradientError naming the rank, unit and parameter.
+                     The check's one host read happens at that step. Off by default.
+    overlap_grad_reduce: False: backward waits for each unit's gradient reduction
+                     before going on (no overlap; for debugging and measurements).
+    mesh:            a DeviceMesh instead of process_group. 1-D: its group shards. 2-D
+                     (replicate, shard), FSDP2's HSDP: parameters are sharded over
+                     dim 1's group and replicated over dim 0's; gradients are
+                     reduce-scattered in the shard group, then the shards all-reduced
+                     across replicas (set_requires_all_reduce(False) defers that under
+                     gradient accumulation). State dicts hold DTensors on this mesh.
+                     Tensor parallel: parameters that are DTensors on a "tp" mesh
+                     (torch's parallelize_module) need `mesh`, the data-parallel dims of
+                     the same job mesh (world_mesh["dp_shard"], or HSDP's
+                     world_mesh[("dp_replicate", "dp_shard")]); each unit holds their
+                     local TP shards, forward/backward see the DTensors TP gave, gradients
+                     reduce over the data-parallel dims only and state dicts place values
+                     as FSDP2+TP does (tensor_parallel.py).
+    offload_policy:  FSDP2's. CPUOffloadPolicy(pin_memory=True) keeps this unit's shard (the
+                     fp32 master weights), its gradient and so the optimizer state in host
+                     memory (pinned: asynchronous copies); forward and backward compute on
+                     the device. Each gather copies the shard in on the all-gather stream,
+                     each reduction copies the reduced gradient out on the reduce-scatter
+                     stream; the host waits once, at the end of backward. Step it with
+                     megatron_fsdp_ext.optim.CPUAdamW (multithreaded, writes the bf16 copy
+                     the next gather sends) or any torch optimizer. Per call: units left
+                     without it stay on the device (partial offload). A module built on
+                     the CPU is sharded without moving it whole to the device. Needs
+                     'optim_grads_params' or 'optim_grads'. None / OffloadPolicy(): no offload.
+    shard_placement_fn: FSDP2's: a function of each parameter returning Shard(dim) or None
+                     (Shard(0)): state dicts and checkpoints shard that parameter's
+                     DTensors on `dim`, as FSDP2 does. Training is the same whatever it
+                     returns (a unit shards one flat buffer); other placements raise.
+    timeout:         a datetime.timedelta (or seconds): every collective of this unit
+                     fails after waiting this long, naming the unit and the phase,
+                     instead of blocking for the process group's timeout (torch's
+                     default is 30 minutes) when a rank stalls or desynchronizes. The
+                     unit's collectives then run on groups created with this timeout
+                     (cached; on NCCL that is one more communicator per role), so
+                     `process_group` must span all ranks. None: the group's own timeout.
+    dp_mesh_dims:    FSDP2's, for parameters that are DTensors on every axis of one SPMD
+                     mesh (torchtitan's spmd_types / full_dtensor backends): not
+                     supported; None. Tensor-parallel parameters (DTensors on a "tp"
+                     mesh) are sharded with `mesh` the data-parallel mesh of the same job
+                     (torchtitan's partial_dtensor backend, FSDP2's usual form).
+    mp_policy may also be torch.distributed.fsdp.MixedPrecisionPolicy (same fields).
+    """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): parameters that are DTensors on every axis of one SPMD "
+            "mesh are not supported; apply tensor parallelism on the 'tp' axis only (torchtitan: "
+            "parallelism.spmd_backend='partial_dtensor') and pass the data-parallel mesh as mesh=")
+    modules = check_target(module)
+    mp_policy = as_mp_policy(mp_policy)
+    process_group, replicate_group = groups_from_mesh(mesh, process_group)
+    offload_pin = offload_pinning(offload_policy)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
+            "(FSDP2's int form, resharding to a smaller group after forward, is not supported)")
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    strategy = strategy_named(sharding_strategy)
+    if reshard_after_forward is None:  # free after forward only where the strategy gathers per use
+        reshard_after_forward = not strategy.keeps_unsharded
+    # Checked here, before any work: contradictions (reshard_after_forward=True with a
+    # strategy that keeps parameters unsharded), depth, flags, groups.
+    options = UnitOptions(
+        sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+        prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
+        reduce_bucket_bytes=reduce_bucket_bytes,
+        all_gather_in_start_param_sync=all_gather_in_start_param_sync,
+        overlap_grad_reduce=overlap_grad_reduce, check_for_nan_in_grad=check_for_nan_in_grad,
+    )
+    groups = CommGroups(pg, replicate_group, mesh, all_gather_group, reduce_scatter_group,
+                        create_all_gather_group, timeout)
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
+    params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
+    unit, deferred = None, False
+    if params:
+        materialize_on = check_devices(modules[0], params, names, pg, mesh, offload=offload_pin is not None)
+        deferred = params[0].is_meta
+        dims = state_dict_dims(params, names, shard_placement_fn)
+        tp = outer_sharding().collect(params, names, mesh)
+        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp,
+                         offload_pin, label=unit_kind(modules))
+        if dims is not None:
+            unit.set_state_dict_dims(dims)
+        groups.connect(unit, strategy)
+
+    state = FSDPState(modules, unit, names, slots, pg, options,
+                      check_group=groups.reduce_scatter_group,
+                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None,
+                      tp=tp if params else None)
+    owner = weakref.ref(state)
+    for p in params:  # a tied copy of an original elsewhere must not be claimed again
+        p._mfsdp_owner = owner
+        p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
+    state.fsdp2_view = fsdp2_view.Fsdp2StateView(state)
+    for m, module_keys in zip(modules, keys):
+        m.__dict__["_mfsdp_state"] = state
+        fsdp2_view.install(m, state.fsdp2_view)
+        ModuleStateDictHooks(state, m, module_keys)
+        m.__class__ = _fsdp_class(type(m))
+    shard_changes.ensure_step_hook_registered()
+    return module

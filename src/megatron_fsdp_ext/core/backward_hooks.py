@@ -1,0 +1,112 @@
+"""The backward side of a unit's hooks (a mixin of FSDPState): gather before the
+unit's backward, reduce-scatter after it (alone or in a reduce bucket), gradient
+accumulation without sync, and the per-backward state reset."""
+from __future__ import annotations
+
+from .. import _C
+from . import hook_support
+from .hook_support import profiled
+from .states import BackwardProgress
+
+
+class BackwardHooks:
+    def _pre_backward_hook(self, grad):
+        self.pre_backward()
+        return None
+
+    @profiled("pre_backward")
+    def pre_backward(self) -> None:
+        if self.backward_progress is BackwardProgress.REDUCED:
+            self._gather_again_for_backward()
+            return
+        if self.backward_progress is not BackwardProgress.NONE:
+            return
+        self.backward_progress = BackwardProgress.GATHERED
+        self.ctx.queue_final_callback()
+        targets, bucketed = self.ctx.schedule.backward_gathers(self)
+        if self.options.unshard_in_backward:
+            self._adopt_replaced(self.slots.use(hook_support.units_to_gather([self] + targets), bucketed), unsharded=True)
+        else:
+            _C.Unit.unshard_all(hook_support.units_to_gather(targets), bucketed)
+
+    def _gather_again_for_backward(self) -> None:
+        """The backward of one more call of this unit starts after the unit was reduced: a
+        call whose inputs needed no gradient (no post-backward marker: a tied embedding's
+        lookup on token ids, a shared layer applied to the raw input) or an output consumed
+        late. Gather for it (its backward may read the weights) and reduce again at the end
+        of backward: what it adds lands on top of the reduced gradients."""
+        self.backward_progress = BackwardProgress.GATHERED
+        self.reduce_again = True
+        self.ctx.queue_final_callback()
+        if self.options.unshard_in_backward:
+            self._adopt_replaced(self.slots.use(hook_support.units_to_gather([self]), False), unsharded=True)
+
+    def post_backward_of_one_call(self) -> None:
+        """The backward of one forward call is done; reduce once all of them are."""
+        self._pending_backward_calls = max(0, self._pending_backward_calls - 1)
+        if self._pending_backward_calls == 0:
+            self.post_backward()
+        else:
+            self.ctx.queue_final_callback()
+
+    @profiled("post_backward")
+    def post_backward(self) -> None:
+        if self.backward_progress is BackwardProgress.REDUCED:
+            return
+        self.backward_progress = BackwardProgress.REDUCED
+        self.ctx.queue_final_callback()
+        if self.unit is None:
+            return
+        if self.tp is not None:
+            self.tp.move_grads(self.unit)
+        # Without sync the gradients only accumulate locally: nothing to bucket. A second
+        # reduction in one backward goes alone (its bucket, if any, has moved on).
+        if self.reduce_again or not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
+            self.unit.reduce_grads(self.requires_gradient_sync)
+        if not self.options.overlap_grad_reduce:
+            self.ctx.comm.wait_reductions()
+        self._release_after_backward()
+
+    def _release_after_backward(self) -> None:
+        """After a unit's backward: free the gathered parameters and give the slots the
+        shards back. Without reshard_after_backward the gathered memory stays; so do the
+        unsharded parameters in the slots while gradients only accumulate (sync off: torch's
+        pipelining between micro-batches), as FSDP2 leaves them: a split backward
+        (BACKWARD_INPUT, then BACKWARD_WEIGHT) reads the weights from module.parameters()
+        on both sides of this hook and adds dW to the objects it found first."""
+        if self.options.reshard_after_backward or self.requires_gradient_sync:
+            self.release(keep_unsharded=not self.options.reshard_after_backward)
+
+    def flush_accumulated(self) -> None:
+        """Reduce the gradients accumulated without sync (and any left on the unsharded
+        parameters), then release as after a post-backward. Nothing to do when sync is
+        off or nothing was accumulated."""
+        if self.unit is None:
+            return
+        if self.tp is not None:
+            self.tp.move_grads(self.unit)
+        if self.requires_gradient_sync:
+            self.unit.reduce_grads(True)
+        self._release_after_backward()
+
+    def tag_grads(self) -> None:
+        """Give the new gradients their ShardedGrad type (grad_norm.py)."""
+        if self.grad_types:
+            self.unit.retype_grads(self.plain_types, self.grad_types)
+
+    def untag_grads(self) -> None:
+        """Plain gradients again for the optimizer step (shard_changes' step pre-hook): an
+        optimizer reads them per parameter, and a subclass costs a Python dispatch on each
+        read; torch's and torchtitan's clip run before the step."""
+        if self.grad_types:
+            self.unit.retype_grads(self.grad_types, self.plain_types)
+
+    def end_backward(self) -> None:
+        self.backward_progress = BackwardProgress.NONE
+        self.reduce_again = False
+        self._pending_backward_calls = 0
+        if self.unit is not None and not self.slots.holds_unsharded:
+            # A slot the user re-assigned (module.weight = nn.Parameter(full)) on a unit this
+            # step did not call: adopted now, so model.parameters() yields the unit's shard
+            # (an optimizer built from it then steps the unit), as for a unit that ran.
+            self._adopt_replaced(self.slots.install(False), unsharded=False)

@@ -1,0 +1,165 @@
+"""Everything that changes a unit's shards outside its own collectives, and what follows
+from it. Each path ends in the one C++ entry point, `Unit.shard_changed`, which writes
+the shard if needed and marks any gathered copy stale (the next use gathers again):
+
+- an optimizer step: the shards changed in place (`mark_stepped`, from the optimizer's
+  step post-hook; the optimizer's state dicts must also speak full shapes: `adopt`);
+- `sharded_param.data = x`: found by the C++ unit itself at the parameter's next use
+  (a pointer compare per parameter in `unshard`);
+- `module.weight = nn.Parameter(full)`: found when the hooks put parameters back into
+  the module (`ParamSlots.install`), handed over by `adopt_replaced_params`.
+
+The first fully_shard registers one global step pre-hook. At an optimizer's first step it
+adopts the optimizer if it holds sharded parameters (per-optimizer post-hook, state-dict
+hooks) and records that it does not otherwise; every later step of either kind costs one
+dict lookup. Optimizers of a process that never calls fully_shard see nothing."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .extension_points import gather_transform
+from .nonfinite import check_nonfinite_grads
+from .state_dict import attach_optimizer, convert_loaded_optimizer_state
+
+# optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
+_ADOPTED = "_mfsdp_adopted"
+_registered = False
+
+
+def ensure_step_hook_registered() -> None:
+    """Called by fully_shard: from then on every optimizer's first step is checked."""
+    global _registered
+    if not _registered:
+        register_optimizer_step_pre_hook(_step_pre_hook)
+        _registered = True
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    seen = optimizer.__dict__.get(_ADOPTED)
+    # add_param_group may bring sharded parameters to an optimizer checked before.
+    if seen is None or seen[1] != len(optimizer.param_groups):
+        seen = (adopt(optimizer),)
+    if seen[0]:
+        units = _units_of(optimizer)
+        for owner, _ in units:
+            state = owner()
+            if state is not None:
+                state.untag_grads()
+        # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
+        check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")
+
+
+def adopt(optimizer: torch.optim.Optimizer) -> bool:
+    """Link `optimizer` to the units whose sharded parameters it holds (idempotent):
+    after each of its steps, their gathered copies are marked stale; its state_dict() and
+    load_state_dict() use full shapes; state loaded before is cut to this rank's pieces.
+    Returns whether it holds any sharded parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _refuse_replaced_params(optimizer, params)
+    seen = optimizer.__dict__.get(_ADOPTED)
+    was_ours = seen is not None and seen[0]
+    ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
+    optimizer.__dict__[_ADOPTED] = (ours, len(optimizer.param_groups))
+    if ours and not was_ours:
+        convert_loaded_optimizer_state(optimizer)
+        attach_optimizer(optimizer)
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: mark_stepped(opt))
+    return ours
+
+
+# optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the
+# optimizer's last step wrote whole along with their shards (optim.CPUAdamW): marked fresh
+# after their shard_changed(), so that their next gather copies it as it is.
+COPIED_OUT = "_mfsdp_copied_out"
+
+# optimizer.__dict__ key: (ids of its parameters, ((unit state ref, its parameters), ...))
+_UNITS = "_mfsdp_units"
+
+
+def _units_of(optimizer: torch.optim.Optimizer):
+    """The units whose sharded parameters `optimizer` holds, each with those parameters;
+    grouped once and again only when the optimizer's parameters change."""
+    ids = list(map(id, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+    cached = optimizer.__dict__.get(_UNITS)
+    if cached is not None and cached[0] == ids:
+        return cached[1]
+    by_state: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = getattr(p, "_mfsdp_owner", None)
+            if owner is not None:
+                by_state.setdefault(id(owner()), (owner, []))[1].append(p)
+    units = tuple((owner, tuple(params)) for owner, params in by_state.values())
+    optimizer.__dict__[_UNITS] = (ids, units)
+    return units
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """After optimizer.step(): any gathered copy of the units whose parameters it
+    updated (those with a gradient) is stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads,
+    no_shard with a cast) and anything gathered before the step. Needed because fused
+    optimizers change the shards without moving their version counters. Per unit, not
+    per parameter: the first parameter with a gradient decides."""
+    stepped = []
+    for owner, params in _units_of(optimizer):
+        state = owner()
+        if state is None or state.unit is None:
+            continue
+        for p in params:
+            if p.grad is not None:
+                state.unit.shard_changed()
+                stepped.append(state.unit)
+                break
+    for unit in optimizer.__dict__.pop(COPIED_OUT, ()):
+        unit.mark_host_copy_fresh()
+    # FP8 gathers: the new shards' scales, one all-reduce(max) for all, right after the
+    # step as torchao's precompute_float8_dynamic_scale_for_fsdp does.
+    gather_transform().refresh_units(stepped)
+
+
+def _refuse_replaced_params(optimizer, params) -> None:
+    """An optimizer built from model.parameters() before fully_shard holds the original
+    parameters, which fully_shard replaced: its steps would change nothing the model
+    uses (the loss stays flat). fully_shard marks those originals."""
+    replaced = [p for p in params if getattr(p, "_mfsdp_replaced", False)]
+    if replaced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds {len(replaced)} parameter(s) that fully_shard replaced by sharded "
+            f"ones (the first has shape {tuple(replaced[0].shape)}): it was built before fully_shard, so its "
+            "steps would not change the model. Build the optimizer after fully_shard, from model.parameters()."
+        )
+
+
+def adopt_replaced_params(state, replaced_slots) -> None:
+    """The user assigned new parameters to module slots of `state`'s unit
+    (module.weight = nn.Parameter(...)): each rank keeps its slice of the new value in its
+    shard (no communication), and the slot gets the sharded parameter back. A replacement
+    of another shape raises, naming the parameter. Every rank must make the same
+    replacement: the unit's next use gathers again."""
+    for slot in replaced_slots:
+        index = state.slots.param_index(slot)
+        params_dict, name = state.slots.params_dict(slot), str(state.slots.name(slot))
+        new = params_dict[name]
+        if not isinstance(new, torch.Tensor):
+            raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
+                             f"{type(new).__name__}, not a tensor")
+        set_full_value(state, index, new.detach())
+        sharded = state.unit.sharded_param(index)
+        # The replacement's requires_grad is the user's word on training it (the unsharded
+        # parameter follows the sharded one at its next install).
+        if sharded.requires_grad != new.requires_grad:
+            sharded.requires_grad_(new.requires_grad)
+        params_dict[name] = sharded
+
+
+def set_full_value(state, index: int, value: torch.Tensor) -> None:
+    """The one way a value given in a parameter's full shape (a load, a replaced
+    parameter) becomes this rank's shard: a tensor-parallel parameter's value is cut to
+    this rank's TP shard first (tensor_parallel.py), then the unit keeps its slice."""
+    tp = state.tp
+    if tp is not None and index in tp.specs:
+        value = tp.local_value(index, value)
+    state.unit.shard_changed(index, value)

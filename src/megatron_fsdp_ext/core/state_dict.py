@@ -1,0 +1,500 @@
+"""torch's state-dict protocol for sharded modules and their optimizers.
+
+`model.state_dict()` gives every sharded parameter as a DTensor of its full shape,
+sharded on dim 0 over the unit's process group exactly as FSDP2 shards it; the optimizer's
+`state_dict()` does the same for state shaped like a parameter (Adam's moments,
+momentum). torch.distributed.checkpoint, its state-dict helpers
+(get/set_model_state_dict, get/set_optimizer_state_dict, full_state_dict, cpu_offload,
+broadcast_from_rank0) and FSDP2 checkpoints therefore work unchanged, at any world size.
+`load_state_dict()` takes DTensors (any placement) or full tensors, and refuses a tensor
+of any other shape, so nothing loads into the wrong elements.
+
+Our shards are flat ranges of a unit's buffer, which no DTensor placement describes, so
+both directions move data: state_dict() is a collective over each unit's group (every
+rank calls it, as with FSDP1's state dicts). Each unit's pieces and FSDP2's rows are
+exchanged by one all-to-all in which every element moves once (Unit.to_row_chunks /
+piece_from_rows), so a rank receives 1/world of a unit, not all of it; where that cannot
+be (a backend without all-to-all, a 0-dim parameter, a DTensor placed otherwise) the unit
+is gathered whole and cut. The parameters the optimizer updates stay plain 1-D tensors.
+`local_state_dict()` turns the conversion off and gives this rank's 1-D shards as they are
+(no collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .. import _C
+from . import backends
+from .agree import digest_differs
+from .param_index import by_unit, check_materialized, check_resharded, owner_of
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def local_state_dict():
+    """Inside this context, state_dict() of sharded modules and their optimizers returns
+    each rank's 1-D shards (no collective, not loadable at another layout), and
+    load_state_dict() expects them back."""
+    depth = getattr(_mode, "local", 0)
+    _mode.local = depth + 1
+    try:
+        yield
+    finally:
+        _mode.local = depth
+
+
+def _local_mode() -> bool:
+    return getattr(_mode, "local", 0) > 0
+
+
+@contextlib.contextmanager
+def unread_values():
+    """Inside this context, state_dict() of sharded modules and their optimizers gives
+    each sharded value in its usual layout (FSDP2's DTensors) but uninitialized, without
+    the collective that fills it: targets for a load to read into, whose values would be
+    thrown away. Yields {id(value): (value, unit state, parameter index)} of every value
+    so made, so that the load can tell them (and where each belongs) from values a
+    module's own hooks replaced."""
+    made: Dict[int, tuple] = {}
+    previous = getattr(_mode, "unread", None)
+    _mode.unread = made
+    try:
+        yield made
+    finally:
+        _mode.unread = previous
+
+
+# ---------------------------------------------------------------- gathering and slicing
+
+def _mesh(state, device_type: str) -> DeviceMesh:
+    """The data-parallel mesh of the unit's DTensors (kept on the state, made once): 1-D
+    over its group, or HSDP's 2-D (replicate, shard) mesh."""
+    cached = state.__dict__.get("_dtensor_mesh")
+    if cached is None or cached.device_type != device_type:
+        hsdp = state.device_mesh
+        if hsdp is None:
+            cached = DeviceMesh.from_group(state.process_group, device_type)
+        elif hsdp.device_type == device_type:
+            cached = hsdp
+        else:  # offloaded copies: the same ranks on the CPU
+            cached = DeviceMesh.from_group([hsdp.get_group(0), hsdp.get_group(1)], device_type,
+                                           mesh=hsdp.mesh, mesh_dim_names=hsdp.mesh_dim_names or ("replicate", "shard"))
+        state.__dict__["_dtensor_mesh"] = cached
+    return cached
+
+
+def _mesh_device_type(state, local: torch.Tensor) -> str:
+    """The device type of the mesh a value's DTensor lives on: its own where the unit's
+    backend communicates it (Gloo: host copies stay on a CPU mesh), else the unit's device
+    (NCCL: an offloaded unit's host shards on its CUDA mesh, as FSDP2's offload places
+    them; a CPU mesh over an NCCL group could not gather them)."""
+    if local.device.type in backends.device_types(state.process_group):
+        return local.device.type
+    return torch.device(state.unit.device).type
+
+
+def _replicated(state) -> bool:
+    return state.unit.strategy.replicated
+
+
+def tp_spec_of(state, index: int):
+    """Parameter `index`'s tensor-parallel spec in its unit, or None (not TP-sharded)."""
+    tp = state.tp
+    return tp.specs.get(index) if tp is not None else None
+
+
+def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, torch.Size, int]:
+    """(mesh, placements, full shape, the mesh dim of the data-parallel shard) of parameter
+    `index`'s state-dict DTensors, FSDP2's:
+    its state_dict_dim chunked over the shard group (torch.chunk sizes), replicated over
+    HSDP's replicate dim (every dp dim under no_shard); a tensor-parallel parameter on the
+    (dp..., tp) mesh, its TP placements after, the dp shard strided by TP's shards of the
+    same dim (tensor_parallel.py)."""
+    spec = state.unit.param_spec(index)
+    tp_spec = tp_spec_of(state, index)
+    if tp_spec is None:
+        mesh = _mesh(state, device_type)
+        dp_ndim = mesh.ndim
+    else:
+        mesh = state.tp.spmd_mesh
+        dp_ndim = state.tp.dp_ndim
+    dp = [Replicate()] * dp_ndim
+    if not _replicated(state) and len(spec.shape) > 0:
+        dp[-1] = Shard(spec.state_dict_dim)
+    if tp_spec is None:
+        return mesh, tuple(dp), torch.Size(spec.shape), dp_ndim - 1
+    return mesh, state.tp.placements(index, dp), tp_spec.shape, dp_ndim - 1
+
+
+def _dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape=None) -> DTensor:
+    """A DTensor over `local` where it lives. DTensor.from_local moves a local tensor to
+    the mesh's device: an offloaded unit's host rows on its CUDA mesh would be copied to
+    the GPU, where FSDP2 keeps them on the host (it builds the DTensor the same way).
+    Built from its spec also where from_local would not move it: from_local's autograd
+    function costs about 100x more (ms per value: state dicts make one per parameter
+    and per optimizer state)."""
+    shape = local.shape if shape is None else torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _rows_as_dtensor(state, index: int, rows: torch.Tensor) -> DTensor:
+    """This rank's torch.chunk rows of a parameter-shaped value, as FSDP2 stores it."""
+    mesh, placements, shape, _ = _layout(state, index, _mesh_device_type(state, rows))
+    return _dtensor_of(rows, mesh, placements, shape)
+
+
+def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -> list:
+    """Every parameter's value (`pieces`: per-parameter state laid out like the shards;
+    [] for the parameters themselves) as state dicts give it, on `device`: FSDP2's
+    DTensors, or full tensors for replicated strategies (DTensors on the TP mesh for
+    tensor-parallel parameters). One collective over the unit's group."""
+    unit = state.unit
+    made = getattr(_mode, "unread", None)
+    if made is not None:  # a load's targets: the layout without the values
+        values = []
+        for i in range(len(state.names)):
+            layout_only = torch.empty((), dtype=dtype, device=device).expand(unit.param_spec(i).shape)
+            values.append(_as_dtensor(state, i, layout_only, values=False))
+            made[id(values[-1])] = (values[-1], state, i)
+        return values
+    if not _replicated(state) and unit.exchanges_rows:
+        rows = unit.to_row_chunks(pieces, dtype)
+        return [_rows_as_dtensor(state, i, r.to(device)) for i, r in enumerate(rows)]
+    full = unit.gather_full_params() if not pieces else unit.gather_full(pieces, dtype)
+    full = [f.to(device=device, dtype=dtype) for f in full]
+    return [_as_dtensor(state, i, f) for i, f in enumerate(full)]
+
+
+def _exchangeable(state, value: DTensor, index: int) -> bool:
+    """Whether `value` is placed as our state dicts place parameter `index` (same ranks,
+    FSDP2's placements, this rank's torch.chunk rows), so its rows can come back by the
+    exchange instead of a gather."""
+    unit = state.unit
+    if _replicated(state) or not unit.exchanges_rows:
+        return False
+    mesh = value.device_mesh
+    ours, placements, _, shard_dim = _layout(state, index, mesh.device_type)
+    if mesh.ndim != ours.ndim or tuple(value.placements) != tuple(placements):
+        return False
+    for dim in range(mesh.ndim):
+        if dist.get_process_group_ranks(mesh.get_group(dim)) != dist.get_process_group_ranks(ours.get_group(dim)):
+            return False
+    shape = unit.param_spec(index).shape  # the local (TP) shape the unit holds
+    begin, end = _C.chunk_rows(shape[0], ours.size(shard_dim), ours.get_local_rank(shard_dim))
+    return tuple(value.to_local().shape) == (end - begin, *shape[1:])
+
+
+def _full_shape(state, index: int) -> tuple:
+    tp_spec = tp_spec_of(state, index)
+    return tuple(tp_spec.shape) if tp_spec is not None else tuple(state.unit.param_spec(index).shape)
+
+
+def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Tensor:
+    """This rank's 1-D piece of parameter `index` from a loaded value: FSDP2-placed
+    DTensors by the exchange, anything else gathered (a collective) and cut (its TP shard,
+    then this rank's piece)."""
+    if isinstance(value, DTensor) and tuple(value.shape) == _full_shape(state, index) \
+            and _exchangeable(state, value, index):
+        local = value.to_local()
+        if local.device.type != value.device_mesh.device_type:  # offloaded copies: exchange where the mesh lives
+            local = local.to(value.device_mesh.device_type)
+        return state.unit.piece_from_rows(index, local.contiguous())
+    full = _full_value(value, _full_shape(state, index), local_numel, what)
+    if tp_spec_of(state, index) is not None:
+        full = state.tp.local_of_full(index, full)
+    return state.unit.local_piece(index, full)
+
+
+def _as_dtensor(state, index: int, full: torch.Tensor, values: bool = True):
+    """`full` (parameter `index`'s value as the unit holds it: the local TP shard) as
+    FSDP2 stores it (see _layout); replicated strategies give plain full tensors, or a
+    tensor-parallel parameter's DTensor replicated over the dp dims. values=False: the
+    same layout, uninitialized (`full` may then be an expanded scalar, holding no memory)."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if values else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+    if _replicated(state) and tp_spec_of(state, index) is None:
+        return full if values else own(full)
+    mesh, placements, shape, shard_dim = _layout(state, index, _mesh_device_type(state, full))
+    if full.dim() == 0:
+        return _dtensor_of(own(full), mesh, placements)
+    dim = state.unit.param_spec(index).state_dict_dim
+    local = full
+    if not _replicated(state):
+        begin, end = _C.chunk_rows(full.shape[dim], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+        local = full.narrow(dim, begin, end - begin)
+    return _dtensor_of(own(local), mesh, placements, shape)
+
+
+def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor:
+    """DTensor.full_tensor() through the plain c10d collectives of our Communicator: one
+    uneven all-gather (all_gather_v) per sharded mesh dim (innermost first), after a small
+    one of the local sizes. torch's full_tensor() goes through its functional collectives,
+    which crash on some backends (Gloo with CUDA tensors, torch 2.11: SIGSEGV). Collective
+    over the DTensor's mesh; other placements go through DTensor.full_tensor()."""
+    mesh, local = value.device_mesh, value.to_local()
+    if local.device.type != mesh.device_type:  # offloaded (cpu_offload=True): gather where the mesh lives
+        local = local.to(mesh.device_type)
+    if not all(type(p) in (Shard, Replicate) for p in value.placements):
+        # Another placement (_StridedShard from FSDP2 over tensor parallelism, Partial):
+        # torch knows its element order; our row gather would not.
+        return value.full_tensor()
+    for mesh_dim in reversed(range(mesh.ndim)):
+        placement = value.placements[mesh_dim]
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard():
+            raise ValueError(f"{what}: a DTensor placed as {placement} on mesh dim {mesh_dim} cannot be gathered; "
+                             "only Shard and Replicate placements load")
+        comm = _C.Communicator(mesh.get_group(mesh_dim))
+        rows = local.movedim(placement.dim % local.dim(), 0)
+        mine = torch.tensor([rows.shape[0]], dtype=torch.int64, device=local.device)
+        sizes = torch.empty(comm.size, dtype=torch.int64, device=local.device)
+        comm.all_gather_flat(sizes, mine)
+        sizes = sizes.tolist()
+        row_numel = math.prod(rows.shape[1:])
+        numels = [n * row_numel for n in sizes]
+        starts = list(itertools.accumulate(numels[:-1], initial=0))
+        gathered = rows.new_empty((sum(sizes), *rows.shape[1:]))
+        # The sizes came from every rank just now: the segment table is the same everywhere.
+        comm.all_gather_v(gathered.view(-1), rows.contiguous().view(-1), starts, numels, verify=False)
+        local = gathered.movedim(0, placement.dim % local.dim())
+    if tuple(local.shape) != tuple(value.shape):
+        raise ValueError(f"{what}: gathering the DTensor gave shape {tuple(local.shape)}, expected "
+                         f"{tuple(value.shape)} (ranks disagree on the local sizes)")
+    return local
+
+
+def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tensor:
+    """The full tensor behind a loaded value: a DTensor (gathered: a collective over its
+    mesh) or a plain tensor of the full shape. Anything else is refused."""
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{what}: the loaded DTensor has shape {tuple(value.shape)}, expected {shape}")
+        return gather_dtensor(value, what)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        hint = ""
+        if value.dim() == 1 and value.numel() == local_numel:
+            hint = (" (it has this rank's shard size: a 1-D shard from local_state_dict() loads only "
+                    "inside local_state_dict(), at the layout that wrote it)")
+        raise ValueError(
+            f"{what}: got a tensor of shape {tuple(value.shape)}, expected the full shape {shape} "
+            f"or a DTensor as state_dict() returns{hint}")
+    return value
+
+
+def _is_the_shard(value, shard) -> bool:
+    # Identity only: every rank decides alike (a storage test would differ on ranks whose
+    # shard is empty, and the ranks would then disagree on the collectives that follow).
+    return value is shard
+
+
+# ---------------------------------------------------------------- module hooks
+
+class ModuleStateDictHooks:
+    """The state-dict hooks of one module of a fully_shard unit (a unit of several modules
+    has one per module); `keys` maps each state_dict key (relative to the module) of the
+    unit's parameters to the parameter's index.
+
+    Every module's own hooks see full-shape values, as under FSDP2 (torchtitan's fused-qkv
+    linear splits `wqkv` in its state-dict post-hook and merges it in its load pre-hook):
+    - save: the unit's module computes every value (DTensors) with one collective in a
+      state-dict pre-hook; the module that directly owns each parameter puts its values in
+      a post-hook that runs first among that module's post-hooks, so its own hooks and
+      every ancestor's see them; the unit module's last post-hook drops them;
+    - load: the owning module cuts each value to this rank's piece in a load pre-hook that
+      runs after the hooks registered before fully_shard (those merge the values first)."""
+
+    def __init__(self, state, module, keys: List[Tuple[str, int]]):
+        self.state = state
+        self._values: Optional[list] = None  # this state_dict() call's values (the unit module's pre-hook)
+        by_owner: Dict[int, Tuple[nn.Module, List[Tuple[str, int]]]] = {}
+        for key, i in keys:
+            path, _, name = key.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            by_owner.setdefault(id(owner), (owner, []))[1].append((name, i))
+        # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
+        module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._compute())
+        for owner, owned in by_owner.values():
+            handle = owner.register_state_dict_post_hook(
+                lambda m, sd, prefix, md, owned=owned: self._put_values(sd, prefix, owned))
+            owner._state_dict_hooks.move_to_end(handle.id, last=False)
+            owner.register_load_state_dict_pre_hook(lambda *a, owned=owned: self._pre_load(owned, *a))
+        module.register_state_dict_post_hook(lambda *a: self._drop_values())
+
+    def _compute(self) -> None:
+        state = self.state
+        self._values = None
+        if state.unit is None:
+            return
+        state.unit.wait_host_update()  # an overlapped optimizer step may still write the shard
+        if _local_mode():
+            return
+        self._values = self._current_values()
+
+    def _current_values(self) -> list:
+        state = self.state
+        check_materialized([state], "state_dict()")
+        check_resharded(state, "state_dict()")
+        shard = state.unit.sharded_param(0)
+        return _row_values(state, [], shard.dtype, shard.device)
+
+    def _drop_values(self) -> None:
+        self._values = None
+
+    def _put_values(self, state_dict, prefix: str, owned: List[Tuple[str, int]]) -> None:
+        state = self.state
+        if state.unit is None or _local_mode():
+            return
+        present = [(prefix + k, i) for k, i in owned if prefix + k in state_dict]
+        if not present:
+            return
+        # state_dict() called on this module alone, not through the unit's module: gather now.
+        values = self._values if self._values is not None else self._current_values()
+        for key, i in present:
+            state_dict[key] = values[i]
+
+    def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
+                  missing_keys, unexpected_keys, error_msgs) -> None:
+        state = self.state
+        if state.unit is None:
+            return
+        state.unit.wait_host_update()
+        if _local_mode():
+            return
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise NotImplementedError(
+                f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
+                "cannot be replaced; load without assign=True")
+        check_resharded(state, "load_state_dict()")
+        for key, i in owned:
+            if prefix + key not in state_dict:
+                continue  # strict loading reports it
+            shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
+            if _is_the_shard(value, shard):
+                continue  # the parameter itself (torch's helpers fill keys they were not given so)
+            state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
+
+
+# ---------------------------------------------------------------- optimizer hooks
+
+def _units_in(optimizer, saved_groups) -> List[Tuple[object, Dict[int, object]]]:
+    """Units whose shards `optimizer` updates, in the order the optimizer lists them, each
+    with {parameter index in the unit: the key the state dict uses for it}."""
+    return by_unit((p, key) for group, saved in zip(optimizer.param_groups, saved_groups)
+                   for p, key in zip(group["params"], saved["params"]))
+
+
+def _agree(state, signature: str, what: str) -> None:
+    """Every rank of the unit's group must gather the same state keys, or the gathers
+    below would pair different tensors."""
+    if digest_differs([signature], state.process_group, state.unit.device):
+        raise RuntimeError(
+            f"{what}: ranks of {state} hold different optimizer state for its parameters "
+            f"(this rank: {signature}); every rank must step the same parameters")
+
+
+def _shard_shaped_keys(state, index_to_key, states) -> Dict[str, torch.dtype]:
+    keys: Dict[str, torch.dtype] = {}
+    for i, key in index_to_key.items():
+        shard = state.unit.sharded_param(i)
+        for name, v in states.get(key, {}).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                if tuple(v.shape) != tuple(shard.shape):
+                    raise NotImplementedError(
+                        f"optimizer state '{name}' of '{state.names[i]}' has shape {tuple(v.shape)}, not the "
+                        f"shard's {tuple(shard.shape)}: state shaped unlike its parameter cannot be resharded")
+                keys.setdefault(name, v.dtype)
+    return keys
+
+
+def _optimizer_post_state_dict(optimizer, state_dict):
+    if _local_mode():
+        return None
+    states = state_dict["state"]
+    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+        keys = _shard_shaped_keys(state, index_to_key, states)
+        if getattr(_mode, "unread", None) is None:  # unread values need no collective to agree on
+            _agree(state, ",".join(f"{k}:{d}" for k, d in sorted(keys.items(), key=lambda kv: kv[0])),
+                   "optimizer.state_dict()")
+        if not keys:
+            continue
+        check_resharded(state, "optimizer.state_dict()")
+        for key in index_to_key.values():  # our copies: the live entries stay untouched
+            if key in states:
+                states[key] = dict(states[key])
+        for name in sorted(keys):
+            pieces: List[Optional[torch.Tensor]] = [None] * len(state.names)
+            for i, key in index_to_key.items():
+                pieces[i] = states.get(key, {}).get(name)
+            device = next(p.device for p in pieces if p is not None)
+            values = _row_values(state, pieces, keys[name], device)
+            for i, key in index_to_key.items():
+                if key in states and name in states[key]:
+                    states[key][name] = values[i]
+    return state_dict
+
+
+def _optimizer_pre_load(optimizer, state_dict):
+    if _local_mode():
+        return None
+    state_dict = dict(state_dict)
+    states = dict(state_dict["state"])
+    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+        for i, key in index_to_key.items():
+            if key in states:
+                states[key] = _cut_entry(state, i, states[key], "optimizer.load_state_dict", keep_local=False)
+    state_dict["state"] = states
+    return state_dict
+
+
+def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Install the optimizer's state-dict hooks. Called once per optimizer, by
+    shard_changes.adopt when it first finds sharded parameters in it (at its first
+    step: also the step torch's get/set_optimizer_state_dict take to initialize state)."""
+    optimizer.register_state_dict_post_hook(_optimizer_post_state_dict)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_pre_load)
+
+
+def convert_loaded_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """State loaded by optimizer.load_state_dict() before our hooks were attached (a
+    fresh optimizer that never stepped) holds full tensors or DTensors: cut this rank's
+    pieces now, before the first step uses them."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state, i = owner_of(p)
+            if state is not None and optimizer.state.get(p):
+                optimizer.state[p] = _cut_entry(state, i, optimizer.state[p], "optimizer state", keep_local=True)
+
+
+def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> dict:
+    """A copy of one parameter's optimizer state with every DTensor or full-shape tensor
+    cut to this rank's piece (scalars such as Adam's step as they are). keep_local: a plain
+    tensor already shaped like the shard is kept (loaded in local_state_dict() mode);
+    otherwise it is refused like any other shape."""
+    shard = state.unit.sharded_param(index)
+    out = dict(entry)
+    for name, v in entry.items():
+        if not isinstance(v, torch.Tensor) or (not isinstance(v, DTensor) and v.dim() == 0):
+            continue
+        if keep_local and not isinstance(v, DTensor) and v.shape == shard.shape:
+            continue
+        piece = _piece_of(state, index, v, shard.numel(), f"{what}: state '{name}' of '{state.names[index]}'")
+        out[name] = piece.to(shard.device).clone()
+    return out

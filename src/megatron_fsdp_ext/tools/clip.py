@@ -1,0 +1,119 @@
+"""Gradient clipping over sharded and replicated parameters."""
+from __future__ import annotations
+
+from typing import Iterable, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..core.nonfinite import check_nonfinite_grads
+
+
+def clip_grad_norm_(
+    parameters: Union[nn.Module, Iterable[torch.Tensor], torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients by their global norm, like torch.nn.utils.clip_grad_norm_, where
+    the norm of sharded gradients is combined across the shards' process group and
+    replicated (unsharded) parameters are counted once; under tensor parallelism the norm
+    is global over dp x tp, a parameter replicated over tp counted once. Returns the total norm. Units
+    with check_for_nan_in_grad refuse NaN/Inf gradients here first (on every rank)."""
+    if isinstance(parameters, nn.Module):
+        params = list(parameters.parameters())
+    elif isinstance(parameters, torch.Tensor):  # one tensor, as torch's accepts (not its rows)
+        params = [parameters]
+    else:
+        params = list(parameters)
+    norm_type = float(norm_type)
+    owners = {id(o()): o() for o in (getattr(p, "_mfsdp_owner", None) for p in params) if o is not None}
+    for state in owners.values():  # an overlapped optimizer step may still read the gradients
+        if state is not None and state.unit is not None:
+            state.unit.wait_host_update()
+    check_nonfinite_grads(owners.values(), "clip_grad_norm_")
+    # Each gradient is sharded over the data-parallel ranks (a unit's shard) or whole on
+    # each (replicated strategies, parameters outside any unit); under tensor parallelism
+    # it is also split over the tp ranks (a TP-sharded parameter) or the same on each of
+    # them (a replicated one, e.g. a norm weight), which then counts on tp rank 0 only.
+    sharded, replicated, groups, tp_groups = [], [], {}, {}
+    tp_split = set()  # ids of the gradients split over tp
+    tp_index = {}  # per TP unit: id(sharded parameter) -> its index
+    for p in params:
+        if p.grad is None:
+            continue
+        owner = getattr(p, "_mfsdp_owner", None)
+        state = owner() if owner is not None else None
+        if state is not None and state.unit is None:
+            state = None
+        if state is not None and state.tp is not None:
+            tp_groups[tuple(dist.get_process_group_ranks(state.tp.tp_group))] = state.tp.tp_group
+            if id(state) not in tp_index:
+                tp_index[id(state)] = {id(q): i for i, q in enumerate(state.sharded_params)}
+            spec = state.tp.specs.get(tp_index[id(state)].get(id(p), -1))
+            if spec is not None and spec.sharded:
+                tp_split.add(id(p.grad))
+        if state is not None and state.unit.strategy.replicated:
+            replicated.append(p.grad)  # every rank holds the whole (all-reduced) gradient
+        elif state is not None:
+            groups[id(state.process_group)] = state.process_group
+            sharded.append(p.grad)
+        else:
+            replicated.append(p.grad)
+    if len(groups) > 1:
+        raise ValueError(
+            "clip_grad_norm_: parameters are sharded over different process groups; "
+            "clip each group's parameters separately"
+        )
+    if len(tp_groups) > 1:
+        raise ValueError(f"clip_grad_norm_: parameters are tensor-parallel over different groups {sorted(tp_groups)}; "
+                         "clip each group's parameters separately")
+    tp_group = next(iter(tp_groups.values()), None)
+    counts_replicated = tp_group is None or dist.get_rank(tp_group) == 0
+    grads = sharded + replicated
+    if not grads:
+        return torch.tensor(0.0)
+    # Where the norm is combined: the units' device (offloaded units hold host gradients,
+    # which a device backend cannot reduce), else the gradients' own.
+    device = next((torch.device(o.unit.device) for o in owners.values() if o.unit is not None), grads[0].device)
+    inf_norm = norm_type == float("inf")
+
+    def local(gs):
+        if not inf_norm and not counts_replicated:
+            gs = [g for g in gs if id(g) in tp_split]  # the tp-replicated ones count on tp rank 0
+        gs = [g for g in gs if g.numel() > 0]  # empty shards (and inf-norm on empties raises)
+        if not gs:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        norms = [n for same in _by_device(gs).values() for n in torch._foreach_norm(same, norm_type)]
+        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+        return stacked.max() if inf_norm else (stacked ** norm_type).sum()
+
+    # The gradients' ShardedGrad type would reduce their norms across ranks by itself
+    # (grad_norm.py); here the reduction is explicit, so they count as plain tensors.
+    with torch._C.DisableTorchFunctionSubclass():
+        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+        shard_part = local(sharded)
+        if groups:
+            dist.all_reduce(shard_part, op=op, group=next(iter(groups.values())))
+        rep_part = local(replicated)
+        combined = torch.maximum(shard_part, rep_part) if inf_norm else shard_part + rep_part
+        if tp_group is not None:
+            dist.all_reduce(combined, op=op, group=tp_group)
+        total = combined if inf_norm else combined ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"
+            )
+        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for dev, same in _by_device(grads).items():
+            torch._foreach_mul_(same, clip_coef.to(device=dev, dtype=same[0].dtype))
+        return total
+
+
+def _by_device(tensors):
+    """The tensors grouped by device (offloaded units' gradients live on the host)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
