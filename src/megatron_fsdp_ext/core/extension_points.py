@@ -70,11 +70,16 @@ _outer_sharding = OuterSharding()
 _class_overrides: List[Callable[[type], Dict[str, Callable]]] = []
 
 
+def _checked(value, kind: type, what: str):
+    if not isinstance(value, kind):
+        raise TypeError(f"{what}: expected {'an' if kind.__name__[0] in 'AEIOU' else 'a'} {kind.__name__}, "
+                        f"got {type(value).__name__}")
+    return value
+
+
 def register_gather_transform(transform: GatherTransform) -> None:
     global _gather_transform
-    if not isinstance(transform, GatherTransform):
-        raise TypeError(f"register_gather_transform: expected a GatherTransform, got {type(transform).__name__}")
-    _gather_transform = transform
+    _gather_transform = _checked(transform, GatherTransform, "register_gather_transform")
 
 
 def gather_transform() -> GatherTransform:
@@ -83,9 +88,7 @@ def gather_transform() -> GatherTransform:
 
 def register_outer_sharding(sharding: OuterSharding) -> None:
     global _outer_sharding
-    if not isinstance(sharding, OuterSharding):
-        raise TypeError(f"register_outer_sharding: expected an OuterSharding, got {type(sharding).__name__}")
-    _outer_sharding = sharding
+    _outer_sharding = _checked(sharding, OuterSharding, "register_outer_sharding")
 
 
 def outer_sharding() -> OuterSharding:
