@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from megatron_fsdp_ext.memory import live_at_peak, main
+from megatron_fsdp_ext.tools.memory import live_at_peak, main
 
 
 def frame(name, line):
