@@ -150,3 +150,39 @@ def test_offloaded_units_rule():
     assert offloaded_units([10, 10, 10, 5], 0.5) == [True, True, False, False]  # 20 >= 17.5
     assert offloaded_units([10, 10, 10, 5], 0.2) == [True, False, False, False]
     assert offloaded_units([0, 10], 0.5) == [True, True]
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, experts: int = 8, dim: int = 64, hidden: int = 128):
+        super().__init__()
+        self.dense = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+
+
+def test_expert_groups_shard_over_the_expert_data_parallel_ranks():
+    """Experts split ep ways and sharded over world / ep ranks, a unit of their own; the
+    dense part over the whole shard group (what fully_shard builds from torchtitan's
+    ShardPlacementResult)."""
+    with torch.device("meta"):
+        model = nn.Sequential(_MoEBlock(), _MoEBlock())
+    routed = {id(p) for b in model for p in (b.w1, b.w2)}
+    world, ep = 8, 2
+    est = mfsdp.estimate_memory(model, world, unit_modules=[_MoEBlock], optimizer="sgd",
+                                experts=lambda p: id(p) in routed, expert_parallel=ep)
+    dense, expert = 64 * 64, 2 * 8 * 128 * 64  # per block
+    assert est.num_units == 4  # two blocks, each a dense and an expert unit; the root holds nothing
+    assert est.params == 2 * 4 * (dense // world + expert // ep // (world // ep))
+    assert est.optimizer_state == est.params  # SGD with momentum: one state per element
+    plain = mfsdp.estimate_memory(model, world, unit_modules=[_MoEBlock], optimizer="sgd")
+    assert plain.params == 2 * 4 * (dense + expert) // world  # without expert parallelism: all over 8
+    assert est.params == plain.params  # 1/ep of the experts over world/ep ranks: the same bytes
+    # What is gathered shrinks: a rank gathers its own experts only (1/ep of them); the last
+    # unit (here the second block's dense part) counts as the root, then the two largest.
+    assert est.gathered_params == 4 * (dense + 2 * expert // ep)
+    assert plain.gathered_params == 4 * 2 * (dense + expert)
+    with pytest.raises(ValueError, match="expert_parallel=3 must divide"):
+        mfsdp.estimate_memory(model, world, unit_modules=[_MoEBlock], experts=lambda p: id(p) in routed,
+                              expert_parallel=3)
+    with pytest.raises(ValueError, match="needs experts="):
+        mfsdp.estimate_memory(model, world, unit_modules=[_MoEBlock], expert_parallel=2)

@@ -129,8 +129,15 @@ def check_covers_world(states) -> None:
     tp_size = max((s.tp.tp_size for s in states if getattr(s, "tp", None) is not None), default=1)
     for state in states:
         unit = state.unit
-        if unit is not None and unit.world_size * unit.replicate_size * tp_size != world:
-            tp = f" and tensor-parallel over {tp_size}" if tp_size > 1 else ""
+        if unit is None:
+            continue
+        # A unit of DTensors covers its own outer mesh (TP, or MoE's expert-parallel mesh
+        # under the expert data-parallel one); a plain unit of a tensor-parallel job is
+        # the same on its tp ranks; a plain unit of an MoE job may span the whole job.
+        own = state.tp.tp_size if getattr(state, "tp", None) is not None else 1
+        covered = unit.world_size * unit.replicate_size * own
+        if covered != world and (own > 1 or covered * tp_size != world):
+            tp = f" and tensor-parallel over {max(own, tp_size)}" if max(own, tp_size) > 1 else ""
             raise NotImplementedError(
                 f"sharded checkpoint: {state} is sharded over {unit.world_size} of {world} ranks and replicated "
                 f"{unit.replicate_size}x{tp}; sharded checkpoints need units whose shards and replicas cover the "

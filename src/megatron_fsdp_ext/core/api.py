@@ -15,7 +15,7 @@ import torch.nn as nn
 from .. import _C
 from . import fsdp2_view, shard_changes
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
-                        groups_from_mesh, make_unit, state_dict_dims)
+                        groups_from_mesh, make_unit, placement_groups)
 from .extension_points import class_overrides, outer_sharding
 from .hooks import FSDPState, unit_kind
 from .link import LinkModel
@@ -34,7 +34,8 @@ class UnshardHandle(torch_fsdp.UnshardHandle):
 
     def wait(self) -> None:
         if self._state is not None:
-            self._state.wait_unshard()
+            for s in self._state.with_companions:
+                s.wait_unshard()
             self._state = None
 
 
@@ -87,7 +88,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
         """All-gather this module's parameters; with async_op, return a handle to wait on."""
         state = self._fsdp_state
         state.lazy_init()
-        state.unshard()
+        for s in state.with_companions:
+            s.unshard()
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -96,7 +98,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the sharded ones again."""
-        self._fsdp_state.reshard()
+        for s in self._fsdp_state.with_companions:
+            s.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward accumulates gradients locally without communication
@@ -129,12 +132,16 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_modules_to_forward_prefetch(self, modules) -> None:
         """All-gather these FSDP modules' parameters when this module's forward starts,
         instead of the next ones in the recorded forward order."""
-        self._fsdp_state.forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+        targets = _states_of(modules, "set_modules_to_forward_prefetch")
+        for s in self._fsdp_state.with_companions:
+            s.forward_prefetch = targets
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
         """All-gather these FSDP modules' parameters when this module's backward starts,
         instead of the previous ones in the recorded forward order."""
-        self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+        targets = _states_of(modules, "set_modules_to_backward_prefetch")
+        for s in self._fsdp_state.with_companions:
+            s.backward_prefetch = targets
 
     def set_gather_bucket_bytes(self, nbytes: Union[int, str]) -> None:
         """(root) Consecutive units whose gathered parameters add up to at most `nbytes`
@@ -184,7 +191,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self._fsdp_state.set_options(prefetch_depth=depth)
 
     def _states(self, recurse: bool):
-        return list(iter_states(self)) if recurse else [self._fsdp_state]
+        """This module's unit states (its own and its companions on other meshes), and with
+        `recurse` those of every FSDP module below it."""
+        return list(iter_states(self)) if recurse else self._fsdp_state.with_companions
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: every backward here ends by waiting for its
@@ -221,16 +230,18 @@ class FSDPModule(torch_fsdp.FSDPModule):
         unpack a saved weight onto the freed storage) instead of computing garbage."""
         if not isinstance(unshard_in_backward, bool):
             raise TypeError(f"set_unshard_in_backward expects a bool, got {unshard_in_backward!r}")
-        self._fsdp_state.set_options(unshard_in_backward=unshard_in_backward)
+        for s in self._fsdp_state.with_companions:
+            s.set_options(unshard_in_backward=unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """FSDP2's: this unit's reduced gradients are the sum over ranks divided by
-        `factor` instead of the group size (the mean)."""
+        `factor` instead of the group size (the mean); on every mesh of the unit (MoE:
+        the experts' too), as FSDP2 sets every parameter group of the module."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}")
-        unit = self._fsdp_state.unit
-        if unit is not None:
-            unit.gradient_divide_factor = float(factor)
+        for s in self._fsdp_state.with_companions:
+            if s.unit is not None:
+                s.unit.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of set_gradient_divide_factor."""
@@ -386,7 +397,7 @@ def _states_of(modules, what: str):
         state = m.__dict__.get("_mfsdp_state") if isinstance(m, nn.Module) else None
         if state is None:
             raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
-        states.append(state)
+        states.extend(state.with_companions)
     return states
 
 
@@ -398,6 +409,43 @@ def _fsdp_class(cls: type) -> type:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
                                  {"__module__": cls.__module__, **class_overrides(cls)})
     return _CLASS_CACHE[cls]
+
+
+def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, options: UnitOptions, *,
+                 alignment: int, mp_policy, strategy, offload_pin, check_for_nan_in_grad: bool) -> FSDPState:
+    """The unit of one placement group of a fully_shard call (its parameters, the module
+    slots and state-dict keys that hold them) on `comm`'s groups, and its FSDPState, whose
+    hooks on `modules` gather, release and reduce it."""
+    index = {old: new for new, old in enumerate(group.indices)}
+    group_params = [params[i] for i in group.indices]
+    group_names = [names[i] for i in group.indices]
+    group_slots = [(d, name, index[i]) for d, name, i in slots if i in index]
+    group_keys = [[(key, index[i]) for key, i in module_keys if i in index] for module_keys in keys]
+    unit, deferred, tp = None, False, None
+    if group_params:
+        materialize_on = check_devices(modules[0], group_params, group_names, comm.pg, comm.mesh,
+                                       offload=offload_pin is not None)
+        deferred = group_params[0].is_meta
+        tp = outer_sharding().collect(group_params, group_names, comm.mesh)
+        unit = make_unit(group_params, group_names, comm.pg, alignment, mp_policy, strategy, materialize_on,
+                         check_for_nan_in_grad, tp, offload_pin, label=unit_kind(modules))
+        if group.dims is not None:
+            unit.set_state_dict_dims(group.dims)
+        comm.connect(unit, strategy)
+    mesh = comm.mesh
+    state = FSDPState(modules, unit, group_names, group_slots, comm.pg, options,
+                      check_group=comm.reduce_scatter_group,
+                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None, tp=tp)
+    if group.mesh is not None:
+        state.mesh_tag = "+".join(group.mesh.mesh_dim_names or ("other mesh",))
+    owner = weakref.ref(state)
+    for p in group_params:  # a tied copy of an original elsewhere must not be claimed again
+        p._mfsdp_owner = owner
+        p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
+    state.fsdp2_view = fsdp2_view.Fsdp2StateView(state)
+    for m, module_keys in zip(modules, group_keys):
+        ModuleStateDictHooks(state, m, module_keys)
+    return state
 
 
 def fully_shard(
@@ -524,6 +572,11 @@ def fully_shard(
                      (Shard(0)): state dicts and checkpoints shard that parameter's
                      DTensors on `dim`, as FSDP2 does. Training is the same whatever it
                      returns (a unit shards one flat buffer); other placements raise.
+                     A ShardPlacementResult(placement, mesh_info) (torch's, as torchtitan
+                     passes for mixture-of-experts) may also put the parameter on another
+                     mesh (FSDPMeshInfo: 1-D; HSDPMeshInfo: 2-D replicate x shard): each
+                     mesh gets its own unit within this call, gathered, reduced and
+                     prefetched with it (MoE experts on the expert data-parallel mesh).
     timeout:         a datetime.timedelta (or seconds): every collective of this unit
                      fails after waiting this long, naming the unit and the phase,
                      instead of blocking for the process group's timeout (torch's
@@ -571,31 +624,25 @@ def fully_shard(
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
     params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
-    unit, deferred = None, False
-    if params:
-        materialize_on = check_devices(modules[0], params, names, pg, mesh, offload=offload_pin is not None)
-        deferred = params[0].is_meta
-        dims = state_dict_dims(params, names, shard_placement_fn)
-        tp = outer_sharding().collect(params, names, mesh)
-        unit = make_unit(params, names, pg, alignment, mp_policy, strategy, materialize_on, check_for_nan_in_grad, tp,
-                         offload_pin, label=unit_kind(modules))
-        if dims is not None:
-            unit.set_state_dict_dims(dims)
-        groups.connect(unit, strategy)
-
-    state = FSDPState(modules, unit, names, slots, pg, options,
-                      check_group=groups.reduce_scatter_group,
-                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None,
-                      tp=tp if params else None)
-    owner = weakref.ref(state)
-    for p in params:  # a tied copy of an original elsewhere must not be claimed again
-        p._mfsdp_owner = owner
-        p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
-    state.fsdp2_view = fsdp2_view.Fsdp2StateView(state)
-    for m, module_keys in zip(modules, keys):
+    build = dict(alignment=alignment, mp_policy=mp_policy, strategy=strategy, offload_pin=offload_pin,
+                 check_for_nan_in_grad=check_for_nan_in_grad)
+    states = []
+    for group in placement_groups(params, names, shard_placement_fn, (pg, replicate_group)):
+        if group.mesh is None:
+            states.append(_group_state(modules, params, names, slots, keys, group, groups, options, **build))
+            continue
+        # Another mesh from shard_placement_fn (MoE experts on the expert data-parallel mesh):
+        # a companion unit on it, with the call's settings and its own groups.
+        group_pg, group_replicate = groups_from_mesh(group.mesh, None)
+        comm = CommGroups(group_pg, group_replicate, group.mesh, None, None, create_all_gather_group, timeout)
+        states.append(_group_state(modules, params, names, slots, keys, group, comm, options, **build))
+    state = states[0]
+    state.companions = states[1:]
+    for companion in state.companions:
+        companion.leader = state
+    for m in modules:
         m.__dict__["_mfsdp_state"] = state
         fsdp2_view.install(m, state.fsdp2_view)
-        ModuleStateDictHooks(state, m, module_keys)
         m.__class__ = _fsdp_class(type(m))
     shard_changes.ensure_step_hook_registered()
     return module

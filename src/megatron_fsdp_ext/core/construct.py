@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,32 +67,80 @@ def offload_pinning(offload_policy) -> Optional[bool]:
                     f"got {offload_policy!r}")
 
 
-def state_dict_dims(params: list, names: list, shard_placement_fn) -> Optional[List[int]]:
-    """FSDP2's shard_placement_fn: the dim each parameter's state-dict DTensors are
-    sharded on (None from the function: dim 0). A unit shards one flat buffer whatever the
-    dim, so training is the same; state dicts and checkpoints then place each parameter
-    as FSDP2 would. None when no function was given."""
-    if shard_placement_fn is None:
-        return None
-    if not callable(shard_placement_fn):
-        raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
+class PlacementGroup(NamedTuple):
+    """Parameters of one fully_shard call that share a mesh: one unit each. FSDP2's
+    shard_placement_fn may put some on another mesh (ShardPlacementResult: MoE experts on
+    the expert data-parallel mesh), as FSDP2 makes one parameter group per mesh."""
+    mesh: Optional[object]  # a DeviceMesh; None: the call's own mesh / process group
+    indices: List[int]  # into the call's parameters, ascending
+    dims: Optional[List[int]]  # per parameter, the dim its state-dict DTensors shard; None: all 0
+
+
+def _mesh_of_result(result, name: str):
+    """The DeviceMesh of FSDP2's ShardPlacementResult.mesh_info (FSDPMeshInfo: a 1-D mesh
+    that shards; HSDPMeshInfo: a 2-D (replicate, shard) mesh), checked to be one
+    fully_shard(mesh=) takes the same way."""
+    info = result.mesh_info
+    mesh = getattr(info, "mesh", None)
+    shard_dim, replicate_dim = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
+    if getattr(info, "is_spmd_mesh", False):
+        raise NotImplementedError(
+            f"shard_placement_fn gave parameter '{name}' a mesh_info on an SPMD mesh (dp_mesh_dims); parameters "
+            "that are DTensors on every axis of one mesh are not supported (torchtitan: spmd_backend="
+            "'partial_dtensor')")
+    if mesh is None or shard_dim is None:
+        raise ValueError(f"shard_placement_fn returned {result!r} for parameter '{name}': its mesh_info must shard "
+                         "over a mesh (FSDPMeshInfo or HSDPMeshInfo)")
+    if (mesh.ndim, shard_dim, replicate_dim) not in ((1, 0, None), (2, 1, 0)):
+        raise NotImplementedError(
+            f"shard_placement_fn gave parameter '{name}' the {mesh.ndim}-D mesh {mesh.mesh_dim_names} sharding on "
+            f"dim {shard_dim} and replicating on dim {replicate_dim}; units take a 1-D mesh that shards, or a 2-D "
+            "(replicate, shard) mesh, as fully_shard(mesh=) does")
+    return mesh
+
+
+def _shard_dim(placement, p, name: str, result) -> int:
     from torch.distributed.tensor import Shard
 
-    dims = []
-    for p, name in zip(params, names):
-        placement = shard_placement_fn(p)
-        if placement is None:
-            dims.append(0)
-            continue
-        if type(placement) is not Shard:
-            raise ValueError(f"shard_placement_fn returned {placement!r} for parameter '{name}': only Shard(dim) "
-                             "or None (Shard(0)) shard a parameter over the data-parallel group")
-        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= dim < max(p.dim(), 1) or (p.dim() == 0 and placement.dim != 0):
-            raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of shape "
-                             f"{tuple(p.shape)}, which has no dim {placement.dim}")
-        dims.append(dim)
-    return dims
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(f"shard_placement_fn returned {result!r} for parameter '{name}': only Shard(dim), None "
+                         "(Shard(0)) or a ShardPlacementResult of those shard a parameter over a data-parallel group")
+    dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < max(p.dim(), 1) or (p.dim() == 0 and placement.dim != 0):
+        raise ValueError(f"shard_placement_fn returned Shard({placement.dim}) for parameter '{name}' of shape "
+                         f"{tuple(p.shape)}, which has no dim {placement.dim}")
+    return dim
+
+
+def placement_groups(params: list, names: list, shard_placement_fn, call_groups) -> List[PlacementGroup]:
+    """FSDP2's shard_placement_fn, per parameter: None (Shard(0)), Shard(dim) (the dim its
+    state-dict DTensors shard; a unit shards one flat buffer whatever the dim, so training
+    is the same), or a ShardPlacementResult whose mesh_info puts it on another mesh. The
+    call's parameters grouped by the groups they shard over, the call's own first;
+    `call_groups` is the call's (shard group, replicate group or None)."""
+    if shard_placement_fn is None:
+        return [PlacementGroup(None, list(range(len(params))), None)]
+    if not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
+    own, others = PlacementGroup(None, [], []), {}
+    for i, (p, name) in enumerate(zip(params, names)):
+        result = shard_placement_fn(p)
+        group = own
+        placement = result
+        if hasattr(result, "mesh_info") and hasattr(result, "placement"):  # torch's ShardPlacementResult
+            mesh = _mesh_of_result(result, name)
+            placement = result.placement
+            shard_pg = mesh.get_group(mesh.ndim - 1)
+            replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
+            if (shard_pg, replicate_pg) != tuple(call_groups):
+                key = (shard_pg, replicate_pg)
+                group = others.setdefault(key, PlacementGroup(mesh, [], []))
+        group.indices.append(i)
+        group.dims.append(_shard_dim(placement, p, name, result))
+    groups = [own] if own.indices or not others else []
+    return groups + list(others.values())
 
 
 # Second communicator per process group for all-gathers, created once and cached so

@@ -45,8 +45,13 @@ class ReductionDomain:
 
     @property
     def sort_key(self):
-        # The same order on every rank: by the groups' global ranks.
-        return self.ranks
+        """The order domains are reduced in, the same on every rank: by their groups' shape
+        (sizes and rank strides), which every rank of a mesh dim sees alike, never by the
+        ranks themselves. Two domains of two ranks over the same ranks (HSDP's shard group
+        and MoE's expert-parallel group) would otherwise be taken in opposite orders on
+        ranks 0 and 1, each waiting in a different group. Domains of one shape keep the
+        order they appear in (parameter order: the same everywhere)."""
+        return (tuple(len(r) for r in self.ranks), tuple(tuple(x - r[0] for x in r) for r in self.ranks))
 
     def __repr__(self) -> str:
         return f"ReductionDomain(ranks={self.ranks}, device={self.device})"

@@ -77,6 +77,13 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.backward_prefetch: Optional[List["FSDPState"]] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
+        # A unit whose parameters shard over several meshes (shard_placement_fn returning
+        # ShardPlacementResult, FSDP2's MoE form: experts on the expert data-parallel mesh)
+        # is one state per mesh, each with its own hooks on the same modules. The modules
+        # point at the first (the leader: the call's own mesh); it lists the others.
+        self.companions: List["FSDPState"] = []
+        self.leader: Optional["FSDPState"] = None
+        self.mesh_tag = ""  # a companion's mesh, by its dim names (labels, errors)
         # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.
         self.grad_types: list = []
         self.plain_types: list = []
@@ -113,7 +120,13 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         )]
 
     def __str__(self) -> str:
-        return f"{self.module_kind} (unit of {len(self.names)} parameters)"
+        on = f" on {self.mesh_tag}" if self.mesh_tag else ""
+        return f"{self.module_kind} (unit of {len(self.names)} parameters{on})"
+
+    @property
+    def with_companions(self) -> List["FSDPState"]:
+        """This state and its companions on other meshes: what a module-level call acts on."""
+        return [self, *self.companions]
 
     @property
     def sharded_params(self) -> List[nn.Parameter]:
@@ -159,7 +172,7 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         """Make this state the root of every unit in its subtree (first forward or
         unshard()); root_context.make_root does it."""
         if self.ctx is None:
-            make_root(self)
+            make_root(self.leader or self)  # a companion's leader roots (it is the modules' state)
 
     def mark_loaded(self) -> None:
         """Every parameter of this unit now holds its value (materialize, or a load that

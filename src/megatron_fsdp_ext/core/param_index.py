@@ -15,13 +15,15 @@ from .states import ParamInit, SlotsHold
 
 def iter_states(module: nn.Module):
     """FSDP states of `module` and its descendants, in module (pre-)order; a unit of
-    several modules once, at the first of them."""
+    several modules once, at the first of them; a unit on several meshes as its leader
+    followed by its companions."""
     seen = set()
     for m in module.modules():
         state = m.__dict__.get("_mfsdp_state")
         if state is not None and id(state) not in seen:
             seen.add(id(state))
             yield state
+            yield from state.companions
 
 
 def owner_of(p):

@@ -168,6 +168,7 @@ def make_root(root) -> None:
         if s is not None and id(s) not in seen:
             seen.add(id(s))
             named.append((name or f"{root.module_kind} (root)", s))
+            named += [(f"{name or root.module_kind}[{c.mesh_tag}]", c) for c in s.companions]
     states = [s for _, s in named]
     check_materialized(states, "forward (or unshard())")
     for name, s in named:

@@ -61,14 +61,12 @@ def clip_grad_norm_(
             sharded.append(p.grad)
         else:
             replicated.append(p.grad)
-    if len(groups) > 1:
-        raise ValueError(
-            "clip_grad_norm_: parameters are sharded over different process groups; "
-            "clip each group's parameters separately"
-        )
-    if len(tp_groups) > 1:
-        raise ValueError(f"clip_grad_norm_: parameters are tensor-parallel over different groups {sorted(tp_groups)}; "
-                         "clip each group's parameters separately")
+    if len(groups) > 1 or len(tp_groups) > 1:
+        # Several reduction domains (MoE experts on the expert mesh beside dense parameters,
+        # or units on different groups): torch's clip over the gradients' ShardedGrad types
+        # reduces each domain's sum over its own groups (grad_norm.py), as FSDP2's DTensor
+        # norms would per mesh.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     tp_group = next(iter(tp_groups.values()), None)
     counts_replicated = tp_group is None or dist.get_rank(tp_group) == 0
     grads = sharded + replicated

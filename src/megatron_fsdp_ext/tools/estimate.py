@@ -26,7 +26,7 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Type
+from typing import Callable, Iterable, List, Optional, Type
 
 import torch
 import torch.nn as nn
@@ -143,6 +143,8 @@ def estimate_memory(
     alignment: int = _C.DEFAULT_ALIGNMENT,
     offload_fraction: float = 0.0,
     pin_memory: bool = True,
+    experts: Optional[Callable[[nn.Parameter], bool]] = None,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
     per shard group; or the DeviceMesh; for HSDP its shard dimension counts), with a
@@ -162,7 +164,14 @@ def estimate_memory(
     to count them.
     `offload_fraction` as FSDPConfig.optimizer_offload_fraction (0: no offload, 1: every
     unit, as fully_shard(offload_policy=CPUOffloadPolicy(pin_memory)) on each): the
-    offloaded units' shards, gradients and optimizer state count as host bytes."""
+    offloaded units' shards, gradients and optimizer state count as host bytes.
+    Mixture of experts (fully_shard with shard_placement_fn putting the routed experts on
+    the expert data-parallel mesh, as torchtitan does): `experts(p)` is True for expert
+    weights; each unit's experts are a unit of their own beside its dense part, split
+    `expert_parallel` ways (a parameter that is already an expert-parallel DTensor counts
+    its local part) and sharded over shard_size / expert_parallel ranks (the "efsdp" mesh).
+    Optimizer state then counts each group's largest rank (an upper bound where shards
+    are uneven)."""
     shard = _shard_size(mesh_or_world)
     strategy = strategy_named(sharding_strategy)
     mp = as_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
@@ -177,25 +186,49 @@ def estimate_memory(
     optim_by_rank = [0] * (1 if replicated else shard)  # optimizer state is per parameter: exact per rank
     gathered_all, gathered_bytes = 0, []  # per unit
     grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
+    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) or expert_parallel < 1:
+        raise ValueError(f"estimate_memory: expert_parallel must be an int >= 1, got {expert_parallel!r}")
+    if experts is None and expert_parallel > 1:
+        raise ValueError("estimate_memory: expert_parallel > 1 needs experts= (which parameters are routed experts)")
+    if expert_parallel > 1 and (shard % expert_parallel or replicated):
+        raise ValueError(f"estimate_memory: expert_parallel={expert_parallel} must divide the shard group's "
+                         f"{shard} ranks (the expert data-parallel mesh has shard / expert_parallel ranks), "
+                         f"under a sharding strategy (not {sharding_strategy!r})")
     units = [u for u in _units(model, unit_modules or ()) if u]
+    # Per unit: (parameters, ranks sharding them, ways expert parallelism splits them).
+    groups = [(u, shard, 1) for u in units]
+    if experts is not None:
+        groups = []
+        for u in units:
+            dense, routed = [p for p in u if not experts(p)], [p for p in u if experts(p)]
+            split = [1 if isinstance(p, DTensor) else expert_parallel for p in routed]
+            groups += [(g, s, d) for g, s, d in ((routed, shard // expert_parallel, split), (dense, shard, 1)) if g]
+        units = [g for g, _, _ in groups]
+    expert_optim = 0
     offloaded = offloaded_units([sum(_full_numel(p) for p in u) for u in units], offload_fraction)
     if any(offloaded) and (replicated or strategy.full_grads):
         raise ValueError(f"estimate_memory: offload needs a strategy that reduce-scatters ('optim_grads_params' or "
                          f"'optim_grads'), not {sharding_strategy!r}")
     host_pinned = host_pageable = 0
-    for unit, off in zip(units, offloaded):
+    for (unit, unit_shard, split), off in zip(groups, offloaded):
         orig = unit[0].dtype
         b_orig = orig.itemsize
         b_param = (mp.param_dtype or orig).itemsize
         b_reduce = (mp.reduce_dtype or mp.param_dtype or orig).itemsize
-        numels = [_full_numel(p) for p in unit]
+        ways = split if isinstance(split, list) else [split] * len(unit)
+        for p, w in zip(unit, ways):
+            if _full_numel(p) % w:
+                raise ValueError(f"estimate_memory: an expert weight of shape {tuple(p.shape)} does not split "
+                                 f"{w} ways over expert parallelism")
+        numels = [_full_numel(p) // w for p, w in zip(unit, ways)]
         fp8_weights = [fp8.fp8_weight(p) for p in unit]
-        layout = _C.FlatLayout.even(numels, 1 if replicated else shard, fp8.alignment_for(alignment, fp8_weights))
+        layout = _C.FlatLayout.even(numels, 1 if replicated else unit_shard,
+                                    fp8.alignment_for(alignment, fp8_weights))
         seg, total = layout.max_segment_numel, layout.total_numel
         trains = [p.requires_grad for p in unit]
         # Per rank: the elements of trainable parameters in its shard (what optimizer state covers).
         trained = [sum(s.numel for s, t in zip(layout.shard_slices(r), trains) if t)
-                   for r in range(len(optim_by_rank))]
+                   for r in range(1 if replicated else unit_shard)]
         if off:  # shard, gradient and the bf16 gather copy on the host; the optimizer state too
             pinned = seg * b_orig * (2 if any(trains) else 1)
             pinned += seg * b_param if (mp.param_dtype == torch.bfloat16 and orig == torch.float32) else 0
@@ -209,8 +242,11 @@ def estimate_memory(
             full_grad_kept = strategy.full_grads and b_reduce == b_orig
             if any(trains):
                 grads += (total if full_grad_kept else seg) * b_orig
-            for r, n in enumerate(trained):
-                optim_by_rank[r] += n * b_orig
+            if unit_shard != shard:  # an expert group: its own ranks
+                expert_optim += max(trained) * b_orig * _OPTIMIZER_STATES[optimizer]
+            else:
+                for r, n in enumerate(trained):
+                    optim_by_rank[r] += n * b_orig
         widths = [1 if w is not None else b_param for w in fp8_weights]
         if 1 in widths:  # the FP8 gather: a byte layout (never aliases the shard), MXFP8 scales after it
             mx = any(isinstance(w, fp8.MXWeight) for w in fp8_weights)
@@ -225,7 +261,7 @@ def estimate_memory(
         landing = seg * b_orig if off else 0  # an offloaded unit's reduced segment, before its copy out
         grad_buffers.append(trainable * b_param + 2 * total * b_reduce + landing if trainable else 0)
         reduce_sizes.append(total * b_reduce)
-    optim = max(optim_by_rank, default=0) * _OPTIMIZER_STATES[optimizer]
+    optim = max(optim_by_rank, default=0) * _OPTIMIZER_STATES[optimizer] + expert_optim
     # Forward order: the root first, then the other units in module order (_units lists
     # them innermost-last-first, the root last).
     forward = [len(units) - 1] + list(range(len(units) - 2, -1, -1)) if units else []

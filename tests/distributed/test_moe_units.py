@@ -1,0 +1,30 @@
+"""Mixture-of-experts units (issue 44, item 1) on Gloo at world 4: a block whose dense
+parameters shard over the data-parallel mesh and whose experts (expert-parallel DTensors)
+shard over the expert data-parallel mesh, from FSDP2's ShardPlacementResult as torchtitan
+0.3.0 passes it. The same script under torch's fully_shard is the reference: losses,
+global gradient norms, every step's full gradients (SGD), the parameters after, and the
+state-dict placements must match; checkpoints move between the two systems."""
+import pytest
+
+from harness import run_distributed
+from harness import moe_unit_workers as w
+
+
+@pytest.mark.parametrize("ep, replicate, factor", [
+    (2, 1, 1.0),  # torchtitan's: gradient division off on every unit
+    (2, 1, None),  # FSDP2's default: each mesh divides by its own size
+    (4, 1, 1.0),  # efsdp of size 1: experts never gathered, only reduced over nothing
+    (2, 2, 1.0),  # HSDP: (dp_replicate, fsdp) dense, (dp_replicate, efsdp) experts
+], ids=["ep2", "ep2_default_division", "ep4", "hsdp2x2_ep2"])
+def test_moe_units_train_like_fsdp2(ep, replicate, factor):
+    worst = run_distributed(w.moe_vs_fsdp2, 4, ep, replicate, factor, timeout=240)[0]
+    assert set(worst) == {"loss", "norm", "grad", "param"}
+
+
+def test_moe_checkpoints_move_between_fsdp2_and_ours(tmp_path):
+    result = run_distributed(w.moe_checkpoints_move_between_systems, 4, 2, str(tmp_path), timeout=240)[0]
+    assert result == {"fsdp2_to_ours": 0.0, "ours_to_fsdp2": 0.0, "native": 0.0}
+
+
+def test_moe_placement_refusals():
+    run_distributed(w.moe_placement_refusals, 2, timeout=120)

@@ -1,0 +1,239 @@
+"""Mixture-of-experts units on Gloo: a small block of a dense layer and grouped experts
+(weights [experts, out, in], expert-parallel DTensors Shard(0) on an "ep" mesh, as
+torchtitan's GroupedExperts), sharded the way torchtitan 0.3.0's apply_fsdp_to_decoder
+does: shard_placement_fn returning FSDP2's ShardPlacementResult, experts on the expert
+data-parallel mesh ("efsdp"), the rest on the data-parallel mesh. The same script runs
+with torch's fully_shard (the reference) and ours; every check compares the two."""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import megatron_fsdp_ext as mfsdp
+
+from .workers import rel_err
+
+EXPERTS, DIM, HIDDEN, TOKENS = 4, 8, 16, 6
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) * 0.2)
+        self.layouts: list = []  # per forward: (w1 local shape, contiguous, w1 storage, w2 storage)
+
+    def forward(self, x):  # x: [local experts, tokens, dim], each expert its own tokens
+        w1 = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1
+        w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        # What a grouped GEMM (torch._grouped_mm) reads: one contiguous [local experts, ...]
+        # tensor per weight; under our units both are views of the one gathered buffer.
+        self.layouts.append((tuple(w1.shape), w1.is_contiguous(), w1.untyped_storage().data_ptr(),
+                             w2.untyped_storage().data_ptr()))
+        return torch.bmm(torch.relu(torch.bmm(x, w1.transpose(1, 2))), w2.transpose(1, 2))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(DIM, DIM)
+        self.experts = GroupedExperts()
+
+    def forward(self, x, first_expert: int, local_experts: int):
+        y = torch.tanh(self.dense(x))
+        # A fixed routing: every local expert sees the tokens, scaled by its global index.
+        scale = 1 + first_expert + torch.arange(local_experts, dtype=y.dtype).view(-1, 1, 1)
+        return y + self.experts(y.unsqueeze(0) * scale).mean(0)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList([MoEBlock() for _ in range(blocks)])
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x, first_expert: int, local_experts: int):
+        for b in self.blocks:
+            x = b(x, first_expert, local_experts)
+        return self.head(x)
+
+
+def meshes(world: int, ep: int, replicate: int):
+    """(dense dp mesh, expert mesh (dp_replicate?, efsdp, ep)) as torchtitan's ParallelDims
+    gives them: efsdp = world / (replicate * ep)."""
+    efsdp = world // (replicate * ep)
+    if replicate > 1:
+        dense = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "fsdp"))
+        sparse = init_device_mesh("cpu", (replicate, efsdp, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        return dense, sparse, sparse[("dp_replicate", "efsdp")]
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    sparse = init_device_mesh("cpu", (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    return dense, sparse, sparse["efsdp"]
+
+
+def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float]):
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    torch.manual_seed(0)
+    model = MoEModel()
+    dense_mesh, sparse, expert_dp_mesh = meshes(world, ep, replicate)
+    for b in model.blocks:
+        for name in ("w1", "w2"):
+            value = getattr(b.experts, name).detach()
+            setattr(b.experts, name, nn.Parameter(distribute_tensor(value, sparse["ep"], [Shard(0)])))
+    shard = fsdp2_fully_shard if impl == "fsdp2" else mfsdp.fully_shard
+    for b in model.blocks:
+        experts = set(b.experts.parameters())
+        # New mesh-info objects per block, as torchtitan builds them.
+        expert_info, dense_info = _get_mesh_info(expert_dp_mesh, None), _get_mesh_info(dense_mesh, None)
+
+        def placement(p, experts=experts, expert_info=expert_info, dense_info=dense_info):
+            return ShardPlacementResult(Shard(0), expert_info if p in experts else dense_info)
+
+        shard(b, mesh=dense_mesh, shard_placement_fn=placement)
+    shard(model, mesh=dense_mesh)
+    for m in model.modules():
+        if factor is not None and hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(factor)
+        if impl == "fsdp2" and hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM / AVG
+    ep_rank = sparse["ep"].get_local_rank()
+    return model, ep_rank * (EXPERTS // ep), EXPERTS // ep
+
+
+def _full(model) -> Dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _placements(model) -> Dict[str, tuple]:
+    return {k: tuple(v.placements) for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+
+
+def _global_norm(model, impl: str) -> float:
+    if impl == "fsdp2":  # torch's clip refuses DTensors on different meshes: by hand
+        return float(sum(p.grad.full_tensor().double().square().sum()
+                         for p in model.parameters() if p.grad is not None).sqrt())
+    theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    ours = mfsdp.clip_grad_norm_(model.parameters(), 1e9)
+    assert abs(float(theirs) - float(ours)) <= 1e-6 * float(ours), (float(theirs), float(ours))
+    return float(ours)
+
+
+def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optional[float], steps: int,
+        lr: float = 0.5) -> Dict:
+    """Train with SGD (a wrong gradient scale shows in the parameters at once), recording
+    losses, global gradient norms, and each step's full gradients as (before - after) / lr."""
+    model, first_expert, local_experts = build(impl, world, ep, replicate, factor)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses, norms, grads = [], [], []
+    for _ in range(steps):
+        before = _full(model)
+        x = torch.randn(TOKENS, DIM, generator=gen)
+        loss = model(x, first_expert, local_experts).square().mean()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        norms.append(_global_norm(model, impl))
+        opt.step()
+        opt.zero_grad()
+        after = _full(model)
+        grads.append({k: (before[k] - after[k]) / lr for k in before})
+    layouts = [layout for b in model.blocks for layout in b.experts.layouts]
+    return {"losses": losses, "norms": norms, "grads": grads, "params": _full(model),
+            "placements": _placements(model), "model": model, "layouts": layouts}
+
+
+def moe_vs_fsdp2(rank: int, world: int, ep: int, replicate: int = 1, factor: Optional[float] = 1.0,
+                 steps: int = 3) -> Dict:
+    theirs = run("fsdp2", rank, world, ep, replicate, factor, steps)
+    ours = run("ours", rank, world, ep, replicate, factor, steps)
+    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        worst["loss"] = max(worst["loss"], abs(ours["losses"][step] - theirs["losses"][step]) / theirs["losses"][step])
+        worst["norm"] = max(worst["norm"], abs(ours["norms"][step] - theirs["norms"][step]) / theirs["norms"][step])
+        for k, g in theirs["grads"][step].items():
+            worst["grad"] = max(worst["grad"], rel_err(ours["grads"][step][k], g))
+    for k, v in theirs["params"].items():
+        worst["param"] = max(worst["param"], rel_err(ours["params"][k], v))
+    assert ours["placements"] == theirs["placements"], (ours["placements"], theirs["placements"])
+    assert worst["loss"] < 1e-6 and worst["norm"] < 1e-5, (worst, ours["norms"], theirs["norms"])
+    assert worst["grad"] < 1e-5 and worst["param"] < 1e-6, worst
+    local = (EXPERTS // ep, HIDDEN, DIM)
+    for shape, contiguous, w1_storage, w2_storage in ours["layouts"]:
+        assert shape == local and contiguous, (shape, contiguous)
+        # Both expert weights in one storage: the unit's gathered buffer, no copy-out.
+        assert w1_storage == w2_storage, "expert weights are not views of one gathered buffer"
+    return worst
+
+
+def moe_checkpoints_move_between_systems(rank: int, world: int, ep: int, folder: str) -> Dict:
+    """torch.distributed.checkpoint state dicts move both ways between FSDP2's MoE units
+    and ours, and our own save_checkpoint / load_checkpoint round-trips the experts."""
+    trained = run("fsdp2", rank, world, ep, 1, 1.0, 2)
+    want = trained["params"]
+    dcp.save(trained["model"].state_dict(), checkpoint_id=os.path.join(folder, "fsdp2"))
+    ours, _, _ = build("ours", world, ep, 1, 1.0)
+    sd = ours.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(folder, "fsdp2"))
+    ours.load_state_dict(sd)
+    got = _full(ours)
+    worst = max(rel_err(got[k], v) for k, v in want.items())
+    assert worst == 0.0, f"FSDP2 -> ours: {worst}"
+    dcp.save(ours.state_dict(), checkpoint_id=os.path.join(folder, "ours"))
+    back, _, _ = build("fsdp2", world, ep, 1, 1.0)
+    sd = back.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(folder, "ours"))
+    back.load_state_dict(sd)
+    again = _full(back)
+    worst_back = max(rel_err(again[k], v) for k, v in want.items())
+    assert worst_back == 0.0, f"ours -> FSDP2: {worst_back}"
+    mfsdp.save_checkpoint(os.path.join(folder, "native"), ours)
+    fresh, _, _ = build("ours", world, ep, 1, 1.0)
+    mfsdp.load_checkpoint(os.path.join(folder, "native"), fresh)
+    native = _full(fresh)
+    worst_native = max(rel_err(native[k], v) for k, v in want.items())
+    assert worst_native == 0.0, f"save_checkpoint -> load_checkpoint: {worst_native}"
+    return {"fsdp2_to_ours": worst, "ours_to_fsdp2": worst_back, "native": worst_native}
+
+
+def moe_placement_refusals(rank: int, world: int) -> None:
+    """What shard_placement_fn may not return is refused by name, before any unit exists."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo, HSDPMeshInfo,
+                                                                  ShardPlacementResult)
+    from torch.distributed.tensor import Replicate
+
+    from .workers import expect_error
+
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
+
+    def shard_with(result):
+        torch.manual_seed(0)
+        block = MoEBlock()
+        mfsdp.fully_shard(block, mesh=flat, shard_placement_fn=lambda p: result)
+        return block
+
+    expect_error(lambda: shard_with(Replicate()), ValueError, "'dense.weight'", "only Shard(dim)")
+    expect_error(lambda: shard_with(ShardPlacementResult(Replicate(), FSDPMeshInfo(flat, shard_mesh_dim=0))),
+                 ValueError, "'dense.weight'", "only Shard(dim)")
+    # A 2-D mesh sharding on dim 0 and replicating on dim 1: not fully_shard(mesh=)'s HSDP.
+    expect_error(lambda: shard_with(ShardPlacementResult(Shard(0), HSDPMeshInfo(grid, shard_mesh_dim=0,
+                                                                                  replicate_mesh_dim=1))),
+                 NotImplementedError, "'dense.weight'", "2-D (replicate, shard)")
+    expect_error(lambda: shard_with(ShardPlacementResult(Shard(5), FSDPMeshInfo(flat, shard_mesh_dim=0))),
+                 ValueError, "Shard(5)", "no dim 5")
+    # The call's own mesh through a fresh mesh-info object: one unit, no companion.
+    block = shard_with(ShardPlacementResult(Shard(0), FSDPMeshInfo(flat, shard_mesh_dim=0)))
+    assert block._fsdp_state.companions == []
