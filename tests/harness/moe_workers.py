@@ -1,0 +1,458 @@
+"""torchtitan 0.3.0's mixture-of-experts models under its own parallelize code, FSDP2 and
+ours side by side (the `fully_shard` swap of titan_workers, the only change).
+
+DeepSeek-V3 "debugmodel" (layer 0 dense, the others MoE: 8 experts, top-3, shared
+experts) and Qwen3 "debugmodel_moe" (64 experts, top-8; cut to 2 layers), fp32, SDPA
+attention (flex has no CPU backward), optionally with every `num_experts` of the config
+set to another value (2: more expert-FSDP ranks than experts, so torchtitan shards the
+experts on dim 1). torchtitan's parallelize_deepseekv3 / parallelize_qwen3 with
+ParallelDims(dp_replicate, dp_shard=world//dp_replicate, ep=ep, spmd_backend=
+"partial_dtensor"): with ep > 1 the expert weights are DTensors Shard(0) on the "ep" mesh
+and apply_fsdp_to_decoder shards each MoE block with a `shard_placement_fn` returning
+torch's ShardPlacementResult (experts on the "efsdp" mesh, the rest on the dp mesh);
+with ep == 1 it is a plain fully_shard(block) (experts Shard(0)) or one with
+shard_placement_fn -> Shard(1) (fewer experts than dp ranks).
+
+Both models start from the same weights (the reference's state dict loaded into a copy of
+it before either is parallelized) and train on the same data: torch AdamW, loss
+cross entropy over each data-parallel rank's rows of a fixed random batch, divided by the
+dp world (torchtitan's disable_fsdp_gradient_division makes the reduced gradients sums).
+
+FSDP2 on Gloo: torchtitan's divide factor 1.0 makes FSDP2 reduce with PREMUL_SUM(1.0),
+which Gloo refuses; set_force_sum_reduction_for_comms(True) on every FSDP2 module gives
+the same sums (as titan_workers does).
+
+Full values and gradients: each rank compares its piece of the second model against the
+same range of FSDP2's full tensor (.full_tensor() of its DTensors, on every rank); ours'
+pieces are its 1-D shard pieces (`_ours_piece`: the harness' shard_piece gives the piece's
+offset in the parameter's local tensor, which for an expert weight under EP is this ep
+rank's Shard(0) block of experts), and their spans must cover every parameter. Only squared
+sums and spans move. The grad norm each side reports is checked at the last step against
+the float64 norm of its own full gradients.
+
+The routed experts compute in fp32 in both models by default (use_fp32_experts: torchtitan
+casts them to bfloat16, which turns last-bit differences into ~1e-4 ones after one step).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import types
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .titan_workers import SEQ, VOCAB, _fully_shard_in_torchtitan, install_trainer_stubs
+from .tp_workers import plain_name
+from .workers import device_for_backend, shard_piece
+
+EXPERT_W1 = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+_FLAVORS = {"dsv3": ("deepseek_v3", "debugmodel"), "qwen3": ("qwen3", "debugmodel_moe")}
+_DEFAULT_LAYERS = {"dsv3": None, "qwen3": 2}  # None: all of the flavor's layers
+
+
+def _set_num_experts(cfg, num_experts: int) -> None:
+    """Every `num_experts` field of the model config (MoE, router, GroupedExperts, token
+    dispatcher) and the router gate's out_features set to `num_experts`; top_k capped."""
+    seen = set()
+
+    def walk(o):
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+            return
+        if not dataclasses.is_dataclass(o):
+            return
+        for f in dataclasses.fields(o):
+            if f.name == "num_experts":
+                setattr(o, f.name, num_experts)
+                if hasattr(o, "gate"):
+                    o.gate.out_features = num_experts
+            elif f.name == "top_k":
+                setattr(o, f.name, min(getattr(o, f.name), num_experts))
+            else:
+                walk(getattr(o, f.name))
+
+    walk(cfg)
+
+
+def _moe_spec(model: str, num_experts: Optional[int], layers: Optional[int], parallelism):
+    """torchtitan's ModelSpec of the MoE debug model, its config prepared for the CPU."""
+    import importlib
+
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    package, flavor = _FLAVORS[model]
+    spec = importlib.import_module(f"torchtitan.models.{package}").model_registry(flavor)
+    cfg = spec.model
+    layers = _DEFAULT_LAYERS[model] if layers is None else layers
+    if layers is not None:
+        cfg.layers = cfg.layers[:layers]
+    if num_experts:
+        _set_num_experts(cfg, num_experts)
+    for layer in cfg.layers:  # flex attention has no CPU backward
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    # The sharding configs (enable_ep = expert_parallel_degree > 1), before build().
+    cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    return spec
+
+
+def _build(spec):
+    torch.manual_seed(0)
+    m = spec.model.build()
+    m.init_states(buffer_device=torch.device("cpu"))
+    return m.to(device_for_backend())
+
+
+def _grouped_experts_forward_fp32(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """torchtitan 0.3.0's GroupedExperts.forward (partial_dtensor path) computing in the
+    input's dtype instead of casting to bfloat16: the same grouped matmuls, in fp32 here."""
+    w1, w2, w3 = self.w1_EFD, self.w2_EDF, self.w3_EFD
+    if isinstance(w1, DTensor):
+        w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    dtype = x_RD.dtype
+    h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=w1.to(dtype).transpose(-2, -1), offs=offsets_E))
+    h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=w3.to(dtype).transpose(-2, -1), offs=offsets_E)
+    return self._grouped_mm(A=h_RF, B_t=w2.to(dtype).transpose(-2, -1), offs=offsets_E)
+
+
+def use_fp32_experts() -> None:
+    """torchtitan's routed experts compute in bfloat16 whatever the parameters' dtype
+    (GroupedExperts.forward casts input and weights): weights that differ in the last fp32
+    bit (two implementations' sums in another order, then an AdamW step) round to
+    different bfloat16 values here and there, and after one step the two models' gradients
+    differ by ~1e-4..1e-3 relative (measured: 3.5e-4 at step 2 on dsv3, FSDP2 vs ours). For
+    comparisons at fp32 tolerances, both models' experts compute in fp32 instead (this
+    process only; each rank is a process of its own)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    GroupedExperts.forward = _grouped_experts_forward_fp32
+
+
+def _fsdp2_modules(model):
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    return [m for m in model.modules() if isinstance(m, TorchFSDPModule)]
+
+
+def _describe(t) -> Tuple:
+    """(mesh dim names, placements) of a state-dict entry, as comparable strings."""
+    if isinstance(t, DTensor):
+        return tuple(t.device_mesh.mesh_dim_names or ()), tuple(str(p) for p in t.placements)
+    return ("plain",), (str(tuple(t.shape)),)
+
+
+def _batches(steps: int, per: int, dp_world: int):
+    g = torch.Generator().manual_seed(1000)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (dp_world * per, SEQ + 1), generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model, tokens, labels):
+    logits = model(tokens)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+# ------------------------------------------------------------------ full values and gradients
+
+def _ours_piece(name: str, p: torch.Tensor, which: str, global_numel: int, ep: int, ep_rank: int):
+    """(offset in the flattened full parameter, this rank's 1-D piece) of one of our sharded
+    parameters. Built on the harness' shard_piece (the unit, the parameter's index in it and
+    this rank's ShardSlice: the piece's offset in the parameter's LOCAL tensor, whose shape
+    the unit's param_spec gives). An expert weight under EP is local to its ep rank: the
+    Shard(0) block `ep_rank` of ep equal blocks (contiguous when flattened); any other
+    local tensor is the whole parameter (tp = 1 here)."""
+    state, index, piece = shard_piece(p)
+    local_numel = torch.Size(state.unit.param_spec(index).shape).numel()
+    t = p.grad if which == "grad" else p
+    if t is None:
+        return None
+    t = t.detach().as_subclass(torch.Tensor).reshape(-1).float().cpu()  # fp32 gradients: nothing lost
+    if local_numel == global_numel:
+        base = 0
+    elif ep > 1 and "inner_experts" in name and local_numel * ep == global_numel:
+        base = ep_rank * local_numel
+    else:
+        raise AssertionError(f"'{name}': our local tensor has {local_numel} elements, the parameter "
+                             f"{global_numel} (ep {ep})")
+    return base + piece.param_offset, t
+
+
+def _rel(a, b) -> float:
+    if isinstance(a, torch.Tensor):
+        a, b = a.double(), b.double()
+        den = b.norm().item()
+        return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _pieces(model, impl: str, which: str, shapes: Dict[str, torch.Size], ep: int,
+            ep_rank: int) -> Iterator[Tuple[str, Optional[torch.Tensor], int, torch.Tensor]]:
+    """For every parameter in order: (name, its full value or gradient in float64 (FSDP2:
+    .full_tensor(), a collective; ours: None), this rank's offset into the flattened
+    full tensor, this rank's 1-D piece in float64). FSDP2's piece: this rank's equal chunk
+    of the full tensor; ours: its own shard piece (_ours_piece). Collective: every rank
+    walks the parameters in order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for n, p in model.named_parameters():
+        name = plain_name(n)
+        if impl == "fsdp2":
+            t = p.grad if which == "grad" else p
+            assert t is not None, f"FSDP2: no {which} for '{name}'"
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().cpu()
+            chunk = full.numel() // world + (full.numel() % world > 0)
+            offset = min(rank * chunk, full.numel())
+            yield name, full, offset, full.reshape(-1)[offset: offset + chunk]
+        else:
+            got = _ours_piece(name, p, which, shapes[name].numel(), ep, ep_rank)
+            assert got is not None, f"ours: no {which} for '{name}' on rank {rank}"
+            yield name, None, got[0], got[1].double()
+
+
+def _check_cover(names, spans) -> None:
+    """Rank 0: each parameter's pieces on all ranks cover it (replicas may overlap).
+    spans: per rank, {name: (offset, length)}; names: {name: numel}."""
+    for name, numel in names.items():
+        covered = torch.zeros(numel, dtype=torch.bool)
+        for by_rank in spans:
+            offset, length = by_rank[name]
+            assert 0 <= offset and offset + length <= numel, \
+                f"'{name}': a piece [{offset}, {offset + length}) outside its {numel} elements"
+            covered[offset: offset + length] = True
+        if not covered.all():
+            raise AssertionError(f"'{name}' ({numel} elements): the ranks' pieces do not cover it: (offset, length) "
+                                 f"per rank {[r[name] for r in spans]}")
+
+
+def _compare_full(pair, which: str, shapes, ep: int, ep_rank: int, init: Optional[Dict] = None) -> Dict:
+    """The largest relative difference over parameters between the two models' full
+    values (or gradients) and where it is, and each side's float64 2-norm over all of
+    them. Each rank compares its own piece of the second model against the same range of
+    the reference's full tensor (FSDP2's .full_tensor() on every rank): no pieces move but
+    the squared sums (one all-reduce) and the pieces' spans (checked to cover every
+    parameter). Replicas (HSDP) count in both sums alike; the second side's norm divides
+    them out. With `init` (rank 0's initial values): how far the reference moved from
+    them (largest relative change). The same on every rank. pair: ((impl, model) of the
+    reference, (impl, model))."""
+    (ref_impl, ref), (impl, other) = pair
+    assert ref_impl == "fsdp2", "the reference is FSDP2's model"
+    names, stats, spans = [], [], {}
+    ref_sq, moved = 0.0, 0.0
+    for (name, full, _, _), (name_b, _, offset, piece) in zip(_pieces(ref, ref_impl, which, shapes, ep, ep_rank),
+                                                               _pieces(other, impl, which, shapes, ep, ep_rank)):
+        assert name == name_b, f"parameter order differs: '{name}' vs '{name_b}'"
+        assert full.numel() == shapes[name].numel(), f"'{name}': FSDP2's full {which} has shape {tuple(full.shape)}"
+        there = full.reshape(-1)[offset: offset + piece.numel()]
+        assert there.numel() == piece.numel(), f"'{name}': a piece of {piece.numel()} at {offset} is out of range"
+        names.append(name)
+        spans[name] = (offset, piece.numel())
+        stats.append([float((piece - there).norm() ** 2), float(there.norm() ** 2), float(piece.norm() ** 2),
+                      float(piece.numel())])
+        ref_sq += float(full.norm() ** 2)
+        if init is not None:
+            moved = max(moved, _rel(full, init[name]))
+    sums = torch.tensor(stats, dtype=torch.float64)
+    dist.all_reduce(sums)
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(spans, every, dst=0)
+    if dist.get_rank() == 0:
+        _check_cover({n: shapes[n].numel() for n in names}, every)
+    diff, there, mine, count = sums.unbind(1)
+    rel = diff.sqrt() / there.sqrt().clamp_min(1e-300)
+    rel = torch.where(there > 0, rel, diff.sqrt())
+    copies = count / torch.tensor([shapes[n].numel() for n in names], dtype=torch.float64)
+    at = int(rel.argmax())
+    out = [{"max_rel": float(rel[at]), "at": names[at], "norm_ref": ref_sq ** 0.5,
+            "norm_other": float((mine / copies).sum()) ** 0.5, "moved": moved}]
+    dist.broadcast_object_list(out, src=0)  # rank 0's "moved"
+    return out[0]
+
+
+def _state_dict_values(pair) -> float:
+    """The largest relative difference between the two models' state-dict values (what DCP
+    saves of each): entry by entry, this rank's local parts where both are DTensors placed
+    alike (no gathers; the squared norms summed over the ranks, replicas counted alike on
+    both sides), else the full tensors."""
+    (_, ref), (impl, other) = ((k, m.state_dict()) for k, m in pair)
+    assert sorted(ref) == sorted(other), f"state-dict keys: {impl} {sorted(other)} vs FSDP2 {sorted(ref)}"
+    keys = sorted(ref)
+    sums = torch.zeros(len(keys), 2, dtype=torch.float64)
+    for i, key in enumerate(keys):
+        a, b = ref[key], other[key]
+        assert tuple(a.shape) == tuple(b.shape), \
+            f"state dict '{key}': {impl} shape {tuple(b.shape)} vs FSDP2 {tuple(a.shape)}"
+        if isinstance(a, DTensor) and isinstance(b, DTensor) and _describe(a)[1] == _describe(b)[1] \
+                and a.device_mesh.mesh.tolist() == b.device_mesh.mesh.tolist():
+            a, b = a.to_local(), b.to_local()
+            scale = 1.0
+        else:  # gathered whole on every rank: counted once
+            a = a.full_tensor() if isinstance(a, DTensor) else a
+            b = b.full_tensor() if isinstance(b, DTensor) else b
+            scale = 1.0 / dist.get_world_size()
+        a, b = a.detach().double(), b.detach().double()
+        sums[i, 0] = scale * float((a - b).norm() ** 2)
+        sums[i, 1] = scale * float(a.norm() ** 2)
+    dist.all_reduce(sums)
+    rel = sums[:, 0].sqrt() / sums[:, 1].sqrt().clamp_min(1e-300)
+    return float(rel.max())
+
+
+# ------------------------------------------------------------------ grad norms
+
+def _grad_norm(model, impl: str, ep: int) -> float:
+    """The total grad norm each side's training loop would clip by (max_norm 1e9: nothing
+    is scaled). FSDP2: torchtitan's clip_grad_norm_ (its EP path with ep > 1: expert and
+    dense DTensor grads live on different meshes and torch's get_total_norm cannot stack
+    their norms). Ours: torch's clip_grad_norm_ on our sharded gradients (no DTensors)."""
+    if impl == "fsdp2":
+        from torchtitan.distributed import utils as dist_utils
+
+        norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1e9, foreach=True, ep_enabled=ep > 1)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ------------------------------------------------------------------ the worker
+
+def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: Optional[int] = None,
+                       dp_replicate: int = 1, steps: int = 4, impl: str = "ours", layers: Optional[int] = None,
+                       local_bs: int = 2, fp32_experts: bool = True) -> Dict:
+    """torchtitan's MoE debug model `model` ("dsv3" or "qwen3") parallelized by its own
+    parallelize function with FSDP2 and with `impl`'s fully_shard ("ours"; "fsdp2": FSDP2
+    against itself, which checks this comparison), trained `steps` steps side by side.
+    Returns (the same on every rank):
+      losses: [(fsdp2, impl)] per step, the mean over the dp ranks of their local losses;
+      grad_norms: [(fsdp2, impl)] per step (see _grad_norm);
+      worst: max relative differences: loss, grad_norm (over steps), grad (every
+        parameter's full gradient after the last backward), param (every parameter's full
+        value after the last step), param_state_dict (the state dicts' values then),
+        norm_vs_full_fsdp2 / norm_vs_full_impl (each side's last grad norm against the
+        norm of its full gradients);
+      grad_at / param_at: the parameter where grad / param differ most;
+      placements: {"fsdp2": ..., impl: ...} (mesh dim names, placements) of EXPERT_W1 in
+        each model's state_dict(); placement_mismatches: every state-dict entry whose
+        placements differ (or that one side lacks); mesh_name_mismatches: {entry: (FSDP2's
+        mesh dim names, impl's)} where those differ;
+      moved: how far FSDP2's parameters moved (largest relative change);
+      timings: this rank's seconds in setup (imports, meshes), build (both models),
+        parallelize (both), train (the steps) and compare (full gradients and values);
+        wall_s: all of it."""
+    wall0 = time.perf_counter()
+    assert impl in ("ours", "fsdp2"), f"impl {impl!r}: 'ours' or 'fsdp2'"
+    install_trainer_stubs()
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    tt_parallel_dims.device_type = device_for_backend().type
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dp_shard = world // dp_replicate
+    pcfg = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep,
+                             data_parallel_shard_degree=dp_shard, data_parallel_replicate_degree=dp_replicate)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    ep_rank = dims.get_mesh("ep").get_local_rank() if dims.ep_enabled else 0
+    batch_mesh = dims.get_mesh("batch")
+    dp_world, dp_index = batch_mesh.size(), batch_mesh.get_local_rank()
+
+    timings = {"setup": time.perf_counter() - wall0}
+    if fp32_experts:
+        use_fp32_experts()
+    spec = _moe_spec(model, num_experts, layers, pcfg)
+    ref = _build(spec)
+    # The second model: a copy of the reference's module tree (a second seeded build with
+    # torchtitan's init costs seconds per rank), its state loaded from the reference's
+    # state dict; checked equal below.
+    other = copy.deepcopy(ref)
+    other.load_state_dict(ref.state_dict())
+    for (n, a), (_, b) in zip(ref.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), f"the second model's '{n}' is not a copy"
+    shapes = {plain_name(n): p.shape for n, p in ref.named_parameters()}
+    init = {plain_name(n): p.detach().clone() for n, p in ref.named_parameters()} if rank == 0 else None
+
+    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    models, t0 = {}, time.perf_counter()
+    for which, m in (("fsdp2", ref), (impl, other)):
+        with _fully_shard_in_torchtitan(which):
+            m = spec.parallelize_fn(m, parallel_dims=dims, training=training, parallelism=pcfg,
+                                    compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
+        m.train()
+        if which == "fsdp2" and dist.get_backend() == "gloo":
+            for fm in _fsdp2_modules(m):
+                fm.set_force_sum_reduction_for_comms(True)
+        key = "ours" if which == "ours" else ("fsdp2" if not models else "fsdp2_b")
+        models[key] = m
+    timings["build"] = t0 - wall0 - timings["setup"]
+    timings["parallelize"] = time.perf_counter() - t0
+    impl_key = list(models)[1]
+    pair = (("fsdp2", models["fsdp2"]), ("fsdp2" if impl == "fsdp2" else "ours", models[impl_key]))
+
+    sds = {k: m.state_dict() for k, m in models.items()}
+    placements = {k: _describe(sd[EXPERT_W1]) if EXPERT_W1 in sd else None for k, sd in sds.items()}
+    common = [key for key in sds["fsdp2"] if key in sds[impl_key]]
+    mismatches = sorted(set(sds["fsdp2"]) ^ set(sds[impl_key]))  # entries only one side has
+    mismatches += [k for k in common if _describe(sds["fsdp2"][k])[1] != _describe(sds[impl_key][k])[1]]
+    mesh_names = {k: (_describe(sds["fsdp2"][k])[0], _describe(sds[impl_key][k])[0]) for k in common
+                  if _describe(sds["fsdp2"][k])[0] != _describe(sds[impl_key][k])[0]}
+    del sds
+
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=False, foreach=False) for k, m in models.items()}
+    device = device_for_backend()
+    losses, norms = [], []
+    worst: Dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
+    result: Dict = {}
+    rows = slice(dp_index * local_bs, (dp_index + 1) * local_bs)
+    t0 = time.perf_counter()
+    timings["train"] = timings["compare"] = 0.0
+    for step, (tokens, labels) in enumerate(_batches(steps, local_bs, dp_world)):
+        step_losses, step_norms = [], []
+        for k, m in models.items():
+            loss = _loss(m, tokens[rows].to(device), labels[rows].to(device))
+            (loss / dp_world).backward()
+            total = loss.detach().double().cpu().reshape(1)
+            dist.all_reduce(total)  # every rank is a dp rank here (tp = cp = pp = 1)
+            step_losses.append(float(total) / world)
+            step_norms.append(_grad_norm(m, "fsdp2" if k.startswith("fsdp2") else "ours", ep))
+        losses.append(tuple(step_losses))
+        norms.append(tuple(step_norms))
+        worst["loss"] = max(worst["loss"], _rel(step_losses[1], step_losses[0]))
+        worst["grad_norm"] = max(worst["grad_norm"], _rel(step_norms[1], step_norms[0]))
+        if step == steps - 1:
+            timings["train"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            g = _compare_full(pair, "grad", shapes, ep, ep_rank)
+            worst["grad"], result["grad_at"] = g["max_rel"], g["at"]
+            worst["norm_vs_full_fsdp2"] = _rel(step_norms[0], g["norm_ref"])
+            worst["norm_vs_full_impl"] = _rel(step_norms[1], g["norm_other"])
+            timings["compare"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        for o in opts.values():
+            o.step()
+            o.zero_grad()
+    timings["train"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    v = _compare_full(pair, "value", shapes, ep, ep_rank, init)
+    worst["param"], result["param_at"] = v["max_rel"], v["at"]
+    worst["param_state_dict"] = _state_dict_values(pair)
+    moved = v["moved"]
+    timings["compare"] += time.perf_counter() - t0
+    result.update(losses=losses, grad_norms=norms, worst=worst, placements=placements,
+                  placement_mismatches=mismatches, mesh_name_mismatches=mesh_names, moved=moved, impl=impl,
+                  timings=timings, wall_s=time.perf_counter() - wall0)
+    return result
