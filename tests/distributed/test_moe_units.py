@@ -28,3 +28,8 @@ def test_moe_checkpoints_move_between_fsdp2_and_ours(tmp_path):
 
 def test_moe_placement_refusals():
     run_distributed(w.moe_placement_refusals, 2, timeout=120)
+
+
+def test_moe_checkpoints_move_across_expert_parallel_degrees(tmp_path):
+    result = run_distributed(w.moe_checkpoints_move_across_expert_parallelism, 4, str(tmp_path), timeout=240)[0]
+    assert result == {"ep2_to_ep4": 0.0, "ep2_to_ep0": 0.0, "no_ep_to_ep2": 0.0}

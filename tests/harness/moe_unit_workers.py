@@ -79,6 +79,16 @@ def meshes(world: int, ep: int, replicate: int):
 
 
 def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float]):
+    """The model sharded as torchtitan does for `ep` (ep 0: no expert parallelism at all,
+    experts plain parameters of the block's one unit)."""
+    if ep == 0:
+        torch.manual_seed(0)
+        model = MoEModel()
+        dense_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        for b in model.blocks:
+            mfsdp.fully_shard(b, mesh=dense_mesh)
+        mfsdp.fully_shard(model, mesh=dense_mesh)
+        return model, 0, EXPERTS
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
@@ -237,3 +247,29 @@ def moe_placement_refusals(rank: int, world: int) -> None:
     # The call's own mesh through a fresh mesh-info object: one unit, no companion.
     block = shard_with(ShardPlacementResult(Shard(0), FSDPMeshInfo(flat, shard_mesh_dim=0)))
     assert block._fsdp_state.companions == []
+
+
+def moe_checkpoints_move_across_expert_parallelism(rank: int, world: int, folder: str) -> Dict:
+    """A DCP checkpoint of our MoE units at ep 2 loads into ours at ep 4 and without expert
+    parallelism (and back), every value as saved."""
+    trained = run("ours", rank, world, 2, 1, 1.0, 2)
+    want = trained["params"]
+    dcp.save(trained["model"].state_dict(), checkpoint_id=os.path.join(folder, "ep2"))
+    worst = {}
+    for ep in (4, 0):
+        model, _, _ = build("ours", world, ep, 1, 1.0)
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=os.path.join(folder, "ep2"))
+        model.load_state_dict(sd)
+        got = _full(model)
+        worst[f"ep2_to_ep{ep}"] = max(rel_err(got[k], v) for k, v in want.items())
+        if ep == 0:  # and back: no expert parallelism -> ep 2
+            dcp.save(model.state_dict(), checkpoint_id=os.path.join(folder, "no_ep"))
+            again, _, _ = build("ours", world, 2, 1, 1.0)
+            sd = again.state_dict()
+            dcp.load(sd, checkpoint_id=os.path.join(folder, "no_ep"))
+            again.load_state_dict(sd)
+            back = _full(again)
+            worst["no_ep_to_ep2"] = max(rel_err(back[k], v) for k, v in want.items())
+    assert all(v == 0.0 for v in worst.values()), worst
+    return worst
