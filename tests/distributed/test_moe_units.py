@@ -33,3 +33,10 @@ def test_moe_placement_refusals():
 def test_moe_checkpoints_move_across_expert_parallel_degrees(tmp_path):
     result = run_distributed(w.moe_checkpoints_move_across_expert_parallelism, 4, str(tmp_path), timeout=240)[0]
     assert result == {"ep2_to_ep4": 0.0, "ep2_to_ep0": 0.0, "no_ep_to_ep2": 0.0}
+
+
+def test_megatron_style_expert_mesh_trains_like_fsdp2():
+    """FSDPConfig / fully_shard_model(expt_device_mesh=...) with Megatron-Core's allreduce=False
+    expert marking: the placement and gradient scaling Megatron-FSDP uses, against FSDP2."""
+    worst = run_distributed(w.moe_megatron_config_vs_fsdp2, 4, 2, timeout=240)[0]
+    assert set(worst) == {"loss", "grad"}

@@ -273,3 +273,63 @@ def moe_checkpoints_move_across_expert_parallelism(rank: int, world: int, folder
             worst["no_ep_to_ep2"] = max(rel_err(back[k], v) for k, v in want.items())
     assert all(v == 0.0 for v in worst.values()), worst
     return worst
+
+
+def _megatron_style_model(world: int, ep: int):
+    """Each EP rank holds its own experts as plain parameters marked as Megatron-Core marks
+    them (allreduce=False): slices of one seeded model, so both systems start alike."""
+    torch.manual_seed(0)
+    model = MoEModel()
+    local = EXPERTS // ep
+    ep_rank = dist.get_rank() % ep
+    for b in model.blocks:
+        for name in ("w1", "w2"):
+            value = getattr(b.experts, name).detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+            param = nn.Parameter(value)
+            param.allreduce = False
+            setattr(b.experts, name, param)
+    return model, ep_rank * local, local
+
+
+def moe_megatron_config_vs_fsdp2(rank: int, world: int, ep: int, steps: int = 3, lr: float = 0.5) -> Dict:
+    """fully_shard_model(..., expt_device_mesh=) with Megatron-Core's expert marking against
+    FSDP2 given the same placement by hand (experts on the expert data-parallel mesh, every
+    gradient divided by the dense data-parallel size, as Megatron-FSDP does)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    experts_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
+    results = {}
+    for impl in ("fsdp2", "ours"):
+        model, first_expert, local = _megatron_style_model(world, ep)
+        if impl == "fsdp2":
+            info = FSDPMeshInfo(experts_mesh["dp_shard"], shard_mesh_dim=0)
+            for m in list(model.blocks) + [model]:
+                fsdp2_fully_shard(m, mesh=dense, shard_placement_fn=lambda p: ShardPlacementResult(None, info)
+                                  if getattr(p, "allreduce", True) is False else None)
+            for m in list(model.blocks) + [model]:
+                m.set_gradient_divide_factor(float(world))
+                m.set_force_sum_reduction_for_comms(True)
+        else:
+            mfsdp.fully_shard_model(model, mfsdp.FSDPConfig(), fsdp_unit_modules=[MoEBlock], device_mesh=dense,
+                                    dp_shard_dim="dp_shard", expt_device_mesh=experts_mesh)
+            assert len(model.blocks[0]._fsdp_state.companions) == 1
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses, grads = [], []
+        for _ in range(steps):
+            before = _full(model)
+            loss = model(torch.randn(TOKENS, DIM, generator=gen), first_expert, local).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            after = _full(model)
+            grads.append({k: (before[k] - after[k]) / lr for k in before})
+        results[impl] = (losses, grads)
+    (l_ref, g_ref), (l_ours, g_ours) = results["fsdp2"], results["ours"]
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(l_ours, l_ref))
+    worst_grad = max(rel_err(g[k], r[k]) for g, r in zip(g_ours, g_ref) for k in r)
+    assert worst_loss < 1e-6 and worst_grad < 1e-5, (worst_loss, worst_grad)
+    return {"loss": worst_loss, "grad": worst_grad}

@@ -224,6 +224,7 @@ def fully_shard_model(
     dp_shard_dim: Optional[str] = None,
     dp_outer_dim: Optional[str] = None,
     tp_dim: Optional[str] = None,
+    expt_device_mesh=None,
 ) -> nn.Module:
     """Apply fully_shard to every submodule whose type is in `fsdp_unit_modules`
     (innermost first), then to `module` itself (the root, holding the rest).
@@ -234,7 +235,14 @@ def fully_shard_model(
     fully_shard on the 2-D (dp_outer_dim, dp_shard_dim) mesh). A 1-D mesh needs no names.
     tp_dim: the dimension the model was tensor-parallelized on (torch's
     parallelize_module(model, device_mesh[tp_dim], plan), before this call): its DTensor
-    parameters are checked to live there and are sharded over the data-parallel dims."""
+    parameters are checked to live there and are sharded over the data-parallel dims.
+    expt_device_mesh (Megatron-FSDP's): the mesh of expert parallelism's data-parallel
+    ranks, its dims named as device_mesh's (dp_shard_dim, dp_outer_dim): parameters
+    Megatron-Core marks as experts (`param.allreduce == False`, each EP rank's own local
+    experts) shard over expt_device_mesh[dp_shard_dim] (and replicate over dp_outer_dim),
+    in a unit of their own beside the rest of each module's (fully_shard's
+    ShardPlacementResult path). As in Megatron-FSDP, every gradient is divided by the
+    dense data-parallel size, experts' too."""
     if not isinstance(config, FSDPConfig):
         raise TypeError(f"fully_shard_model expects an FSDPConfig, got {type(config).__name__}")
     if isinstance(ignored_params, torch.Tensor):
@@ -245,6 +253,7 @@ def fully_shard_model(
         if not (isinstance(k, type) and issubclass(k, nn.Module)):
             raise TypeError(f"fsdp_unit_modules must hold nn.Module classes, got {k!r}")
     mesh = _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group)
+    placement = _expert_placement(expt_device_mesh, device_mesh, dp_shard_dim, dp_outer_dim)
     _check_tp_dim(module, device_mesh, tp_dim, (dp_shard_dim, dp_outer_dim), set(map(id, ignored_params)))
     kwargs = dict(
         process_group=process_group,
@@ -258,6 +267,7 @@ def fully_shard_model(
         overlap_grad_reduce=config.overlap_grad_reduce,
         check_for_nan_in_grad=config.check_for_nan_in_grad,
         timeout=config.collective_timeout,
+        shard_placement_fn=placement,
     )
     if kinds:
         units = [m for m in module.modules() if m is not module and isinstance(m, kinds)]
@@ -274,7 +284,30 @@ def fully_shard_model(
     offload = _offload_choice(module, units, ignored_params, config)
     for m, off in zip(units + [module], offload):
         fully_shard(m, **kwargs, offload_policy=off)
+    if placement is not None:
+        dense_size = mesh.size() if mesh is not None else dist.get_world_size(process_group)
+        for m in units + [module]:
+            m.set_gradient_divide_factor(float(dense_size))
     return module
+
+
+def _expert_placement(expt_device_mesh, device_mesh, dp_shard_dim, dp_outer_dim):
+    """shard_placement_fn for Megatron-FSDP's expt_device_mesh: Megatron-Core's expert
+    parameters (allreduce=False) on its data-parallel dims, the rest on the call's mesh."""
+    if expt_device_mesh is None:
+        return None
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo, HSDPMeshInfo,
+                                                                  ShardPlacementResult)
+
+    if device_mesh is None:
+        raise ValueError("fully_shard_model(expt_device_mesh=...): pass device_mesh too (the dense parameters' "
+                         "mesh, with the same dim names)")
+    expert_mesh = _mesh_for(expt_device_mesh, dp_shard_dim, dp_outer_dim, None)
+    if expert_mesh.ndim == 2:
+        info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        info = FSDPMeshInfo(expert_mesh, shard_mesh_dim=0)
+    return lambda p: ShardPlacementResult(None, info) if getattr(p, "allreduce", True) is False else None
 
 
 def _offload_choice(module: nn.Module, units: list, ignored_params: list, config: FSDPConfig) -> list:
