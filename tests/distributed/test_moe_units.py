@@ -1,4 +1,4 @@
-"""Mixture-of-experts units (issue 44, item 1) on Gloo at world 4: a block whose dense
+"""Mixture-of-experts units (issue 44, item 1) on Gloo at worlds 4 and 8: a block whose dense
 parameters shard over the data-parallel mesh and whose experts (expert-parallel DTensors)
 shard over the expert data-parallel mesh, from FSDP2's ShardPlacementResult as torchtitan
 0.3.0 passes it. The same script under torch's fully_shard is the reference: losses,
@@ -10,14 +10,16 @@ from harness import run_distributed
 from harness import moe_unit_workers as w
 
 
-@pytest.mark.parametrize("ep, replicate, factor", [
-    (2, 1, 1.0),  # torchtitan's: gradient division off on every unit
-    (2, 1, None),  # FSDP2's default: each mesh divides by its own size
-    (4, 1, 1.0),  # efsdp of size 1: experts never gathered, only reduced over nothing
-    (2, 2, 1.0),  # HSDP: (dp_replicate, fsdp) dense, (dp_replicate, efsdp) experts
-], ids=["ep2", "ep2_default_division", "ep4", "hsdp2x2_ep2"])
-def test_moe_units_train_like_fsdp2(ep, replicate, factor):
-    worst = run_distributed(w.moe_vs_fsdp2, 4, ep, replicate, factor, timeout=240)[0]
+@pytest.mark.parametrize("world, ep, replicate, factor", [
+    (4, 2, 1, 1.0),  # torchtitan's: gradient division off on every unit
+    (4, 2, 1, None),  # FSDP2's default: each mesh divides by its own size
+    (4, 4, 1, 1.0),  # efsdp of size 1: experts never gathered, only reduced over nothing
+    (4, 2, 2, 1.0),  # HSDP: (dp_replicate, fsdp) dense, (dp_replicate, efsdp) experts
+    (8, 2, 1, 1.0),  # efsdp 4 x ep 2
+    (8, 4, 2, None),  # HSDP 2 x (efsdp 1 x ep 4)
+], ids=["w4_ep2", "w4_ep2_default_division", "w4_ep4", "w4_hsdp2x2_ep2", "w8_ep2", "w8_hsdp2_ep4"])
+def test_moe_units_train_like_fsdp2(world, ep, replicate, factor):
+    worst = run_distributed(w.moe_vs_fsdp2, world, ep, replicate, factor, timeout=300)[0]
     assert set(worst) == {"loss", "norm", "grad", "param"}
 
 
