@@ -8,7 +8,13 @@ Configs, as torchtitan's apply_fsdp_to_decoder shards the MoE blocks:
   on the "efsdp" mesh, efsdp = 2, 1, 2 x 2 (HSDP), 2; the rest on the dp mesh);
 - dsv3 with 2 experts ep2: efsdp * ep = 4 > 2 experts, ShardPlacementResult(Shard(1));
 - dsv3 with 2 experts ep1: shard_placement_fn -> Shard(1) on the dp mesh;
-- dsv3 ep1: plain fully_shard(block), the experts Shard(0) like any parameter.
+- dsv3 ep1: plain fully_shard(block), the experts Shard(0) like any parameter;
+- dsv3 tp2 x ep2 (EP x TP x FSDP, torchtitan 0.3.0's composition: dp_shard 2, tp 2, ep 2,
+  efsdp = dp_shard * tp / ep = 2): the dense weights DTensors on "tp" (torchtitan's TP plan
+  with sequence parallel), the routed experts Shard(0) on "ep" (not TP-sharded: with EP on,
+  torchtitan's moe_sharding gives them the sparse placement only), each MoE block's units
+  on the dp mesh ("fsdp", 2 ranks) and the "efsdp" mesh. Full values of ours' TP units are
+  read at their tp block's elements (moe_workers._ours_piece).
 
 Each: per step the loss and the grad norm (FSDP2: torchtitan's clip_grad_norm_, its EP path
 when ep > 1; ours: torch's clip_grad_norm_) within 1e-5 relative; after the last backward
@@ -49,6 +55,7 @@ CONFIGS = {
     "dsv3_ep1": dict(model="dsv3", ep=1),
     "dsv3_hsdp2_ep2": dict(model="dsv3", ep=2, dp_replicate=2),
     "qwen3_ep2": dict(model="qwen3", ep=2),
+    "dsv3_tp2_ep2": dict(model="dsv3", ep=2, tp=2),
 }
 # FSDP2's (mesh dim names, placements) of layers.1.moe.routed_experts.inner_experts.w1_EFD
 # in its state_dict(), as /tmp/moe_research.md's probe recorded them: the config
@@ -61,6 +68,7 @@ EXPECTED_W1 = {
     "dsv3_ep1": (("fsdp",), ("S(0)",)),
     "dsv3_hsdp2_ep2": (("dp_replicate", "efsdp", "ep"), ("R", "_S(0, 2)", "S(0)")),
     "qwen3_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),
+    "dsv3_tp2_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),
 }
 
 
@@ -97,6 +105,9 @@ def _check(out, name, impl="ours", exact=False):
     assert tuple(got_w1[1]) == tuple(ref_w1[1]), f"w1_EFD placements: {impl} {got_w1[1]} vs FSDP2 {ref_w1[1]}"
     assert _same_mesh_names(ref_w1[0], got_w1[0]), f"w1_EFD mesh dims: {impl} {got_w1[0]} vs FSDP2 {ref_w1[0]}"
     assert not out["placement_mismatches"], f"state-dict placements differ: {out['placement_mismatches']}"
+    tp, ep = out["meshes"]["tp"], out["meshes"]["ep"]
+    assert (out["sharded_on"].get("tp", 0) > 0) == (tp > 1), f"FSDP2's TP-sharded parameters: {out['sharded_on']}"
+    assert (out["sharded_on"].get("ep", 0) > 0) == (ep > 1), f"FSDP2's EP-sharded parameters: {out['sharded_on']}"
     bad = {k: v for k, v in out["mesh_name_mismatches"].items() if not _same_mesh_names(*v)}
     assert not bad, f"state-dict mesh dims differ (FSDP2, {impl}): {bad}"
 

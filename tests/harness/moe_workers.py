@@ -6,8 +6,9 @@ experts) and Qwen3 "debugmodel_moe" (64 experts, top-8; cut to 2 layers), fp32, 
 attention (flex has no CPU backward), optionally with every `num_experts` of the config
 set to another value (2: more expert-FSDP ranks than experts, so torchtitan shards the
 experts on dim 1). torchtitan's parallelize_deepseekv3 / parallelize_qwen3 with
-ParallelDims(dp_replicate, dp_shard=world//dp_replicate, ep=ep, spmd_backend=
-"partial_dtensor"): with ep > 1 the expert weights are DTensors Shard(0) on the "ep" mesh
+ParallelDims(dp_replicate, dp_shard=world//(dp_replicate*tp), tp=tp, ep=ep, spmd_backend=
+"partial_dtensor"): with tp > 1 the dense weights are DTensors on the "tp" mesh
+(torchtitan's TP plan, sequence parallel; efsdp = dp_shard * tp / ep), with ep > 1 the expert weights are DTensors Shard(0) on the "ep" mesh
 and apply_fsdp_to_decoder shards each MoE block with a `shard_placement_fn` returning
 torch's ShardPlacementResult (experts on the "efsdp" mesh, the rest on the dp mesh);
 with ep == 1 it is a plain fully_shard(block) (experts Shard(0)) or one with
@@ -23,11 +24,13 @@ which Gloo refuses; set_force_sum_reduction_for_comms(True) on every FSDP2 modul
 the same sums (as titan_workers does).
 
 Full values and gradients: each rank compares its piece of the second model against the
-same range of FSDP2's full tensor (.full_tensor() of its DTensors, on every rank); ours'
-pieces are its 1-D shard pieces (`_ours_piece`: the harness' shard_piece gives the piece's
-offset in the parameter's local tensor, which for an expert weight under EP is this ep
-rank's Shard(0) block of experts), and their spans must cover every parameter. Only squared
-sums and spans move. The grad norm each side reports is checked at the last step against
+same elements of FSDP2's full tensor (.full_tensor() of its DTensors, on every rank);
+ours' pieces are its 1-D shard pieces (`_ours_piece`: the harness' shard_piece gives the
+piece's offset in the parameter's local tensor, which for an expert weight under EP is this
+ep rank's Shard(0) block of experts, for a dense weight under TP this tp rank's Shard(d)
+block, read off FSDP2's placements on the "tp" / "ep" mesh dims; a block cut on dim d > 0
+makes the piece strided in the full tensor), and their spans must cover every parameter.
+Only squared sums and spans move. The grad norm each side reports is checked at the last step against
 the float64 norm of its own full gradients.
 
 The routed experts compute in fp32 in both models by default (use_fp32_experts: torchtitan
@@ -166,27 +169,65 @@ def _loss(model, tokens, labels):
 
 # ------------------------------------------------------------------ full values and gradients
 
-def _ours_piece(name: str, p: torch.Tensor, which: str, global_numel: int, ep: int, ep_rank: int):
-    """(offset in the flattened full parameter, this rank's 1-D piece) of one of our sharded
-    parameters. Built on the harness' shard_piece (the unit, the parameter's index in it and
-    this rank's ShardSlice: the piece's offset in the parameter's LOCAL tensor, whose shape
-    the unit's param_spec gives). An expert weight under EP is local to its ep rank: the
-    Shard(0) block `ep_rank` of ep equal blocks (contiguous when flattened); any other
-    local tensor is the whole parameter (tp = 1 here)."""
+MODEL_PARALLEL_DIMS = ("tp", "ep")  # mesh dims whose shards are our units' local tensors
+
+
+def _model_parallel_layouts(fsdp2_model) -> Dict[str, Tuple[Tuple[int, int, int], ...]]:
+    """Each parameter's model-parallel layout on this rank, read off FSDP2's DTensors:
+    ((mesh dim size, this rank's coordinate, tensor dim), ...) for every Shard placement on
+    a "tp" or "ep" mesh dim (the data-parallel dims fsdp / efsdp / dp_replicate left out).
+    Our unit of that parameter holds the same block as its local tensor: a dense weight
+    under TP the tp rank's Shard(d) block (a Replicate one the whole parameter, on each tp
+    rank), an expert weight under EP the ep rank's Shard(0) block of experts."""
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    for n, p in fsdp2_model.named_parameters():
+        layout = []
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            for i, (dim_name, placement) in enumerate(zip(names, p.placements)):
+                if dim_name in MODEL_PARALLEL_DIMS and isinstance(placement, Shard):
+                    layout.append((p.device_mesh.size(i), p.device_mesh.get_local_rank(i), placement.dim))
+        assert len(layout) <= 1, f"'{n}': sharded on several model-parallel dims {layout}"
+        out[plain_name(n)] = tuple(layout)
+    return out
+
+
+def _local_indices(shape: torch.Size, layout) -> torch.Tensor:
+    """The flat indices into the full parameter of the elements of this rank's local block
+    (`layout` as _model_parallel_layouts gives it), in the local tensor's row-major order."""
+    idx = torch.arange(shape.numel()).reshape(shape)
+    for size, coord, dim in layout:
+        assert shape[dim] % size == 0, f"uneven model-parallel shard: dim {dim} of {tuple(shape)} over {size}"
+        idx = idx.chunk(size, dim)[coord]
+    return idx
+
+
+def _ours_piece(name: str, p: torch.Tensor, which: str, shape: torch.Size, layout):
+    """(where in the flattened full parameter: an offset where the piece is contiguous
+    there, else a LongTensor of flat indices; this rank's 1-D piece) of one of our sharded
+    parameters. Built on the harness' shard_piece (the unit, the parameter's index in it
+    and this rank's ShardSlice: the piece's offset in the parameter's LOCAL tensor, whose
+    shape the unit's param_spec gives). The local tensor is this rank's model-parallel
+    block (_model_parallel_layouts: tp rank's Shard(d) block of a TP-sharded dense weight,
+    ep rank's Shard(0) block of an expert weight, else the whole parameter); its shape must
+    be that block's. A piece of a block cut on dim 0 is contiguous in the full tensor, one
+    cut on another dim strided."""
     state, index, piece = shard_piece(p)
-    local_numel = torch.Size(state.unit.param_spec(index).shape).numel()
+    local_shape = torch.Size(state.unit.param_spec(index).shape)
     t = p.grad if which == "grad" else p
     if t is None:
         return None
     t = t.detach().as_subclass(torch.Tensor).reshape(-1).float().cpu()  # fp32 gradients: nothing lost
-    if local_numel == global_numel:
-        base = 0
-    elif ep > 1 and "inner_experts" in name and local_numel * ep == global_numel:
-        base = ep_rank * local_numel
-    else:
-        raise AssertionError(f"'{name}': our local tensor has {local_numel} elements, the parameter "
-                             f"{global_numel} (ep {ep})")
-    return base + piece.param_offset, t
+    block = _local_indices(shape, layout)
+    assert block.shape == local_shape, (f"'{name}': our local tensor has shape {tuple(local_shape)}, the "
+                                        f"model-parallel block {layout} of {tuple(shape)} {tuple(block.shape)}")
+    where = block.reshape(-1)[piece.param_offset: piece.param_offset + t.numel()]
+    assert where.numel() == t.numel(), f"'{name}': a piece of {t.numel()} at {piece.param_offset} past its block"
+    if where.numel() == 0 or bool((where == torch.arange(int(where[0]), int(where[0]) + where.numel())).all()):
+        return (int(where[0]) if where.numel() else 0), t
+    return where, t
 
 
 def _rel(a, b) -> float:
@@ -197,13 +238,14 @@ def _rel(a, b) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def _pieces(model, impl: str, which: str, shapes: Dict[str, torch.Size], ep: int,
-            ep_rank: int) -> Iterator[Tuple[str, Optional[torch.Tensor], int, torch.Tensor]]:
+def _pieces(model, impl: str, which: str, shapes: Dict[str, torch.Size], layouts: Optional[Dict]
+            ) -> Iterator[Tuple[str, Optional[torch.Tensor], object, torch.Tensor]]:
     """For every parameter in order: (name, its full value or gradient in float64 (FSDP2:
-    .full_tensor(), a collective; ours: None), this rank's offset into the flattened
-    full tensor, this rank's 1-D piece in float64). FSDP2's piece: this rank's equal chunk
-    of the full tensor; ours: its own shard piece (_ours_piece). Collective: every rank
-    walks the parameters in order."""
+    .full_tensor(), a collective; ours: None), where this rank's piece lies in the
+    flattened full tensor (an offset, or a LongTensor of flat indices), this rank's 1-D
+    piece in float64). FSDP2's piece: this rank's equal chunk of the full tensor; ours: its
+    own shard piece (_ours_piece, with `layouts`). Collective: every rank walks the
+    parameters in order."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for n, p in model.named_parameters():
         name = plain_name(n)
@@ -215,48 +257,63 @@ def _pieces(model, impl: str, which: str, shapes: Dict[str, torch.Size], ep: int
             offset = min(rank * chunk, full.numel())
             yield name, full, offset, full.reshape(-1)[offset: offset + chunk]
         else:
-            got = _ours_piece(name, p, which, shapes[name].numel(), ep, ep_rank)
+            got = _ours_piece(name, p, which, shapes[name], layouts[name])
             assert got is not None, f"ours: no {which} for '{name}' on rank {rank}"
             yield name, None, got[0], got[1].double()
 
 
 def _check_cover(names, spans) -> None:
     """Rank 0: each parameter's pieces on all ranks cover it (replicas may overlap).
-    spans: per rank, {name: (offset, length)}; names: {name: numel}."""
+    spans: per rank, {name: (offset, length) or a LongTensor of flat indices}; names:
+    {name: numel}."""
+    def show(span):
+        return span if isinstance(span, tuple) else f"{span.numel()} strided indices"
+
     for name, numel in names.items():
         covered = torch.zeros(numel, dtype=torch.bool)
         for by_rank in spans:
-            offset, length = by_rank[name]
-            assert 0 <= offset and offset + length <= numel, \
-                f"'{name}': a piece [{offset}, {offset + length}) outside its {numel} elements"
-            covered[offset: offset + length] = True
+            span = by_rank[name]
+            if isinstance(span, tuple):
+                offset, length = span
+                assert 0 <= offset and offset + length <= numel, \
+                    f"'{name}': a piece [{offset}, {offset + length}) outside its {numel} elements"
+                covered[offset: offset + length] = True
+            else:
+                assert span.numel() == 0 or (0 <= int(span.min()) and int(span.max()) < numel), \
+                    f"'{name}': a piece's indices outside its {numel} elements"
+                covered[span] = True
         if not covered.all():
-            raise AssertionError(f"'{name}' ({numel} elements): the ranks' pieces do not cover it: (offset, length) "
-                                 f"per rank {[r[name] for r in spans]}")
+            raise AssertionError(f"'{name}' ({numel} elements): the ranks' pieces do not cover it: "
+                                 f"per rank {[show(r[name]) for r in spans]}")
 
 
-def _compare_full(pair, which: str, shapes, ep: int, ep_rank: int, init: Optional[Dict] = None) -> Dict:
+def _compare_full(pair, which: str, shapes, layouts, init: Optional[Dict] = None) -> Dict:
     """The largest relative difference over parameters between the two models' full
     values (or gradients) and where it is, and each side's float64 2-norm over all of
-    them. Each rank compares its own piece of the second model against the same range of
-    the reference's full tensor (FSDP2's .full_tensor() on every rank): no pieces move but
-    the squared sums (one all-reduce) and the pieces' spans (checked to cover every
-    parameter). Replicas (HSDP) count in both sums alike; the second side's norm divides
-    them out. With `init` (rank 0's initial values): how far the reference moved from
-    them (largest relative change). The same on every rank. pair: ((impl, model) of the
-    reference, (impl, model))."""
+    them. Each rank compares its own piece of the second model against the same elements
+    of the reference's full tensor (FSDP2's .full_tensor() on every rank): no pieces move
+    but the squared sums (one all-reduce) and the pieces' spans (checked to cover every
+    parameter). Replicas (HSDP's, a TP-replicated parameter's tp ranks) count in both sums
+    alike; the second side's norm divides them out. With `init` (rank 0's initial values):
+    how far the reference moved from them (largest relative change). The same on every
+    rank. pair: ((impl, model) of the reference, (impl, model)); layouts: see
+    _model_parallel_layouts."""
     (ref_impl, ref), (impl, other) = pair
     assert ref_impl == "fsdp2", "the reference is FSDP2's model"
     names, stats, spans = [], [], {}
     ref_sq, moved = 0.0, 0.0
-    for (name, full, _, _), (name_b, _, offset, piece) in zip(_pieces(ref, ref_impl, which, shapes, ep, ep_rank),
-                                                               _pieces(other, impl, which, shapes, ep, ep_rank)):
+    for (name, full, _, _), (name_b, _, where, piece) in zip(_pieces(ref, ref_impl, which, shapes, layouts),
+                                                              _pieces(other, impl, which, shapes, layouts)):
         assert name == name_b, f"parameter order differs: '{name}' vs '{name_b}'"
         assert full.numel() == shapes[name].numel(), f"'{name}': FSDP2's full {which} has shape {tuple(full.shape)}"
-        there = full.reshape(-1)[offset: offset + piece.numel()]
-        assert there.numel() == piece.numel(), f"'{name}': a piece of {piece.numel()} at {offset} is out of range"
+        if isinstance(where, torch.Tensor):
+            there = full.reshape(-1)[where]
+            spans[name] = where
+        else:
+            there = full.reshape(-1)[where: where + piece.numel()]
+            spans[name] = (where, piece.numel())
+        assert there.numel() == piece.numel(), f"'{name}': a piece of {piece.numel()} at {where} is out of range"
         names.append(name)
-        spans[name] = (offset, piece.numel())
         stats.append([float((piece - there).norm() ** 2), float(there.norm() ** 2), float(piece.norm() ** 2),
                       float(piece.numel())])
         ref_sq += float(full.norm() ** 2)
@@ -330,10 +387,14 @@ def _grad_norm(model, impl: str, ep: int) -> float:
 
 def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: Optional[int] = None,
                        dp_replicate: int = 1, steps: int = 4, impl: str = "ours", layers: Optional[int] = None,
-                       local_bs: int = 2, fp32_experts: bool = True) -> Dict:
+                       local_bs: int = 2, fp32_experts: bool = True, tp: int = 1, sp: bool = True) -> Dict:
     """torchtitan's MoE debug model `model` ("dsv3" or "qwen3") parallelized by its own
     parallelize function with FSDP2 and with `impl`'s fully_shard ("ours"; "fsdp2": FSDP2
     against itself, which checks this comparison), trained `steps` steps side by side.
+    tp > 1: torchtitan's tensor parallelism on the dense weights as well (sequence
+    parallel when `sp`, torchtitan's default), dp_shard = world / (dp_replicate * tp) and
+    efsdp = dp_shard * tp / ep (torchtitan 0.3.0: EP borrows ranks from FSDP and TP; the
+    routed experts are not TP-sharded when ep > 1).
     Returns (the same on every rank):
       losses: [(fsdp2, impl)] per step, the mean over the dp ranks of their local losses;
       grad_norms: [(fsdp2, impl)] per step (see _grad_norm);
@@ -348,6 +409,8 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
         placements differ (or that one side lacks); mesh_name_mismatches: {entry: (FSDP2's
         mesh dim names, impl's)} where those differ;
       moved: how far FSDP2's parameters moved (largest relative change);
+      sharded_on: {"tp": n, "ep": n}: how many of FSDP2's parameters are Shard()-placed on
+        that mesh dim; meshes: the degrees (dp_shard, tp, ep, efsdp);
       timings: this rank's seconds in setup (imports, meshes), build (both models),
         parallelize (both), train (the steps) and compare (full gradients and values);
         wall_s: all of it."""
@@ -361,13 +424,13 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
 
     tt_parallel_dims.device_type = device_for_backend().type
     dist_utils.set_spmd_backend("partial_dtensor")
-    dp_shard = world // dp_replicate
+    dp_shard = world // (dp_replicate * tp)
     pcfg = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep,
-                             data_parallel_shard_degree=dp_shard, data_parallel_replicate_degree=dp_replicate)
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+                             data_parallel_shard_degree=dp_shard, data_parallel_replicate_degree=dp_replicate,
+                             tensor_parallel_degree=tp, enable_sequence_parallel=sp)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
                         spmd_backend="partial_dtensor")
     dims.build_mesh()
-    ep_rank = dims.get_mesh("ep").get_local_rank() if dims.ep_enabled else 0
     batch_mesh = dims.get_mesh("batch")
     dp_world, dp_index = batch_mesh.size(), batch_mesh.get_local_rank()
 
@@ -401,6 +464,14 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
     timings["build"] = t0 - wall0 - timings["setup"]
     timings["parallelize"] = time.perf_counter() - t0
     impl_key = list(models)[1]
+    layouts = _model_parallel_layouts(models["fsdp2"])
+    sharded_on = {}  # how many of FSDP2's parameters are sharded on each model-parallel mesh dim
+    for p in models["fsdp2"].parameters():
+        if not isinstance(p, DTensor):
+            continue
+        for dim_name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+            if dim_name in MODEL_PARALLEL_DIMS and placement.is_shard():
+                sharded_on[dim_name] = sharded_on.get(dim_name, 0) + 1
     pair = (("fsdp2", models["fsdp2"]), ("fsdp2" if impl == "fsdp2" else "ours", models[impl_key]))
 
     sds = {k: m.state_dict() for k, m in models.items()}
@@ -426,7 +497,7 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
             loss = _loss(m, tokens[rows].to(device), labels[rows].to(device))
             (loss / dp_world).backward()
             total = loss.detach().double().cpu().reshape(1)
-            dist.all_reduce(total)  # every rank is a dp rank here (tp = cp = pp = 1)
+            dist.all_reduce(total)  # the tp ranks of a dp rank have its loss each (cp = pp = 1)
             step_losses.append(float(total) / world)
             step_norms.append(_grad_norm(m, "fsdp2" if k.startswith("fsdp2") else "ours", ep))
         losses.append(tuple(step_losses))
@@ -436,7 +507,7 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
         if step == steps - 1:
             timings["train"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            g = _compare_full(pair, "grad", shapes, ep, ep_rank)
+            g = _compare_full(pair, "grad", shapes, layouts)
             worst["grad"], result["grad_at"] = g["max_rel"], g["at"]
             worst["norm_vs_full_fsdp2"] = _rel(step_norms[0], g["norm_ref"])
             worst["norm_vs_full_impl"] = _rel(step_norms[1], g["norm_other"])
@@ -447,12 +518,14 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
             o.zero_grad()
     timings["train"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    v = _compare_full(pair, "value", shapes, ep, ep_rank, init)
+    v = _compare_full(pair, "value", shapes, layouts, init)
     worst["param"], result["param_at"] = v["max_rel"], v["at"]
     worst["param_state_dict"] = _state_dict_values(pair)
     moved = v["moved"]
     timings["compare"] += time.perf_counter() - t0
     result.update(losses=losses, grad_norms=norms, worst=worst, placements=placements,
                   placement_mismatches=mismatches, mesh_name_mismatches=mesh_names, moved=moved, impl=impl,
+                  sharded_on=sharded_on, meshes={"dp_shard": dp_shard, "tp": tp, "ep": ep,
+                                                 "efsdp": dims.get_mesh("efsdp").size() if ep > 1 else None},
                   timings=timings, wall_s=time.perf_counter() - wall0)
     return result
