@@ -14,7 +14,9 @@ Configs, as torchtitan's apply_fsdp_to_decoder shards the MoE blocks:
   with sequence parallel), the routed experts Shard(0) on "ep" (not TP-sharded: with EP on,
   torchtitan's moe_sharding gives them the sparse placement only), each MoE block's units
   on the dp mesh ("fsdp", 2 ranks) and the "efsdp" mesh. Full values of ours' TP units are
-  read at their tp block's elements (moe_workers._ours_piece).
+  read at their tp block's elements (moe_workers._ours_piece). Also tp2 x ep1 (no EP:
+  torchtitan TP-shards the routed experts, w1/w3 Shard(1), w2 Shard(2) on "tp", and shards
+  the block plainly).
 
 Each: per step the loss and the grad norm (FSDP2: torchtitan's clip_grad_norm_, its EP path
 when ep > 1; ours: torch's clip_grad_norm_) within 1e-5 relative; after the last backward
@@ -57,6 +59,8 @@ CONFIGS = {
     "qwen3_ep2": dict(model="qwen3", ep=2),
     "dsv3_tp2_ep2": dict(model="dsv3", ep=2, tp=2),
 }
+# tp 2 without EP: torchtitan TP-shards the routed experts and shards the block plainly.
+CONFIGS["dsv3_tp2_ep1"] = dict(model="dsv3", ep=1, tp=2)
 # FSDP2's (mesh dim names, placements) of layers.1.moe.routed_experts.inner_experts.w1_EFD
 # in its state_dict(), as /tmp/moe_research.md's probe recorded them: the config
 # exercises what its name says.
@@ -68,7 +72,8 @@ EXPECTED_W1 = {
     "dsv3_ep1": (("fsdp",), ("S(0)",)),
     "dsv3_hsdp2_ep2": (("dp_replicate", "efsdp", "ep"), ("R", "_S(0, 2)", "S(0)")),
     "qwen3_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),
-    "dsv3_tp2_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),
+    "dsv3_tp2_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),  # these three: FSDP2's, as the tp2 runs gave them
+    "dsv3_tp2_ep1": (("fsdp", "tp"), ("S(0)", "S(1)")),
 }
 
 
