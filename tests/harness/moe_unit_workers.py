@@ -188,6 +188,14 @@ def moe_vs_fsdp2(rank: int, world: int, ep: int, replicate: int = 1, factor: Opt
     return worst
 
 
+def _loaded(model, path: str) -> Dict[str, torch.Tensor]:
+    """`model` after loading the DCP checkpoint at `path` through its own state dict: its full values."""
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd)
+    return _full(model)
+
+
 def moe_checkpoints_move_between_systems(rank: int, world: int, ep: int, folder: str) -> Dict:
     """torch.distributed.checkpoint state dicts move both ways between FSDP2's MoE units
     and ours, and our own save_checkpoint / load_checkpoint round-trips the experts."""
@@ -195,18 +203,11 @@ def moe_checkpoints_move_between_systems(rank: int, world: int, ep: int, folder:
     want = trained["params"]
     dcp.save(trained["model"].state_dict(), checkpoint_id=os.path.join(folder, "fsdp2"))
     ours, _, _ = build("ours", world, ep, 1, 1.0)
-    sd = ours.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(folder, "fsdp2"))
-    ours.load_state_dict(sd)
-    got = _full(ours)
+    got = _loaded(ours, os.path.join(folder, "fsdp2"))
     worst = max(rel_err(got[k], v) for k, v in want.items())
     assert worst == 0.0, f"FSDP2 -> ours: {worst}"
     dcp.save(ours.state_dict(), checkpoint_id=os.path.join(folder, "ours"))
-    back, _, _ = build("fsdp2", world, ep, 1, 1.0)
-    sd = back.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(folder, "ours"))
-    back.load_state_dict(sd)
-    again = _full(back)
+    again = _loaded(build("fsdp2", world, ep, 1, 1.0)[0], os.path.join(folder, "ours"))
     worst_back = max(rel_err(again[k], v) for k, v in want.items())
     assert worst_back == 0.0, f"ours -> FSDP2: {worst_back}"
     mfsdp.save_checkpoint(os.path.join(folder, "native"), ours)
@@ -258,18 +259,11 @@ def moe_checkpoints_move_across_expert_parallelism(rank: int, world: int, folder
     worst = {}
     for ep in (4, 0):
         model, _, _ = build("ours", world, ep, 1, 1.0)
-        sd = model.state_dict()
-        dcp.load(sd, checkpoint_id=os.path.join(folder, "ep2"))
-        model.load_state_dict(sd)
-        got = _full(model)
+        got = _loaded(model, os.path.join(folder, "ep2"))
         worst[f"ep2_to_ep{ep}"] = max(rel_err(got[k], v) for k, v in want.items())
         if ep == 0:  # and back: no expert parallelism -> ep 2
             dcp.save(model.state_dict(), checkpoint_id=os.path.join(folder, "no_ep"))
-            again, _, _ = build("ours", world, 2, 1, 1.0)
-            sd = again.state_dict()
-            dcp.load(sd, checkpoint_id=os.path.join(folder, "no_ep"))
-            again.load_state_dict(sd)
-            back = _full(again)
+            back = _loaded(build("ours", world, 2, 1, 1.0)[0], os.path.join(folder, "no_ep"))
             worst["no_ep_to_ep2"] = max(rel_err(back[k], v) for k, v in want.items())
     assert all(v == 0.0 for v in worst.values()), worst
     return worst

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .titan_workers import SEQ, VOCAB, _fully_shard_in_torchtitan, install_trainer_stubs
+from .titan_workers import _batches, _fully_shard_in_torchtitan, _loss, install_trainer_stubs
 from .tp_workers import plain_name
 from .workers import device_for_backend, shard_piece
 
@@ -151,20 +151,6 @@ def _describe(t) -> Tuple:
     if isinstance(t, DTensor):
         return tuple(t.device_mesh.mesh_dim_names or ()), tuple(str(p) for p in t.placements)
     return ("plain",), (str(tuple(t.shape)),)
-
-
-def _batches(steps: int, per: int, dp_world: int):
-    g = torch.Generator().manual_seed(1000)
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (dp_world * per, SEQ + 1), generator=g)
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
-def _loss(model, tokens, labels):
-    logits = model(tokens)
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 # ------------------------------------------------------------------ full values and gradients

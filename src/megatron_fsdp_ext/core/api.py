@@ -628,13 +628,12 @@ def fully_shard(
                  check_for_nan_in_grad=check_for_nan_in_grad)
     states = []
     for group in placement_groups(params, names, shard_placement_fn, (pg, replicate_group)):
-        if group.mesh is None:
-            states.append(_group_state(modules, params, names, slots, keys, group, groups, options, **build))
-            continue
-        # Another mesh from shard_placement_fn (MoE experts on the expert data-parallel mesh):
-        # a companion unit on it, with the call's settings and its own groups.
-        group_pg, group_replicate = groups_from_mesh(group.mesh, None)
-        comm = CommGroups(group_pg, group_replicate, group.mesh, None, None, create_all_gather_group, timeout)
+        comm = groups
+        if group.mesh is not None:
+            # Another mesh from shard_placement_fn (MoE experts on the expert data-parallel
+            # mesh): a companion unit on it, with the call's settings and its own groups.
+            comm = CommGroups(*groups_from_mesh(group.mesh, None), group.mesh, None, None,
+                              create_all_gather_group, timeout)
         states.append(_group_state(modules, params, names, slots, keys, group, comm, options, **build))
     state = states[0]
     state.companions = states[1:]
