@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import rel_err
+from .workers import device_for_backend, rel_err
 
 EXPERTS, DIM, HIDDEN, TOKENS = 4, 8, 16, 6
 
@@ -49,7 +49,7 @@ class MoEBlock(nn.Module):
     def forward(self, x, first_expert: int, local_experts: int):
         y = torch.tanh(self.dense(x))
         # A fixed routing: every local expert sees the tokens, scaled by its global index.
-        scale = 1 + first_expert + torch.arange(local_experts, dtype=y.dtype).view(-1, 1, 1)
+        scale = 1 + first_expert + torch.arange(local_experts, dtype=y.dtype, device=y.device).view(-1, 1, 1)
         return y + self.experts(y.unsqueeze(0) * scale).mean(0)
 
 
@@ -69,12 +69,13 @@ def meshes(world: int, ep: int, replicate: int):
     """(dense dp mesh, expert mesh (dp_replicate?, efsdp, ep)) as torchtitan's ParallelDims
     gives them: efsdp = world / (replicate * ep)."""
     efsdp = world // (replicate * ep)
+    kind = device_for_backend().type
     if replicate > 1:
-        dense = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "fsdp"))
-        sparse = init_device_mesh("cpu", (replicate, efsdp, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        dense = init_device_mesh(kind, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "fsdp"))
+        sparse = init_device_mesh(kind, (replicate, efsdp, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
         return dense, sparse, sparse[("dp_replicate", "efsdp")]
-    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    sparse = init_device_mesh("cpu", (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    dense = init_device_mesh(kind, (world,), mesh_dim_names=("fsdp",))
+    sparse = init_device_mesh(kind, (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
     return dense, sparse, sparse["efsdp"]
 
 
@@ -83,8 +84,8 @@ def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float
     experts plain parameters of the block's one unit)."""
     if ep == 0:
         torch.manual_seed(0)
-        model = MoEModel()
-        dense_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        model = MoEModel().to(device_for_backend())
+        dense_mesh = init_device_mesh(device_for_backend().type, (world,), mesh_dim_names=("fsdp",))
         for b in model.blocks:
             mfsdp.fully_shard(b, mesh=dense_mesh)
         mfsdp.fully_shard(model, mesh=dense_mesh)
@@ -94,7 +95,7 @@ def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     torch.manual_seed(0)
-    model = MoEModel()
+    model = MoEModel().to(device_for_backend())
     dense_mesh, sparse, expert_dp_mesh = meshes(world, ep, replicate)
     for b in model.blocks:
         for name in ("w1", "w2"):
@@ -149,7 +150,7 @@ def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optio
     losses, norms, grads = [], [], []
     for _ in range(steps):
         before = _full(model)
-        x = torch.randn(TOKENS, DIM, generator=gen)
+        x = torch.randn(TOKENS, DIM, generator=gen).to(device_for_backend())
         loss = model(x, first_expert, local_experts).square().mean()
         loss.backward()
         total = loss.detach().clone()
@@ -273,7 +274,7 @@ def _megatron_style_model(world: int, ep: int):
     """Each EP rank holds its own experts as plain parameters marked as Megatron-Core marks
     them (allreduce=False): slices of one seeded model, so both systems start alike."""
     torch.manual_seed(0)
-    model = MoEModel()
+    model = MoEModel().to(device_for_backend())
     local = EXPERTS // ep
     ep_rank = dist.get_rank() % ep
     for b in model.blocks:
@@ -292,8 +293,9 @@ def moe_megatron_config_vs_fsdp2(rank: int, world: int, ep: int, steps: int = 3,
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 
-    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    experts_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
+    kind = device_for_backend().type
+    dense = init_device_mesh(kind, (world,), mesh_dim_names=("dp_shard",))
+    experts_mesh = init_device_mesh(kind, (world // ep, ep), mesh_dim_names=("dp_shard", "ep"))
     results = {}
     for impl in ("fsdp2", "ours"):
         model, first_expert, local = _megatron_style_model(world, ep)
@@ -314,7 +316,8 @@ def moe_megatron_config_vs_fsdp2(rank: int, world: int, ep: int, steps: int = 3,
         losses, grads = [], []
         for _ in range(steps):
             before = _full(model)
-            loss = model(torch.randn(TOKENS, DIM, generator=gen), first_expert, local).square().mean()
+            x = torch.randn(TOKENS, DIM, generator=gen).to(device_for_backend())
+            loss = model(x, first_expert, local).square().mean()
             loss.backward()
             losses.append(loss.item())
             opt.step()
