@@ -20,6 +20,10 @@ def pytest_configure(config):
         "markers", "gpu_exclusive: a timing measurement; tests/gpu/run_all.sh runs it after the parallel GPU tests, "
         "with the GPUs to itself")
     config.addinivalue_line(
+        "markers", "gpu_world(n, ...): a gpu test whose mesh exists only at these MFSDP_GPU_WORLD values (a "
+        "(pp 2, dp 2) pipeline, a 2-D mesh); at another world it is deselected, not skipped, so a run that "
+        "requires every gpu test to run still passes there, and at its world it must run")
+    config.addinivalue_line(
         "markers", "long_gpu: a gpu test that takes tens of seconds; tests/gpu/conftest.py starts these first, so the "
         "parallel stage does not end waiting on one long test started last")
 
@@ -35,6 +39,11 @@ def _gpus_found() -> int:
 def pytest_collection_modifyitems(config, items):
     # MFSDP_GPU_WORLD ranks on MFSDP_GPU_BACKEND: NCCL needs a GPU per rank, Gloo one GPU.
     world, backend, needed = gpu_world(), gpu_backend(), gpus_needed()
+    other_world = [item for item in items if item.get_closest_marker("gpu_world")
+                   and world not in item.get_closest_marker("gpu_world").args]
+    if other_world:
+        config.hook.pytest_deselected(items=other_world)
+        items[:] = [item for item in items if item not in other_world]
     found = _gpus_found()
     if found < needed:
         skip = pytest.mark.skip(reason=f"needs {needed} CUDA GPUs for {world} ranks on {backend}, found {found}")

@@ -42,3 +42,11 @@ def test_megatron_style_expert_mesh_trains_like_fsdp2():
     expert marking: the placement and gradient scaling Megatron-FSDP uses, against FSDP2."""
     worst = run_distributed(w.moe_megatron_config_vs_fsdp2, 4, 2, timeout=240)[0]
     assert set(worst) == {"loss", "grad"}
+
+
+@pytest.mark.parametrize("world, ep, replicate, factor", [
+    (4, 2, 1, 1.0), (4, 2, 2, None), (8, 4, 1, None)], ids=["w4_ep2", "w4_hsdp2x2_ep2_default_division", "w8_ep4"])
+def test_moe_units_train_like_one_process(world, ep, replicate, factor):
+    """The same training against one plain process holding every expert (no FSDP2 in it)."""
+    worst = run_distributed(w.moe_vs_one_process, world, ep, replicate, factor, timeout=300)[0]
+    assert set(worst) == {"loss", "norm", "grad", "param"}

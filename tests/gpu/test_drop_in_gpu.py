@@ -12,10 +12,13 @@ WORLD = gpu_world()
 GPU = gpu_launch()
 
 
-@pytest.mark.parametrize("layout,norm_type", [("fsdp", 2.0), ("fsdp", float("inf")), ("hsdp", 2.0), ("tp", 2.0)])
+TWO_D = pytest.mark.gpu_world(4, 6, 8)  # a 2-D mesh needs an even world of at least 4
+
+
+@pytest.mark.parametrize("layout,norm_type", [("fsdp", 2.0), ("fsdp", float("inf")),
+                                              pytest.param("hsdp", 2.0, marks=TWO_D),
+                                              pytest.param("tp", 2.0, marks=TWO_D)])
 def test_torch_clip_grad_norm_equals_fsdp2_gpu(layout, norm_type):
-    if layout != "fsdp" and (WORLD < 4 or WORLD % 2):
-        pytest.skip(f"a 2-D mesh needs an even world of at least 4, not {WORLD}")
     results = run_distributed(w.norms_equal_fsdp2, WORLD, layout, norm_type, "optim_grads_params", **GPU,
                               timeout=240)
     assert all(r == results[0] for r in results), results

@@ -8,7 +8,7 @@ from harness import gpu_launch, gpu_world, run_distributed
 from harness import pp_workers as w
 from harness.pp_workers import check_parity, check_reduced_once_per_step, check_unsharded_ahead
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_world(4)]  # the mesh is (pp 2, dp 2)
 WORLD = gpu_world()
 GPU = gpu_launch()
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
@@ -16,8 +16,6 @@ SPLIT_BACKWARD = ["zbv", "interleaved_zb", "dualpipev"]
 
 
 def _reports(runs):
-    if WORLD != 4:
-        pytest.skip(f"the pipelining mesh is (pp 2, dp 2): world 4, not {WORLD}")
     per_rank = run_distributed(w.pp_parity, WORLD, runs, 3, 1e-5, **GPU, timeout=300)
     return {run["schedule"]: [r[run["schedule"]] for r in per_rank] for run in runs}
 

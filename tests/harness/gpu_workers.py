@@ -207,20 +207,28 @@ def _live_blocks() -> Dict[int, dict]:
             if b.get("state") == "active_allocated"}
 
 
-def _blocks_since(before: Dict[int, dict], top: int = 8) -> str:
+def _blocks_since(before: Dict[int, dict], top: int = 12) -> str:
     """Diagnostics for a failed bound: the blocks allocated since `before` and still live,
-    largest first, each with the innermost library/harness frames that allocated it."""
+    grouped by the innermost library/harness frames that allocated them (count and bytes
+    per call site, the largest sites first)."""
     try:
-        new = sorted((b for a, b in _live_blocks().items() if a not in before),
-                     key=lambda b: -b.get("requested_size", b["size"]))
-        lines = []
-        for b in new[:top]:
+        new = [b for a, b in _live_blocks().items() if a not in before]
+        sites: Dict[str, list] = {}
+        for b in new:
             frames = [f for f in b.get("frames", []) if "megatron_fsdp_ext" in f.get("filename", "")
-                      or "harness" in f.get("filename", "")] or b.get("frames", [])
+                      or "harness" in f.get("filename", "") or "torch/optim" in f.get("filename", "")] \
+                or b.get("frames", [])
             where = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames[:3])
-            lines.append(f"{b.get('requested_size', b['size'])} B" + (f" at {where}" if where else ""))
+            site = sites.setdefault(where or "(no stack)", [0, 0, set()])
+            size = b.get("requested_size", b["size"])
+            site[0] += 1
+            site[1] += size
+            site[2].add(size)
+        ranked = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+        lines = [f"{n} x ({', '.join(map(str, sorted(sizes, reverse=True)[:3]))} B) = {total} B at {where}"
+                 for where, (n, total, sizes) in ranked]
         total = sum(b.get("requested_size", b["size"]) for b in new)
-        return f"{len(new)} blocks ({total} B) allocated since the baseline and live now, largest: " + "; ".join(lines)
+        return f"{len(new)} blocks ({total} B) allocated since the baseline and live now, by site: " + "; ".join(lines)
     except Exception as e:  # diagnostics only: never hide the assertion itself
         return f"(no block listing: {e!r})"
 

@@ -7,6 +7,7 @@ with torch's fully_shard (the reference) and ours; every check compares the two.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
@@ -22,6 +23,27 @@ from .workers import device_for_backend, rel_err
 
 EXPERTS, DIM, HIDDEN, TOKENS = 4, 8, 16, 6
 
+try:  # torch >= 2.12; ours reads any object with .placement and .mesh_info the same way
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as PlacementResult
+    HAS_FSDP2_PLACEMENTS = True
+except ImportError:
+    HAS_FSDP2_PLACEMENTS = False
+
+    @dataclass(frozen=True)
+    class PlacementResult:  # type: ignore[no-redef]
+        placement: object
+        mesh_info: object
+
+
+def mesh_info(mesh):
+    """FSDP2's mesh-info object for a 1-D (shard) or 2-D (replicate, shard) mesh: what
+    torchtitan's shard_placement_fn hands back, a new object per call."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    if mesh.ndim == 1:
+        return FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
 
 class GroupedExperts(nn.Module):
     def __init__(self):
@@ -30,9 +52,11 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) * 0.2)
         self.layouts: list = []  # per forward: (w1 local shape, contiguous, w1 storage, w2 storage)
 
-    def forward(self, x):  # x: [local experts, tokens, dim], each expert its own tokens
+    def forward(self, x, first_expert: int = 0):  # x: [local experts, tokens, dim], each expert its own tokens
         w1 = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1
         w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        if w1.shape[0] != x.shape[0]:  # the one-process reference holds every expert: this rank's slice
+            w1, w2 = w1[first_expert:first_expert + x.shape[0]], w2[first_expert:first_expert + x.shape[0]]
         # What a grouped GEMM (torch._grouped_mm) reads: one contiguous [local experts, ...]
         # tensor per weight; under our units both are views of the one gathered buffer.
         self.layouts.append((tuple(w1.shape), w1.is_contiguous(), w1.untyped_storage().data_ptr(),
@@ -50,7 +74,7 @@ class MoEBlock(nn.Module):
         y = torch.tanh(self.dense(x))
         # A fixed routing: every local expert sees the tokens, scaled by its global index.
         scale = 1 + first_expert + torch.arange(local_experts, dtype=y.dtype, device=y.device).view(-1, 1, 1)
-        return y + self.experts(y.unsqueeze(0) * scale).mean(0)
+        return y + self.experts(y.unsqueeze(0) * scale, first_expert).mean(0)
 
 
 class MoEModel(nn.Module):
@@ -91,9 +115,9 @@ def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float
         mfsdp.fully_shard(model, mesh=dense_mesh)
         return model, 0, EXPERTS
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
+    if impl == "fsdp2" and not HAS_FSDP2_PLACEMENTS:
+        raise RuntimeError(f"torch {torch.__version__} has no ShardPlacementResult: FSDP2 cannot shard experts on their own mesh")
     torch.manual_seed(0)
     model = MoEModel().to(device_for_backend())
     dense_mesh, sparse, expert_dp_mesh = meshes(world, ep, replicate)
@@ -105,10 +129,10 @@ def build(impl: str, world: int, ep: int, replicate: int, factor: Optional[float
     for b in model.blocks:
         experts = set(b.experts.parameters())
         # New mesh-info objects per block, as torchtitan builds them.
-        expert_info, dense_info = _get_mesh_info(expert_dp_mesh, None), _get_mesh_info(dense_mesh, None)
+        expert_info, dense_info = mesh_info(expert_dp_mesh), mesh_info(dense_mesh)
 
         def placement(p, experts=experts, expert_info=expert_info, dense_info=dense_info):
-            return ShardPlacementResult(Shard(0), expert_info if p in experts else dense_info)
+            return PlacementResult(Shard(0), expert_info if p in experts else dense_info)
 
         shard(b, mesh=dense_mesh, shard_placement_fn=placement)
     shard(model, mesh=dense_mesh)
@@ -189,6 +213,59 @@ def moe_vs_fsdp2(rank: int, world: int, ep: int, replicate: int = 1, factor: Opt
     return worst
 
 
+def one_process(world: int, ep: int, factor: Optional[float], steps: int, lr: float = 0.5) -> Dict:
+    """The same training in one process with plain tensors: every rank's batch through the
+    experts its expert-parallel rank holds, gradients summed over the ranks and divided as
+    the units divide them (factor 1.0: not at all, torchtitan's; None, FSDP2's default:
+    dense gradients by the world, expert gradients by the expert data-parallel size)."""
+    if factor not in (1.0, None):
+        raise ValueError(f"the reference divides by 1.0 or by each mesh's size (None), not {factor}")
+    torch.manual_seed(0)
+    model = MoEModel().to(device_for_backend())
+    params = dict(model.named_parameters())
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(world)]
+    local = EXPERTS // ep
+    losses, norms, grads = [], [], []
+    for _ in range(steps):
+        total = {k: torch.zeros_like(p) for k, p in params.items()}
+        loss_sum = 0.0
+        for r in range(world):  # the sparse mesh (.., efsdp, ep): rank r's ep coordinate is r % ep
+            x = torch.randn(TOKENS, DIM, generator=gens[r]).to(device_for_backend())
+            loss = model(x, (r % ep) * local, local).square().mean()
+            for (k, _), g in zip(params.items(), torch.autograd.grad(loss, list(params.values()))):
+                total[k] += g
+            loss_sum += loss.item()
+        for k in total:
+            if factor is None:
+                total[k] /= (world // ep) if ".experts." in k else world
+        losses.append(loss_sum / world)
+        norms.append(float(torch.stack([g.double().square().sum() for g in total.values()]).sum().sqrt()))
+        grads.append({k: g.clone() for k, g in total.items()})
+        with torch.no_grad():
+            for k, p in params.items():
+                p -= lr * total[k]
+    return {"losses": losses, "norms": norms, "grads": grads, "params": _full(model)}
+
+
+def moe_vs_one_process(rank: int, world: int, ep: int, replicate: int = 1, factor: Optional[float] = 1.0,
+                       steps: int = 3) -> Dict:
+    """Our MoE units (experts on the expert data-parallel mesh) against one plain process:
+    an independent reference, and one that needs no FSDP2 support for expert meshes."""
+    ours = run("ours", rank, world, ep, replicate, factor, steps)
+    ref = one_process(world, ep, factor, steps)
+    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        worst["loss"] = max(worst["loss"], abs(ours["losses"][step] - ref["losses"][step]) / ref["losses"][step])
+        worst["norm"] = max(worst["norm"], abs(ours["norms"][step] - ref["norms"][step]) / ref["norms"][step])
+        for k, g in ref["grads"][step].items():
+            worst["grad"] = max(worst["grad"], rel_err(ours["grads"][step][k], g))
+    for k, v in ref["params"].items():
+        worst["param"] = max(worst["param"], rel_err(ours["params"][k], v))
+    assert worst["loss"] < 1e-5 and worst["norm"] < 1e-5, (worst, ours["norms"], ref["norms"])
+    assert worst["grad"] < 1e-5 and worst["param"] < 1e-5, worst
+    return worst
+
+
 def _loaded(model, path: str) -> Dict[str, torch.Tensor]:
     """`model` after loading the DCP checkpoint at `path` through its own state dict: its full values."""
     sd = model.state_dict()
@@ -252,13 +329,13 @@ def moe_placement_refusals(rank: int, world: int) -> None:
 
 
 def moe_checkpoints_move_across_expert_parallelism(rank: int, world: int, folder: str) -> Dict:
-    """A DCP checkpoint of our MoE units at ep 2 loads into ours at ep 4 and without expert
-    parallelism (and back), every value as saved."""
+    """A DCP checkpoint of our MoE units at ep 2 loads into ours at ep 4 (where the world
+    allows) and without expert parallelism (and back), every value as saved."""
     trained = run("ours", rank, world, 2, 1, 1.0, 2)
     want = trained["params"]
     dcp.save(trained["model"].state_dict(), checkpoint_id=os.path.join(folder, "ep2"))
     worst = {}
-    for ep in (4, 0):
+    for ep in [4] * (world % 4 == 0) + [0]:
         model, _, _ = build("ours", world, ep, 1, 1.0)
         got = _loaded(model, os.path.join(folder, "ep2"))
         worst[f"ep2_to_ep{ep}"] = max(rel_err(got[k], v) for k, v in want.items())
