@@ -13,6 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/mfsdp_out}
 PY=${PYTHON:-python3}
 BASE=${BASE:?set BASE to the directory of the tree to compare against}
+BASE=$(cd "$BASE" && pwd)  # absolute: each side runs from its own tree
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 AB=$OUT/ab
 mkdir -p "$AB"

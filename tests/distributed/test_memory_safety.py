@@ -13,6 +13,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from harness import run_distributed
 from harness.workers import TinyBlock, expect_error
+from harness.workers import originals_freed_at_once as w_originals_freed_at_once
 
 FREED = "freed by reshard()"
 
@@ -163,3 +164,11 @@ def test_c_surface_fuzz_never_crashes():
     assert proc.returncode == 0, (f"fuzz exited with {proc.returncode} (negative: killed by signal "
                                   f"{-proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     assert "none crashed" in proc.stdout
+
+
+def test_fully_shard_frees_the_originals_without_the_garbage_collector():
+    """The unsharded originals go when the units replace them, in a fresh process (the first
+    fully_shard imports torch._dynamo) and with the collector off: no reference cycle of
+    ours keeps device memory until the collector next runs."""
+    result = run_distributed(w_originals_freed_at_once, 2, timeout=120)[0]
+    assert result["originals"] > 0

@@ -37,6 +37,12 @@ def test_allocator_peak_memory_bounded_and_independent_of_model_depth():
         print(name, {k: f"{v / 2**20:.1f} MiB" for k, v in r.items()})
 
 
+def test_fully_shard_frees_the_originals_without_the_garbage_collector_gpu():
+    """Device memory of the unsharded originals is freed when the units replace them, not
+    when the garbage collector next runs (what the held-between-steps bound above reads)."""
+    assert run_distributed(W.originals_freed_at_once, WORLD, **GPU, timeout=180)[0]["originals"] > 0
+
+
 @pytest.mark.long_gpu
 def test_unsharded_bytes_bounded_by_prefetch_depth():
     for depth in (0, 1, 2):

@@ -1094,3 +1094,38 @@ def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter:
             "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd")),
             "budgets": model.bucket_budgets(), "link": model._fsdp_state.ctx.link,
             "unit_bytes": sum(s.unit.unsharded_nbytes for s in states)}
+
+
+def originals_freed_at_once(rank: int, world: int, blocks: int = 3) -> Dict:
+    """With the garbage collector off, fully_shard over every block and the root frees the
+    original (unsharded) parameters the moment the units replace them: nothing of ours
+    (a cycle through a recursive closure, a frame kept by an import's traceback) holds
+    them until the collector happens to run. Names the cycle's frames when it fails."""
+    import gc
+    import sys
+    import weakref
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, n_layers=blocks, n_heads=4, ffn_hidden=64))
+    originals = [(name, weakref.ref(p)) for name, p in model.named_parameters()]
+    dynamo_before = "torch._dynamo" in sys.modules
+    gc.collect()
+    gc.disable()
+    try:
+        shard_blocks_and_root(model)
+        alive = [name for name, ref in originals if ref() is not None]
+        frames = []
+        if alive:
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            frames = sorted({f"{o.f_code.co_name} ({o.f_code.co_filename.rsplit('/', 1)[-1]})"
+                             for o in gc.garbage if type(o).__name__ == "frame"})[:12]
+            gc.set_debug(0)
+            gc.garbage.clear()
+    finally:
+        gc.enable()
+    assert not alive, (f"{len(alive)} of {len(originals)} original parameters outlive fully_shard until the garbage "
+                       f"collector runs (first: {alive[:4]}); frames in the garbage: {frames}")
+    return {"dynamo_imported_before": dynamo_before, "originals": len(originals)}

@@ -17,6 +17,7 @@ from . import fsdp2_view, shard_changes
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, placement_groups)
 from .extension_points import class_overrides, outer_sharding
+from .hook_support import load_dynamo
 from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
@@ -597,6 +598,7 @@ def fully_shard(
             "mesh are not supported; apply tensor parallelism on the 'tp' axis only (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor') and pass the data-parallel mesh as mesh=")
     modules = check_target(module)
+    load_dynamo()
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)
     offload_pin = offload_pinning(offload_policy)

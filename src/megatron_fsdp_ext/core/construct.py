@@ -235,37 +235,40 @@ def collect_params(modules: list, ignored: set):
     slots = []  # (params_dict, name, index)
     keys = []  # per module: (state_dict key relative to it, index): every slot, tied ones included
 
-    def visit(mod: nn.Module, prefix: str, is_top: bool):
-        if not is_top and "_mfsdp_state" in mod.__dict__:
-            return
-        for name, p in mod._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            # _mfsdp_owner marks both the sharded parameter and the original it replaced
-            # (a tied original can still sit in a module outside the unit's subtree).
-            owner = getattr(p, "_mfsdp_owner", None)
-            if owner is not None:
-                raise ValueError(
-                    f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
-                    f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
-                    "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
-                    "is tied to a module of another unit (tied parameters must live in one unit)"
-                )
-            if id(p) not in index_of:
-                index_of[id(p)] = len(params)
-                params.append(p)
-                names.append(prefix + name)
-            slots.append((mod._parameters, name, index_of[id(p)]))
-            keys[-1].append((prefix[len(top):] + name, index_of[id(p)]))
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
+    # An explicit stack, not a recursive closure: a closure that calls itself is a
+    # reference cycle, which would keep `params` (the unsharded originals) alive until the
+    # garbage collector runs instead of freeing them when the unit replaces them.
     for k, module in enumerate(modules):
         # A unit of several modules names its parameters by the module's position.
         top = f"{k}." if len(modules) > 1 else ""
         keys.append([])
-        visit(module, top, True)
+        stack = [(module, top, True)]
+        while stack:
+            mod, prefix, is_top = stack.pop()
+            if not is_top and "_mfsdp_state" in mod.__dict__:
+                continue
+            for name, p in mod._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                # _mfsdp_owner marks both the sharded parameter and the original it replaced
+                # (a tied original can still sit in a module outside the unit's subtree).
+                owner = getattr(p, "_mfsdp_owner", None)
+                if owner is not None:
+                    raise ValueError(
+                        f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
+                        f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
+                        "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
+                        "is tied to a module of another unit (tied parameters must live in one unit)"
+                    )
+                if id(p) not in index_of:
+                    index_of[id(p)] = len(params)
+                    params.append(p)
+                    names.append(prefix + name)
+                slots.append((mod._parameters, name, index_of[id(p)]))
+                keys[-1].append((prefix[len(top):] + name, index_of[id(p)]))
+            # Children in reverse onto the stack: visited in registration order, depth first.
+            stack.extend((child, f"{prefix}{child_name}.", False)
+                         for child_name, child in reversed(list(mod._modules.items())) if child is not None)
     return params, names, slots, keys
 
 

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import sys
 
 import torch
 import torch.autograd.profiler as autograd_profiler
 from torch.utils._pytree import tree_flatten, tree_map
+
+
+def load_dynamo() -> None:
+    """Import torch._dynamo (run_outside_dynamo needs it) before a fully_shard call holds
+    any parameter. Its first import leaves reference cycles through the frames on the
+    stack, and a returned frame keeps its locals: left to the garbage collector, they would
+    hold the first unit's unsharded originals (device memory) until it next runs. One
+    collection right after that import frees them."""
+    if "torch._dynamo" not in sys.modules:
+        import torch._dynamo  # noqa: F401
+
+        gc.collect()
 
 
 def run_outside_dynamo(hook):
