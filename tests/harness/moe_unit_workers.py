@@ -190,18 +190,25 @@ def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optio
             "placements": _placements(model), "model": model, "layouts": layouts}
 
 
+def _worst_differences(ours: Dict, ref: Dict) -> Dict[str, float]:
+    """The largest relative difference of each step's loss, global norm and full gradients,
+    and of the parameters after the last step, between two runs' records."""
+    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
+    for step, ref_grads in enumerate(ref["grads"]):
+        worst["loss"] = max(worst["loss"], abs(ours["losses"][step] - ref["losses"][step]) / ref["losses"][step])
+        worst["norm"] = max(worst["norm"], abs(ours["norms"][step] - ref["norms"][step]) / ref["norms"][step])
+        for k, g in ref_grads.items():
+            worst["grad"] = max(worst["grad"], rel_err(ours["grads"][step][k], g))
+    for k, v in ref["params"].items():
+        worst["param"] = max(worst["param"], rel_err(ours["params"][k], v))
+    return worst
+
+
 def moe_vs_fsdp2(rank: int, world: int, ep: int, replicate: int = 1, factor: Optional[float] = 1.0,
                  steps: int = 3) -> Dict:
     theirs = run("fsdp2", rank, world, ep, replicate, factor, steps)
     ours = run("ours", rank, world, ep, replicate, factor, steps)
-    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
-    for step in range(steps):
-        worst["loss"] = max(worst["loss"], abs(ours["losses"][step] - theirs["losses"][step]) / theirs["losses"][step])
-        worst["norm"] = max(worst["norm"], abs(ours["norms"][step] - theirs["norms"][step]) / theirs["norms"][step])
-        for k, g in theirs["grads"][step].items():
-            worst["grad"] = max(worst["grad"], rel_err(ours["grads"][step][k], g))
-    for k, v in theirs["params"].items():
-        worst["param"] = max(worst["param"], rel_err(ours["params"][k], v))
+    worst = _worst_differences(ours, theirs)
     assert ours["placements"] == theirs["placements"], (ours["placements"], theirs["placements"])
     assert worst["loss"] < 1e-6 and worst["norm"] < 1e-5, (worst, ours["norms"], theirs["norms"])
     assert worst["grad"] < 1e-5 and worst["param"] < 1e-6, worst
@@ -253,14 +260,7 @@ def moe_vs_one_process(rank: int, world: int, ep: int, replicate: int = 1, facto
     an independent reference, and one that needs no FSDP2 support for expert meshes."""
     ours = run("ours", rank, world, ep, replicate, factor, steps)
     ref = one_process(world, ep, factor, steps)
-    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "param": 0.0}
-    for step in range(steps):
-        worst["loss"] = max(worst["loss"], abs(ours["losses"][step] - ref["losses"][step]) / ref["losses"][step])
-        worst["norm"] = max(worst["norm"], abs(ours["norms"][step] - ref["norms"][step]) / ref["norms"][step])
-        for k, g in ref["grads"][step].items():
-            worst["grad"] = max(worst["grad"], rel_err(ours["grads"][step][k], g))
-    for k, v in ref["params"].items():
-        worst["param"] = max(worst["param"], rel_err(ours["params"][k], v))
+    worst = _worst_differences(ours, ref)
     assert worst["loss"] < 1e-5 and worst["norm"] < 1e-5, (worst, ours["norms"], ref["norms"])
     assert worst["grad"] < 1e-5 and worst["param"] < 1e-5, worst
     return worst
