@@ -50,3 +50,13 @@ def test_moe_units_train_like_one_process(world, ep, replicate, factor):
     """The same training against one plain process holding every expert (no FSDP2 in it)."""
     worst = run_distributed(w.moe_vs_one_process, world, ep, replicate, factor, timeout=300)[0]
     assert set(worst) == {"loss", "norm", "grad", "param"}
+
+
+@pytest.mark.parametrize("world, ep, form", [(2, 2, "placement"), (4, 2, "placement"), (4, 2, "nested"),
+                                             (4, 4, "placement")])
+def test_library_moe_model_with_expert_parallelism_trains_like_one_process(world, ep, form):
+    """megatron_fsdp_ext.models.MoEModel (the benchmarks' MoE: routing, capacity, the
+    all-to-all token exchange) with expert parallelism under our units, both ways of
+    putting experts on their mesh, against one process running every rank's batch."""
+    worst = run_distributed(w.moe_model_expert_parallel_vs_one_process, world, ep, form, timeout=300)[0]
+    assert set(worst) == {"loss", "grad", "param"}
