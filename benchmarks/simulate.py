@@ -24,6 +24,16 @@ transform; FSDP2: torchao's fsdp_pre/post_all_gather, with
 precompute_float8_dynamic_scale_for_fsdp after each optimizer step; local: no gather).
 With --compile every block is compiled (inductor) after sharding (local: after building),
 as torchao's FP8 recipes expect.
+With --experts N the blocks' MLPs are N routed SwiGLU experts (megatron_fsdp_ext.models.
+MoEModel: top --top-k routing, each expert ffn / top-k wide, fixed capacity), and with
+--ep E they are expert-parallel over E of the W ranks (a (W/E, E) "efsdp" x "ep" mesh, the
+tokens exchanged by all-to-all, fake too): dense parameters shard over all W ranks, the
+experts over the W/E expert data-parallel ranks, for both FSDPs as FSDP2 does it on this
+torch (shard_placement_fn with ShardPlacementResult from torch 2.12; before it, the
+experts as a unit of their own on that mesh, torchtitan 0.2's form): "moe_form" in the
+results says which. local runs the same MoE model whole, without expert parallelism.
+
+    python benchmarks/simulate.py --points moe_1b@8,64 --experts 16 --ep 8 --out runs/sim_ep8
 """
 from __future__ import annotations
 
@@ -53,6 +63,7 @@ CONFIGS = {
     "70b": shapes.LLAMA_70B,
     "405b": shapes.LLAMA_405B,
     "tiny": shapes.TINY._replace(layers=2),
+    "moe_1b": shapes.LLAMA_1_3B,  # with --experts: the 1.3B shape's blocks with routed experts
 }
 SYSTEMS = ("mfsdp", "fsdp2", "local")
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
@@ -167,7 +178,7 @@ def measure(args, world: int) -> dict:
 
     import megatron_fsdp_ext as mfsdp
     from megatron_fsdp_ext import _C
-    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEConfig, MoEModel
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -176,9 +187,15 @@ def measure(args, world: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
     link_model = parse_link(args.link) if args.link and args.system == "mfsdp" else None
-    cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+    if args.experts:
+        cfg = MoEConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq,
+                        n_experts=args.experts, top_k=args.top_k, expert_hidden=max(1, ffn // args.top_k))
+        Model = MoEModel
+    else:
+        cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+        Model = LlamaModel
     with torch.device("meta"):
-        shapes = LlamaModel(cfg)
+        shapes = Model(cfg)
     params = sum(p.numel() for p in shapes.parameters())
     largest = max(p.numel() for p in shapes.parameters())
     del shapes
@@ -204,6 +221,37 @@ def measure(args, world: int) -> dict:
         tensor_parallel(meta_model, mesh["tp"])
         return mesh["dp_shard"]
 
+    def ep_split(meta_model):
+        """With --ep: the experts expert-parallel over the (W/E, E) mesh's "ep" dim; returns
+        (the dense mesh over all W ranks, the expert data-parallel mesh)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from megatron_fsdp_ext.models import expert_parallel
+        sparse = init_device_mesh(device.type, (world // args.ep, args.ep), mesh_dim_names=("efsdp", "ep"))
+        expert_parallel(meta_model, sparse["ep"])
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), sparse["efsdp"]
+
+    def shard_moe_blocks(model, shard, dense, efsdp, **kwargs):
+        """Every MoE block sharded by `shard` (either library's fully_shard) with its experts
+        on `efsdp`, the way FSDP2 does it on this torch; returns that form's name."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_common as common
+        from torch.distributed.tensor import Shard
+        placement = args.moe_form == "shard_placement_fn" or (
+            args.moe_form == "auto" and hasattr(common, "ShardPlacementResult"))
+        for block in model.blocks:
+            experts = set(block.moe.experts.parameters())
+            if placement:
+                infos = (common.FSDPMeshInfo(efsdp, shard_mesh_dim=0), common.FSDPMeshInfo(dense, shard_mesh_dim=0))
+                shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos:
+                      common.ShardPlacementResult(Shard(0), infos[0] if p in experts else infos[1]), **kwargs)
+            else:
+                shard(block.moe.experts, mesh=efsdp, **kwargs)
+                shard(block, mesh=dense, **kwargs)
+        shard(model, mesh=dense, **kwargs)
+        return "shard_placement_fn" if placement else "experts_unit"
+
+    if args.ep > 1 and (not args.experts or args.experts % args.ep or world % args.ep or args.tp > 1
+                        or args.fp8 != "none"):
+        raise SystemExit(f"--ep {args.ep}: needs --experts divisible by it, a world it divides, and no --tp or --fp8")
     if args.tp > 1 and (world % args.tp or args.system == "local"):
         raise SystemExit(f"--tp {args.tp}: needs a world it divides and an FSDP system (not local)")
     if args.tp > 1 and args.fp8 == "tensorwise_gather":
@@ -222,18 +270,22 @@ def measure(args, world: int) -> dict:
     reset_peak()
     t0 = time.perf_counter()
     autocast = False
+    moe_form = None
     if args.system == "local":
         with torch.device(device):  # fp32 weights, bf16 compute under autocast (as bench_train)
-            model = to_fp8(LlamaModel(cfg))
+            model = to_fp8(Model(cfg))
         autocast = True
     elif args.system == "mfsdp":
         with torch.device("meta"):
-            model = to_fp8(LlamaModel(cfg))
-        dp_mesh = tp_split(model)
+            model = to_fp8(Model(cfg))
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
-        mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
+        if args.ep > 1:
+            moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *ep_split(model), mp_policy=mp)
+        else:
+            dp_mesh = tp_split(model)
+            for block in model.blocks:
+                mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
+            mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
         if link_model is not None:  # plan the "auto" buckets as on the machine whose link this is
             model.set_link_model(link_model)
         mfsdp.materialize(model)
@@ -241,12 +293,15 @@ def measure(args, world: int) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
-            model = to_fp8(LlamaModel(cfg))
-        mesh = tp_split(model) or init_device_mesh(device.type, (world,))
+            model = to_fp8(Model(cfg))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if args.ep > 1:
+            moe_form = shard_moe_blocks(model, fully_shard, *ep_split(model), mp_policy=mp)
+        else:
+            mesh = tp_split(model) or init_device_mesh(device.type, (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         model.to_empty(device=device)
         with torch.no_grad():
             for m in model.modules():
@@ -309,6 +364,7 @@ def measure(args, world: int) -> dict:
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp, "fp8": args.fp8, "compile": args.compile,
+        "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep, "moe_form": moe_form,
         "init_s": init_s, "init_peak_gib": init_peak / 2**30,
         "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
         "step_ms": statistics.median(r["step_ms"] for r in rows),
@@ -325,10 +381,14 @@ def measure(args, world: int) -> dict:
         # estimate_memory leaves activations out: its prediction is checked against a
         # step on one sequence of 128 tokens, where what activations remain is small.
         with torch.device("meta"):
-            meta = to_fp8(LlamaModel(cfg))
+            meta = to_fp8(Model(cfg))
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        moe = {}
+        if args.experts:
+            expert_params = {id(p) for b in meta.blocks for p in b.moe.experts.parameters()}
+            moe = {"experts": lambda p: id(p) in expert_params, "expert_parallel": args.ep}
         est = mfsdp.estimate_memory(meta, world, unit_modules=[type(meta.blocks[0])], mp_policy=mp,
-                                    optimizer="adamw")
+                                    optimizer="adamw", **moe)
         sync()
         reset_peak()
         step(tokens[:1, :128], targets[:1, :128])
@@ -346,13 +406,15 @@ def measure(args, world: int) -> dict:
 def run_system(system: str, config: str, worlds, args) -> list:
     """`system` on `config` at every world in `worlds`, in a process of its own."""
     tag = (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_fp8-{args.fp8}" if args.fp8 != "none" else "") + \
-        ("_compiled" if args.compile else "")
+        ("_compiled" if args.compile else "") + (f"_moe{args.experts}" if args.experts else "") + \
+        (f"_ep{args.ep}" if args.ep > 1 else "")
     out = Path(args.out) / f"{system}_{config.replace('/', '-')}{tag}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", "--system", system, "--config", config,
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)] + \
-        (["--compile"] if args.compile else []) + (["--link", args.link] if args.link else [])
+        (["--compile"] if args.compile else []) + (["--link", args.link] if args.link else []) + \
+        ["--experts", str(args.experts), "--top-k", str(args.top_k), "--ep", str(args.ep), "--moe-form", args.moe_form]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -380,6 +442,11 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0, help="the rank the process plays")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a (W/T, T) mesh)")
     p.add_argument("--compile", action="store_true", help="compile every block (inductor) after sharding")
+    p.add_argument("--experts", type=int, default=0, help="routed experts per block (0: the dense model)")
+    p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (with --experts)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a (W/E, E) efsdp x ep mesh)")
+    p.add_argument("--moe-form", choices=("auto", "shard_placement_fn", "experts_unit"), default="auto",
+                   help="how experts get their mesh (auto: shard_placement_fn where torch has ShardPlacementResult)")
     p.add_argument("--fp8", choices=FP8_MODES, default="none",
                    help="torchao Float8Linear blocks: bf16 weight gather (tensorwise) or FP8 (tensorwise_gather)")
     p.add_argument("--link", help="plan our \"auto\" buckets from this link instead of none (nothing moves "

@@ -285,6 +285,41 @@ def test_simulate_tiny_cpu(tmp_path):
         assert r["estimate_gib"] > 0
 
 
+@pytest.mark.parametrize("form", ["shard_placement_fn", "experts_unit"])
+def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form):
+    """simulate.py --experts 8 --ep 4 at world 8 (efsdp 2 x ep 4): both systems shard the
+    experts over the expert data-parallel mesh and the rest over the world, so each issues
+    one all-gather and one reduce-scatter per mesh per unit (the root, and the two blocks
+    twice: dense and experts), four all-to-alls per block forward and backward, and the
+    same bytes give or take padding; estimate_memory counts the expert units."""
+    if form == "shard_placement_fn":
+        pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common").ShardPlacementResult
+    out = tmp_path / "sim"
+    proc = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems",
+                           "mfsdp,fsdp2", "--experts", "8", "--ep", "4", "--moe-form", form, "--steps", "2",
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "simulate.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["mfsdp", "fsdp2"]
+    units = 1 + 2 * 2
+    calls = []
+    for r in rows:
+        assert "error" not in r and r["moe_form"] == form and (r["experts"], r["ep"]) == (8, 4), r
+        got = r["c10d_calls_per_step"]
+        assert {k: v[0] for k, v in got.items()} == {
+            "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units,
+            "c10d::alltoall_base_": 2 * 2 * 2}, r
+        calls.append(got)
+    for kind in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+        ours, theirs = calls[0][kind][1], calls[1][kind][1]
+        assert abs(ours - theirs) <= 0.01 * theirs, (kind, ours, theirs)
+    assert rows[0]["estimate_gib"] > 0
+    bad = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems", "mfsdp",
+                          "--experts", "6", "--ep", "4", "--out", str(tmp_path / "bad")],
+                         capture_output=True, text=True, timeout=300)
+    assert "--ep 4: needs --experts divisible by it" in bad.stdout + bad.stderr
+
+
 def test_simulate_plans_auto_buckets_from_a_given_link(tmp_path):
     """simulate.py --link: ours plans its "auto" buckets from the given link (under the fake
     backend nothing moves, so without it no buckets), records the link and the budgets,
