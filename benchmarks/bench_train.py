@@ -12,6 +12,11 @@ not a measurement). `--meta-init` builds mfsdp and fsdp2 on the meta device (nee
 the 13b config, which does not fit one GPU) and records init time, init peak and the
 local shard size; `--systems mfsdp,fsdp2 --configs 13b --meta-init` is the run for a
 model that needs FSDP.
+`--experts N` makes every config a mixture of experts (megatron_fsdp_ext.models.MoEModel:
+each block's MLP N routed SwiGLU experts, top --top-k); `--ep E` adds expert parallelism
+(experts as DTensors on the "ep" dim of a (W/E, E) mesh, tokens exchanged by all-to-all),
+both FSDPs sharding the experts over the expert data-parallel mesh as FSDP2 does it on
+this torch (benchmarks/moe_setup.py), and `local` running the whole MoE on each GPU.
 """
 from __future__ import annotations
 
@@ -28,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp_ext as mfsdp
-from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
+from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEConfig, MoEModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
 import shapes  # noqa: E402
+from moe_setup import FORMS, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
 
 # name: shape (benchmarks/shapes.py: vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
@@ -77,6 +83,11 @@ def parse_args():
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
                         "for python -m megatron_fsdp_ext.tools.memory")
+    p.add_argument("--experts", type=int, default=0, help="routed experts per block (0: the dense model)")
+    p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (with --experts)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a (W/E, E) efsdp x ep mesh)")
+    p.add_argument("--moe-form", choices=FORMS, default="auto",
+                   help="how experts get their mesh (auto: shard_placement_fn where torch has ShardPlacementResult)")
     return p.parse_args()
 
 
@@ -114,32 +125,50 @@ def _init_fsdp2_shards(model, device: torch.device) -> None:
                 m.reset_parameters()
 
 
-def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool = False):
+# With expert parallelism: the systems that place experts on their own mesh (local runs
+# every expert itself, without expert parallelism).
+EP_SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "fsdp2", "local")
+
+
+def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool = False, ep: int = 1,
+          moe_form: str = "auto"):
     if system.endswith("_graphed"):
         if device.type != "cuda":
             raise SystemExit(f"{system}: CUDA graphs need a CUDA device")
-        return build(system.removesuffix("_graphed"), cfg, device, meta_init)
+        return build(system.removesuffix("_graphed"), cfg, device, meta_init, ep, moe_form)
     if system.endswith("_compiled"):
-        wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device, meta_init)
+        wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device, meta_init, ep, moe_form)
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
             block.compile()
         return wrapped, model, autocast
     if meta_init and system not in ("mfsdp", "fsdp2"):  # ddp and local need the whole model on each rank
         raise ValueError(f"--meta-init: {system} cannot start from a model on the meta device")
+    if ep > 1 and system not in EP_SYSTEMS:
+        raise SystemExit(f"--ep {ep}: {system} does not place experts on their own mesh; use one of {EP_SYSTEMS}")
     torch.manual_seed(0)
     # Initialised on the GPU (an 8B model takes minutes on one CPU thread), or on meta.
     with torch.device("meta" if meta_init else device):
-        model = LlamaModel(cfg)
+        model = (MoEModel if isinstance(cfg, MoEConfig) else LlamaModel)(cfg)
     bf16 = device.type == "cuda"
+    expert_meshes = None
+    if ep > 1 and system != "local":
+        expert_meshes = expert_parallel_meshes(model, device.type, dist.get_world_size(), ep)
     if system in ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
         check = system == "mfsdp_nancheck"
-        for block in model.blocks:
-            mfsdp.fully_shard(block, mp_policy=mp, check_for_nan_in_grad=check)
         buckets = {"mfsdp_bucketed": dict(gather_bucket_bytes=GATHER_BUCKET_BYTES, reduce_bucket_bytes=REDUCE_BUCKET_BYTES),
                    "mfsdp_unbucketed": dict(gather_bucket_bytes=0, reduce_bucket_bytes=0)}.get(system, {})
-        mfsdp.fully_shard(model, mp_policy=mp, check_for_nan_in_grad=check, **buckets)
+        if expert_meshes is not None:
+            model.moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *expert_meshes, moe_form, mp_policy=mp,
+                                              check_for_nan_in_grad=check)
+            if buckets:
+                model.set_gather_bucket_bytes(buckets["gather_bucket_bytes"])
+                model.set_reduce_bucket_bytes(buckets["reduce_bucket_bytes"])
+        else:
+            for block in model.blocks:
+                mfsdp.fully_shard(block, mp_policy=mp, check_for_nan_in_grad=check)
+            mfsdp.fully_shard(model, mp_policy=mp, check_for_nan_in_grad=check, **buckets)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False
@@ -148,11 +177,14 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
-        # An explicit mesh: FSDP2's default mesh is CUDA whenever a GPU exists, even for a CPU run.
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if expert_meshes is not None:
+            model.moe_form = shard_moe_blocks(model, fully_shard, *expert_meshes, moe_form, mp_policy=mp)
+        else:
+            # An explicit mesh: FSDP2's default mesh is CUDA whenever a GPU exists, even for a CPU run.
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         if meta_init:
             _init_fsdp2_shards(model, device)
         return model, model, False
@@ -189,7 +221,14 @@ def settle_previous_system() -> None:
 
 def run_one(system, name, device, args):
     vocab, d, layers, heads, ffn, mb, seq = CONFIGS[name]
-    cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
+    if args.experts:
+        check_ep(args.ep, args.experts, dist.get_world_size())
+        cfg = moe_config(CONFIGS[name], args.experts, args.top_k)
+    else:
+        if args.ep > 1:
+            raise SystemExit(f"--ep {args.ep} needs --experts")
+        cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn,
+                          max_seq_len=seq)
     snapshot = device.type == "cuda" and args.memory_snapshot == name
     if device.type == "cuda":
         settle_previous_system()
@@ -198,7 +237,7 @@ def run_one(system, name, device, args):
     # Left over from an earlier system would inflate this one's peak: reported, not hidden.
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     init_start = time.perf_counter()
-    wrapped, model, autocast = build(system, cfg, device, args.meta_init)
+    wrapped, model, autocast = build(system, cfg, device, args.meta_init, args.ep, args.moe_form)
     if device.type == "cuda":
         torch.cuda.synchronize()
         init_peak = torch.cuda.max_memory_allocated() - baseline
@@ -288,6 +327,8 @@ def run_one(system, name, device, args):
                                                                                    "ctx", None), "link", None) else None,
         "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) + 1 if graphed else 0),
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
+        "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep,
+        "moe_form": getattr(model, "moe_form", None),
         "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
     wrapped = model = opt = loss = None  # free before the next system builds

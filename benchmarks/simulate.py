@@ -52,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
+from moe_setup import FORMS, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
 
 # name: shape (benchmarks/shapes.py). "8b" is the 32-layer d 4096 shape (6.7B), the name
 # earlier results use.
@@ -178,7 +179,7 @@ def measure(args, world: int) -> dict:
 
     import megatron_fsdp_ext as mfsdp
     from megatron_fsdp_ext import _C
-    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEConfig, MoEModel
+    from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEModel
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -188,8 +189,7 @@ def measure(args, world: int) -> dict:
     vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
     link_model = parse_link(args.link) if args.link and args.system == "mfsdp" else None
     if args.experts:
-        cfg = MoEConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq,
-                        n_experts=args.experts, top_k=args.top_k, expert_hidden=max(1, ffn // args.top_k))
+        cfg = moe_config((vocab, d, layers, heads, ffn, mb, seq), args.experts, args.top_k)
         Model = MoEModel
     else:
         cfg = LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq)
@@ -221,37 +221,9 @@ def measure(args, world: int) -> dict:
         tensor_parallel(meta_model, mesh["tp"])
         return mesh["dp_shard"]
 
-    def ep_split(meta_model):
-        """With --ep: the experts expert-parallel over the (W/E, E) mesh's "ep" dim; returns
-        (the dense mesh over all W ranks, the expert data-parallel mesh)."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from megatron_fsdp_ext.models import expert_parallel
-        sparse = init_device_mesh(device.type, (world // args.ep, args.ep), mesh_dim_names=("efsdp", "ep"))
-        expert_parallel(meta_model, sparse["ep"])
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), sparse["efsdp"]
-
-    def shard_moe_blocks(model, shard, dense, efsdp, **kwargs):
-        """Every MoE block sharded by `shard` (either library's fully_shard) with its experts
-        on `efsdp`, the way FSDP2 does it on this torch; returns that form's name."""
-        from torch.distributed.fsdp._fully_shard import _fsdp_common as common
-        from torch.distributed.tensor import Shard
-        placement = args.moe_form == "shard_placement_fn" or (
-            args.moe_form == "auto" and hasattr(common, "ShardPlacementResult"))
-        for block in model.blocks:
-            experts = set(block.moe.experts.parameters())
-            if placement:
-                infos = (common.FSDPMeshInfo(efsdp, shard_mesh_dim=0), common.FSDPMeshInfo(dense, shard_mesh_dim=0))
-                shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos:
-                      common.ShardPlacementResult(Shard(0), infos[0] if p in experts else infos[1]), **kwargs)
-            else:
-                shard(block.moe.experts, mesh=efsdp, **kwargs)
-                shard(block, mesh=dense, **kwargs)
-        shard(model, mesh=dense, **kwargs)
-        return "shard_placement_fn" if placement else "experts_unit"
-
-    if args.ep > 1 and (not args.experts or args.experts % args.ep or world % args.ep or args.tp > 1
-                        or args.fp8 != "none"):
-        raise SystemExit(f"--ep {args.ep}: needs --experts divisible by it, a world it divides, and no --tp or --fp8")
+    check_ep(args.ep, args.experts, world)
+    if args.ep > 1 and (args.tp > 1 or args.fp8 != "none"):
+        raise SystemExit(f"--ep {args.ep} does not combine with --tp or --fp8")
     if args.tp > 1 and (world % args.tp or args.system == "local"):
         raise SystemExit(f"--tp {args.tp}: needs a world it divides and an FSDP system (not local)")
     if args.tp > 1 and args.fp8 == "tensorwise_gather":
@@ -280,7 +252,8 @@ def measure(args, world: int) -> dict:
             model = to_fp8(Model(cfg))
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if args.ep > 1:
-            moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *ep_split(model), mp_policy=mp)
+            moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *expert_parallel_meshes(model, device.type, world, args.ep),
+                                        args.moe_form, mp_policy=mp)
         else:
             dp_mesh = tp_split(model)
             for block in model.blocks:
@@ -296,7 +269,8 @@ def measure(args, world: int) -> dict:
             model = to_fp8(Model(cfg))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if args.ep > 1:
-            moe_form = shard_moe_blocks(model, fully_shard, *ep_split(model), mp_policy=mp)
+            moe_form = shard_moe_blocks(model, fully_shard, *expert_parallel_meshes(model, device.type, world, args.ep),
+                                        args.moe_form, mp_policy=mp)
         else:
             mesh = tp_split(model) or init_device_mesh(device.type, (world,))
             for block in model.blocks:
@@ -445,7 +419,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=0, help="routed experts per block (0: the dense model)")
     p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (with --experts)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a (W/E, E) efsdp x ep mesh)")
-    p.add_argument("--moe-form", choices=("auto", "shard_placement_fn", "experts_unit"), default="auto",
+    p.add_argument("--moe-form", choices=FORMS, default="auto",
                    help="how experts get their mesh (auto: shard_placement_fn where torch has ShardPlacementResult)")
     p.add_argument("--fp8", choices=FP8_MODES, default="none",
                    help="torchao Float8Linear blocks: bf16 weight gather (tensorwise) or FP8 (tensorwise_gather)")

@@ -47,6 +47,33 @@ def test_bench_train_tiny_cpu(tmp_path):
     assert "| tiny | mfsdp |" in (tmp_path / "results.md").read_text()
 
 
+def test_bench_train_mixture_of_experts_with_expert_parallelism_cpu(tmp_path):
+    """--experts 4 --ep 2 at world 4: ours and FSDP2, the experts on the expert data-parallel
+    mesh and tokens exchanged by all-to-all, train like the whole MoE model run without
+    expert parallelism on each rank's batch (local; every system's first loss is the same
+    function of the same data), and refusals name the problem."""
+    run_script(4, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
+               "--warmup", "0", "--systems", "mfsdp,fsdp2,local", "--experts", "4", "--ep", "2",
+               "--out", str(tmp_path), port=29577)
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["system"]: r for r in data["results"]}
+    assert set(rows) == {"mfsdp", "fsdp2", "local"}
+    for system, r in rows.items():
+        assert (r["experts"], r["ep"]) == (4, 2), r
+        assert (r["moe_form"] is None) == (system == "local"), r
+    # The first timed step is the first update: rank 0's loss before any update is one
+    # function of the same seeded model and rank 0's batch, whoever computes it.
+    first = {s: r["losses"][0] for s, r in rows.items()}
+    assert max(first.values()) - min(first.values()) < 1e-5, first
+    assert abs(rows["mfsdp"]["losses"][1] - rows["fsdp2"]["losses"][1]) < 1e-4, (rows["mfsdp"]["losses"],
+                                                                               rows["fsdp2"]["losses"])
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29578",
+                          str(_script("bench_train.py")),
+                          "--device", "cpu", "--configs", "tiny", "--systems", "ddp", "--experts", "4", "--ep", "2",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0 and "--ep 2: ddp does not place experts on their own mesh" in bad.stdout + bad.stderr
+
+
 def test_bench_layerwise_tiny_cpu(tmp_path):
     run_script(2, _script("bench_layerwise.py"), "--device", "cpu", "--config", "tiny", "--steps", "2",
                "--warmup", "1", "--out", str(tmp_path), port=29572)

@@ -1,0 +1,63 @@
+"""Mixture-of-experts set-up shared by the benchmarks (bench_train.py, simulate.py): the
+MoE version of a shape, the expert-parallel meshes, and both FSDPs putting the experts on
+the expert data-parallel mesh the way FSDP2 does it on the installed torch."""
+from __future__ import annotations
+
+FORMS = ("auto", "shard_placement_fn", "experts_unit")
+
+
+def moe_config(shape, experts: int, top_k: int):
+    """megatron_fsdp_ext.models.MoEConfig of a benchmarks/shapes.py shape whose MLPs become
+    `experts` routed SwiGLU experts, each ffn / top_k wide (the routed width per token
+    stays the dense ffn)."""
+    from megatron_fsdp_ext.models import MoEConfig
+
+    vocab, d, layers, heads, ffn, _, seq = shape
+    return MoEConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn, max_seq_len=seq,
+                     n_experts=experts, top_k=top_k, expert_hidden=max(1, ffn // top_k))
+
+
+def check_ep(ep: int, experts: int, world: int) -> None:
+    if ep > 1 and (not experts or experts % ep or world % ep):
+        raise SystemExit(f"--ep {ep}: needs --experts divisible by it and a world it divides "
+                         f"(experts {experts}, world {world})")
+
+
+def expert_parallel_meshes(model, device_type: str, world: int, ep: int):
+    """The experts of `model` expert-parallel over the "ep" dim of a (W/E, E) mesh; returns
+    (the dense mesh over all W ranks, the expert data-parallel mesh "efsdp")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_fsdp_ext.models import expert_parallel
+
+    sparse = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    expert_parallel(model, sparse["ep"])
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",)), sparse["efsdp"]
+
+
+def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -> str:
+    """Every MoE block sharded by `shard` (either library's fully_shard): dense parameters
+    over `dense`, experts over `efsdp`; then the root. form "shard_placement_fn": one call
+    per block whose shard_placement_fn returns FSDP2's ShardPlacementResult (torchtitan
+    0.3.0, torch 2.12+); "experts_unit": the experts a unit of their own on efsdp inside
+    the block's (torchtitan 0.2); "auto": the first where torch has it. Returns the form."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common as common
+    from torch.distributed.tensor import Shard
+
+    if form not in FORMS:
+        raise SystemExit(f"--moe-form {form!r}: choose from {FORMS}")
+    if form == "auto":
+        form = "shard_placement_fn" if hasattr(common, "ShardPlacementResult") else "experts_unit"
+    if form == "shard_placement_fn" and not hasattr(common, "ShardPlacementResult"):
+        raise SystemExit("--moe-form shard_placement_fn: this torch has no ShardPlacementResult (2.12+)")
+    for block in model.blocks:
+        experts = set(block.moe.experts.parameters())
+        if form == "shard_placement_fn":
+            infos = (common.FSDPMeshInfo(efsdp, shard_mesh_dim=0), common.FSDPMeshInfo(dense, shard_mesh_dim=0))
+            shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos:
+                  common.ShardPlacementResult(Shard(0), infos[0] if p in experts else infos[1]), **kwargs)
+        else:
+            shard(block.moe.experts, mesh=efsdp, **kwargs)
+            shard(block, mesh=dense, **kwargs)
+    shard(model, mesh=dense, **kwargs)
+    return form
