@@ -1,6 +1,7 @@
 """Mixture of experts: torchtitan 0.3.0's MoE debug models under its own parallelize code
 (parallelize_deepseekv3 / parallelize_qwen3, partial_dtensor backend), FSDP2 and ours (the
-`fully_shard` swap) side by side at Gloo world 4 (tests/harness/moe_workers.py).
+`fully_shard` swap) side by side at Gloo world 4, and one config at world 8
+(tests/harness/moe_workers.py).
 
 Configs, as torchtitan's apply_fsdp_to_decoder shards the MoE blocks:
 - dsv3 ep2 / ep4 / dp_replicate 2 x ep2, qwen3 ep2: expert weights DTensors Shard(0) on
@@ -61,6 +62,8 @@ CONFIGS = {
 }
 # tp 2 without EP: torchtitan TP-shards the routed experts and shards the block plainly.
 CONFIGS["dsv3_tp2_ep1"] = dict(model="dsv3", ep=1, tp=2)
+# World 8: efsdp 2 x ep 4 (two local experts each, sharded on dim 0 over efsdp).
+CONFIGS["w8_dsv3_ep4"] = dict(model="dsv3", ep=4, world=8)
 # FSDP2's (mesh dim names, placements) of layers.1.moe.routed_experts.inner_experts.w1_EFD
 # in its state_dict(), as /tmp/moe_research.md's probe recorded them: the config
 # exercises what its name says.
@@ -74,6 +77,7 @@ EXPECTED_W1 = {
     "qwen3_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),
     "dsv3_tp2_ep2": (("efsdp", "ep"), ("_S(0, 2)", "S(0)")),  # these three: FSDP2's, as the tp2 runs gave them
     "dsv3_tp2_ep1": (("fsdp", "tp"), ("S(0)", "S(1)")),
+    "w8_dsv3_ep4": (("efsdp", "ep"), ("_S(0, 4)", "S(0)")),  # by the pattern of the world-4 runs
 }
 
 
@@ -120,7 +124,8 @@ def _check(out, name, impl="ours", exact=False):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_moe_matches_fsdp2(name):
     """torchtitan's MoE parallelize on ours trains like on FSDP2 (see the module docstring)."""
-    out = run_distributed(w.moe_train_vs_fsdp2, WORLD, steps=STEPS, timeout=TIMEOUT, **CONFIGS[name])[0]
+    config = dict(CONFIGS[name])
+    out = run_distributed(w.moe_train_vs_fsdp2, config.pop("world", WORLD), steps=STEPS, timeout=TIMEOUT, **config)[0]
     _check(out, name)
 
 
