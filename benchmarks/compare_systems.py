@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=900, help="seconds one system's process may take")
     p.add_argument("--out", default="benchmarks/out/compare")
     p.add_argument("--port", type=int, default=29641)
+    p.add_argument("--bench-args", default="", help="more bench_train.py arguments for every run, e.g. "
+                   "'--experts 16 --ep 4' (a mixture of experts with expert parallelism)")
     p.add_argument("--replot", default="", metavar="SUMMARY_JSON",
                    help="draw step_time.png from a saved summary.json and exit (runs nothing)")
     return p.parse_args()
@@ -62,7 +65,7 @@ def run_system(args, k: int, config: str, system: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            f"--master_port={args.port}", str(HERE / "bench_train.py"), "--configs", config, "--systems", system,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--out", str(out),
-           "--timeline", ""]
+           "--timeline", ""] + shlex.split(args.bench_args)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
