@@ -37,6 +37,14 @@ def test_moe_checkpoints_move_across_expert_parallel_degrees_gpu(tmp_path):
     assert set(result) >= {"ep2_to_ep0", "no_ep_to_ep2"} and all(v == 0.0 for v in result.values()), result
 
 
+@pytest.mark.parametrize("form", ["placement", "nested"])
+def test_library_moe_model_with_expert_parallelism_gpu(form):
+    """models.MoEModel (routing, capacity, the all-to-all token exchange on NCCL) with
+    expert parallelism 2 under our units, against one process running every rank's batch."""
+    worst = run_distributed(w.moe_model_expert_parallel_vs_one_process, WORLD, 2, form, **GPU, timeout=300)[0]
+    assert set(worst) == {"loss", "grad", "param"}
+
+
 if w.HAS_FSDP2_PLACEMENTS:  # FSDP2 shards experts on their own mesh from torch 2.12
     @pytest.mark.parametrize("case", CASES, ids=_case_id)
     def test_moe_units_train_like_fsdp2_gpu(case):
