@@ -37,13 +37,13 @@ class LlamaConfig:
 # Every module initializes its own parameters in reset_parameters(), called by its
 # constructor: building the model runs them in module order, which is what
 # megatron_fsdp_ext.materialize() replays for a model built on the meta device.
-_INIT_STD = 0.02
+INIT_STD = 0.02
 
 
 class Linear(nn.Linear):
     """A bias-free linear layer initialized N(0, std)."""
 
-    def __init__(self, in_features: int, out_features: int, std: float = _INIT_STD):
+    def __init__(self, in_features: int, out_features: int, std: float = INIT_STD):
         self.init_std = std
         super().__init__(in_features, out_features, bias=False)
 
@@ -53,7 +53,7 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     def reset_parameters(self):
-        nn.init.normal_(self.weight, 0.0, _INIT_STD)
+        nn.init.normal_(self.weight, 0.0, INIT_STD)
 
 
 class RMSNorm(nn.Module):
@@ -101,9 +101,9 @@ def _apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _residual_std(cfg: LlamaConfig) -> float:
+def residual_std(cfg: LlamaConfig) -> float:
     """Scaled init of the projections into the residual stream (GPT-2 style)."""
-    return _INIT_STD / math.sqrt(2 * cfg.n_layers)
+    return INIT_STD / math.sqrt(2 * cfg.n_layers)
 
 
 class Attention(nn.Module):
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.wqkv = Linear(cfg.d_model, 3 * cfg.d_model)
-        self.wo = Linear(cfg.d_model, cfg.d_model, _residual_std(cfg))
+        self.wo = Linear(cfg.d_model, cfg.d_model, residual_std(cfg))
 
     def forward(self, x):
         b, s = x.shape[0], x.shape[1]
@@ -137,7 +137,7 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_hidden)
-        self.w_down = Linear(cfg.ffn_hidden, cfg.d_model, _residual_std(cfg))
+        self.w_down = Linear(cfg.ffn_hidden, cfg.d_model, residual_std(cfg))
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).unflatten(-1, (-1, 2)).unbind(-1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import _INIT_STD, Attention, Embedding, LlamaConfig, Linear, RMSNorm, _residual_std
+from .llama import INIT_STD, Attention, Embedding, LlamaConfig, Linear, RMSNorm, residual_std
 
 
 @dataclass
@@ -56,14 +56,14 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         e, h, d = cfg.n_experts, cfg.expert_hidden, cfg.d_model
-        self.residual_std = _residual_std(cfg)
+        self.down_std = residual_std(cfg)
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * h, d))
         self.w_down = nn.Parameter(torch.empty(e, d, h))
         self.reset_parameters()
 
     def reset_parameters(self):
-        nn.init.normal_(self.w_gate_up, 0.0, _INIT_STD)
-        nn.init.normal_(self.w_down, 0.0, self.residual_std)
+        nn.init.normal_(self.w_gate_up, 0.0, INIT_STD)
+        nn.init.normal_(self.w_down, 0.0, self.down_std)
 
     @staticmethod
     def _local(w):
