@@ -157,12 +157,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaModel(nn.Module):
+class Decoder(nn.Module):
+    """Embedding, `cfg.n_layers` blocks of `block_class`, final norm and output head (tied
+    to the embedding with cfg.tie_embeddings); the models differ in their blocks."""
+
+    block_class: type  # set by each model
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = Linear(cfg.d_model, cfg.vocab_size)
         if cfg.tie_embeddings:
@@ -177,6 +182,10 @@ class LlamaModel(nn.Module):
     def loss(self, tokens, targets):
         logits = self(tokens)
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class LlamaModel(Decoder):
+    block_class = Block
 
 
 def tensor_parallel(model: LlamaModel, tp_mesh, sequence_parallel: bool = True) -> LlamaModel:

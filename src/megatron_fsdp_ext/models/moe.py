@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import INIT_STD, Attention, Embedding, LlamaConfig, Linear, RMSNorm, residual_std
+from .llama import INIT_STD, Attention, Decoder, LlamaConfig, Linear, RMSNorm, residual_std
 
 
 @dataclass
@@ -160,24 +160,8 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.moe_norm(x))
 
 
-class MoEModel(nn.Module):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = Linear(cfg.d_model, cfg.vocab_size)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-    def loss(self, tokens, targets):
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+class MoEModel(Decoder):
+    block_class = MoEBlock
 
 
 def expert_parallel(model: MoEModel, ep_mesh) -> MoEModel:
