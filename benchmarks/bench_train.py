@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -61,8 +62,11 @@ CONFIGS = {
 # backward); "mfsdp_unbucketed": one collective per unit (gather/reduce_bucket_bytes=0).
 SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
            "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed",
-           "mfsdp_nancheck")
+           "mfsdp_nancheck", "mfsdp_ub", "fsdp2_ub")
 # "mfsdp_nancheck": ours with check_for_nan_in_grad=True (its cost against "mfsdp").
+# "<system>_ub": every unit's all-gather output and reduce-scatter input allocated by the
+# process group (set_allocate_memory_from_process_group_for_comm(True); NCCL: registered
+# memory the collectives run on in place), against the same system without.
 GATHER_BUCKET_BYTES = 32 << 20
 REDUCE_BUCKET_BYTES = 64 << 20
 
@@ -76,7 +80,8 @@ def parse_args():
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--timeline", default="1b_comm_bound",
-                   help="config whose last step is profiled into timeline_<system>_<config>.png (CUDA only; '' = none)")
+                   help="configs (comma-separated) whose last step is profiled into timeline_<system>_<config>.png and "
+                        "the NCCL kernel summary (CUDA only; '' = none)")
     p.add_argument("--meta-init", action="store_true",
                    help="mfsdp and fsdp2 build the model on the meta device and initialize only their shards "
                         "(mfsdp: materialize(); fsdp2: to_empty() + reset_parameters()); ddp is skipped")
@@ -136,6 +141,12 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
         if device.type != "cuda":
             raise SystemExit(f"{system}: CUDA graphs need a CUDA device")
         return build(system.removesuffix("_graphed"), cfg, device, meta_init, ep, moe_form)
+    if system.endswith("_ub"):
+        wrapped, model, autocast = build(system.removesuffix("_ub"), cfg, device, meta_init, ep, moe_form)
+        for m in model.modules():
+            if hasattr(m, "set_allocate_memory_from_process_group_for_comm"):
+                m.set_allocate_memory_from_process_group_for_comm(True)
+        return wrapped, model, autocast
     if system.endswith("_compiled"):
         wrapped, model, autocast = build(system.removesuffix("_compiled"), cfg, device, meta_init, ep, moe_form)
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
@@ -295,8 +306,9 @@ def run_one(system, name, device, args):
             Path(args.out).mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(Path(args.out) / f"memory_{system}_{name}.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
-    if device.type == "cuda" and args.timeline == name:
-        profile_timeline(train_step, system, name, Path(args.out))
+    collectives = None
+    if device.type == "cuda" and name in args.timeline.split(","):
+        collectives = profile_timeline(train_step, system, name, Path(args.out))
     # Per step the slowest rank decides (element-wise MAX), then the median; the largest rank the memory.
     slowest = torch.tensor(times, device=device, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -329,6 +341,9 @@ def run_one(system, name, device, args):
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep,
         "moe_form": getattr(model, "moe_form", None),
+        # Rank 0's NCCL kernels in the profiled step (--timeline): per collective the
+        # count, summed kernel time and the largest grid (blocks = SMs it occupies).
+        "nccl_kernels": collectives,
         "local_shards_gib": sum(_local(p).numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
     wrapped = model = opt = loss = None  # free before the next system builds
@@ -373,8 +388,31 @@ def capture_step(forward_backward_step, opt, warmup: int):
     return replay
 
 
-def profile_timeline(train_step, system: str, name: str, out: Path) -> None:
-    """One more step under torch.profiler; rank 0 plots its kernels per stream."""
+def nccl_kernel_summary(trace_path: str) -> dict:
+    """Per NCCL collective in a chrome trace (AllGather, ReduceScatter, AllReduce, ...):
+    kernels, their summed time, and the largest grid: an NCCL kernel runs one block per
+    channel, each on its own SM, so the grid is the SMs the collective takes from compute."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    summary = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "kernel" or "dur" not in e or not name.startswith("nccl"):
+            continue
+        # ncclDevKernel_AllGather_RING_LL(...), ncclSymkDevKernel_...: AllGather, ReduceScatter, SendRecv
+        kind = re.sub(r"^nccl[A-Za-z]*Kernel_", "", name).split("_")[0].split("(")[0]
+        s = summary.setdefault(kind, {"kernels": 0, "total_ms": 0.0, "max_grid_blocks": 0})
+        s["kernels"] += 1
+        s["total_ms"] += float(e["dur"]) / 1e3
+        grid = e.get("args", {}).get("grid") or [0]
+        s["max_grid_blocks"] = max(s["max_grid_blocks"], int(grid[0]) * int(grid[1]) * int(grid[2])
+                                   if len(grid) == 3 else int(grid[0]))
+    return summary
+
+
+def profile_timeline(train_step, system: str, name: str, out: Path):
+    """One more step under torch.profiler; rank 0 plots its kernels per stream and returns
+    its NCCL kernel summary (None on the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_fsdp_ext.trace import kernel_intervals, plot_timeline
@@ -392,6 +430,8 @@ def profile_timeline(train_step, system: str, name: str, out: Path) -> None:
                           f"{system} {name}: one step, rank 0 kernels per CUDA stream")
         except ImportError:
             pass
+        return nccl_kernel_summary(str(trace))
+    return None
 
 
 def write_outputs(results, out: Path, meta):

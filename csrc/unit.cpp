@@ -201,11 +201,30 @@ Communicator same_ranks_or_throw(ProcessGroupPtr pg, const Communicator& unit_co
 }  // namespace
 
 void Unit::set_all_gather_group(ProcessGroupPtr pg) {
+  check_groups_settable("set_all_gather_group");
   ag_comm_ = same_ranks_or_throw(std::move(pg), rs_comm_, "all-gather");
 }
 
 void Unit::set_reduce_scatter_group(ProcessGroupPtr pg) {
+  check_groups_settable("set_reduce_scatter_group");
   rs_comm_ = same_ranks_or_throw(std::move(pg), ag_comm_, "reduce-scatter");
+}
+
+void Unit::check_groups_settable(const char* what) const {
+  MFSDP_CHECK(comm_buffers_ == CommBufferSource::kCachingAllocator, what, ": fully_shard unit '", label_,
+              "' already takes its communication buffers from its groups; set the groups first");
+}
+
+bool Unit::set_comm_buffer_source(CommBufferSource source) {
+  const bool from_group = source == CommBufferSource::kProcessGroup && !aliases_shard();
+  const bool gather = from_group && !replicated() && group_allocates(ag_comm_, device_);
+  const bool reduce = from_group && group_allocates(rs_comm_, device_);
+  if (gather) connect_for_allocation(ag_comm_, device_);
+  if (reduce) connect_for_allocation(rs_comm_, device_);
+  comm_buffers_ = source;
+  gather_buffer_from_group_ = gather;
+  reduce_buffer_from_group_ = reduce;
+  return gather || reduce;
 }
 
 void Unit::set_replicate_group(ProcessGroupPtr pg) {
@@ -300,6 +319,14 @@ void Unit::allocate_unsharded() {
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
   allow_access(impl);  // also for a unit of zero-size parameters, whose 0 bytes are "allocated" already
   if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
+  if (gather_buffer_from_group_) {
+    // The group's registered memory: its DataPtr moves into the unsharded storage, so
+    // freeing that storage hands the block back to the group's pool.
+    at::Tensor block = allocate_comm_buffer(ag_comm_, unsharded_nbytes_, device_options(at::kByte), true);
+    impl->set_data_ptr_noswap(block.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, device_)));
+    impl->set_nbytes(unsharded_nbytes_);
+    return;
+  }
   c10::Allocator* alloc = impl->allocator();
   MFSDP_CHECK(alloc != nullptr, "unsharded storage has no allocator");
   impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));

@@ -108,7 +108,7 @@ at::Tensor Unit::pack_grads(bool sync) {
   if (!accumulate && sync) ctx().make_room_for_reduction();
   at::Tensor flat = accumulate
       ? accumulated_
-      : at::empty({layout_.total_numel()}, device_options(reduce_dtype_));
+      : allocate_comm_buffer(rs_comm_, layout_.total_numel(), device_options(reduce_dtype_), reduce_buffer_from_group_);
   pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {

@@ -25,6 +25,20 @@ def test_subgroup_process_group():
     run_distributed(OW.subgroup_process_group, 4, timeout=300)
 
 
+@pytest.mark.parametrize("when", ["before_root", "after_root"])
+def test_comm_buffers_from_the_process_group(when):
+    # Gloo cannot allocate: the caching allocator stays, one warning names the backend,
+    # training is unchanged. On NCCL (tests/gpu) the buffers must lie in the group's pool.
+    assert not run_distributed(OW.comm_buffers_from_group, 2, when, timeout=240)[0]["from_group"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("when", ["before_root", "after_root"])
+def test_nccl_comm_buffers_from_the_process_group(when):
+    r = run_distributed(OW.comm_buffers_from_group, gpu_world(), when, backend="nccl", timeout=300)[0]
+    print(r)
+
+
 @pytest.mark.gpu
 def test_nccl_state_dict_options():
     # On CUDA, cpu_offload=False must keep the full state dict on the GPU.

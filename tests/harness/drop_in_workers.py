@@ -63,7 +63,6 @@ def identity(rank, world):
 
     for call, match in ((lambda: model.set_reduce_scatter_max_input_buffers(2), "max_input_buffers"),
                         (lambda: model.set_separate_reduce_scatter_group(True), "create_all_gather_group"),
-                        (lambda: model.set_allocate_memory_from_process_group_for_comm(True), "allocate_memory"),
                         (lambda: model.set_symm_mem_for_comm(), "set_symm_mem_for_comm")):
         with pytest.raises(NotImplementedError, match=match):
             call()

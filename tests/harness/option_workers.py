@@ -776,3 +776,100 @@ def _clip_errors(device) -> None:
     expected = local.sqrt().item()
     got = mfsdp.clip_grad_norm_(model, 1e9)
     assert abs(got.item() - expected) <= 1e-6 * expected, (got.item(), expected)
+
+
+# ---------------------------------------------------------------- communication buffers
+
+def _group_allocates(state, device: torch.device) -> bool:
+    """What torch says of the unit's group: whether its backend allocates `device` memory
+    (FSDP2 asks the same before taking its buffers from it)."""
+    if device.type != "cuda" or state.process_group.size() == 1:
+        return False
+    backend = state.process_group._get_backend(device)
+    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(device.index))
+
+
+def _comm_buffer_allocations(snapshot, device: torch.device, sizes) -> List[tuple]:
+    """(bytes, pool id) of every allocation of one of `sizes` bytes in the allocator's
+    trace: the pool is that of the segment holding it (0, 0 is torch's default pool)."""
+    segments = [(s["address"], s["address"] + s["total_size"], tuple(s["segment_pool_id"]))
+                for s in snapshot["segments"] if s["device"] == device.index]
+    wanted = set(sizes) | {(n + 511) // 512 * 512 for n in sizes}
+    found = []
+    for e in snapshot["device_traces"][device.index]:
+        if e["action"] == "alloc" and e["size"] in wanted:
+            pool = next((p for lo, hi, p in segments if lo <= e["addr"] < hi), None)
+            found.append((e["size"], pool))
+    return found
+
+
+def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
+    """set_allocate_memory_from_process_group_for_comm(True) on every unit, `when`
+    "before_root" (before the first forward) or "after_root" (after one step): gradients
+    match the single-process reference either way; where torch says the group's backend
+    allocates (NCCL on a multicast-capable GPU), every all-gather output and reduce-scatter
+    input of the step after lies in the group's pool, not torch's default one; elsewhere
+    the caching allocator stays, with one warning naming the backend."""
+    import warnings
+
+    device = device_for_backend()
+    cfg, model, ref = build_models({}, device)
+    shard_blocks_and_root(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    states = [s for s in iter_states(model) if s.unit is not None]
+
+    def switch_on():
+        for m in model.modules():
+            if isinstance(m, mfsdp.FSDPModule):
+                m.set_allocate_memory_from_process_group_for_comm(True)
+
+    expect_error(lambda: model.set_allocate_memory_from_process_group_for_comm(1), TypeError, "expects a bool")
+    batches = list(global_batches(cfg, 3, 2 * world, 8, device))
+    rows = rows_of(rank, 2)
+    if when == "before_root":
+        switch_on()
+    worst = 0.0
+    # The warning comes at the switch: in the setter, or at the first forward.
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        for step, (tokens, targets) in enumerate(batches):
+            if step == 1 and when == "after_root":
+                switch_on()
+            traced = device.type == "cuda" and step == 2
+            if traced:
+                torch.cuda.synchronize()
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+            model.loss(tokens[rows], targets[rows]).backward()
+            ref.loss(tokens, targets).backward()
+            worst = max(worst, worst_grad_error(model, ref))
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            if traced:
+                torch.cuda.synchronize()
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+    messages = [str(w.message) for w in recorded]
+    assert worst < 1e-5, f"gradients differ from the single-process reference by {worst:.2e}"
+
+    allocates = [_group_allocates(s, device) for s in states]
+    assert len(set(allocates)) == 1, allocates
+    expected = allocates[0]
+    for s in states:
+        assert s.options.comm_buffers_from_group
+        assert s.unit.gather_buffer_from_group == expected, (s.label, s.unit.gather_buffer_from_group)
+        assert s.unit.reduce_buffer_from_group == expected, (s.label, s.unit.reduce_buffer_from_group)
+    warned = [m for m in messages if "does not allocate" in m]
+    if expected:
+        assert not warned, warned
+        # fp32 throughout: a unit's gathered buffer and its packed gradients are both
+        # total_numel x 4 bytes, and nothing else of the step has that size.
+        sizes = {s.unit.layout.total_numel * 4 for s in states}
+        found = _comm_buffer_allocations(snapshot, device, sizes)
+        assert len(found) >= 2 * len(states), found
+        outside = [f for f in found if f[1] in (None, (0, 0))]
+        assert not outside, f"communication buffers outside the group's pool: {outside} of {found}"
+    else:
+        backend = repr(states[0].process_group.name())
+        assert len(warned) == 1 and backend in warned[0], messages
+    return {"from_group": expected, "worst_grad_error": worst, "warnings": messages}

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .. import _C
 from . import fsdp2_view, shard_changes
+from .comm_buffers import apply_comm_buffer_source
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, placement_groups)
 from .extension_points import class_overrides, outer_sharding
@@ -308,11 +309,24 @@ class FSDPModule(torch_fsdp.FSDPModule):
                      "the default where collectives run on device streams (NCCL)")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        _unsupported("set_allocate_memory_from_process_group_for_comm",
-                     "communication buffers come from torch's caching allocator")
+        """FSDP2's: this unit's all-gather output and reduce-scatter input are allocated by
+        its process group's backend instead of torch's caching allocator. NCCL allocates
+        them with ncclMemAlloc and registers them with the communicator, so the collectives
+        run on them in place (fewer SMs, no staging copies); the memory is the group's own
+        pool, reused by communication buffers only. Where the backend cannot allocate
+        (Gloo, a device without NVLink multicast) the caching allocator stays, with a
+        warning. Call it on every rank: once the root exists (after the first forward) it
+        connects each group's communicator, a collective."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_allocate_memory_from_process_group_for_comm expects a bool, got {enable!r}")
+        for s in self._fsdp_state.with_companions:
+            s.set_options(comm_buffers_from_group=enable)
+            if s.ctx is not None:
+                apply_comm_buffer_source(s)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        _unsupported("set_symm_mem_for_comm", "communication buffers come from torch's caching allocator")
+        _unsupported("set_symm_mem_for_comm", "NCCL symmetric-memory windows are not used; "
+                     "set_allocate_memory_from_process_group_for_comm(True) registers the buffers with NCCL")
 
     def _set_unshard_async_op(self, async_op: bool):
         _unsupported("_set_unshard_async_op", "gathers always run on the all-gather stream")

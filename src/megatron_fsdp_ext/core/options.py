@@ -68,6 +68,10 @@ class UnitOptions:
     # Megatron's check_for_nan_in_grad: reduced gradient shards are checked for NaN/Inf on
     # the device; the optimizer step (or clip_grad_norm_) refuses to run on them.
     check_for_nan_in_grad: bool = False
+    # FSDP2's set_allocate_memory_from_process_group_for_comm (Megatron-FSDP's nccl_ub):
+    # the all-gather output and reduce-scatter input come from the group's backend
+    # (NCCL: registered memory the collectives run on in place; csrc/comm_buffers.h).
+    comm_buffers_from_group: bool = False
 
     def __post_init__(self):
         sharding_strategy(self.sharding_strategy)
@@ -77,7 +81,8 @@ class UnitOptions:
         if self.link_model is not None and not isinstance(self.link_model, LinkModel):
             raise TypeError(f"link_model must be a megatron_fsdp_ext.link.LinkModel or None, got {self.link_model!r}")
         for name in ("reshard_after_forward", "all_gather_in_start_param_sync", "overlap_grad_reduce",
-                     "reshard_after_backward", "unshard_in_backward", "check_for_nan_in_grad"):
+                     "reshard_after_backward", "unshard_in_backward", "check_for_nan_in_grad",
+                     "comm_buffers_from_group"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.reshard_after_forward and self.keeps_params_unsharded:

@@ -87,6 +87,12 @@ class FSDPConfig:
     offload_pin_memory: bool = True
     """Pin offloaded host memory, so that copies to and from the device are asynchronous."""
 
+    nccl_ub: bool = False
+    """Megatron-FSDP's NCCL user buffers: every unit's all-gather output and reduce-scatter
+    input are allocated by the process group (NCCL: ncclMemAlloc, registered with the
+    communicator), as set_allocate_memory_from_process_group_for_comm(True) on each unit.
+    Where the backend cannot allocate (Gloo) the caching allocator stays, with a warning."""
+
     def __post_init__(self):
         sharding_strategy(self.data_parallel_sharding_strategy)
         check_offload_fraction(self.optimizer_offload_fraction, "FSDPConfig.optimizer_offload_fraction: ")
@@ -97,6 +103,8 @@ class FSDPConfig:
         if self.outer_dp_sharding_strategy != "no_shard":
             raise ValueError(f"FSDPConfig.outer_dp_sharding_strategy must be 'no_shard' or 'optim', "
                              f"got {self.outer_dp_sharding_strategy!r}")
+        if not isinstance(self.nccl_ub, bool):
+            raise TypeError(f"FSDPConfig.nccl_ub must be a bool, got {self.nccl_ub!r}")
         if self.bf16 and self.fp16:
             raise ValueError("FSDPConfig: bf16 and fp16 are exclusive; pick one")
         try:
@@ -284,6 +292,9 @@ def fully_shard_model(
     offload = _offload_choice(module, units, ignored_params, config)
     for m, off in zip(units + [module], offload):
         fully_shard(m, **kwargs, offload_policy=off)
+    if config.nccl_ub:
+        for m in units + [module]:
+            m.set_allocate_memory_from_process_group_for_comm(True)
     if placement is not None:
         dense_size = mesh.size() if mesh is not None else dist.get_world_size(process_group)
         for m in units + [module]:
