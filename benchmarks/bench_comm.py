@@ -14,6 +14,11 @@ Timing: every rank times every iteration (CUDA events); per iteration the slowes
 rank's time counts (all-reduce MAX after the timed loop, so it adds nothing to the
 loop); reported are the median and the spread (10th/90th percentile, min, max) over
 --iters iterations after --warmup untimed ones, and comm.json keeps every iteration.
+`--registered` also times, per size, the in-place all-gather and the reduce-scatter on
+buffers the process group allocates (Backend.allocate_tensor: NCCL memory registered with
+the communicator, what set_allocate_memory_from_process_group_for_comm gives units)
+against the same on torch's caching allocator, with the NCCL kernel grid (the SMs each
+collective takes) from one profiled iteration of each.
 `--device cpu` runs the same code over Gloo (wall clock; no stream pair, no GROUPED):
 a functional check of the script, not a measurement.
 """
@@ -78,6 +83,63 @@ class Timer:
         return {"min": ms[0], "p10": deciles[0], "p90": deciles[-1], "max": ms[-1]}
 
 
+def group_buffer(group, numel: int, dtype: torch.dtype, device: torch.device):
+    """`numel` elements allocated by `group`'s backend, or None where it cannot allocate."""
+    backend = group._get_backend(device)
+    if device.type != "cuda" or not backend.supports_tensor_alloc(device):
+        return None
+    return backend.allocate_tensor(numel, dtype=dtype, device=device)
+
+
+def nccl_grids(fn) -> dict:
+    """The NCCL kernel summary (kernels, time, largest grid) of one profiled call of fn."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_fsdp_ext.trace import nccl_kernel_summary
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return nccl_kernel_summary(f.name)
+
+
+def registered_row(comm, group, n: int, timer, world: int, rank: int, mib: float) -> dict:
+    """In-place all-gather (the input is the output's own segment, as units gather) and
+    reduce-scatter of n bf16 elements, on caching-allocator and on group-allocated buffers."""
+    device = timer.device
+    row = {}
+    for source in ("caching", "group"):
+        if source == "group":
+            full, grads = group_buffer(group, n, torch.bfloat16, device), group_buffer(group, n, torch.bfloat16, device)
+            if full is None:
+                row["group"] = "the backend does not allocate"
+                return row
+        else:
+            full, grads = (torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        grads.normal_()
+        mine = full.narrow(0, rank * (n // world), n // world)
+        mine.normal_()
+        out = torch.empty(n // world, dtype=torch.bfloat16, device=device)
+
+        def ag():
+            comm.all_gather_flat(full, mine)
+
+        def rs():
+            comm.reduce_scatter_flat(out, grads)
+
+        t_ag, t_rs = timer(f"{mib:g}MiB_ag_{source}", ag), timer(f"{mib:g}MiB_rs_{source}", rs)
+        bus = n * 2 * (world - 1) / world
+        row[source] = {"ag_ms": t_ag * 1e3, "ag_spread_ms": timer.spread(f"{mib:g}MiB_ag_{source}"),
+                       "rs_ms": t_rs * 1e3, "rs_spread_ms": timer.spread(f"{mib:g}MiB_rs_{source}"),
+                       "ag_busbw_gbs": bus / t_ag / 1e9, "rs_busbw_gbs": bus / t_rs / 1e9,
+                       "ag_kernels": nccl_grids(ag), "rs_kernels": nccl_grids(rs)}
+    return row
+
+
 def uneven_rows(comm, sizes_mib, timer, world, rank):
     """all_gather_v / reduce_scatter_v with owner-style uneven segments (rank r holds
     (r + 1) parts of the total, the last rank's segment empty for world > 2): each
@@ -123,6 +185,8 @@ def main():
                    help="total sizes for all_gather_v / reduce_scatter_v (GROUPED vs PADDED vs ALL_REDUCE)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cpu: Gloo, a functional check only (default: CUDA when available)")
+    p.add_argument("--registered", action="store_true",
+                   help="also time collectives on process-group-allocated (NCCL-registered) buffers")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args()
     if args.iters < 1 or args.warmup < 0:
@@ -187,6 +251,16 @@ def main():
                         "pair_two_comms_spread_ms": timer.spread(f"{mib:g}MiB_pair_two_comms"),
                         "two_vs_one": t_two / t_one})
             line += f"  AG||RS one comm {t_one * 1e3:7.3f} ms, two comms {t_two * 1e3:7.3f} ms ({t_two / t_one:.2f}x)"
+        if args.registered and use_cuda:
+            row["registered"] = registered_row(comm_a, dist.distributed_c10d._get_default_group(), n, timer, world,
+                                               rank, mib)
+            reg = row["registered"]
+            if isinstance(reg.get("group"), dict):
+                c, g = reg["caching"], reg["group"]
+                grid = lambda r, k: max((v["max_grid_blocks"] for v in r[k].values()), default=0)
+                line += (f"\n{'':13}in place: AG {c['ag_ms']:.3f} -> {g['ag_ms']:.3f} ms (grid {grid(c, 'ag_kernels')}"
+                         f" -> {grid(g, 'ag_kernels')}), RS {c['rs_ms']:.3f} -> {g['rs_ms']:.3f} ms (grid "
+                         f"{grid(c, 'rs_kernels')} -> {grid(g, 'rs_kernels')}) registered")
         rows.append(row)
         if rank == 0:
             print(line + "  (medians, slowest rank)", flush=True)

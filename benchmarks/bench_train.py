@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import re
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ CONFIGS = {
 # backward); "mfsdp_unbucketed": one collective per unit (gather/reduce_bucket_bytes=0).
 SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
            "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed",
-           "mfsdp_nancheck", "mfsdp_ub", "fsdp2_ub")
+           "mfsdp_nancheck", "mfsdp_ub", "mfsdp_unbucketed_ub", "fsdp2_ub")
 # "mfsdp_nancheck": ours with check_for_nan_in_grad=True (its cost against "mfsdp").
 # "<system>_ub": every unit's all-gather output and reduce-scatter input allocated by the
 # process group (set_allocate_memory_from_process_group_for_comm(True); NCCL: registered
@@ -388,34 +387,12 @@ def capture_step(forward_backward_step, opt, warmup: int):
     return replay
 
 
-def nccl_kernel_summary(trace_path: str) -> dict:
-    """Per NCCL collective in a chrome trace (AllGather, ReduceScatter, AllReduce, ...):
-    kernels, their summed time, and the largest grid: an NCCL kernel runs one block per
-    channel, each on its own SM, so the grid is the SMs the collective takes from compute."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
-    summary = {}
-    for e in events:
-        name = e.get("name", "")
-        if e.get("cat") != "kernel" or "dur" not in e or not name.startswith("nccl"):
-            continue
-        # ncclDevKernel_AllGather_RING_LL(...), ncclSymkDevKernel_...: AllGather, ReduceScatter, SendRecv
-        kind = re.sub(r"^nccl[A-Za-z]*Kernel_", "", name).split("_")[0].split("(")[0]
-        s = summary.setdefault(kind, {"kernels": 0, "total_ms": 0.0, "max_grid_blocks": 0})
-        s["kernels"] += 1
-        s["total_ms"] += float(e["dur"]) / 1e3
-        grid = e.get("args", {}).get("grid") or [0]
-        s["max_grid_blocks"] = max(s["max_grid_blocks"], int(grid[0]) * int(grid[1]) * int(grid[2])
-                                   if len(grid) == 3 else int(grid[0]))
-    return summary
-
-
 def profile_timeline(train_step, system: str, name: str, out: Path):
     """One more step under torch.profiler; rank 0 plots its kernels per stream and returns
     its NCCL kernel summary (None on the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_fsdp_ext.trace import kernel_intervals, plot_timeline
+    from megatron_fsdp_ext.trace import kernel_intervals, nccl_kernel_summary, plot_timeline
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

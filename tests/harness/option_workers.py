@@ -786,7 +786,7 @@ def _group_allocates(state, device: torch.device) -> bool:
     if device.type != "cuda" or state.process_group.size() == 1:
         return False
     backend = state.process_group._get_backend(device)
-    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(device.index))
+    return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(device))
 
 
 def _comm_buffer_allocations(snapshot, device: torch.device, sizes) -> List[tuple]:

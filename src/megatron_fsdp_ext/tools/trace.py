@@ -3,6 +3,7 @@ tests and the benchmark's timeline plot."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Dict, List, Tuple
 
 Kernel = Tuple[str, object, float, float]  # (name, stream, start_us, end_us)
@@ -26,6 +27,31 @@ def copy_intervals(trace_path: str) -> List[Kernel]:
         trace = json.load(f)
     return [(e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             for e in trace.get("traceEvents", []) if e.get("cat") == "gpu_memcpy" and "dur" in e]
+
+
+def nccl_kernel_summary(trace_path: str) -> Dict[str, Dict]:
+    """Per NCCL collective in a chrome trace (AllGather, ReduceScatter, AllReduce, SendRecv):
+    its kernels, their summed time in ms and the largest grid. An NCCL kernel runs one
+    block per channel, each on an SM of its own, so the grid is the SMs the collective
+    takes from compute. A kernel's time includes waiting for its peers."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    summary: Dict[str, Dict] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "kernel" or "dur" not in e or not name.startswith("nccl"):
+            continue
+        # ncclDevKernel_AllGather_RING_LL(...), ncclSymkDevKernel_...
+        kind = re.sub(r"^nccl[A-Za-z]*Kernel_", "", name).split("_")[0].split("(")[0]
+        s = summary.setdefault(kind, {"kernels": 0, "total_ms": 0.0, "max_grid_blocks": 0})
+        s["kernels"] += 1
+        s["total_ms"] += float(e["dur"]) / 1e3
+        grid = e.get("args", {}).get("grid") or [0]
+        blocks = 1
+        for g in grid:
+            blocks *= int(g)
+        s["max_grid_blocks"] = max(s["max_grid_blocks"], blocks)
+    return summary
 
 
 def overlapping(a: Kernel, others: List[Kernel]) -> bool:
