@@ -825,6 +825,12 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
                 m.set_allocate_memory_from_process_group_for_comm(True)
 
     expect_error(lambda: model.set_allocate_memory_from_process_group_for_comm(1), TypeError, "expects a bool")
+    # Megatron-FSDP's spelling: FSDPConfig(nccl_ub=True) switches every unit it makes.
+    expect_error(lambda: mfsdp.FSDPConfig(nccl_ub=1), TypeError, "nccl_ub must be a bool")
+    configured = mfsdp.fully_shard_model(build_models({}, device)[1], mfsdp.FSDPConfig(nccl_ub=True),
+                                         fsdp_unit_modules=[Block])
+    assert all(s.options.comm_buffers_from_group for s in iter_states(configured))
+    assert len(list(iter_states(configured))) == cfg.n_layers + 1
     batches = list(global_batches(cfg, 3, 2 * world, 8, device))
     rows = rows_of(rank, 2)
     if when == "before_root":
