@@ -31,8 +31,10 @@ _PRELOAD = ["torch", "torch.distributed", "megatron_fsdp_ext", "harness.workers"
 # 2-core machine. Not on a CUDA build: the server must hold no CUDA state, and that import
 # is not checked there. A test that needs the first import to happen in the rank passes
 # fresh_interpreter=True to run_distributed.
+# torch._inductor.compile_fx likewise (~1.1 s a rank): torchtitan's attention module calls
+# torch.compile at import, as do the compile tests.
 if not torch.backends.cuda.is_built():
-    _PRELOAD.insert(2, "torch._dynamo")
+    _PRELOAD[2:2] = ["torch._dynamo", "torch._inductor.compile_fx"]
 _context = None
 
 
