@@ -31,10 +31,19 @@ def check_meta(meta, script, world=2):
     assert "commit" in meta and "build" in meta
 
 
-def test_bench_train_tiny_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def bench_train_run(tmp_path_factory):
+    """bench_train.py's default systems (mfsdp, fsdp2, ddp) on the tiny config, built
+    directly (no --meta-init): checked below, and the direct-build reference of the
+    --meta-init run (its mfsdp row: the first system, as in a run of mfsdp alone)."""
+    out = tmp_path_factory.mktemp("bench_train")
     run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
-               "--warmup", "1", "--out", str(tmp_path), port=29571)
-    data = json.loads((tmp_path / "results.json").read_text())
+               "--warmup", "1", "--out", str(out), port=29571)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_bench_train_tiny_cpu(bench_train_run):
+    out, data = bench_train_run
     systems = {r["system"] for r in data["results"]}
     assert systems == {"mfsdp", "fsdp2", "ddp"}
     losses = {r["system"]: r["final_loss"] for r in data["results"]}
@@ -44,7 +53,7 @@ def test_bench_train_tiny_cpu(tmp_path):
     for r in data["results"]:
         assert len(r["step_times_s"]) == 2 and min(r["step_times_s"]) > 0
         assert r["step_s"] == pytest.approx(statistics.median(r["step_times_s"]))
-    assert "| tiny | mfsdp |" in (tmp_path / "results.md").read_text()
+    assert "| tiny | mfsdp |" in (out / "results.md").read_text()
 
 
 def test_bench_train_mixture_of_experts_with_expert_parallelism_cpu(tmp_path):
@@ -137,7 +146,7 @@ def test_bench_comm_reports_the_slowest_rank():
     assert median0 == pytest.approx(statistics.median(raw0) / 1e3)
 
 
-def test_bench_train_meta_init_tiny_cpu(tmp_path):
+def test_bench_train_meta_init_tiny_cpu(tmp_path, bench_train_run):
     """--meta-init: both FSDP systems build on meta and initialize their shards. Ours starts
     from exactly the values of the direct build (same losses as a run without
     --meta-init); FSDP2's DTensor initializers draw per shard on CPU, so its values differ
@@ -152,10 +161,9 @@ def test_bench_train_meta_init_tiny_cpu(tmp_path):
         assert r["init_s"] > 0
         assert r["local_shards_gib"] * 2**30 <= full_bytes / 2 + 4096, (r["local_shards_gib"], full_bytes)
     assert abs(rows["mfsdp"]["final_loss"] - rows["fsdp2"]["final_loss"]) < 0.2, rows
-    run_script(2, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
-               "--warmup", "1", "--systems", "mfsdp", "--out", str(tmp_path / "direct"), port=29575)
-    direct = json.loads((tmp_path / "direct" / "results.json").read_text())["results"][0]
-    assert not direct["meta_init"]
+    # The direct build: bench_train_run's mfsdp row (same config, steps and seeds).
+    direct = bench_train_run[1]["results"][0]
+    assert direct["system"] == "mfsdp" and not direct["meta_init"]
     assert direct["final_loss"] == pytest.approx(rows["mfsdp"]["final_loss"], rel=1e-6, abs=1e-6)
 
 

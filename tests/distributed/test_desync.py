@@ -15,6 +15,7 @@ from harness import run_distributed
 from harness.workers import expect_error
 
 TIMEOUT_S = 4
+STALL_S = 2 * TIMEOUT_S + 1  # how long the stalled rank sleeps
 
 
 class _Net(nn.Module):
@@ -113,7 +114,9 @@ def _desync(rank, world, case):
     try:
         if case == "stall":
             if rank == 1:
-                time.sleep(3 * TIMEOUT_S)
+                # Past the latest time the test accepts rank 0's error (2 * TIMEOUT_S): a
+                # timeout that fires later, or never, fails the test either way.
+                time.sleep(STALL_S)
             _trained_step(net, opt, x)
         elif case == "skipped_backward":
             if rank == 1:

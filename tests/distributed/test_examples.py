@@ -113,17 +113,30 @@ def test_torchtitan_style_script_runs_on_either_fsdp(tmp_path):
         assert abs(run["resumed_eval_loss"] - run["original_eval_loss"]) < 1e-6, run
 
 
-def test_train_gpt_tensor_parallel_matches_the_1d_run(tmp_path):
+# The 12-step world-2 run of train_gpt.py with the defaults (no --tp, no --offload): the
+# reference of the TP run and of the offloaded run below, trained once for both.
+SHORT = ["--device", "cpu", "--steps", "12", "--seq-len", "32", "--micro-batch", "4", "--d-model", "64", "--layers",
+         "2", "--heads", "4", "--corpus-mb", "1"]
+
+
+@pytest.fixture(scope="module")
+def plain_short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train_gpt_plain")
+    metrics_path = out / "metrics.json"
+    run_script(2, example("train_gpt.py"), *SHORT, "--out-dir", str(out / "run"), "--metrics-json", str(metrics_path),
+               port=29591, timeout=180)
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world"] == 2 and metrics["tp"] == 1 and len(metrics["losses"]) == 12
+    return metrics
+
+
+def test_train_gpt_tensor_parallel_matches_the_1d_run(tmp_path, plain_short_run):
     """--tp 2 at world 4 (FSDP 2 x TP 2) sees the same rows per data-parallel rank as the
     1-D run at world 2: its loss curve is the same."""
-    runs = {}
-    for world, tp, port in ((2, 1, 29585), (4, 2, 29587)):
-        metrics_path = tmp_path / f"metrics_tp{tp}.json"
-        run_script(world, example("train_gpt.py"), "--device", "cpu", "--steps", "12", "--seq-len", "32",
-                   "--micro-batch", "4", "--d-model", "64", "--layers", "2", "--heads", "4", "--corpus-mb", "1",
-                   "--tp", str(tp), "--out-dir", str(tmp_path / f"tp{tp}"), "--metrics-json", str(metrics_path),
-                   port=port, timeout=180)
-        runs[tp] = json.loads(metrics_path.read_text())
+    metrics_path = tmp_path / "metrics_tp2.json"
+    run_script(4, example("train_gpt.py"), *SHORT, "--tp", "2", "--out-dir", str(tmp_path / "tp2"),
+               "--metrics-json", str(metrics_path), port=29587, timeout=180)
+    runs = {1: plain_short_run, 2: json.loads(metrics_path.read_text())}
     assert runs[2]["tp"] == 2 and runs[2]["world"] == 4
     one, two = runs[1]["losses"], runs[2]["losses"]
     assert len(one) == len(two) == 12
@@ -132,19 +145,14 @@ def test_train_gpt_tensor_parallel_matches_the_1d_run(tmp_path):
     assert abs(runs[1]["held_out_loss"] - runs[2]["held_out_loss"]) <= 1e-4 * runs[1]["held_out_loss"]
 
 
-def test_train_gpt_offloaded_matches_the_device_run(tmp_path):
+def test_train_gpt_offloaded_matches_the_device_run(tmp_path, plain_short_run):
     """--offload (shards, gradients and AdamW state in host memory, CPUAdamW with its
     overlapped step) trains the example as the plain run does: the same losses within
     float rounding (CPUAdamW against torch's AdamW), and a checkpoint that loads."""
-    runs = {}
-    for flag, port in (("", 29591), ("--offload", 29593)):
-        metrics_path = tmp_path / f"metrics{flag or '_plain'}.json"
-        extra = [flag] if flag else []
-        run_script(2, example("train_gpt.py"), "--device", "cpu", "--steps", "12", "--seq-len", "32",
-                   "--micro-batch", "4", "--d-model", "64", "--layers", "2", "--heads", "4", "--corpus-mb", "1",
-                   *extra, "--out-dir", str(tmp_path / (flag or "plain")), "--metrics-json", str(metrics_path),
-                   port=port, timeout=180)
-        runs[flag] = json.loads(metrics_path.read_text())
+    metrics_path = tmp_path / "metrics--offload.json"
+    run_script(2, example("train_gpt.py"), *SHORT, "--offload", "--out-dir", str(tmp_path / "--offload"),
+               "--metrics-json", str(metrics_path), port=29593, timeout=180)
+    runs = {"": plain_short_run, "--offload": json.loads(metrics_path.read_text())}
     plain, offloaded = runs[""]["losses"], runs["--offload"]["losses"]
     assert len(plain) == len(offloaded) == 12 and plain[-1] < plain[0]
     for step, (a, b) in enumerate(zip(plain, offloaded)):

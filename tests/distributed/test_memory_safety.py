@@ -170,5 +170,7 @@ def test_fully_shard_frees_the_originals_without_the_garbage_collector():
     """The unsharded originals go when the units replace them, in a fresh process (the first
     fully_shard imports torch._dynamo) and with the collector off: no reference cycle of
     ours keeps device memory until the collector next runs."""
-    result = run_distributed(w_originals_freed_at_once, 2, timeout=120)[0]
+    # A fresh interpreter: the launcher's fork server preloads torch._dynamo.
+    result = run_distributed(w_originals_freed_at_once, 2, timeout=120, fresh_interpreter=True)[0]
     assert result["originals"] > 0
+    assert not result["dynamo_imported_before"], "torch._dynamo was imported before the first fully_shard"

@@ -26,6 +26,15 @@ class DistributedTestError(AssertionError):
 # Settings read when a module is imported (TORCH_DISTRIBUTED_DEBUG, OpenMP variables) are
 # those of the server's start; ranks end through os._exit (no atexit handlers).
 _PRELOAD = ["torch", "torch.distributed", "megatron_fsdp_ext", "harness.workers"]
+# On a CPU-only torch build (CI) torch._dynamo too: every rank that calls fully_shard
+# imports it (core/hook_support.load_dynamo), about 0.75 s of each rank's start on a
+# 2-core machine. Not on a CUDA build: the server must hold no CUDA state, and that import
+# is not checked there. A test that needs the first import to happen in the rank passes
+# fresh_interpreter=True to run_distributed.
+# torch._inductor.compile_fx likewise (~1.1 s a rank): torchtitan's attention module calls
+# torch.compile at import, as do the compile tests.
+if not torch.backends.cuda.is_built():
+    _PRELOAD[2:2] = ["torch._dynamo", "torch._inductor.compile_fx"]
 _context = None
 
 
@@ -149,6 +158,7 @@ def run_distributed(
     device: Optional[str] = None,
     timeout: float = 180.0,
     simulate_rank: int = 0,
+    fresh_interpreter: bool = False,
     **kwargs: Any,
 ) -> List[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes and return
@@ -158,8 +168,10 @@ def run_distributed(
     fake backend (collectives move nothing); the result is that rank's alone.
     Raises DistributedTestError with the failing rank's traceback, or when the
     processes do not finish within `timeout` seconds (they are killed: a hang never
-    blocks the test suite)."""
-    ctx = _mp_context()
+    blocks the test suite).
+    fresh_interpreter=True: each rank is a new interpreter (multiprocessing's spawn, ~3 s
+    slower) that imported nothing of the server's preload (_PRELOAD)."""
+    ctx = mp.get_context("spawn") if fresh_interpreter else _mp_context()
     where = f"world {world_size}, {backend}" + (f" with {device} tensors" if device else "")
     fd, init_file = tempfile.mkstemp(prefix="mfsdp_init_")
     os.close(fd)

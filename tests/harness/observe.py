@@ -7,7 +7,7 @@ how many units were unsharded at once without wrapping any library method.
 """
 import contextlib
 import re
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -40,7 +40,7 @@ class UnitTrace:
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
         if exc[0] is None:
-            self.events = self._replay(self._prof.events())
+            self.events = self._replay(recorded_events(self._prof))
 
     @staticmethod
     @contextlib.contextmanager
@@ -64,11 +64,11 @@ class UnitTrace:
         for ev in raw:
             m = _PHASE.match(ev.name)
             if m:
-                phases.append((ev.time_range.start, ev.time_range.end, m.group(1)))
+                phases.append((ev.start, ev.end, m.group(1)))
                 continue
             m = _SCOPE.match(ev.name)
             if m and m.group(2) in by_label:
-                scoped.append((ev.time_range.start, m.group(1), by_label[m.group(2)]))
+                scoped.append((ev.start, m.group(1), by_label[m.group(2)]))
         scoped.sort(key=lambda e: e[0])
         if not scoped and self.states:
             # Silence would pass every "at most N" check: a trace with no unit scopes
@@ -118,8 +118,79 @@ def count_collectives():
     counts: Dict[str, int] = {}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield counts
-    for e in prof.events():
+    for e in recorded_events(prof):
         m = _COLLECTIVE.match(e.name)
         key = m.group(1) if m else e.name if e.name.startswith("c10d::") else None
         if key is not None:
             counts[key] = counts.get(key, 0) + 1
+
+
+class Event(NamedTuple):
+    name: str
+    start: int  # ns
+    end: int
+
+
+def recorded_events(prof) -> List[Event]:
+    """The events `prof.events()` lists (names and time ranges), read straight from the
+    profiler's raw results: prof.events() builds a FunctionEvent (shapes, stacks, memory,
+    a tree of every op) for each of the thousands of ops a step records, in Python, which
+    took most of the time of the tests that watch units (seconds a step on a 2-core CPU).
+    Same selection as torch's: its filtered utility ops and hidden events left out, and
+    an event nested in its only-child parent of the same name dropped (EventList's
+    _remove_dup_nodes), so counts are those of prof.events()."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None or not hasattr(results, "events"):  # another profiler API: the slow way
+        return [Event(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
+    from torch.autograd.profiler_util import _filter_name
+
+    cpu = torch._C._autograd.DeviceType.CPU
+    kept = []  # [name, start, end, thread or None (not part of the CPU tree)]
+    for e in results.events():
+        name = e.name()
+        if _filter_name(name) or getattr(e, "is_hidden_event", lambda: False)():
+            continue
+        sync_cpu = not (e.is_async() or e.start_thread_id() != e.end_thread_id()) and e.device_type() == cpu
+        kept.append([name, e.start_ns(), e.end_ns(), e.start_thread_id() if sync_cpu else None])
+    _drop_nested_duplicates(kept)
+    return [Event(name, start, end) for name, start, end, _ in kept if name is not None]
+
+
+def _drop_nested_duplicates(events: List[list]) -> None:
+    """EventList._build_tree's parents (per thread, the innermost enclosing interval) and
+    _remove_dup_nodes (an event whose parent has the same name and no other child is
+    removed, its children going to the parent; repeated until none is): removed events
+    get name None."""
+    parent: Dict[int, Optional[int]] = {}
+    children: Dict[int, List[int]] = {}
+    by_thread: Dict[int, List[int]] = {}
+    for i, ev in enumerate(events):
+        if ev[3] is not None:
+            by_thread.setdefault(ev[3], []).append(i)
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: (events[i][1], -events[i][2]))
+        stack: List[int] = []
+        for i in idx:
+            start, end = events[i][1], events[i][2]
+            while stack:
+                top = events[stack[-1]]
+                if start >= top[2] or end > top[2]:
+                    stack.pop()
+                else:
+                    break
+            parent[i] = stack[-1] if stack else None
+            if stack:
+                children.setdefault(stack[-1], []).append(i)
+            stack.append(i)
+    while True:
+        gone = [i for i, p in parent.items() if p is not None and events[i][0] is not None
+                and events[p][0] == events[i][0] and len(children.get(p, ())) == 1]
+        if not gone:
+            return
+        for i in gone:
+            p = parent[i]
+            children[p] = children.pop(i, [])
+            for c in children[p]:
+                parent[c] = p
+            events[i][0] = None
+            del parent[i]
