@@ -40,7 +40,9 @@ def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -
     over `dense`, experts over `efsdp`; then the root. form "shard_placement_fn": one call
     per block whose shard_placement_fn returns FSDP2's ShardPlacementResult (torchtitan
     0.3.0, torch 2.12+); "experts_unit": the experts a unit of their own on efsdp inside
-    the block's (torchtitan 0.2); "auto": the first where torch has it. Returns the form."""
+    the block's (torchtitan 0.2); "auto": the first where torch has it. Experts shard dim 1
+    where efsdp has more ranks than the block has local experts (torchtitan's rule), else
+    dim 0. Returns the form."""
     from torch.distributed.fsdp._fully_shard import _fsdp_common as common
     from torch.distributed.tensor import Shard
 
@@ -52,12 +54,18 @@ def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -
         raise SystemExit("--moe-form shard_placement_fn: this torch has no ShardPlacementResult (2.12+)")
     for block in model.blocks:
         experts = set(block.moe.experts.parameters())
+        # torchtitan's rule: where the expert data-parallel mesh is larger than the local
+        # expert count, dim 0 would be padded up to the mesh size; shard dim 1 instead.
+        weight = block.moe.experts.w_gate_up
+        local_experts = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+        expert_dim = Shard(1) if efsdp.size() > local_experts else Shard(0)
         if form == "shard_placement_fn":
             infos = (common.FSDPMeshInfo(efsdp, shard_mesh_dim=0), common.FSDPMeshInfo(dense, shard_mesh_dim=0))
-            shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos:
-                  common.ShardPlacementResult(Shard(0), infos[0] if p in experts else infos[1]), **kwargs)
+            shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos, dim=expert_dim:
+                  common.ShardPlacementResult(dim if p in experts else Shard(0), infos[0] if p in experts else infos[1]),
+                  **kwargs)
         else:
-            shard(block.moe.experts, mesh=efsdp, **kwargs)
+            shard(block.moe.experts, mesh=efsdp, shard_placement_fn=lambda p, dim=expert_dim: dim, **kwargs)
             shard(block, mesh=dense, **kwargs)
     shard(model, mesh=dense, **kwargs)
     return form

@@ -320,18 +320,21 @@ def test_simulate_tiny_cpu(tmp_path):
         assert r["estimate_gib"] > 0
 
 
-@pytest.mark.parametrize("form", ["shard_placement_fn", "experts_unit"])
-def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form):
+@pytest.mark.parametrize("form,experts,ep", [("shard_placement_fn", 8, 4), ("experts_unit", 8, 4),
+                                             ("shard_placement_fn", 4, 2)])
+def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form, experts, ep):
     """simulate.py --experts 8 --ep 4 at world 8 (efsdp 2 x ep 4): both systems shard the
     experts over the expert data-parallel mesh and the rest over the world, so each issues
     one all-gather and one reduce-scatter per mesh per unit (the root, and the two blocks
     twice: dense and experts), four all-to-alls per block forward and backward, and the
-    same bytes give or take padding; estimate_memory counts the expert units."""
+    same bytes give or take padding; estimate_memory counts the expert units. With 4
+    experts over ep 2 (efsdp 4 > 2 local experts) FSDP2's experts shard dim 1 as
+    torchtitan does it: on dim 0 it would pad 2 rows up to 4 and move twice the bytes."""
     if form == "shard_placement_fn":
         pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common").ShardPlacementResult
     out = tmp_path / "sim"
     proc = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems",
-                           "mfsdp,fsdp2", "--experts", "8", "--ep", "4", "--moe-form", form, "--steps", "2",
+                           "mfsdp,fsdp2", "--experts", str(experts), "--ep", str(ep), "--moe-form", form, "--steps", "2",
                            "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((out / "simulate.json").read_text())["rows"]
@@ -339,7 +342,7 @@ def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form):
     units = 1 + 2 * 2
     calls = []
     for r in rows:
-        assert "error" not in r and r["moe_form"] == form and (r["experts"], r["ep"]) == (8, 4), r
+        assert "error" not in r and r["moe_form"] == form and (r["experts"], r["ep"]) == (experts, ep), r
         got = r["c10d_calls_per_step"]
         assert {k: v[0] for k, v in got.items()} == {
             "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units,
