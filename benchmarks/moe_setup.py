@@ -35,14 +35,24 @@ def expert_parallel_meshes(model, device_type: str, world: int, ep: int):
     return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",)), sparse["efsdp"]
 
 
+def _expert_dim(weight, efsdp_size: int):
+    """torchtitan's rule: where the expert data-parallel mesh has more ranks than there are
+    local experts, dim 0 would be padded up to the mesh size, so dim 1 is sharded instead;
+    kept at dim 0 where dim 1 does not divide evenly (FSDP2 refuses uneven dim-1 shards)."""
+    from torch.distributed.tensor import Shard
+
+    shape = (weight.to_local() if hasattr(weight, "to_local") else weight).shape
+    return Shard(1) if efsdp_size > shape[0] and shape[1] % efsdp_size == 0 else Shard(0)
+
+
 def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -> str:
     """Every MoE block sharded by `shard` (either library's fully_shard): dense parameters
     over `dense`, experts over `efsdp`; then the root. form "shard_placement_fn": one call
     per block whose shard_placement_fn returns FSDP2's ShardPlacementResult (torchtitan
     0.3.0, torch 2.12+); "experts_unit": the experts a unit of their own on efsdp inside
     the block's (torchtitan 0.2); "auto": the first where torch has it. Experts shard dim 1
-    where efsdp has more ranks than the block has local experts (torchtitan's rule), else
-    dim 0. Returns the form."""
+    where efsdp has more ranks than the block has local experts (_expert_dim), else dim 0.
+    Returns the form."""
     from torch.distributed.fsdp._fully_shard import _fsdp_common as common
     from torch.distributed.tensor import Shard
 
@@ -54,18 +64,14 @@ def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -
         raise SystemExit("--moe-form shard_placement_fn: this torch has no ShardPlacementResult (2.12+)")
     for block in model.blocks:
         experts = set(block.moe.experts.parameters())
-        # torchtitan's rule: where the expert data-parallel mesh is larger than the local
-        # expert count, dim 0 would be padded up to the mesh size; shard dim 1 instead.
-        weight = block.moe.experts.w_gate_up
-        local_experts = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
-        expert_dim = Shard(1) if efsdp.size() > local_experts else Shard(0)
+        dims = {p: _expert_dim(p, efsdp.size()) for p in experts}
         if form == "shard_placement_fn":
             infos = (common.FSDPMeshInfo(efsdp, shard_mesh_dim=0), common.FSDPMeshInfo(dense, shard_mesh_dim=0))
-            shard(block, mesh=dense, shard_placement_fn=lambda p, experts=experts, infos=infos, dim=expert_dim:
-                  common.ShardPlacementResult(dim if p in experts else Shard(0), infos[0] if p in experts else infos[1]),
-                  **kwargs)
+            shard(block, mesh=dense, shard_placement_fn=lambda p, dims=dims, infos=infos:
+                  common.ShardPlacementResult(dims[p], infos[0]) if p in dims
+                  else common.ShardPlacementResult(Shard(0), infos[1]), **kwargs)
         else:
-            shard(block.moe.experts, mesh=efsdp, shard_placement_fn=lambda p, dim=expert_dim: dim, **kwargs)
+            shard(block.moe.experts, mesh=efsdp, shard_placement_fn=lambda p, dims=dims: dims[p], **kwargs)
             shard(block, mesh=dense, **kwargs)
     shard(model, mesh=dense, **kwargs)
     return form

@@ -43,7 +43,19 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"torchtitan does not imp
 WORLD = 4
 # 4 steps: each config ~30 s (dsv3) to ~50 s (qwen3: 64 experts) on an idle 2-core machine.
 STEPS = int(os.environ.get("MFSDP_MOE_STEPS", "4"))
-TIMEOUT = 300 + 30 * STEPS  # run_distributed's: generous for a loaded machine
+# Each model's main expert-parallel config trains the issue's 10 steps (more, if asked).
+LONG = {"dsv3_ep2", "qwen3_ep2"}
+
+
+def steps_of(name: str) -> int:
+    return max(STEPS, 10) if name in LONG else STEPS
+
+
+def timeout_of(steps: int) -> float:
+    return 300 + 30 * steps  # run_distributed's: generous for a loaded machine
+
+
+TIMEOUT = timeout_of(STEPS)
 TOL_STEP = 1e-5  # relative: loss and grad norm at every step
 TOL_FULL = 1e-4  # relative: full gradients (last backward) and values (end), per parameter
 # Each side's reported grad norm against the float64 norm of its full gradients: fp32
@@ -89,10 +101,10 @@ def _same_mesh_names(fsdp2, ours) -> bool:
     return tuple(fsdp2) == tuple(ours) or (not ours and len(fsdp2) == 1)
 
 
-def _check(out, name, impl="ours", exact=False):
+def _check(out, name, impl="ours", exact=False, steps=STEPS):
     tol_step, tol_full = (0.0, 0.0) if exact else (TOL_STEP, TOL_FULL)
     worst = out["worst"]
-    assert len(out["losses"]) == len(out["grad_norms"]) == STEPS
+    assert len(out["losses"]) == len(out["grad_norms"]) == steps
     for step, ((ref_loss, loss), (ref_norm, norm)) in enumerate(zip(out["losses"], out["grad_norms"]), 1):
         assert 2.0 < ref_loss < 20.0, f"step {step}: implausible FSDP2 loss {ref_loss}"
         assert abs(loss - ref_loss) <= tol_step * abs(ref_loss), \
@@ -102,9 +114,9 @@ def _check(out, name, impl="ours", exact=False):
     assert worst["grad"] <= tol_full, \
         f"full gradients after the last backward: '{out['grad_at']}' {impl} vs FSDP2 rel {worst['grad']:.2e}"
     assert worst["param"] <= tol_full, \
-        f"full parameters after {STEPS} steps: '{out['param_at']}' {impl} vs FSDP2 rel {worst['param']:.2e}"
+        f"full parameters after {steps} steps: '{out['param_at']}' {impl} vs FSDP2 rel {worst['param']:.2e}"
     assert worst["param_state_dict"] <= tol_full, \
-        f"state-dict values after {STEPS} steps: {impl} vs FSDP2 rel {worst['param_state_dict']:.2e}"
+        f"state-dict values after {steps} steps: {impl} vs FSDP2 rel {worst['param_state_dict']:.2e}"
     for side in ("fsdp2", "impl"):
         assert worst[f"norm_vs_full_{side}"] <= TOL_NORM_VS_FULL, \
             f"{side}: grad norm vs the norm of its full gradients rel {worst[f'norm_vs_full_{side}']:.2e}"
@@ -125,8 +137,10 @@ def _check(out, name, impl="ours", exact=False):
 def test_moe_matches_fsdp2(name):
     """torchtitan's MoE parallelize on ours trains like on FSDP2 (see the module docstring)."""
     config = dict(CONFIGS[name])
-    out = run_distributed(w.moe_train_vs_fsdp2, config.pop("world", WORLD), steps=STEPS, timeout=TIMEOUT, **config)[0]
-    _check(out, name)
+    steps = steps_of(name)
+    out = run_distributed(w.moe_train_vs_fsdp2, config.pop("world", WORLD), steps=steps, timeout=timeout_of(steps),
+                          **config)[0]
+    _check(out, name, steps=steps)
 
 
 def test_moe_comparison_of_fsdp2_with_itself():
