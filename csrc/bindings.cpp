@@ -479,12 +479,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("check_collectives", &Unit::check_collectives, &Unit::set_check_collectives)
       .def_property("check_nonfinite", &Unit::check_nonfinite, &Unit::set_check_nonfinite)
       .def("set_comm_buffer_source", &Unit::set_comm_buffer_source, py::arg("source"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Where the all-gather output and reduce-scatter input come from; PROCESS_GROUP connects each group's "
-           "communicator first (collective). Returns whether any buffer now comes from a group.")
+           "Where the all-gather output and reduce-scatter input come from (no collective). Returns whether the "
+           "unit's groups can allocate device memory at all.")
       .def_property_readonly("comm_buffer_source", &Unit::comm_buffer_source)
       .def_property_readonly("gather_buffer_from_group", &Unit::gather_buffer_from_group)
       .def_property_readonly("reduce_buffer_from_group", &Unit::reduce_buffer_from_group)
+      .def_property_readonly("unsharded_from_group", &Unit::unsharded_from_group)
       .def_property("gradient_divide_factor", &Unit::gradient_divide_factor, &Unit::set_gradient_divide_factor)
       .def_property_readonly("strategy", &Unit::strategy)
       .def_property_readonly("param_specs", &Unit::param_specs, py::return_value_policy::copy)

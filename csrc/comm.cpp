@@ -1,5 +1,7 @@
 #include "comm.h"
 
+#include "comm_buffers.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -86,6 +88,8 @@ void Communicator::issue(const char* what, const BackendCaps& caps, CollectiveKi
     C10_THROW_ERROR(DistBackendError, msg(what, " on backend '", caps.name, "' failed: ",
                                           e.what_without_backtrace()));
   }
+  // The group's device communicator exists now: its backend can register memory with it.
+  if (cuda_caps_ && &caps == &*cuda_caps_) note_device_collective(pg_);
 }
 
 void Communicator::check_buffer(const char* what, const char* which, const at::Tensor& t) const {

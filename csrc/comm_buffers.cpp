@@ -7,28 +7,19 @@
 namespace mfsdp {
 namespace {
 
-// Groups whose communicator this process has connected; weak, so a destroyed group's
-// address reused by a new one is not taken for connected.
-std::mutex& connected_mutex() {
+// Groups that ran a device collective in this process; weak, so a destroyed group's
+// address reused by a new one is not taken for it.
+std::mutex& registry_mutex() {
   static std::mutex m;
   return m;
 }
-std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroup>>& connected() {
+std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroup>>& registry() {
   static std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroup>> groups;
   return groups;
 }
 
-bool is_connected(const ProcessGroupPtr& pg) {
-  std::lock_guard<std::mutex> lock(connected_mutex());
-  auto& groups = connected();
-  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& w) { return w.expired(); }),
-               groups.end());
+bool listed(const std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroup>>& groups, const ProcessGroupPtr& pg) {
   return std::any_of(groups.begin(), groups.end(), [&](const auto& w) { return w.lock().get() == pg.get(); });
-}
-
-void mark_connected(const ProcessGroupPtr& pg) {
-  std::lock_guard<std::mutex> lock(connected_mutex());
-  connected().emplace_back(pg);
 }
 
 }  // namespace
@@ -47,16 +38,24 @@ bool group_allocates(const Communicator& comm, const c10::Device& device) {
   return backend && backend->supportsTensorAlloc(index);
 }
 
-void connect_for_allocation(const Communicator& comm, const c10::Device& device) {
-  if (!group_allocates(comm, device) || is_connected(comm.group())) return;
-  at::Tensor probe = at::zeros({1}, at::TensorOptions().device(device).dtype(at::kFloat));
-  comm.all_reduce(probe, c10d::ReduceOp::SUM);
-  mark_connected(comm.group());
+void note_device_collective(const ProcessGroupPtr& pg) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& groups = registry();
+  if (!groups.empty() && groups.back().lock().get() == pg.get()) return;  // the common case, cheaply
+  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& w) { return w.expired(); }),
+               groups.end());
+  if (!listed(groups, pg)) groups.emplace_back(pg);
+}
+
+bool ran_device_collective(const ProcessGroupPtr& pg) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return listed(registry(), pg);
 }
 
 at::Tensor allocate_comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
-                                bool from_group) {
-  if (!from_group) return at::empty({numel}, options);
+                                bool from_group, bool* took_from_group) {
+  *took_from_group = from_group && ran_device_collective(comm.group());
+  if (!*took_from_group) return at::empty({numel}, options);
   return comm.group()->getBackend(options.device().type())->allocateTensor(numel, options);
 }
 

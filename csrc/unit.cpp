@@ -201,30 +201,35 @@ Communicator same_ranks_or_throw(ProcessGroupPtr pg, const Communicator& unit_co
 }  // namespace
 
 void Unit::set_all_gather_group(ProcessGroupPtr pg) {
-  check_groups_settable("set_all_gather_group");
   ag_comm_ = same_ranks_or_throw(std::move(pg), rs_comm_, "all-gather");
+  set_comm_buffer_source(comm_buffer_source_);  // decided again for the new group
 }
 
 void Unit::set_reduce_scatter_group(ProcessGroupPtr pg) {
-  check_groups_settable("set_reduce_scatter_group");
   rs_comm_ = same_ranks_or_throw(std::move(pg), ag_comm_, "reduce-scatter");
-}
-
-void Unit::check_groups_settable(const char* what) const {
-  MFSDP_CHECK(comm_buffers_ == CommBufferSource::kCachingAllocator, what, ": fully_shard unit '", label_,
-              "' already takes its communication buffers from its groups; set the groups first");
+  set_comm_buffer_source(comm_buffer_source_);
 }
 
 bool Unit::set_comm_buffer_source(CommBufferSource source) {
-  const bool from_group = source == CommBufferSource::kProcessGroup && !aliases_shard();
-  const bool gather = from_group && !replicated() && group_allocates(ag_comm_, device_);
-  const bool reduce = from_group && group_allocates(rs_comm_, device_);
-  if (gather) connect_for_allocation(ag_comm_, device_);
-  if (reduce) connect_for_allocation(rs_comm_, device_);
-  comm_buffers_ = source;
-  gather_buffer_from_group_ = gather;
-  reduce_buffer_from_group_ = reduce;
-  return gather || reduce;
+  const bool from_group = source == CommBufferSource::kProcessGroup;
+  const bool gather_can = !replicated() && group_allocates(ag_comm_, device_);
+  const bool reduce_can = group_allocates(rs_comm_, device_);
+  comm_buffer_source_ = source;
+  gather_buffer_from_group_ = from_group && gather_can && !aliases_shard();
+  reduce_buffer_from_group_ = from_group && reduce_can;
+  return gather_can || reduce_can;
+}
+
+at::Tensor Unit::comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
+                             bool from_group, bool* took_from_group) const {
+  try {
+    return allocate_comm_buffer(comm, numel, options, from_group, took_from_group);
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(Error, c10::str("fully_shard unit '", label_, "': allocating ", numel, " elements of ",
+                                    options.dtype(), " from its process group (backend '",
+                                    comm.group()->getBackendName(), "'; set_allocate_memory_from_process_group_for_comm"
+                                    "(True)) failed: ", e.what_without_backtrace()));
+  }
 }
 
 void Unit::set_replicate_group(ProcessGroupPtr pg) {
@@ -318,19 +323,29 @@ void Unit::allocate_unsharded() {
   // that stream's order, so freeing it needs no record_stream.
   auto* impl = unsharded_flat_.storage().unsafeGetStorageImpl();
   allow_access(impl);  // also for a unit of zero-size parameters, whose 0 bytes are "allocated" already
-  if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) return;
-  if (gather_buffer_from_group_) {
+  const bool want_group = gather_buffer_from_group_ && ran_device_collective(ag_comm_.group());
+  if (static_cast<int64_t>(impl->nbytes()) == unsharded_nbytes_) {
+    if (want_group == unsharded_from_group_ || unsharded_nbytes_ == 0) return;
+    // The source changed since this buffer was allocated: the gather about to run
+    // rewrites all of it, so it moves now.
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+    impl->set_nbytes(0);
+  }
+  if (want_group) {
     // The group's registered memory: its DataPtr moves into the unsharded storage, so
     // freeing that storage hands the block back to the group's pool.
-    at::Tensor block = allocate_comm_buffer(ag_comm_, unsharded_nbytes_, device_options(at::kByte), true);
+    bool took = false;
+    at::Tensor block = comm_buffer(ag_comm_, unsharded_nbytes_, device_options(at::kByte), true, &took);
     impl->set_data_ptr_noswap(block.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, device_)));
     impl->set_nbytes(unsharded_nbytes_);
+    unsharded_from_group_ = took;
     return;
   }
   c10::Allocator* alloc = impl->allocator();
   MFSDP_CHECK(alloc != nullptr, "unsharded storage has no allocator");
   impl->set_data_ptr_noswap(alloc->allocate(unsharded_nbytes_));
   impl->set_nbytes(unsharded_nbytes_);
+  unsharded_from_group_ = false;
 }
 
 void Unit::free_unsharded() {

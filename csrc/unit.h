@@ -144,15 +144,18 @@ class Unit {
   void set_check_nonfinite(bool on) { check_nonfinite_ = on; }
   bool check_nonfinite() const { return check_nonfinite_; }
   // Where the all-gather output (the unsharded buffer) and the reduce-scatter input (the
-  // packed gradients) are allocated from (comm_buffers.h). kProcessGroup connects each
-  // group's communicator first (collective: every rank calls it alike); a group whose
-  // backend cannot allocate keeps the caching allocator. Returns whether any buffer now
-  // comes from a group. The unit's groups must be set before.
+  // packed gradients) are allocated from (comm_buffers.h); no collective. With
+  // kProcessGroup a buffer comes from its group's backend where that backend allocates
+  // device memory and the group has run a collective on the device; a buffer already
+  // allocated moves at its next gather. Returns whether the unit's groups can allocate
+  // at all (false: Gloo, fake, no multicast support, world 1).
   bool set_comm_buffer_source(CommBufferSource source);
-  CommBufferSource comm_buffer_source() const { return comm_buffers_; }
-  // Per buffer: whether it is now allocated by its group's backend.
+  CommBufferSource comm_buffer_source() const { return comm_buffer_source_; }
+  // Per buffer: whether it is to come from its group's backend.
   bool gather_buffer_from_group() const { return gather_buffer_from_group_; }
   bool reduce_buffer_from_group() const { return reduce_buffer_from_group_; }
+  // Whether the unsharded buffer now allocated came from the group's backend.
+  bool unsharded_from_group() const { return unsharded_from_group_; }
   // Reduced gradients are the sum over ranks divided by this (FSDP2's
   // set_gradient_divide_factor); 0: the group size, i.e. the mean.
   void set_gradient_divide_factor(double factor);
@@ -343,8 +346,11 @@ class Unit {
   bool full_grads() const { return traits(strategy_).full_grads; }
   void allocate_unsharded();
   void free_unsharded();
-  // Groups are fixed once buffers come from them (their communicators were connected).
-  void check_groups_settable(const char* what) const;
+  // `numel` elements of `options` for a collective over `comm`: from its backend when
+  // `from_group` (and the group is ready), else the caching allocator; a failure names
+  // the unit and the option. `*took_from_group`: where they came from.
+  at::Tensor comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options, bool from_group,
+                         bool* took_from_group) const;
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
   // got a gradient still has a view of one such buffer at its slot; else undefined.
   // Derived from the grads themselves: the unit keeps no reference, so
@@ -407,8 +413,10 @@ class Unit {
   std::string freed_message_;  // what a read of the freed unsharded storage raises
   bool check_collectives_ = false;
   bool check_nonfinite_ = false;
-  CommBufferSource comm_buffers_ = CommBufferSource::kCachingAllocator;
-  bool gather_buffer_from_group_ = false, reduce_buffer_from_group_ = false;
+  CommBufferSource comm_buffer_source_ = CommBufferSource::kCachingAllocator;
+  bool gather_buffer_from_group_ = false;
+  bool reduce_buffer_from_group_ = false;
+  bool unsharded_from_group_ = false;
   double grad_divide_factor_ = 0;
   Communicator ag_comm_, rs_comm_;
   Communicator replicate_comm_;  // undefined unless HSDP

@@ -36,7 +36,8 @@ def test_comm_buffers_from_the_process_group(when):
 @pytest.mark.parametrize("when", ["before_root", "after_root"])
 def test_nccl_comm_buffers_from_the_process_group(when):
     r = run_distributed(OW.comm_buffers_from_group, gpu_world(), when, backend="nccl", timeout=300)[0]
-    print(r)
+    # The lent H100/H200s support it: a GPU that does not would test only the fallback.
+    assert r["from_group"], "torch's supports_tensor_alloc is false on this GPU: nothing was taken from the group"
 
 
 @pytest.mark.gpu

@@ -789,15 +789,15 @@ def _group_allocates(state, device: torch.device) -> bool:
     return bool(getattr(backend, "supports_tensor_alloc", lambda _: False)(device))
 
 
-def _comm_buffer_allocations(snapshot, device: torch.device, sizes) -> List[tuple]:
+def _comm_buffer_allocations(snapshot, device: torch.device, sizes, start: int = 0) -> List[tuple]:
     """(bytes, pool id) of every allocation of one of `sizes` bytes in the allocator's
-    trace: the pool is that of the segment holding it (0, 0 is torch's default pool)."""
+    trace from entry `start` on: the pool is that of the segment holding it (0, 0 is
+    torch's default pool)."""
     segments = [(s["address"], s["address"] + s["total_size"], tuple(s["segment_pool_id"]))
                 for s in snapshot["segments"] if s["device"] == device.index]
-    wanted = set(sizes) | {(n + 511) // 512 * 512 for n in sizes}
     found = []
-    for e in snapshot["device_traces"][device.index]:
-        if e["action"] == "alloc" and e["size"] in wanted:
+    for e in snapshot["device_traces"][device.index][start:]:
+        if e["action"] == "alloc" and e["size"] in sizes:
             pool = next((p for lo, hi, p in segments if lo <= e["addr"] < hi), None)
             found.append((e["size"], pool))
     return found
@@ -805,11 +805,12 @@ def _comm_buffer_allocations(snapshot, device: torch.device, sizes) -> List[tupl
 
 def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
     """set_allocate_memory_from_process_group_for_comm(True) on every unit, `when`
-    "before_root" (before the first forward) or "after_root" (after one step): gradients
-    match the single-process reference either way; where torch says the group's backend
-    allocates (NCCL on a multicast-capable GPU), every all-gather output and reduce-scatter
-    input of the step after lies in the group's pool, not torch's default one; elsewhere
-    the caching allocator stays, with one warning naming the backend."""
+    "before_root" (before the first forward) or "after_root" (after one step), then False
+    again for a last step: gradients match the single-process reference at every step;
+    where torch says the group's backend allocates (NCCL on a multicast-capable GPU),
+    every all-gather output and reduce-scatter input of the third step lies in the
+    group's pool and every one of the fourth step in torch's default pool; elsewhere the
+    caching allocator stays, with one warning naming the backend."""
     import warnings
 
     device = device_for_backend()
@@ -819,10 +820,10 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     states = [s for s in iter_states(model) if s.unit is not None]
 
-    def switch_on():
+    def switch(on: bool):
         for m in model.modules():
             if isinstance(m, mfsdp.FSDPModule):
-                m.set_allocate_memory_from_process_group_for_comm(True)
+                m.set_allocate_memory_from_process_group_for_comm(on)
 
     expect_error(lambda: model.set_allocate_memory_from_process_group_for_comm(1), TypeError, "expects a bool")
     # Megatron-FSDP's spelling: FSDPConfig(nccl_ub=True) switches every unit it makes.
@@ -831,19 +832,22 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
                                          fsdp_unit_modules=[Block])
     assert all(s.options.comm_buffers_from_group for s in iter_states(configured))
     assert len(list(iter_states(configured))) == cfg.n_layers + 1
-    batches = list(global_batches(cfg, 3, 2 * world, 8, device))
+    batches = list(global_batches(cfg, 4, 2 * world, 8, device))
     rows = rows_of(rank, 2)
     if when == "before_root":
-        switch_on()
+        switch(True)
     worst = 0.0
+    snapshots = []  # the allocator's trace after step 2 (on) and after step 3 (off again)
     # The warning comes at the switch: in the setter, or at the first forward.
     with warnings.catch_warnings(record=True) as recorded:
         warnings.simplefilter("always")
         for step, (tokens, targets) in enumerate(batches):
             if step == 1 and when == "after_root":
-                switch_on()
-            traced = device.type == "cuda" and step == 2
-            if traced:
+                switch(True)
+            if step == 3:
+                switch(False)
+            traced = device.type == "cuda" and step >= 2
+            if traced and step == 2:
                 torch.cuda.synchronize()
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
             model.loss(tokens[rows], targets[rows]).backward()
@@ -853,28 +857,38 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
             opt.zero_grad(), ref_opt.zero_grad()
             if traced:
                 torch.cuda.synchronize()
-                snapshot = torch.cuda.memory._snapshot()
+                snapshots.append(torch.cuda.memory._snapshot())
+            if traced and step == 3:
                 torch.cuda.memory._record_memory_history(enabled=None)
+            if step == 2:
+                flags_on = [(s.options.comm_buffers_from_group, s.unit.gather_buffer_from_group,
+                             s.unit.reduce_buffer_from_group) for s in states]
     messages = [str(w.message) for w in recorded]
     assert worst < 1e-5, f"gradients differ from the single-process reference by {worst:.2e}"
 
     allocates = [_group_allocates(s, device) for s in states]
     assert len(set(allocates)) == 1, allocates
     expected = allocates[0]
+    assert flags_on == [(True, expected, expected)] * len(states), (expected, flags_on)
     for s in states:
-        assert s.options.comm_buffers_from_group
-        assert s.unit.gather_buffer_from_group == expected, (s.label, s.unit.gather_buffer_from_group)
-        assert s.unit.reduce_buffer_from_group == expected, (s.label, s.unit.reduce_buffer_from_group)
+        assert not s.options.comm_buffers_from_group
+        assert s.unit.comm_buffer_source == mfsdp._C.CommBufferSource.CACHING_ALLOCATOR
+        assert not s.unit.gather_buffer_from_group and not s.unit.reduce_buffer_from_group
     warned = [m for m in messages if "does not allocate" in m]
     if expected:
         assert not warned, warned
         # fp32 throughout: a unit's gathered buffer and its packed gradients are both
         # total_numel x 4 bytes, and nothing else of the step has that size.
         sizes = {s.unit.layout.total_numel * 4 for s in states}
-        found = _comm_buffer_allocations(snapshot, device, sizes)
-        assert len(found) >= 2 * len(states), found
-        outside = [f for f in found if f[1] in (None, (0, 0))]
-        assert not outside, f"communication buffers outside the group's pool: {outside} of {found}"
+        on, both = snapshots
+        first_off = len(on["device_traces"][device.index])
+        found_on = _comm_buffer_allocations(on, device, sizes)
+        found_off = _comm_buffer_allocations(both, device, sizes, start=first_off)
+        assert len(found_on) >= 2 * len(states) and len(found_off) >= 2 * len(states), (found_on, found_off)
+        outside = [f for f in found_on if f[1] in (None, (0, 0))]
+        assert not outside, f"communication buffers outside the group's pool: {outside} of {found_on}"
+        inside = [f for f in found_off if f[1] != (0, 0)]
+        assert not inside, f"switched off, yet buffers in the group's pool: {inside} of {found_off}"
     else:
         backend = repr(states[0].process_group.name())
         assert len(warned) == 1 and backend in warned[0], messages

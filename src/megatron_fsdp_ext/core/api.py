@@ -311,12 +311,12 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2's: this unit's all-gather output and reduce-scatter input are allocated by
         its process group's backend instead of torch's caching allocator. NCCL allocates
-        them with ncclMemAlloc and registers them with the communicator, so the collectives
-        run on them in place (fewer SMs, no staging copies); the memory is the group's own
-        pool, reused by communication buffers only. Where the backend cannot allocate
-        (Gloo, a device without NVLink multicast) the caching allocator stays, with a
-        warning. Call it on every rank: once the root exists (after the first forward) it
-        connects each group's communicator, a collective."""
+        them with ncclMemAlloc and registers them with the communicator, so its all-gather
+        runs on them in place (on fewer channels, hence fewer SMs); the memory is the
+        group's own pool, reused by communication buffers only. A group's buffers come from
+        it once the group has run a collective on the device; a buffer already allocated
+        moves at its next gather. Where the backend cannot allocate (Gloo, a device without
+        NVLink multicast) the caching allocator stays, with a warning. No collective."""
         if not isinstance(enable, bool):
             raise TypeError(f"set_allocate_memory_from_process_group_for_comm expects a bool, got {enable!r}")
         for s in self._fsdp_state.with_companions:

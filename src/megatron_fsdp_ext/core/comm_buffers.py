@@ -1,9 +1,8 @@
 """Where a unit's communication buffers come from: torch's caching allocator, or the
 process group's backend (UnitOptions.comm_buffers_from_group; csrc/comm_buffers.h).
 
-Applied when the root is made (every rank, the same units in the same order: switching
-to the group's memory connects each group's communicator, a collective) and by the
-setter after that."""
+Applied when the root is made and by the setter after that. No collective: a group's
+buffers come from its backend once the group has run a collective on the device."""
 from __future__ import annotations
 
 import warnings
@@ -24,8 +23,8 @@ def apply_comm_buffer_source(state) -> None:
     source = _C.CommBufferSource.PROCESS_GROUP if wanted else _C.CommBufferSource.CACHING_ALLOCATOR
     if unit.comm_buffer_source == source:
         return
-    from_group = unit.set_comm_buffer_source(source)
-    if wanted and not from_group and state.process_group.size() > 1 and not _warned:
+    groups_allocate = unit.set_comm_buffer_source(source)
+    if wanted and not groups_allocate and state.process_group.size() > 1 and not _warned:
         _warned = True
         warnings.warn(
             f"set_allocate_memory_from_process_group_for_comm(True) on {state.label or state.module_kind}: its "

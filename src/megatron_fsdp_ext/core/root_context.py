@@ -192,6 +192,6 @@ def make_root(root) -> None:
         s.reshard_after_forward = s.options.reshard_after_forward and not s.is_root
         if s.unit is not None:
             s.unit.set_context(ctx.comm)
-            apply_comm_buffer_source(s)  # collective when it switches: every rank, in this order
+            apply_comm_buffer_source(s)
             s.grad_types = grad_norm.unit_grad_types(s.unit, s.process_group, s.tp)
             s.plain_types = [None if t is None else torch.Tensor for t in s.grad_types]
