@@ -75,11 +75,11 @@ echo "== diagnostics"
 { ls /opt/torch/.venv/include 2>/dev/null | head; ldd src/megatron_fsdp_ext/_C*.so | grep -E "stdc|c10"; } > "$OUT/diag.txt" 2>&1
 $PY -c "import torch, megatron_fsdp_ext._C as C; print(C.FlatLayout.even([3, 5], 2, 4))" >> "$OUT/diag.txt" 2>&1
 
-# CPU/Gloo tests in parallel (they use no GPU); the NCCL tests GPU_JOBS at a time, each
+# CPU/Gloo tests in parallel (they use no GPU; `gpu` tests deselected); the NCCL tests GPU_JOBS at a time, each
 # using MFSDP_GPU_WORLD GPUs; then the timing tests, alone.
 if [ -z "${SKIP_CPU_TESTS:-}" ]; then
   echo "== CPU/Gloo tests (xdist)"
-  $PY -m pytest tests/unit tests/distributed -q -p no:cacheprovider -n 16 --junitxml="$OUT/junit_cpu.xml" \
+  $PY -m pytest tests/unit tests/distributed -q -p no:cacheprovider -n 16 -m "not gpu" --junitxml="$OUT/junit_cpu.xml" \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_cpu.log" | tail -15
   rc=${PIPESTATUS[0]}; stages+=(--stage cpu_tests=$rc); [ "$rc" -eq 0 ] || status=1
 fi
@@ -97,11 +97,16 @@ stage_limit() {
 if [ -z "${SKIP_GPU_TESTS:-}" ]; then
   export MFSDP_TRACE_DIR=$OUT/traces; mkdir -p "$MFSDP_TRACE_DIR"
   export MFSDP_REQUIRE_GPU=1  # a skipped gpu test fails
+  # The `gpu` tests that live beside their Gloo twins in tests/distributed belong to this stage.
+  mapfile -t distributed_gpu < <($PY -m pytest tests/distributed -q --collect-only -p no:cacheprovider \
+    -m "gpu and not gpu_exclusive" 2>/dev/null | grep "::")
+  echo "gpu tests in tests/distributed: ${#distributed_gpu[@]}"
   limit=$(stage_limit "${GPU_TESTS_TIMEOUT:-900}" "${GPU_EXCLUSIVE_RESERVE:-60}")
   echo "== GPU tests (limit ${limit}s)"
   start=$(date +%s)
   timeout -s INT -k 30 "$limit" \
-    $PY -m pytest tests/gpu tests/unit/test_pack.py -v -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" \
+    $PY -m pytest tests/gpu tests/unit/test_pack.py ${distributed_gpu[@]+"${distributed_gpu[@]}"} \
+      -v -p no:cacheprovider -rs -n "${GPU_JOBS:-2}" \
       -m "not gpu_exclusive" --junitxml="$OUT/junit_gpu.xml" ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -25
   rc=${PIPESTATUS[0]}; stages+=(--stage gpu_tests=$rc); [ "$rc" -eq 0 ] || status=1
