@@ -10,6 +10,10 @@ first, in the order given (the rest after, in collection order): with a tight de
 budget, what has not run yet on this machine comes before what has. Within each group,
 tests marked `long_gpu` come first, so the parallel stage does not end on one long test
 that started last.
+
+MFSDP_GPU_SHARD=k/n: run the k-th of n parts of the suite (every n-th test of the order
+above, from the k-th): a suite longer than one device call runs as n calls, each building
+and running its part (tests/gpu/run_all.sh); together they run every test once.
 """
 import os
 import time
@@ -17,6 +21,7 @@ import time
 _START = time.time()
 FAILURE_LOG_ENV = "MFSDP_FAILURE_LOG"
 FIRST_ENV = "MFSDP_GPU_TESTS_FIRST"
+SHARD_ENV = "MFSDP_GPU_SHARD"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +32,23 @@ def pytest_collection_modifyitems(config, items):
         return named, item.get_closest_marker("long_gpu") is None
 
     items.sort(key=rank)  # stable: collection order within each group
+    shard = os.environ.get(SHARD_ENV)
+    if shard:
+        index, count = _parse_shard(shard)
+        # Round-robin over the order above (long tests first) spreads the long tests evenly.
+        kept = [item for i, item in enumerate(items) if i % count == index - 1]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
+def _parse_shard(text):
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise ValueError(f"{SHARD_ENV}={text!r}: expected k/n with 1 <= k <= n, e.g. 1/2")
+    return index, count
 
 
 def pytest_runtest_logreport(report):

@@ -14,6 +14,9 @@
 # MFSDP_FAILURE_LOG=<file>: every GPU test's outcome, and each failure's traceback, as it
 # happens (tests/gpu/conftest.py), so a run cut short still shows what failed and why.
 # MFSDP_GPU_TESTS_FIRST: comma-separated substrings of test ids run first (tests/gpu/conftest.py).
+# MFSDP_GPU_SHARD=k/n: this call runs the k-th of n parts of the GPU tests (tests/gpu/conftest.py);
+# at world 4 the suite needs about 2,000 test-seconds, so two calls (1/2, 2/2) of GPU_JOBS=6 each
+# fit the 8-minute device call with the build.
 # MFSDP_GPU_WORLD=4 runs the NCCL tests and examples on 4 GPUs (default 2).
 # A run cannot pass empty: fewer GPUs than MFSDP_GPU_WORLD fail it at once, a skipped `gpu`
 # test fails (MFSDP_REQUIRE_GPU=1, tests/conftest.py), and $OUT/summary.md (from
@@ -100,7 +103,7 @@ if [ -z "${SKIP_GPU_TESTS:-}" ]; then
   # The `gpu` tests that live beside their Gloo twins in tests/distributed belong to this stage.
   mapfile -t distributed_gpu < <($PY -m pytest tests/distributed -q --collect-only -p no:cacheprovider \
     -m "gpu and not gpu_exclusive" 2>/dev/null | grep "::")
-  echo "gpu tests in tests/distributed: ${#distributed_gpu[@]}"
+  echo "gpu tests in tests/distributed: ${#distributed_gpu[@]}; shard ${MFSDP_GPU_SHARD:-all}" | tee -a "$OUT/env.txt"
   limit=$(stage_limit "${GPU_TESTS_TIMEOUT:-900}" "${GPU_EXCLUSIVE_RESERVE:-60}")
   echo "== GPU tests (limit ${limit}s)"
   start=$(date +%s)

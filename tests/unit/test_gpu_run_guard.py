@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 GPU_TEST = "tests/gpu/test_nccl.py::test_cuda_device_errors"
 
@@ -134,3 +136,45 @@ def test_source_digest_follows_sources_only(tmp_path):
     assert summarizer.source_digest(tmp_path) == first
     (tmp_path / "csrc" / "unit.cpp").write_text("int y;")
     assert summarizer.source_digest(tmp_path) != first
+
+
+
+class _Item:
+    def __init__(self, nodeid, long):
+        self.nodeid, self.long = nodeid, long
+
+    def get_closest_marker(self, name):
+        return object() if name == "long_gpu" and self.long else None
+
+
+class _Config:
+    def __init__(self):
+        self.deselected = []
+        self.hook = self
+
+    def pytest_deselected(self, items):
+        self.deselected += items
+
+
+def test_gpu_suite_shards_partition_it(monkeypatch):
+    # MFSDP_GPU_SHARD=k/n (tests/gpu/conftest.py): n device calls run the whole suite, each
+    # test once, and the long tests are spread over the calls, not stacked in one.
+    spec = importlib.util.spec_from_file_location("gpu_conftest", REPO / "tests/gpu/conftest.py")
+    gpu_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_conftest)
+    whole = [_Item(f"t{i}", long=i % 7 == 3) for i in range(40)]
+    parts = []
+    for k in (1, 2, 3):
+        monkeypatch.setenv("MFSDP_GPU_SHARD", f"{k}/3")
+        items, config = list(whole), _Config()
+        gpu_conftest.pytest_collection_modifyitems(config, items)
+        assert sorted(items + config.deselected, key=whole.index) == whole
+        parts.append(items)
+    assert sorted(sum(parts, []), key=whole.index) == whole
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    longs = [sum(item.long for item in part) for part in parts]
+    assert max(longs) - min(longs) <= 1, longs
+    for bad in ("3/2", "0/2", "half"):
+        monkeypatch.setenv("MFSDP_GPU_SHARD", bad)
+        with pytest.raises(ValueError, match=f"MFSDP_GPU_SHARD='{bad}': expected k/n"):
+            gpu_conftest.pytest_collection_modifyitems(_Config(), list(whole))
