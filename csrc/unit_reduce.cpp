@@ -94,6 +94,13 @@ at::Tensor Unit::pack_grads(bool sync) {
     if (g.defined()) {
       MFSDP_CHECK(g.numel() == layout_.param_numel(i), "gradient of '", specs_[i].name, "' has ",
                   g.numel(), " elements, expected ", layout_.param_numel(i));
+      // The gathered parameters are freed before their gradients are packed (the
+      // post-backward hook), so a gradient may not live in their memory.
+      MFSDP_CHECK(state_ != UnitState::kSharded || aliases_shard() ||
+                      g.storage().unsafeGetStorageImpl() != unsharded_flat_.storage().unsafeGetStorageImpl(),
+                  "the gradient of '", specs_[i].name, "' in fully_shard unit '", label_,
+                  "' is a view of the gathered parameters, which are freed after backward; a custom autograd "
+                  "function must return a new tensor as the gradient (e.g. weight.clone())");
       grads[i] = g;
       any = true;
       has_grad_[i] = true;

@@ -84,6 +84,14 @@ def _kept_references(rank, world):
     expected = ref.blocks[1].lin.weight.grad.reshape(-1)[slice_.param_offset: slice_.param_offset + slice_.numel]
     assert torch.allclose(piece, expected, atol=1e-6), "gradient differs from plain PyTorch after a refused read"
 
+    # 3. A gradient that is a view of the gathered weight (a hook sets it): the weight is
+    # freed before the gradients are packed, so the post-backward refuses it by name.
+    def grad_is_the_weight(module, args):
+        module.weight.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.detach()[:]))
+    net.blocks[0].lin.register_forward_pre_hook(grad_is_the_weight)
+    expect_error(lambda: net(x).sum().backward(), RuntimeError, "the gradient of 'lin.weight'", "'blocks.0'",
+                 "is a view of the gathered parameters")
+
 
 @pytest.mark.skipif(not _C.freed_storage_guard(), reason="this torch's StorageImpl cannot refuse reads of freed "
                     "storage (no clear_data_ptr_access_error_msg_); CI's torch 2.13 can")

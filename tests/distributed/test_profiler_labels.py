@@ -53,6 +53,16 @@ def test_profiler_scopes_name_unit_and_phase():
     gathers = spans("mfsdp::all_gather[blocks.1]")
     assert any(outer[0] <= s and e <= outer[1] for s, e in gathers), (outer, gathers)
 
+    # After its backward a unit frees its gathered parameters before it packs and
+    # reduce-scatters its gradients (as FSDP2 reshards before its reduce-scatter input
+    # exists): the reduction's buffer never adds to the parameters' memory. The root keeps
+    # its parameters from forward to backward, so it shows this best.
+    for unit in ("blocks.0", "blocks.1", "blocks.2", "_Net (root)"):
+        (post,) = spans(f"mfsdp::post_backward[{unit}]")
+        (reduce,) = [s for s, _ in spans(f"mfsdp::reduce_scatter[{unit}]") if post[0] <= s <= post[1]]
+        frees = [s for s, _ in spans(f"mfsdp::reshard[{unit}]") if post[0] <= s <= post[1]]
+        assert frees and frees[0] < reduce, (unit, post, frees, reduce)
+
 
 def _traced_step(rank, world, cuda):
     """One bf16 step of _Net under UnitTrace: (phase, kind, unit label) per event, in order,

@@ -59,13 +59,17 @@ class BackwardHooks:
             return
         if self.tp is not None:
             self.tp.move_grads(self.unit)
+        # The gathered parameters go before the packed gradients are allocated (the unsharded
+        # gradients stay on the parameter objects the unit holds): a unit's reduction then
+        # costs its gradients only, not gradients and parameters, as in FSDP2, which also
+        # reshards before its reduce-scatter input exists.
+        self._release_after_backward()
         # Without sync the gradients only accumulate locally: nothing to bucket. A second
         # reduction in one backward goes alone (its bucket, if any, has moved on).
         if self.reduce_again or not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
-        self._release_after_backward()
 
     def _release_after_backward(self) -> None:
         """After a unit's backward: free the gathered parameters and give the slots the
@@ -85,9 +89,9 @@ class BackwardHooks:
             return
         if self.tp is not None:
             self.tp.move_grads(self.unit)
+        self._release_after_backward()  # before the packed gradients, as in post_backward
         if self.requires_gradient_sync:
             self.unit.reduce_grads(True)
-        self._release_after_backward()
 
     def tag_grads(self) -> None:
         """Give the new gradients their ShardedGrad type (grad_norm.py)."""
