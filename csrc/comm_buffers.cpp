@@ -53,9 +53,8 @@ bool ran_device_collective(const ProcessGroupPtr& pg) {
 }
 
 at::Tensor allocate_comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
-                                bool from_group, bool* took_from_group) {
-  *took_from_group = from_group && ran_device_collective(comm.group());
-  if (!*took_from_group) return at::empty({numel}, options);
+                                bool from_group) {
+  if (!from_group) return at::empty({numel}, options);
   return comm.group()->getBackend(options.device().type())->allocateTensor(numel, options);
 }
 

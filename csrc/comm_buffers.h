@@ -33,9 +33,9 @@ void note_device_collective(const ProcessGroupPtr& pg);
 bool ran_device_collective(const ProcessGroupPtr& pg);
 
 // `numel` elements of `options`, allocated on the current stream: from the group's
-// backend when `from_group` and the group has run a device collective, else from the
-// caching allocator. Sets `*took_from_group` to where they came from.
+// backend when `from_group` (the caller checked that the backend allocates and that the
+// group has run a device collective), else from the caching allocator.
 at::Tensor allocate_comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
-                                bool from_group, bool* took_from_group);
+                                bool from_group);
 
 }  // namespace mfsdp

@@ -221,9 +221,9 @@ bool Unit::set_comm_buffer_source(CommBufferSource source) {
 }
 
 at::Tensor Unit::comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
-                             bool from_group, bool* took_from_group) const {
+                             bool from_group) const {
   try {
-    return allocate_comm_buffer(comm, numel, options, from_group, took_from_group);
+    return allocate_comm_buffer(comm, numel, options, from_group);
   } catch (const c10::Error& e) {
     C10_THROW_ERROR(Error, c10::str("fully_shard unit '", label_, "': allocating ", numel, " elements of ",
                                     options.dtype(), " from its process group (backend '",
@@ -334,11 +334,10 @@ void Unit::allocate_unsharded() {
   if (want_group) {
     // The group's registered memory: its DataPtr moves into the unsharded storage, so
     // freeing that storage hands the block back to the group's pool.
-    bool took = false;
-    at::Tensor block = comm_buffer(ag_comm_, unsharded_nbytes_, device_options(at::kByte), true, &took);
+    at::Tensor block = comm_buffer(ag_comm_, unsharded_nbytes_, device_options(at::kByte), /*from_group=*/true);
     impl->set_data_ptr_noswap(block.storage().unsafeGetStorageImpl()->set_data_ptr(at::DataPtr(nullptr, device_)));
     impl->set_nbytes(unsharded_nbytes_);
-    unsharded_from_group_ = took;
+    unsharded_from_group_ = true;
     return;
   }
   c10::Allocator* alloc = impl->allocator();

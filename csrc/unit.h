@@ -347,10 +347,10 @@ class Unit {
   void allocate_unsharded();
   void free_unsharded();
   // `numel` elements of `options` for a collective over `comm`: from its backend when
-  // `from_group` (and the group is ready), else the caching allocator; a failure names
-  // the unit and the option. `*took_from_group`: where they came from.
-  at::Tensor comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options, bool from_group,
-                         bool* took_from_group) const;
+  // `from_group` (the caller checked the group is ready), else the caching allocator; a
+  // failure names the unit and the option.
+  at::Tensor comm_buffer(const Communicator& comm, int64_t numel, const at::TensorOptions& options,
+                         bool from_group) const;
   // The flat fp32 gradient buffer behind the sharded .grad views, if every param that
   // got a gradient still has a view of one such buffer at its slot; else undefined.
   // Derived from the grads themselves: the unit keeps no reference, so

@@ -113,10 +113,9 @@ at::Tensor Unit::pack_grads(bool sync) {
   const bool accumulate = accumulated_.defined();
   // The held reduction's buffers are retired before new ones are allocated.
   if (!accumulate && sync) ctx().make_room_for_reduction();
-  bool from_group = false;
   at::Tensor flat = accumulate ? accumulated_
                                : comm_buffer(rs_comm_, layout_.total_numel(), device_options(reduce_dtype_),
-                                             reduce_buffer_from_group_, &from_group);
+                                             reduce_buffer_from_group_ && ran_device_collective(rs_comm_.group()));
   pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {
