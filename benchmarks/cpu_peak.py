@@ -78,6 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = RootHeavy(args.vocab, args.dim, args.blocks)
+        params = sum(p.numel() for p in model.parameters())
         shard(model, args.system, args.bf16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, args.vocab, (1, 16))
@@ -89,7 +90,6 @@ def main() -> None:
     last = next(e for e in prof.profiler.kineto_results.events() if e.name() == f"cpu_peak::step{args.steps - 1}")
     timeline = allocated_timeline(prof)
     inside = [b for t, b in timeline if last.start_ns() <= t <= last.end_ns()]
-    params = sum(p.numel() for p in RootHeavy(args.vocab, args.dim, args.blocks).parameters())
     row = {"system": args.system, "bf16": args.bf16, "world": dist.get_world_size(), "rank": dist.get_rank(),
            "params": params, "peak_bytes": max(inside), "end_bytes": timeline[-1][1], "torch": torch.__version__}
     rows = [None] * dist.get_world_size()

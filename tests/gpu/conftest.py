@@ -36,9 +36,11 @@ def pytest_collection_modifyitems(config, items):
     if shard:
         index, count = _parse_shard(shard)
         # Round-robin over the order above (long tests first) spreads the long tests evenly.
-        kept = [item for i, item in enumerate(items) if i % count == index - 1]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
+        parts = ([], [])  # (deselected, kept)
+        for i, item in enumerate(items):
+            parts[i % count == index - 1].append(item)
+        config.hook.pytest_deselected(items=parts[0])
+        items[:] = parts[1]
 
 
 def _parse_shard(text):
