@@ -1,5 +1,7 @@
 #include "pack.h"
 
+#include <algorithm>
+
 namespace mfsdp {
 namespace {
 
@@ -9,6 +11,24 @@ bool has_fused_kernel(at::ScalarType t) {
 }
 
 }  // namespace
+
+std::vector<FlatRange> uncovered_ranges(int64_t total, const std::vector<at::Tensor>& tensors,
+                                        const std::vector<int64_t>& offsets) {
+  std::vector<FlatRange> covered;
+  covered.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && tensors[i].numel() > 0) covered.push_back({offsets[i], tensors[i].numel()});
+  }
+  std::sort(covered.begin(), covered.end(), [](const FlatRange& a, const FlatRange& b) { return a.offset < b.offset; });
+  std::vector<FlatRange> gaps;
+  int64_t cursor = 0;  // everything before it is covered or listed
+  for (const FlatRange& r : covered) {
+    if (r.offset > cursor) gaps.push_back({cursor, r.offset - cursor});
+    cursor = std::max(cursor, r.offset + r.numel);
+  }
+  if (cursor < total) gaps.push_back({cursor, total - cursor});
+  return gaps;
+}
 
 void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                     const std::vector<int64_t>& offsets, bool accumulate,
@@ -27,7 +47,10 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                 "pack_into_flat: tensor ", i, " [", offsets[i], ", ", offsets[i] + t.numel(),
                 ") exceeds the flat buffer of ", flat.numel());
   }
-  if (zero_fill_first && !accumulate) flat.zero_();
+  // Only what no tensor covers is zeroed: a whole-buffer fill first would write the
+  // buffer twice.
+  const std::vector<FlatRange> zero_ranges =
+      zero_fill_first && !accumulate ? uncovered_ranges(flat.numel(), tensors, offsets) : std::vector<FlatRange>{};
 
 #ifdef WITH_CUDA
   if (flat.is_cuda() && has_fused_kernel(flat.scalar_type())) {
@@ -50,7 +73,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
         rest_offsets.push_back(offsets[i]);
       }
     }
-    if (!fused.empty()) pack_into_flat_cuda(flat, fused, fused_offsets, accumulate);
+    if (!fused.empty() || !zero_ranges.empty()) pack_into_flat_cuda(flat, fused, fused_offsets, zero_ranges, accumulate);
     for (size_t i = 0; i < rest.size(); ++i) {
       auto dst = flat.narrow(0, rest_offsets[i], rest[i].numel());
       if (accumulate) dst.add_(rest[i].reshape({-1}));
@@ -59,6 +82,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
     return;
   }
 #endif
+  for (const FlatRange& r : zero_ranges) flat.narrow(0, r.offset, r.numel).zero_();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.defined() || t.numel() == 0) continue;

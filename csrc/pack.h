@@ -1,8 +1,9 @@
 // Cast/copy kernels of the hot path.
 //
 //  pack_into_flat:  many gradients (any float dtype) -> one flat buffer at given offsets,
-//                   cast to the buffer's dtype, overwriting or accumulating. One fused
-//                   multi-tensor CUDA launch on GPU; ATen copies on CPU.
+//                   cast to the buffer's dtype, overwriting or accumulating, the
+//                   uncovered ranges zero-filled. One fused multi-tensor CUDA launch
+//                   (vectorized where aligned) on GPU; ATen copies on CPU.
 //  cast_scale_into: dst = src * scale (or dst += src * scale) with a dtype cast, used to
 //                   turn a reduce-scattered shard into the fp32 sharded gradient.
 #pragma once
@@ -14,9 +15,19 @@
 
 namespace mfsdp {
 
-// Undefined entries in `tensors` are skipped; their ranges (and any gap between ranges)
-// are zero-filled unless `accumulate` is set. Each defined tensor must have exactly
-// numels[i] elements.
+// A range of a flat buffer's elements.
+struct FlatRange {
+  int64_t offset;
+  int64_t numel;
+};
+
+// The ranges of [0, total) that no defined tensor covers (tensors[i] at offsets[i]), in order.
+std::vector<FlatRange> uncovered_ranges(int64_t total, const std::vector<at::Tensor>& tensors,
+                                        const std::vector<int64_t>& offsets);
+
+// Undefined entries in `tensors` are skipped. With zero_fill_first (and not accumulate),
+// every element no tensor covers (undefined entries' ranges, alignment gaps, the tail) is
+// zero-filled, in the same launch as the copies: the buffer is written once.
 void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                     const std::vector<int64_t>& offsets, bool accumulate,
                     bool zero_fill_first);
@@ -26,7 +37,8 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
 #ifdef WITH_CUDA
 // CUDA implementations (pack_kernels.cu). Preconditions checked by the callers above.
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
-                         const std::vector<int64_t>& offsets, bool accumulate);
+                         const std::vector<int64_t>& offsets, const std::vector<FlatRange>& zero_ranges,
+                         bool accumulate);
 void cast_scale_into_cuda(at::Tensor& dst, const at::Tensor& src, double scale,
                           bool accumulate);
 #endif

@@ -13,24 +13,68 @@
 namespace mfsdp {
 namespace {
 
-// One gradient of a pack: where it is read from and where it lands in the flat buffer.
+// One piece of a pack: a gradient read from `src` into the flat buffer at dst_offset, or,
+// with src null, a range of the flat buffer zero-filled (padding, or a parameter without a
+// gradient). `vectorized`: src and dst are aligned for whole-vector loads and stores.
 struct PackTensor {
   const void* src;
   int64_t dst_offset;
   int64_t numel;
+  bool vectorized;
+};
+
+// Elements a thread moves per load: 16 bytes of the source.
+template <typename Src>
+constexpr int pack_vector_elems() {
+  return static_cast<int>(16 / sizeof(Src));
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
 };
 
 template <typename Src, typename Dst, bool kAccumulate>
 __global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __restrict__ flat) {
   const multi_tensor::BlockChunk chunk = multi_tensor::block_chunk(table);
   const PackTensor& t = table.tensors[chunk.tensor];
-  const Src* __restrict__ src = static_cast<const Src*>(t.src);
   Dst* __restrict__ dst = flat + t.dst_offset;
-  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += blockDim.x) {
+  if (t.src == nullptr) {
+    for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += blockDim.x) dst[i] = static_cast<Dst>(0.f);
+    return;
+  }
+  const Src* __restrict__ src = static_cast<const Src*>(t.src);
+  int64_t scalar_from = chunk.begin;
+  if (t.vectorized) {
+    // A chunk starts at a multiple of kChunkElems, so its vectors stay aligned; only a
+    // tensor's last chunk can end in a partial vector, left to the scalar loop.
+    constexpr int V = pack_vector_elems<Src>();
+    static_assert(multi_tensor::kChunkElems % V == 0, "chunks must start on a vector boundary");
+    const int64_t vec_end = chunk.begin + (chunk.end - chunk.begin) / V * V;
+    for (int64_t i = chunk.begin + static_cast<int64_t>(threadIdx.x) * V; i < vec_end;
+         i += static_cast<int64_t>(blockDim.x) * V) {
+      const Vec<Src, V> in = *reinterpret_cast<const Vec<Src, V>*>(src + i);
+      Vec<Dst, V> out;
+      if (kAccumulate) out = *reinterpret_cast<const Vec<Dst, V>*>(dst + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float v = static_cast<float>(in.v[k]);
+        if (kAccumulate) v += static_cast<float>(out.v[k]);
+        out.v[k] = static_cast<Dst>(v);
+      }
+      *reinterpret_cast<Vec<Dst, V>*>(dst + i) = out;
+    }
+    scalar_from = vec_end;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < chunk.end; i += blockDim.x) {
     float v = static_cast<float>(src[i]);
     if (kAccumulate) v += static_cast<float>(dst[i]);
     dst[i] = static_cast<Dst>(v);
   }
+}
+
+bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 template <typename Src, typename Dst, bool kAccumulate>
@@ -47,21 +91,27 @@ __global__ void cast_scale_kernel(const Src* __restrict__ src, Dst* __restrict__
 }  // namespace
 
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
-                         const std::vector<int64_t>& offsets, bool accumulate) {
-  const at::ScalarType src_type = tensors.front().scalar_type();
+                         const std::vector<int64_t>& offsets, const std::vector<FlatRange>& zero_ranges,
+                         bool accumulate) {
+  const at::ScalarType src_type = tensors.empty() ? flat.scalar_type() : tensors.front().scalar_type();
   c10::cuda::CUDAGuard guard(flat.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
   dispatch_float(flat.scalar_type(), "pack_into_flat", [&](auto dst_tag) {
     using Dst = decltype(dst_tag);
     dispatch_float(src_type, "pack_into_flat", [&](auto src_tag) {
       using Src = decltype(src_tag);
+      constexpr int V = pack_vector_elems<Src>();
+      Dst* base = flat.data_ptr<Dst>();
       std::vector<PackTensor> descs;
-      descs.reserve(tensors.size());
+      descs.reserve(tensors.size() + zero_ranges.size());
       for (size_t i = 0; i < tensors.size(); ++i) {
-        descs.push_back(PackTensor{tensors[i].data_ptr(), offsets[i], tensors[i].numel()});
+        const void* src = tensors[i].data_ptr();
+        const bool vectorized = aligned_to(src, V * sizeof(Src)) && aligned_to(base + offsets[i], V * sizeof(Dst));
+        descs.push_back(PackTensor{src, offsets[i], tensors[i].numel(), vectorized});
       }
+      for (const FlatRange& r : zero_ranges) descs.push_back(PackTensor{nullptr, r.offset, r.numel, false});
       auto kernel = accumulate ? pack_kernel<Src, Dst, true> : pack_kernel<Src, Dst, false>;
-      multi_tensor::launch(kernel, descs, stream, flat.data_ptr<Dst>());
+      multi_tensor::launch(kernel, descs, stream, base);
     });
   });
 }

@@ -475,8 +475,8 @@ def float8_gather_estimate(rank: int, world: int) -> Dict:
 
 
 class Wide(nn.Module):
-    """Float8Linear weights of several kernel launches' worth of chunks (the fused amax
-    and fill kernels split pieces into 16384-element chunks, 256 chunks a launch), with
+    """Float8Linear weights of many chunks each (the fused amax
+    and fill kernels split pieces into 16384-element chunks, one block a chunk), with
     row counts that do not divide by the world."""
 
     def __init__(self):
