@@ -59,6 +59,9 @@ from moe_setup import FORMS, check_ep, expert_parallel_meshes, moe_config, shard
 CONFIGS = {
     "small_many": shapes.SMALL_MANY,
     "1.3b": shapes.LLAMA_1_3B,
+    # bench_train.py's names, so a projection lines up with the measured step of that config
+    "1b": shapes.LLAMA_1_3B,
+    "1b_comm_bound": shapes.LLAMA_1_3B._replace(micro_batch=1, seq=512),
     "8b": shapes.LLAMA_7B,
     "13b": shapes.LLAMA_13B,
     "70b": shapes.LLAMA_70B,
@@ -123,6 +126,38 @@ def _c10d_calls(prof) -> dict:
         calls, total = out.get(e.name, (0, 0))
         out[e.name] = (calls + 1, None if total is None or nbytes is None else total + nbytes)
     return out
+
+
+def _kernel_summary(prof, top: int) -> dict:
+    """The profiled step's GPU kernels: how long the GPU was busy (the union of kernel
+    intervals) against the span from the first kernel's start to the last one's end, and
+    the `top` kernel names by summed time (count, ms). Under the fake backend every
+    kernel is compute, a copy or a cast: the span minus the busy time is the GPU waiting
+    on the host."""
+    from torch.autograd import DeviceType
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        spans.append((start, end))
+        count, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (count + 1, us + (end - start))
+    if not spans:
+        return {"kernels": 0}
+    spans.sort()
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": len(spans), "span_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0,
+            "busy_ms": busy / 1e3, "kernel_sum_ms": sum(us for _, us in by_name.values()) / 1e3,
+            "top": [{"name": name[:160], "count": c, "ms": us / 1e3} for name, (c, us) in ranked]}
 
 
 def _numel(shape) -> int:
@@ -325,9 +360,11 @@ def measure(args, world: int) -> dict:
                          "backward_ms": ev[1].ms_until(ev[2]), "optimizer_ms": ev[2].ms_until(ev[3])})
     before = dict(_C.collective_counts())
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda and args.kernels else [])
+    with profile(activities=activities, record_shapes=True) as prof:
         step()
     sync()
+    kernels = _kernel_summary(prof, args.kernels) if cuda and args.kernels else None
     try:
         c10d_calls = _c10d_calls(prof)
     except Exception as e:  # a profiler API this torch lacks must not cost the timings
@@ -350,6 +387,7 @@ def measure(args, world: int) -> dict:
         "link_model": dataclasses.asdict(link_model) if link_model is not None else None,
         "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
+        "kernels_in_profiled_step": kernels,
     }
     if args.system == "mfsdp" and args.tp == 1:  # estimate_memory does not model TP
         # estimate_memory leaves activations out: its prediction is checked against a
@@ -388,7 +426,8 @@ def run_system(system: str, config: str, worlds, args) -> list:
            "--worlds", ",".join(map(str, worlds)), "--rank", str(args.rank), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)] + \
         (["--compile"] if args.compile else []) + (["--link", args.link] if args.link else []) + \
-        ["--experts", str(args.experts), "--top-k", str(args.top_k), "--ep", str(args.ep), "--moe-form", args.moe_form]
+        ["--experts", str(args.experts), "--top-k", str(args.top_k), "--ep", str(args.ep), "--moe-form", args.moe_form,
+         "--kernels", str(args.kernels)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -426,6 +465,9 @@ def main() -> None:
     p.add_argument("--link", help="plan our \"auto\" buckets from this link instead of none (nothing moves "
                    "under the fake backend): ALPHA_US:GBPS (all-gather output GB/s), or a benchmarks/link_probe.py "
                    "JSON (the median of its measurements)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile the GPU in the profiled step: busy time against span, and the N "
+                   "kernels that took the most time")
     p.add_argument("--out", default="runs/simulate")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
