@@ -3,6 +3,15 @@ compute (benchmarks/simulate.py: one GPU, fake backend, no communication) plus t
 communication a stated alpha-beta model says stays exposed.
 
     python benchmarks/project.py benchmarks/data/simulate_fake_h100_*.json --out runs/projection
+    python benchmarks/project.py SIM.json --link LINK_PROBE.json --measured COMPARE_ROWS.json ...
+
+With --link (a benchmarks/link_probe.py JSON measured at world W on the machine the
+projection is for), W <= 8 uses alpha and busbw fitted by least squares to that probe's
+timed all-gathers (1-64 MiB) instead of run G's two points; reduce-scatters are assumed to
+run at the all-gather's rate (run G: within 7% of each other at 16 and 256 MiB). With
+--measured (bench_train.py / compare_systems.py output: rows, or {"rows"|"results"|
+"defaults_rows": rows}, or {"runs": {name: results.json}}), every projection whose
+(system, config, world) was measured is checked against the median measured step.
 
 Model (all parameters printed with the table):
   - a collective over a buffer of B bytes at world W takes alpha + B (W-1)/W / busbw
@@ -13,7 +22,10 @@ Model (all parameters printed with the table):
     per GPU (a 400 Gb/s NIC per GPU at ~90%) and a latency that grows with the number of
     nodes a ring crosses;
   - units are the blocks plus the root (embedding, final norm, head); each block's share
-    of the measured forward and backward time is 1/L of it;
+    of the measured forward and backward time is 1/L of it; where the simulator counted a
+    system's collectives (ours: its own counters; FSDP2: the c10d calls), the blocks'
+    collectives are that many per phase instead of one per block (our buckets), each
+    carrying its share of the bytes and hiding behind its share of the compute;
   - prefetch depth 1: in forward the next block's all-gather hides behind this block's
     compute; in backward the previous block's all-gather and this block's
     reduce-scatter share the link and hide behind this block's backward; the root's
@@ -27,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -53,17 +66,49 @@ def fit_nvlink(points, world=2):
 NVLINK = {kind: fit_nvlink(points) for kind, points in RUN_G.items()}
 
 
-def link(kind: str, world: int):
+def fit_probe(path: str) -> dict:
+    """{kind: (alpha ms, busbw GB/s)} by least squares through a link_probe.py JSON's timed
+    all-gathers (bytes = all-gather output), for both kinds of collective."""
+    data = json.loads(Path(path).read_text())
+    world = data["meta"]["world"]
+    points = [(c["bytes"] * (world - 1) / world, c["measured_s"] * 1e3) for c in data["checks"]]
+    if len(points) < 2:
+        raise SystemExit(f"--link {path}: needs at least two timed all-gathers, found {len(points)}")
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    alpha, busbw = my - slope * mx, 1e-6 / slope  # slope: ms per byte
+    return {"all_gather": (alpha, busbw), "reduce_scatter": (alpha, busbw), "source": path, "world": world}
+
+
+def link(kind: str, world: int, nvlink: dict = None):
     """(alpha ms, busbw GB/s) of the model at `world`."""
+    nvlink = nvlink or NVLINK
     if world <= 8:
-        return NVLINK[kind]
+        return nvlink[kind]
     nodes = world // 8
-    return NVLINK[kind][0] + 0.02 + 0.002 * nodes, IB_BUSBW_GBPS
+    return nvlink[kind][0] + 0.02 + 0.002 * nodes, IB_BUSBW_GBPS
 
 
-def collective_ms(kind: str, nbytes: float, world: int) -> float:
-    alpha, busbw = link(kind, world)
+def collective_ms(kind: str, nbytes: float, world: int, nvlink: dict = None) -> float:
+    alpha, busbw = link(kind, world, nvlink)
     return alpha + nbytes * (world - 1) / world / (busbw * 1e9) * 1e3
+
+
+def collectives_per_phase(row: dict, layers: int):
+    """(all-gathers, reduce-scatters) over the blocks in one phase, from the simulator's
+    counts where it has them (all-gathers run in forward and again in backward; the
+    root's one of each is left out), else one per block."""
+    counts = row.get("our_counts_per_step") or {}
+    if counts.get("all_gather") and counts.get("reduce_scatter"):
+        ag, rs = counts["all_gather"][0], counts["reduce_scatter"][0]
+    else:
+        calls = row.get("c10d_calls_per_step") or {}
+        ag = sum(v[0] for k, v in calls.items() if "allgather" in k and isinstance(v, list))
+        rs = sum(v[0] for k, v in calls.items() if "reduce_scatter" in k and isinstance(v, list))
+    if not ag or not rs:
+        return layers, layers
+    return max(1, min(layers, round((ag - 2) / 2))), max(1, min(layers, rs - 1))
 
 
 def unit_sizes(config: str):
@@ -74,19 +119,52 @@ def unit_sizes(config: str):
     return root, block, layers
 
 
-def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4) -> dict:
+def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict = None) -> dict:
     world = row["world"]
     root, block, layers = unit_sizes(row["config"])
-    ag_root = collective_ms("all_gather", root * param_bytes, world)
-    ag = collective_ms("all_gather", block * param_bytes, world)
-    rs = collective_ms("reduce_scatter", block * grad_bytes, world)
-    rs_root = collective_ms("reduce_scatter", root * grad_bytes, world)
-    fwd, bwd = row["forward_ms"] / layers, row["backward_ms"] / layers
-    exposed_fwd = ag_root + ag + (layers - 1) * max(0.0, ag - fwd)
-    exposed_bwd = (layers - 1) * max(0.0, ag + rs - bwd) + rs + rs_root
+    n_ag, n_rs = collectives_per_phase(row, layers)
+    ag_root = collective_ms("all_gather", root * param_bytes, world, nvlink)
+    ag = collective_ms("all_gather", block * layers / n_ag * param_bytes, world, nvlink)
+    rs = collective_ms("reduce_scatter", block * layers / n_rs * grad_bytes, world, nvlink)
+    rs_root = collective_ms("reduce_scatter", root * grad_bytes, world, nvlink)
+    # Forward: the root's gather and the first block gather are exposed; the rest hide
+    # behind the compute before them. Backward: each later all-gather and every
+    # reduce-scatter but the last share the link and hide behind the backward compute;
+    # the last reduce-scatter and the root's are exposed. Uniform shares: the sum over
+    # shares of max(0, communication - compute) is max(0, total communication - compute).
+    exposed_fwd = ag_root + ag + max(0.0, (n_ag - 1) * ag - row["forward_ms"] * (n_ag - 1) / n_ag)
+    exposed_bwd = rs + rs_root + max(0.0, (n_ag - 1) * ag + (n_rs - 1) * rs - row["backward_ms"] * (n_rs - 1) / n_rs)
     return {"system": row["system"], "config": row["config"], "world": world, "measured_compute_ms": row["step_ms"],
-            "all_gather_ms_per_block": ag, "reduce_scatter_ms_per_block": rs, "exposed_forward_ms": exposed_fwd,
+            "gathers_per_phase": n_ag, "reduce_scatters": n_rs,
+            "all_gather_ms_each": ag, "reduce_scatter_ms_each": rs, "exposed_forward_ms": exposed_fwd,
             "exposed_backward_ms": exposed_bwd, "projected_step_ms": row["step_ms"] + exposed_fwd + exposed_bwd}
+
+
+def load_measured(paths, default_world=None) -> dict:
+    """{(system, config, world): [step ms, ...]} from bench_train / compare_systems output
+    (`default_world` where a file does not say its world: compare_systems' rows)."""
+    found = {}
+
+    def add(rows, world=None):
+        for r in rows:
+            if "error" in r or "step_s" not in r and "step_ms" not in r:
+                continue
+            ms = r["step_ms"] if "step_ms" in r else r["step_s"] * 1e3
+            w = r.get("world") or world
+            found.setdefault((r["system"], r["config"], w), []).append(ms)
+
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, list):
+            add(data, default_world)
+            continue
+        world = (data.get("meta") or {}).get("world") or data.get("world") or default_world
+        for key in ("rows", "results", "defaults_rows"):
+            if key in data:
+                add(data[key], world)
+        for run in (data.get("runs") or {}).values():
+            add(run.get("results", []), (run.get("meta") or {}).get("world"))
+    return found
 
 
 # Check against the 2xH200 NCCL rows of run E (benchmarks/RESULTS.md; measured step ms)
@@ -101,6 +179,9 @@ RUN_E = {("mfsdp", "1.3b"): 210.2, ("fsdp2", "1.3b"): 217.0, ("mfsdp", "small_ma
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+")
+    p.add_argument("--link", help="a link_probe.py JSON: fit the W <= 8 link to it instead of run G")
+    p.add_argument("--measured", nargs="*", default=[], help="bench_train / compare_systems JSON to check against")
+    p.add_argument("--measured-world", type=int, help="the world of --measured files that do not record it")
     p.add_argument("--out", default="runs/projection")
     args = p.parse_args()
     rows = []
@@ -108,41 +189,60 @@ def main() -> None:
         data = json.loads(Path(f).read_text())
         rows += data["rows"] if isinstance(data, dict) else data
     rows = [r for r in rows if "error" not in r and r["system"] in ("mfsdp", "fsdp2")]
+    nvlink = fit_probe(args.link) if args.link else NVLINK
+    source = f"fitted to {args.link} (world {nvlink['world']})" if args.link else "fitted to run G (2xH200)"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["Model parameters: " + "; ".join(f"{k} NVLink alpha {a:.3f} ms busbw {b:.1f} GB/s"
-                                               for k, (a, b) in NVLINK.items())
-             + f"; W > 8: busbw {IB_BUSBW_GBPS} GB/s, alpha + 0.02 ms + 0.002 ms per node", "",
-             "| config | W | system | measured compute ms | AG/RS ms per block | exposed fwd ms | exposed bwd ms | "
-             "projected step ms |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["Model parameters: " + "; ".join(f"{k} NVLink alpha {nvlink[k][0]:.3f} ms busbw {nvlink[k][1]:.1f} GB/s"
+                                               for k in ("all_gather", "reduce_scatter"))
+             + f" ({source}); W > 8: busbw {IB_BUSBW_GBPS} GB/s, alpha + 0.02 ms + 0.002 ms per node", "",
+             "| config | W | system | measured compute ms | gathers / reduce-scatters per phase | AG / RS ms each | "
+             "exposed fwd ms | exposed bwd ms | projected step ms |", "|---|---|---|---|---|---|---|---|---|"]
     projections = []
     for r in rows:
         if "/" in r["config"]:
             continue  # depth-reduced copies: their own projection adds nothing
-        pr = project(r)
+        pr = project(r, nvlink=nvlink)
         projections.append(pr)
         lines.append(f"| {r['config']} | {r['world']} | {r['system']} | {pr['measured_compute_ms']:.1f} | "
-                     f"{pr['all_gather_ms_per_block']:.2f} / {pr['reduce_scatter_ms_per_block']:.2f} | "
+                     f"{pr['gathers_per_phase']} / {pr['reduce_scatters']} | "
+                     f"{pr['all_gather_ms_each']:.2f} / {pr['reduce_scatter_ms_each']:.2f} | "
                      f"{pr['exposed_forward_ms']:.1f} | {pr['exposed_backward_ms']:.1f} | "
                      f"{pr['projected_step_ms']:.1f} |")
-    lines += ["", "Check against run E (2xH200, NCCL, W=2, measured):", "",
-              "| config | system | compute (H100 sim, W=8) ms | projected W=2 ms | measured W=2 ms | error |",
-              "|---|---|---|---|---|---|"]
     checks = []
-    for (system, config), measured in RUN_E.items():
-        src = next((r for r in rows if r["system"] == system and r["config"] == config), None)
-        if src is None:
-            continue
-        pr = project(dict(src, world=2))
-        err = pr["projected_step_ms"] / measured - 1
-        checks.append({"system": system, "config": config, "projected_ms": pr["projected_step_ms"],
-                       "measured_ms": measured, "error": err})
-        lines.append(f"| {config} | {system} | {src['step_ms']:.1f} | {pr['projected_step_ms']:.1f} | {measured:.1f} | "
-                     f"{err:+.0%} |")
+    measured = load_measured(args.measured, args.measured_world)
+    if measured:
+        lines += ["", "Check against the measured steps (--measured; median of the runs, min-max):", "",
+                  "| config | W | system | projected ms | measured ms | runs | error |", "|---|---|---|---|---|---|---|"]
+        for pr in projections:
+            steps = measured.get((pr["system"], pr["config"], pr["world"]))
+            if not steps:
+                continue
+            med = statistics.median(steps)
+            err = pr["projected_step_ms"] / med - 1
+            checks.append({"system": pr["system"], "config": pr["config"], "world": pr["world"],
+                           "projected_ms": pr["projected_step_ms"], "measured_ms": med, "measured_runs": steps,
+                           "error": err})
+            lines.append(f"| {pr['config']} | {pr['world']} | {pr['system']} | {pr['projected_step_ms']:.1f} | "
+                         f"{med:.1f} ({min(steps):.1f}-{max(steps):.1f}) | {len(steps)} | {err:+.0%} |")
+    else:
+        lines += ["", "Check against run E (2xH200, NCCL, W=2, measured):", "",
+                  "| config | system | compute (H100 sim, W=8) ms | projected W=2 ms | measured W=2 ms | error |",
+                  "|---|---|---|---|---|---|"]
+        for (system, config), step in RUN_E.items():
+            src = next((r for r in rows if r["system"] == system and r["config"] == config), None)
+            if src is None:
+                continue
+            pr = project(dict(src, world=2), nvlink=nvlink)
+            err = pr["projected_step_ms"] / step - 1
+            checks.append({"system": system, "config": config, "projected_ms": pr["projected_step_ms"],
+                           "measured_ms": step, "error": err})
+            lines.append(f"| {config} | {system} | {src['step_ms']:.1f} | {pr['projected_step_ms']:.1f} | {step:.1f} | "
+                         f"{err:+.0%} |")
     text = "\n".join(lines)
     print(text)
     (out / "projection.md").write_text(text + "\n")
-    (out / "projection.json").write_text(json.dumps({"nvlink": NVLINK, "ib_busbw_gbps": IB_BUSBW_GBPS,
+    (out / "projection.json").write_text(json.dumps({"nvlink": nvlink, "ib_busbw_gbps": IB_BUSBW_GBPS,
                                                      "projections": projections, "checks": checks}, indent=1))
     plot(rows, out / "simulate_peak_and_step.png")
 
@@ -157,6 +257,8 @@ def plot(rows, path: Path) -> None:
         return
     configs = sorted({r["config"] for r in rows if "/" not in r["config"] and
                       len({x["world"] for x in rows if x["config"] == r["config"]}) > 1})
+    if not configs:  # one world per config: nothing to draw against W
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for config in configs:
         for system, style in (("mfsdp", "-o"), ("fsdp2", "--s")):
