@@ -1,0 +1,86 @@
+"""benchmarks/project.py: the link fitted to a probe, a system's own collective counts, and
+the check against measured steps."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def project():
+    if not (BENCH / "project.py").exists():
+        pytest.skip("benchmarks/ is not part of this checkout")
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("project", BENCH / "project.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+def probe(tmp_path, world, alpha_ms, busbw_gbps):
+    """A link_probe.py JSON whose timed all-gathers follow alpha + B (W-1)/W / busbw exactly."""
+    checks = [{"bytes": b, "measured_s": (alpha_ms + b * (world - 1) / world / (busbw_gbps * 1e9) * 1e3) / 1e3}
+              for b in (1 << 20, 4 << 20, 16 << 20, 64 << 20)]
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"meta": {"world": world}, "checks": checks}))
+    return str(path)
+
+
+def test_fit_probe_recovers_the_link(project, tmp_path):
+    fit = project.fit_probe(probe(tmp_path, 4, 0.04, 300.0))
+    for kind in ("all_gather", "reduce_scatter"):
+        alpha, busbw = fit[kind]
+        assert alpha == pytest.approx(0.04, rel=1e-6)
+        assert busbw == pytest.approx(300.0, rel=1e-6)
+    # And a collective costs what the fitted line says at another size.
+    ms = project.collective_ms("all_gather", 256 << 20, 4, fit)
+    assert ms == pytest.approx(0.04 + (256 << 20) * 0.75 / 300e9 * 1e3, rel=1e-6)
+
+
+def row(system, config="1b", world=4, fwd=50.0, bwd=100.0, counts=None):
+    r = {"system": system, "config": config, "world": world, "forward_ms": fwd, "backward_ms": bwd,
+         "step_ms": fwd + bwd + 5.0}
+    if counts:
+        r["our_counts_per_step"] = {"all_gather": [counts[0], 0], "reduce_scatter": [counts[1], 0]}
+    return r
+
+
+def test_buckets_mean_fewer_larger_collectives(project, tmp_path):
+    link = project.fit_probe(probe(tmp_path, 4, 0.5, 300.0))  # a slow start: counts matter
+    layers = project.unit_sizes("1b")[2]
+    per_unit = project.project(row("mfsdp"), nvlink=link)
+    assert (per_unit["gathers_per_phase"], per_unit["reduce_scatters"]) == (layers, layers)
+    # 4 buckets a phase: 2 * 4 gathers + the root's two, 4 reduce-scatters + the root's.
+    bucketed = project.project(row("mfsdp", counts=(10, 5)), nvlink=link)
+    assert (bucketed["gathers_per_phase"], bucketed["reduce_scatters"]) == (4, 4)
+    assert bucketed["all_gather_ms_each"] > per_unit["all_gather_ms_each"]
+    # The same bytes in 4 collectives instead of 24 pay 20 fewer latencies in backward,
+    # where (with this compute) the communication is exposed.
+    slow = project.project(row("mfsdp", bwd=1.0), nvlink=link)
+    slow_bucketed = project.project(row("mfsdp", bwd=1.0, counts=(10, 5)), nvlink=link)
+    assert slow_bucketed["exposed_backward_ms"] < slow["exposed_backward_ms"]
+    # Compute long enough hides everything but the last reduce-scatter and the root's.
+    hidden = project.project(row("mfsdp", bwd=10_000.0, fwd=10_000.0), nvlink=link)
+    rs_root = project.collective_ms("reduce_scatter", project.unit_sizes("1b")[0] * 4, 4, link)
+    assert hidden["exposed_backward_ms"] == pytest.approx(hidden["reduce_scatter_ms_each"] + rs_root)
+
+
+def test_measured_steps_are_read_from_each_format(project, tmp_path):
+    compare_rows = tmp_path / "rows.json"  # compare_systems: rows without a world
+    compare_rows.write_text(json.dumps([{"system": "mfsdp", "config": "1b", "step_s": 0.2, "round": 0},
+                                        {"system": "mfsdp", "config": "1b", "step_s": 0.3, "round": 1},
+                                        {"system": "fsdp2", "config": "1b", "error": "timed out"}]))
+    ab = tmp_path / "ab.json"  # ab_train: {"runs": {name: results.json}}
+    ab.write_text(json.dumps({"runs": {"new_1": {"meta": {"world": 4}, "results": [
+        {"system": "mfsdp", "config": "13b", "step_s": 0.36}]}}}))
+    found = project.load_measured([str(compare_rows), str(ab)], default_world=4)
+    assert found == {("mfsdp", "1b", 4): [200.0, 300.0], ("mfsdp", "13b", 4): [360.0]}
+    # Without a default world, rows that do not say theirs cannot match a projection.
+    assert ("mfsdp", "1b", 4) not in project.load_measured([str(compare_rows)])
