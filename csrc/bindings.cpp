@@ -256,14 +256,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "pack_into_flat",
       [](at::Tensor& flat, const std::vector<std::optional<at::Tensor>>& tensors,
-         const std::vector<int64_t>& offsets, bool accumulate, bool zero_fill_first) {
+         const std::vector<int64_t>& offsets, bool accumulate, bool zero_fill_first, double scale) {
         std::vector<at::Tensor> ts;  // None -> undefined: skipped (and zero-filled)
         for (const auto& t : tensors) ts.push_back(t.value_or(at::Tensor()));
-        pack_into_flat(flat, ts, offsets, accumulate, zero_fill_first);
+        pack_into_flat(flat, ts, offsets, accumulate, zero_fill_first, scale);
       },
       py::arg("flat"), py::arg("tensors"),
-        py::arg("offsets"), py::arg("accumulate") = false, py::arg("zero_fill_first") = true,
-        "Copy (or add) tensors into a flat buffer at offsets, casting to its dtype.");
+        py::arg("offsets"), py::arg("accumulate") = false, py::arg("zero_fill_first") = true, py::arg("scale") = 1.0,
+        "Copy (or add) tensors, times `scale`, into a flat buffer at offsets, casting to its dtype.");
   m.def("cast_scale_into", &cast_scale_into, py::arg("dst"), py::arg("src"), py::arg("scale"),
         py::arg("accumulate") = false);
 

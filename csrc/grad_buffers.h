@@ -18,6 +18,7 @@ struct GradBuffers {
   at::Tensor target;   // fp32 (orig dtype) segment behind the sharded .grad views
                        // (offloaded: on the device, copied into `host` after the reduction)
   at::Tensor host;     // offloaded: where the reduced fp32 segment lands in host memory
+  double scale = 1.0;  // the factor flat's (and so reduced's) values already carry
 };
 
 }  // namespace mfsdp

@@ -10,6 +10,17 @@ bool has_fused_kernel(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
+// dst = src * scale, or dst += src * scale, in dst's dtype (the product in fp32 or wider:
+// a bf16 source is cast before it is scaled, as the CUDA kernel does).
+void copy_scaled(at::Tensor dst, const at::Tensor& src, double scale, bool accumulate) {
+  if (accumulate) {
+    dst.add_(src.to(dst.scalar_type()), scale);
+    return;
+  }
+  dst.copy_(src);
+  if (scale != 1.0) dst.mul_(scale);
+}
+
 }  // namespace
 
 std::vector<FlatRange> uncovered_ranges(int64_t total, const std::vector<at::Tensor>& tensors,
@@ -32,7 +43,7 @@ std::vector<FlatRange> uncovered_ranges(int64_t total, const std::vector<at::Ten
 
 void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                     const std::vector<int64_t>& offsets, bool accumulate,
-                    bool zero_fill_first) {
+                    bool zero_fill_first, double scale) {
   MFSDP_CHECK(tensors.size() == offsets.size(), "pack_into_flat: ", tensors.size(),
               " tensors but ", offsets.size(), " offsets");
   MFSDP_CHECK(flat.defined() && flat.dim() == 1 && flat.is_contiguous(),
@@ -73,11 +84,12 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
         rest_offsets.push_back(offsets[i]);
       }
     }
-    if (!fused.empty() || !zero_ranges.empty()) pack_into_flat_cuda(flat, fused, fused_offsets, zero_ranges, accumulate);
+    if (!fused.empty() || !zero_ranges.empty()) {
+      pack_into_flat_cuda(flat, fused, fused_offsets, zero_ranges, accumulate, scale);
+    }
     for (size_t i = 0; i < rest.size(); ++i) {
       auto dst = flat.narrow(0, rest_offsets[i], rest[i].numel());
-      if (accumulate) dst.add_(rest[i].reshape({-1}));
-      else dst.copy_(rest[i].reshape({-1}));
+      copy_scaled(dst, rest[i].reshape({-1}), scale, accumulate);
     }
     return;
   }
@@ -87,8 +99,7 @@ void pack_into_flat(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
     const auto& t = tensors[i];
     if (!t.defined() || t.numel() == 0) continue;
     auto dst = flat.narrow(0, offsets[i], t.numel());
-    if (accumulate) dst.add_(t.reshape({-1}));
-    else dst.copy_(t.reshape({-1}));
+    copy_scaled(dst, t.reshape({-1}), scale, accumulate);
   }
 }
 
@@ -100,6 +111,8 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
               " elements, src has ", src.numel());
   MFSDP_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
   if (dst.numel() == 0) return;
+  const bool in_place = dst.data_ptr() == src.data_ptr() && dst.scalar_type() == src.scalar_type();
+  if (in_place && scale == 1.0 && !accumulate) return;  // the usual case: the pack applied the scale
 #ifdef WITH_CUDA
   if (dst.is_cuda() && has_fused_kernel(dst.scalar_type()) && has_fused_kernel(src.scalar_type())) {
     cast_scale_into_cuda(dst, src, scale, accumulate);

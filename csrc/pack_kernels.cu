@@ -13,7 +13,7 @@
 namespace mfsdp {
 namespace {
 
-// One piece of a pack: a gradient read from `src` into the flat buffer at dst_offset, or,
+// One piece of a pack: a gradient read from `src`, scaled, into the flat buffer at dst_offset, or,
 // with src null, a range of the flat buffer zero-filled (padding, or a parameter without a
 // gradient). `vectorized`: src and dst are aligned for whole-vector loads and stores.
 struct PackTensor {
@@ -35,7 +35,7 @@ struct alignas(sizeof(T) * N) Vec {
 };
 
 template <typename Src, typename Dst, bool kAccumulate>
-__global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __restrict__ flat) {
+__global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __restrict__ flat, float scale) {
   const multi_tensor::BlockChunk chunk = multi_tensor::block_chunk(table);
   const PackTensor& t = table.tensors[chunk.tensor];
   Dst* __restrict__ dst = flat + t.dst_offset;
@@ -58,7 +58,7 @@ __global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __r
       if (kAccumulate) out = *reinterpret_cast<const Vec<Dst, V>*>(dst + i);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        float v = static_cast<float>(in.v[k]);
+        float v = static_cast<float>(in.v[k]) * scale;
         if (kAccumulate) v += static_cast<float>(out.v[k]);
         out.v[k] = static_cast<Dst>(v);
       }
@@ -67,7 +67,7 @@ __global__ void pack_kernel(multi_tensor::ChunkTable<PackTensor> table, Dst* __r
     scalar_from = vec_end;
   }
   for (int64_t i = scalar_from + threadIdx.x; i < chunk.end; i += blockDim.x) {
-    float v = static_cast<float>(src[i]);
+    float v = static_cast<float>(src[i]) * scale;
     if (kAccumulate) v += static_cast<float>(dst[i]);
     dst[i] = static_cast<Dst>(v);
   }
@@ -92,7 +92,7 @@ __global__ void cast_scale_kernel(const Src* __restrict__ src, Dst* __restrict__
 
 void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets, const std::vector<FlatRange>& zero_ranges,
-                         bool accumulate) {
+                         bool accumulate, double scale) {
   const at::ScalarType src_type = tensors.empty() ? flat.scalar_type() : tensors.front().scalar_type();
   c10::cuda::CUDAGuard guard(flat.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.device().index()).stream();
@@ -111,7 +111,7 @@ void pack_into_flat_cuda(at::Tensor& flat, const std::vector<at::Tensor>& tensor
       }
       for (const FlatRange& r : zero_ranges) descs.push_back(PackTensor{nullptr, r.offset, r.numel, false});
       auto kernel = accumulate ? pack_kernel<Src, Dst, true> : pack_kernel<Src, Dst, false>;
-      multi_tensor::launch(kernel, descs, stream, base);
+      multi_tensor::launch(kernel, descs, stream, base, static_cast<float>(scale));
     });
   });
 }

@@ -422,6 +422,7 @@ class Unit {
   Communicator replicate_comm_;  // undefined unless HSDP
   bool requires_all_reduce_ = true;
   at::Tensor partial_;  // reduce dtype, this rank's segment: shards whose all-reduce is deferred
+  double partial_scale_ = 1.0;  // the factor partial_'s values carry (the gradient scale they were packed with)
   c10::Device device_;
   at::ScalarType orig_dtype_, param_dtype_, reduce_dtype_;
 
@@ -438,6 +439,10 @@ class Unit {
   std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)
   std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
   at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
+  // The factor the last packed flat buffer's values carry: the gradient scale (1/W, or the
+  // divide factor's inverse) is applied as the gradients are packed, so the reduced shard
+  // needs no pass of its own; gradients accumulated without sync keep their first scale.
+  double packed_scale_ = 1.0;
 
   UnitState state_ = UnitState::kSharded;
   uint32_t gathered_version_ = 0;  // shard version the in-flight gather read

@@ -61,6 +61,7 @@ bool Unit::reduce_grads(bool sync) {
     if (!sync || defer || !partial_.defined()) return false;
     ctx().make_room_for_reduction();
     flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
+    packed_scale_ = grad_scale();
   }
   if (!sync) {
     accumulated_ = flat;
@@ -68,9 +69,11 @@ bool Unit::reduce_grads(bool sync) {
   }
   accumulated_ = at::Tensor();
   GradBuffers buffers = plan_reduction(std::move(flat), defer);
+  buffers.scale = packed_scale_;
   at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
   if (defer && !partial_.defined()) {
     partial_ = at::zeros({layout_.segment_numel(shard_index())}, device_options(reduce_dtype_));
+    partial_scale_ = buffers.scale;
   }
   auto done = reduce(buffers, defer);
   if (defer) {
@@ -116,7 +119,10 @@ at::Tensor Unit::pack_grads(bool sync) {
   at::Tensor flat = accumulate ? accumulated_
                                : comm_buffer(rs_comm_, layout_.total_numel(), device_options(reduce_dtype_),
                                              reduce_buffer_from_group_ && ran_device_collective(rs_comm_.group()));
-  pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all);
+  // Scaled as packed (what is accumulated keeps the scale it started with); the reduction
+  // scales again only if the factor changed meanwhile (finish_reduction).
+  if (!accumulate) packed_scale_ = grad_scale();
+  pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all, packed_scale_);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {
     if (grads[i].defined()) unsharded_locals_[i].mutable_grad() = at::Tensor();
@@ -201,13 +207,13 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
                      [&] { rs_comm_.reduce_scatter_flat(b.reduced, b.flat); });
     }
     if (defer) {
-      partial_.add_(b.reduced);
+      partial_.add_(b.reduced, partial_scale_ / b.scale);
       return;
     }
     if (replicate_comm_.defined()) {
       // On the same stream, after the reduce-scatter: with one reduction in flight a
       // stream of its own would only reorder work the next reduction waits for anyway.
-      if (partial_.defined()) b.reduced.add_(partial_);
+      if (partial_.defined()) b.reduced.add_(partial_, b.scale / partial_scale_);
       run_collective(CollectivePhase::kAllReduceReplicas, replicate_comm_, b.reduced.numel(),
                      [&] { replicate_comm_.all_reduce(b.reduced, c10d::ReduceOp::SUM); });
     }
@@ -217,7 +223,7 @@ std::shared_ptr<PendingCollective> Unit::reduce(GradBuffers& b, bool defer) {
 }
 
 void Unit::finish_reduction(GradBuffers& b) {
-  cast_scale_into(b.target, b.reduced, grad_scale(), b.landing == GradLanding::kAccumulate);
+  cast_scale_into(b.target, b.reduced, grad_scale() / b.scale, b.landing == GradLanding::kAccumulate);
   if (check_nonfinite_) ctx().check_nonfinite({b.target});
   copy_out(b);
 }
@@ -243,6 +249,7 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     u->accumulated_ = at::Tensor();
     members.push_back(u);
     buffers.push_back(u->plan_reduction(std::move(flat), /*defer=*/false));
+    buffers.back().scale = u->packed_scale_;
   }
   if (members.empty()) return;
   Unit& lead = *members.front();
@@ -259,7 +266,7 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     lead.ctx().delay_after_collective();
     std::vector<at::Tensor> checked;  // one fused check for the bucket
     for (size_t i = 0; i < members.size(); ++i) {
-      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale(),
+      cast_scale_into(buffers[i].target, buffers[i].reduced, members[i]->grad_scale() / buffers[i].scale,
                       buffers[i].landing == GradLanding::kAccumulate);
       if (members[i]->check_nonfinite_) checked.push_back(buffers[i].target);
     }

@@ -248,6 +248,44 @@ def _divide_factors(rank, world):
     return True
 
 
+def _micro_batch(model, rank, k):
+    g = torch.Generator().manual_seed(1000 * k + rank)
+    model(torch.randn(8, 16, generator=g)).float().pow(2).mean().backward()
+
+
+def _divide_factor_changed_while_accumulating(rank, world):
+    """The divide factor in effect when gradients are reduced applies to all of them, as in
+    FSDP2 (which reduces what it accumulated at the synced backward): ours scales the
+    gradients as it packs them, so what was packed under another factor is rescaled, and a
+    deferred HSDP all-reduce (set_requires_all_reduce(False)) keeps its shards' factor too.
+    The reference takes the three micro-batches synced under the final factor, adding in .grad."""
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if world >= 4 else None
+    kwargs = {"mesh": hsdp} if hsdp is not None else {}
+    reference = _shard(_model(), **kwargs)
+    for m in _units(reference):
+        m.set_gradient_divide_factor(3.0)  # not a power of two: a rescale is not exact by luck
+    for k in (1, 2, 3):
+        _micro_batch(reference, rank, k)
+    expected = [p.grad.clone() for p in reference.parameters()]
+    for hold in ("sync", "all_reduce") if hsdp is not None else ("sync",):
+        model = _shard(_model(), **kwargs)
+        if hold == "sync":
+            model.set_requires_gradient_sync(False)  # accumulated unreduced, at the default factor
+        else:
+            model.set_requires_all_reduce(False)  # reduce-scattered now, all-reduced later
+        _micro_batch(model, rank, 1)
+        for factor, k in ((5.0, 2), (3.0, 3)):  # changed again while holding
+            for m in _units(model):
+                m.set_gradient_divide_factor(factor)
+            if k == 3:
+                model.set_requires_gradient_sync(True)
+                model.set_requires_all_reduce(True)
+            _micro_batch(model, rank, k)
+        for name, (got, want) in enumerate(zip([p.grad for p in model.parameters()], expected)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{hold}, parameter {name}: {m}")
+    return True
+
+
 def _reshard_after_backward(rank, world):
     kept = _shard(_model())
     kept.set_reshard_after_backward(False)
@@ -326,3 +364,8 @@ def _unshard_in_backward(rank, world):
 @pytest.mark.parametrize("worker", [_divide_factors, _reshard_after_backward, _unshard_in_backward])
 def test_fsdp2_setters_match_their_semantics(worker):
     assert run_distributed(worker, 2, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_divide_factor_changed_while_accumulating_applies_at_the_reduction(world):
+    assert run_distributed(_divide_factor_changed_while_accumulating, world, timeout=180) == [True] * world

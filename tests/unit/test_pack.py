@@ -7,13 +7,14 @@ from megatron_fsdp_ext import _C
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def reference_pack(flat, tensors, offsets, accumulate):
+def reference_pack(flat, tensors, offsets, accumulate, scale=1.0):
     out = flat.clone() if accumulate else torch.zeros_like(flat)
     for t, off in zip(tensors, offsets):
         if t is None:
             continue
         seg = out[off: off + t.numel()]
-        seg.copy_((seg.float() + t.reshape(-1).float()) if accumulate else t.reshape(-1).float())
+        scaled = t.reshape(-1).float() * scale
+        seg.copy_((seg.float() + scaled) if accumulate else scaled)
     return out
 
 
@@ -21,7 +22,8 @@ def reference_pack(flat, tensors, offsets, accumulate):
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumulate):
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumulate, scale):
     g = torch.Generator().manual_seed(0)
     # Many tensors, some empty, some missing, some larger than one CUDA chunk (16384),
     # and more tensors than one launch holds (48) to exercise launch splitting.
@@ -34,8 +36,8 @@ def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumula
         tensors.append(None if i % 11 == 4 else t.view(-1, 1) if n else t)
         cursor += n
     flat = torch.randn(cursor + 9, generator=g).to(dst_dtype).to(device)
-    expected = reference_pack(flat, tensors, offsets, accumulate)
-    _C.pack_into_flat(flat, tensors, offsets, accumulate, True)
+    expected = reference_pack(flat, tensors, offsets, accumulate, scale)
+    _C.pack_into_flat(flat, tensors, offsets, accumulate, True, scale)
     tol = dict(rtol=1e-2, atol=1e-2) if dst_dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(flat.float(), expected.float(), **tol)
 
@@ -64,10 +66,11 @@ def test_pack_misaligned_pieces_and_one_launch_of_many_chunks(device, src_dtype,
             expected[off: off + t.numel()] = t.float()
     _C.pack_into_flat(flat, tensors, offsets, False, zero_fill)
     assert torch.equal(flat, expected)
-    _C.pack_into_flat(flat, tensors, offsets, True, zero_fill)  # accumulate: covered ranges add, the rest stays
+    # Accumulate, scaled: covered ranges add a third of each value, the rest stays.
+    _C.pack_into_flat(flat, tensors, offsets, True, zero_fill, 1 / 3)
     for t, off in zip(tensors, offsets):
         if t is not None:
-            expected[off: off + t.numel()] += t.float()
+            expected[off: off + t.numel()] += t.float() * (1 / 3)
     torch.testing.assert_close(flat, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -91,4 +94,15 @@ def test_cast_scale_into(device, src_dtype, accumulate):
 def test_cast_scale_in_place():
     t = torch.arange(8.0)
     _C.cast_scale_into(t, t, 0.5, False)
+    assert t.tolist() == [x * 0.5 for x in range(8)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cast_scale_in_place_by_one_is_no_work(device):
+    # The usual reduction: the pack applied the scale, the shard was reduced into the
+    # gradient itself; nothing is left to do, and a kernel would be a wasted pass.
+    t = torch.arange(8.0, device=device)
+    _C.cast_scale_into(t, t, 1.0, False)
+    assert t.tolist() == [float(x) for x in range(8)]
+    _C.cast_scale_into(t, t, 0.5, False)  # a factor changed after the pack: still applied
     assert t.tolist() == [x * 0.5 for x in range(8)]
