@@ -10,15 +10,18 @@ bool has_fused_kernel(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-// dst = src * scale, or dst += src * scale, in dst's dtype (the product in fp32 or wider:
-// a bf16 source is cast before it is scaled, as the CUDA kernel does).
+// dst = src * scale, or dst += src * scale, rounded once into dst's dtype: the product is
+// taken in fp32 (or wider), as the CUDA kernel does, never after narrowing to a bf16/fp16
+// buffer (a large fp32 gradient would overflow fp16 before its scale applied).
 void copy_scaled(at::Tensor dst, const at::Tensor& src, double scale, bool accumulate) {
-  if (accumulate) {
-    dst.add_(src.to(dst.scalar_type()), scale);
+  if (!accumulate && scale == 1.0) {
+    dst.copy_(src);
     return;
   }
-  dst.copy_(src);
-  if (scale != 1.0) dst.mul_(scale);
+  const auto wide = src.to(at::promote_types(src.scalar_type(), at::kFloat));
+  if (accumulate) dst.add_(wide, scale);
+  else if (dst.scalar_type() == wide.scalar_type()) at::mul_out(dst, wide, scale);
+  else dst.copy_(wide * scale);  // mul_out's output must have the product's dtype
 }
 
 }  // namespace
@@ -112,7 +115,8 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
   MFSDP_CHECK(dst.is_contiguous() && src.is_contiguous(), "cast_scale_into: tensors must be contiguous");
   if (dst.numel() == 0) return;
   const bool in_place = dst.data_ptr() == src.data_ptr() && dst.scalar_type() == src.scalar_type();
-  if (in_place && scale == 1.0 && !accumulate) return;  // the usual case: the pack applied the scale
+  MFSDP_CHECK(!(in_place && accumulate), "cast_scale_into: cannot accumulate a buffer into itself");
+  if (in_place && scale == 1.0) return;  // the usual case: the pack applied the scale
 #ifdef WITH_CUDA
   if (dst.is_cuda() && has_fused_kernel(dst.scalar_type()) && has_fused_kernel(src.scalar_type())) {
     cast_scale_into_cuda(dst, src, scale, accumulate);
@@ -120,8 +124,7 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
   }
 #endif
   if (dst.is_same(src)) {  // in place: RS wrote straight into the fp32 gradient
-    MFSDP_CHECK(!accumulate, "cast_scale_into: cannot accumulate a buffer into itself");
-    if (scale != 1.0) dst.mul_(scale);
+    dst.mul_(scale);
     return;
   }
   // Upcast first so that the scale is applied in the destination's precision.

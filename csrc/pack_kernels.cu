@@ -25,7 +25,7 @@ struct PackTensor {
 
 // Elements a thread moves per load: 16 bytes of the source.
 template <typename Src>
-constexpr int pack_vector_elems() {
+__host__ __device__ constexpr int pack_vector_elems() {
   return static_cast<int>(16 / sizeof(Src));
 }
 

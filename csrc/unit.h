@@ -373,6 +373,9 @@ class Unit {
   std::shared_ptr<PendingCollective> on_reduce_stream(F&& issue);
   // What reduced gradients are multiplied by: 1 / (divide factor, or the ranks averaged over).
   double grad_scale() const;
+  // The factor pack_grads applies: grad_scale(), except for an fp16 reduction, which sums
+  // unscaled and scales after (1/W applied first could flush small fp16 gradients to zero).
+  double pack_scale() const;
   void land_grads(const GradBuffers& b, const PendingCollective& done);
   // The end of a reduction on the reduce-scatter stream: the reduced segment scaled and
   // cast into `target`, checked when asked, and copied out to `host` when offloaded.

@@ -61,7 +61,7 @@ bool Unit::reduce_grads(bool sync) {
     if (!sync || defer || !partial_.defined()) return false;
     ctx().make_room_for_reduction();
     flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
-    packed_scale_ = grad_scale();
+    packed_scale_ = pack_scale();
   }
   if (!sync) {
     accumulated_ = flat;
@@ -121,7 +121,7 @@ at::Tensor Unit::pack_grads(bool sync) {
                                              reduce_buffer_from_group_ && ran_device_collective(rs_comm_.group()));
   // Scaled as packed (what is accumulated keeps the scale it started with); the reduction
   // scales again only if the factor changed meanwhile (finish_reduction).
-  if (!accumulate) packed_scale_ = grad_scale();
+  if (!accumulate) packed_scale_ = pack_scale();
   pack_into_flat(flat, grads, layout_.offsets(), accumulate, layout_.has_gaps() || !all, packed_scale_);
   // The packed copy is all we need: free the unsharded gradients right away.
   for (int64_t i = 0; i < n; ++i) {
@@ -176,6 +176,10 @@ GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
 double Unit::grad_scale() const {
   const double mean_over = static_cast<double>(world_size()) * replicate_size();
   return 1.0 / (grad_divide_factor_ > 0 ? grad_divide_factor_ : mean_over);
+}
+
+double Unit::pack_scale() const {
+  return reduce_dtype_ == at::kHalf ? 1.0 : grad_scale();
 }
 
 template <typename F>

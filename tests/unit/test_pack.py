@@ -20,7 +20,7 @@ def reference_pack(flat, tensors, offsets, accumulate, scale=1.0):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
 def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumulate, scale):
@@ -38,8 +38,12 @@ def test_pack_into_flat_matches_reference(device, src_dtype, dst_dtype, accumula
     flat = torch.randn(cursor + 9, generator=g).to(dst_dtype).to(device)
     expected = reference_pack(flat, tensors, offsets, accumulate, scale)
     _C.pack_into_flat(flat, tensors, offsets, accumulate, True, scale)
-    tol = dict(rtol=1e-2, atol=1e-2) if dst_dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(flat.float(), expected.float(), **tol)
+    if not accumulate:
+        # One product in fp32, rounded once into the buffer's dtype: exactly the reference.
+        assert torch.equal(flat, expected)
+    else:
+        tol = dict(rtol=1e-6, atol=1e-6) if dst_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(flat.float(), expected.float(), **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -74,6 +78,17 @@ def test_pack_misaligned_pieces_and_one_launch_of_many_chunks(device, src_dtype,
     torch.testing.assert_close(flat, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_pack_scales_before_it_narrows(device, accumulate):
+    # fp32 gradients packed into an fp16 buffer with a scale: 1e5 and 7e4 do not fit fp16
+    # (max 65504), their thirds do. Narrowing first would give inf.
+    grads = torch.tensor([1e5, 7e4, -9e4], device=device)
+    flat = torch.zeros(3, dtype=torch.float16, device=device)
+    _C.pack_into_flat(flat, [grads], [0], accumulate, False, 1 / 3)
+    assert torch.equal(flat, (grads * (1 / 3)).half())
+
+
 def test_pack_rejects_out_of_range():
     flat = torch.zeros(10)
     with pytest.raises(RuntimeError, match="exceeds the flat buffer"):
@@ -106,3 +121,5 @@ def test_cast_scale_in_place_by_one_is_no_work(device):
     assert t.tolist() == [float(x) for x in range(8)]
     _C.cast_scale_into(t, t, 0.5, False)  # a factor changed after the pack: still applied
     assert t.tolist() == [x * 0.5 for x in range(8)]
+    with pytest.raises(RuntimeError, match="cannot accumulate a buffer into itself"):
+        _C.cast_scale_into(t, t, 1.0, True)
