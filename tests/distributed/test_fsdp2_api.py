@@ -258,16 +258,23 @@ def _divide_factor_changed_while_accumulating(rank, world):
     FSDP2 (which reduces what it accumulated at the synced backward): ours scales the
     gradients as it packs them, so what was packed under another factor is rescaled, and a
     deferred HSDP all-reduce (set_requires_all_reduce(False)) keeps its shards' factor too.
-    The reference takes the three micro-batches synced under the final factor, adding in .grad."""
-    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if world >= 4 else None
-    kwargs = {"mesh": hsdp} if hsdp is not None else {}
-    reference = _shard(_model(), **kwargs)
-    for m in _units(reference):
-        m.set_gradient_divide_factor(3.0)  # not a power of two: a rescale is not exact by luck
-    for k in (1, 2, 3):
-        _micro_batch(reference, rank, k)
-    expected = [p.grad.clone() for p in reference.parameters()]
-    for hold in ("sync", "all_reduce") if hsdp is not None else ("sync",):
+    Per unit, in a reduce bucket (all units in one reduce-scatter) and all-reduced whole
+    (no_shard); on a 2x2 HSDP mesh at world 4. The reference takes the three micro-batches
+    synced under the final factor, adding in .grad."""
+    if world >= 4:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        cases = [("hsdp", {"mesh": mesh}, "sync"), ("hsdp", {"mesh": mesh}, "all_reduce")]
+    else:
+        cases = [("per unit", {"reduce_bucket_bytes": 0}, "sync"),
+                 ("one reduce bucket", {"reduce_bucket_bytes": 1 << 20}, "sync"),
+                 ("no_shard", {"sharding_strategy": "no_shard"}, "sync")]
+    for what, kwargs, hold in cases:
+        reference = _shard(_model(), **kwargs)
+        for m in _units(reference):
+            m.set_gradient_divide_factor(3.0)  # not a power of two: a rescale is not exact by luck
+        for k in (1, 2, 3):
+            _micro_batch(reference, rank, k)
+        expected = [p.grad.clone() for p in reference.parameters()]
         model = _shard(_model(), **kwargs)
         if hold == "sync":
             model.set_requires_gradient_sync(False)  # accumulated unreduced, at the default factor
@@ -282,7 +289,8 @@ def _divide_factor_changed_while_accumulating(rank, world):
                 model.set_requires_all_reduce(True)
             _micro_batch(model, rank, k)
         for name, (got, want) in enumerate(zip([p.grad for p in model.parameters()], expected)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{hold}, parameter {name}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{what}, {hold}, parameter {name}: {m}")
     return True
 
 
