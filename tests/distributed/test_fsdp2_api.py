@@ -294,6 +294,20 @@ def _divide_factor_changed_while_accumulating(rank, world):
     return True
 
 
+def _fp16_reduction_scales_after_the_sum(rank, world):
+    """An fp16 reduction sums the gradients as they are and scales after, in fp32: 1/W
+    applied first would round small fp16 gradients away. Every rank's gradient here is
+    3 * 2^-24 (three steps of fp16's smallest subnormal): the sum of four is exact in fp16
+    and a quarter of it exact in fp32, while a quarter of each first would round to one step."""
+    value = 3 * 2.0**-24
+    model = nn.Sequential(nn.Linear(16, 4, bias=False))
+    mfsdp.fully_shard(model, mp_policy=mfsdp.MixedPrecisionPolicy(reduce_dtype=torch.float16))
+    (model(torch.ones(1, 16)) * value).sum().backward()
+    grad = model[0].weight.grad
+    assert torch.equal(grad, torch.full_like(grad, value)), grad.unique()
+    return True
+
+
 def _reshard_after_backward(rank, world):
     kept = _shard(_model())
     kept.set_reshard_after_backward(False)
@@ -372,6 +386,10 @@ def _unshard_in_backward(rank, world):
 @pytest.mark.parametrize("worker", [_divide_factors, _reshard_after_backward, _unshard_in_backward])
 def test_fsdp2_setters_match_their_semantics(worker):
     assert run_distributed(worker, 2, timeout=120) == [True, True]
+
+
+def test_fp16_reduction_scales_after_the_sum():
+    assert run_distributed(_fp16_reduction_scales_after_the_sum, 4, timeout=120) == [True] * 4
 
 
 @pytest.mark.parametrize("world", [2, 4])
