@@ -135,28 +135,22 @@ def _kernel_summary(prof, top: int) -> dict:
     kernel is compute, a copy or a cast: the span minus the busy time is the GPU waiting
     on the host."""
     from torch.autograd import DeviceType
-    spans, by_name = [], {}
+
+    from megatron_fsdp_ext.tools.trace import union_length
+    kernels, by_name = [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA:
             continue
         start, end = e.time_range.start, e.time_range.end
-        spans.append((start, end))
+        kernels.append((e.name, None, start, end))
         count, us = by_name.get(e.name, (0, 0.0))
         by_name[e.name] = (count + 1, us + (end - start))
-    if not spans:
+    if not kernels:
         return {"kernels": 0}
-    spans.sort()
-    busy, cur_start, cur_end = 0.0, *spans[0]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernels": len(spans), "span_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0,
-            "busy_ms": busy / 1e3, "kernel_sum_ms": sum(us for _, us in by_name.values()) / 1e3,
+    span = max(k[3] for k in kernels) - min(k[2] for k in kernels)
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": union_length(kernels) / 1e3,
+            "kernel_sum_ms": sum(us for _, us in by_name.values()) / 1e3,
             "top": [{"name": name[:160], "count": c, "ms": us / 1e3} for name, (c, us) in ranked]}
 
 

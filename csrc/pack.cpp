@@ -123,7 +123,7 @@ void cast_scale_into(at::Tensor& dst, const at::Tensor& src, double scale, bool 
     return;
   }
 #endif
-  if (dst.is_same(src)) {  // in place: RS wrote straight into the fp32 gradient
+  if (in_place) {  // RS wrote straight into the fp32 gradient; its factor changed since the pack
     dst.mul_(scale);
     return;
   }

@@ -69,7 +69,6 @@ bool Unit::reduce_grads(bool sync) {
   }
   accumulated_ = at::Tensor();
   GradBuffers buffers = plan_reduction(std::move(flat), defer);
-  buffers.scale = packed_scale_;
   at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
   if (defer && !partial_.defined()) {
     partial_ = at::zeros({layout_.segment_numel(shard_index())}, device_options(reduce_dtype_));
@@ -134,6 +133,7 @@ GradBuffers Unit::plan_reduction(at::Tensor flat, bool defer) {
   wait_host_update();  // a step still reading the gradient this reduction lands in
   GradBuffers b;
   b.flat = std::move(flat);
+  b.scale = packed_scale_;  // set by the pack (or the zero-filled stand-in) that made `flat`
   const int64_t seg = layout_.segment_numel(shard_index());
   if (defer) {
     b.reduced = full_grads() ? b.flat.narrow(0, layout_.segment_start(shard_index()), seg)
@@ -253,7 +253,6 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     u->accumulated_ = at::Tensor();
     members.push_back(u);
     buffers.push_back(u->plan_reduction(std::move(flat), /*defer=*/false));
-    buffers.back().scale = u->packed_scale_;
   }
   if (members.empty()) return;
   Unit& lead = *members.front();
