@@ -17,6 +17,10 @@ def pytest_configure(config):
         "markers", "nccl_only: a gpu test of what only NCCL does (device-stream collectives: overlap in traces, "
         "CUDA-graph capture, no host synchronization); skipped, and reported, when MFSDP_GPU_BACKEND is gloo")
     config.addinivalue_line(
+        "markers", "dtensor_collectives: a gpu test that gathers DTensors (FSDP2's, or state dicts' full_tensor) or "
+        "runs torch's batched p2p: with CUDA tensors on Gloo, torch's functional collectives segfault and its batched "
+        "p2p loses peers, so it runs in the NCCL suite only (skipped, and reported, on Gloo)")
+    config.addinivalue_line(
         "markers", "gpu_exclusive: a timing measurement; tests/gpu/run_all.sh runs it after the parallel GPU tests, "
         "with the GPUs to itself")
     config.addinivalue_line(
@@ -53,9 +57,13 @@ def pytest_collection_modifyitems(config, items):
         return
     if backend != "nccl":
         skip = pytest.mark.skip(reason=f"{NCCL_ONLY_SKIP}: runs in the NCCL suite (MFSDP_GPU_BACKEND=nccl)")
+        crash = pytest.mark.skip(reason=f"{NCCL_ONLY_SKIP}: torch's DTensor collectives and batched p2p crash "
+                                        "with CUDA tensors on Gloo; runs in the NCCL suite")
         for item in items:
             if "nccl_only" in item.keywords:
                 item.add_marker(skip)
+            elif "dtensor_collectives" in item.keywords:
+                item.add_marker(crash)
 
 
 @pytest.hookimpl(hookwrapper=True)

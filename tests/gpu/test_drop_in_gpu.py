@@ -18,6 +18,7 @@ TWO_D = pytest.mark.gpu_world(4, 6, 8)  # a 2-D mesh needs an even world of at l
 @pytest.mark.parametrize("layout,norm_type", [("fsdp", 2.0), ("fsdp", float("inf")),
                                               pytest.param("hsdp", 2.0, marks=TWO_D),
                                               pytest.param("tp", 2.0, marks=TWO_D)])
+@pytest.mark.dtensor_collectives
 def test_torch_clip_grad_norm_equals_fsdp2_gpu(layout, norm_type):
     results = run_distributed(w.norms_equal_fsdp2, WORLD, layout, norm_type, "optim_grads_params", **GPU,
                               timeout=240)

@@ -25,18 +25,21 @@ def _case_id(case):
     return f"ep{case[0]}_rep{case[1]}_div{case[2]}"
 
 
+@pytest.mark.dtensor_collectives
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_moe_units_train_like_one_process_gpu(case):
     worst = run_distributed(w.moe_vs_one_process, WORLD, *case, **GPU, timeout=300)[0]
     assert set(worst) == {"loss", "norm", "grad", "param"}
 
 
+@pytest.mark.dtensor_collectives
 def test_moe_checkpoints_move_across_expert_parallel_degrees_gpu(tmp_path):
     result = run_distributed(w.moe_checkpoints_move_across_expert_parallelism, WORLD, str(tmp_path), **GPU,
                              timeout=300)[0]
     assert set(result) >= {"ep2_to_ep0", "no_ep_to_ep2"} and all(v == 0.0 for v in result.values()), result
 
 
+@pytest.mark.dtensor_collectives
 @pytest.mark.parametrize("form", ["placement", "nested"])
 def test_library_moe_model_with_expert_parallelism_gpu(form):
     """models.MoEModel (routing, capacity, the all-to-all token exchange on NCCL) with

@@ -20,6 +20,7 @@ def _reports(runs):
     return {run["schedule"]: [r[run["schedule"]] for r in per_rank] for run in runs}
 
 
+@pytest.mark.dtensor_collectives
 def test_pipelining_schedules_match_fsdp2_gpu():
     reports = _reports([{"schedule": s} for s in SCHEDULES])
     for schedule, rs in reports.items():
@@ -29,6 +30,7 @@ def test_pipelining_schedules_match_fsdp2_gpu():
             check_unsharded_ahead(rs, schedule)
 
 
+@pytest.mark.dtensor_collectives
 def test_split_backward_schedules_gpu():
     reports = _reports([{"schedule": s, "reshard_after_forward": False} for s in SPLIT_BACKWARD])
     for schedule, rs in reports.items():

@@ -20,6 +20,7 @@ GPU = gpu_launch()
     ("no_shard", torch.bfloat16, "none"),
     ("optim_grads_params", torch.bfloat16, "cpu_adamw_overlapped"),
 ], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.dtensor_collectives
 def test_writes_through_data_after_the_step_gpu(strategy, param_dtype, offload):
     worst = run_distributed(w.data_writes_after_step, WORLD, strategy, param_dtype, offload, **GPU, timeout=240)[0]
     # NCCL may reduce in another order than FSDP2's gather-free path: bf16 rounding only.
