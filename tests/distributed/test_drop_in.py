@@ -44,6 +44,18 @@ def test_torch_clip_grad_norm_is_global_and_equals_fsdp2(layout, world, norm_typ
     assert results[0][0] > 0.05, "clipping must be active for the test to mean something"
 
 
+@pytest.mark.parametrize("layout,world,strategy", [
+    ("fsdp", 2, "optim_grads_params"),
+    ("fsdp", 2, "no_shard"),
+    ("hsdp", 4, "optim_grads"),
+    ("tp", 4, "optim_grads_params"),
+])
+def test_parameters_and_gradients_are_fsdp2s_dtensors_between_backward_and_step(layout, world, strategy):
+    results = run_distributed(w.dtensor_face, world, layout, strategy, timeout=240)
+    assert all(r == results[0] for r in results), results
+    assert results[0][0] > 0
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
 def test_megatron_no_sync_and_finish_grad_sync_over_1f1b(strategy):
     assert run_distributed(w.megatron_1f1b, 2, strategy, timeout=180) == [True, True]

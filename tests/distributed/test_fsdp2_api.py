@@ -288,7 +288,7 @@ def _divide_factor_changed_while_accumulating(rank, world):
                 model.set_requires_gradient_sync(True)
                 model.set_requires_all_reduce(True)
             _micro_batch(model, rank, k)
-        for name, (got, want) in enumerate(zip([p.grad for p in model.parameters()], expected)):
+        for name, (got, want) in enumerate(zip([p.grad.to_local() for p in model.parameters()], expected)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{what}, {hold}, parameter {name}: {m}")
     return True

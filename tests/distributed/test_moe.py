@@ -94,11 +94,8 @@ EXPECTED_W1 = {
 
 
 def _same_mesh_names(fsdp2, ours) -> bool:
-    """Mesh dim names equal, or ours' mesh unnamed with as many dims: ours builds the
-    state-dict mesh of a unit on a plain 1-D data-parallel mesh from its process group
-    (DeviceMesh.from_group, no names; core/state_dict.py::_mesh), FSDP2 keeps the mesh it
-    was given (("fsdp",)). DCP does not read mesh names."""
-    return tuple(fsdp2) == tuple(ours) or (not ours and len(fsdp2) == 1)
+    """Mesh dim names equal: a unit sharded on a named 1-D mesh keeps it, as FSDP2 does."""
+    return tuple(fsdp2 or ()) == tuple(ours or ())
 
 
 def _check(out, name, impl="ours", exact=False, steps=STEPS):
@@ -127,6 +124,13 @@ def _check(out, name, impl="ours", exact=False, steps=STEPS):
     assert _same_mesh_names(ref_w1[0], got_w1[0]), f"w1_EFD mesh dims: {impl} {got_w1[0]} vs FSDP2 {ref_w1[0]}"
     assert not out["placement_mismatches"], f"state-dict placements differ: {out['placement_mismatches']}"
     tp, ep = out["meshes"]["tp"], out["meshes"]["ep"]
+    ref_split, got_split = out["ep_split"]
+    assert not ref_split["not_dtensor"], f"FSDP2 parameters torchtitan's EP clip would refuse: {ref_split}"
+    assert not got_split["not_dtensor"], \
+        f"{impl}: parameters whose parameter or gradient is no DTensor to torchtitan's EP clip: {got_split['not_dtensor']}"
+    assert got_split["expert"] == ref_split["expert"], \
+        f"experts to torchtitan's EP clip (an 'ep' mesh dim): {impl} {got_split['expert']} vs FSDP2 {ref_split['expert']}"
+    assert bool(ref_split["expert"]) == (ep > 1), f"FSDP2's expert parameters at ep {ep}: {ref_split['expert']}"
     assert (out["sharded_on"].get("tp", 0) > 0) == (tp > 1), f"FSDP2's TP-sharded parameters: {out['sharded_on']}"
     assert (out["sharded_on"].get("ep", 0) > 0) == (ep > 1), f"FSDP2's EP-sharded parameters: {out['sharded_on']}"
     bad = {k: v for k, v in out["mesh_name_mismatches"].items() if not _same_mesh_names(*v)}

@@ -1,7 +1,8 @@
 """The drop-in tests with CUDA tensors on the GPU suite's backend: torch's clip_grad_norm_
 over our ShardedGrad gradients equals FSDP2's (FSDP at every world; HSDP and FSDP x TP at
-world 4 and above), and Megatron's no_sync + finish_grad_sync over a 1F1B order equals
-one plain process."""
+world 4 and above); between backward and the step our parameters and gradients are
+FSDP2's DTensors (meshes, placements, full values, torchtitan's clip); Megatron's
+no_sync + finish_grad_sync over a 1F1B order equals one plain process."""
 import pytest
 
 from harness import drop_in_workers as w
@@ -22,6 +23,20 @@ TWO_D = pytest.mark.gpu_world(4, 6, 8)  # a 2-D mesh needs an even world of at l
 def test_torch_clip_grad_norm_equals_fsdp2_gpu(layout, norm_type):
     results = run_distributed(w.norms_equal_fsdp2, WORLD, layout, norm_type, "optim_grads_params", **GPU,
                               timeout=240)
+    assert all(r == results[0] for r in results), results
+
+
+@pytest.mark.parametrize("layout,strategy", [("fsdp", "optim_grads_params"), ("fsdp", "no_shard"),
+                                             pytest.param("hsdp", "optim_grads", marks=TWO_D),
+                                             pytest.param("tp", "optim_grads_params", marks=TWO_D)])
+@pytest.mark.dtensor_collectives
+def test_parameters_and_gradients_are_fsdp2s_dtensors_gpu(layout, strategy):
+    try:
+        import torchtitan  # noqa: F401
+        titan = True
+    except ImportError:  # not installed on the GPU machines: torchtitan's clip runs in CI (tests/distributed)
+        titan = False
+    results = run_distributed(w.dtensor_face, WORLD, layout, strategy, titan, **GPU, timeout=240)
     assert all(r == results[0] for r in results), results
 
 

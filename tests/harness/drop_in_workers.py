@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core import fsdp2_view
@@ -124,7 +125,9 @@ def _tp_model(tp_mesh, device):
     return model
 
 
-def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
+def _ours_and_fsdp2(layout, world, strategy, check_before_backward=None):
+    """The same model sharded by ours (`strategy`) and by FSDP2 on `layout`'s mesh, after
+    one backward on this dp rank's batch; `check_before_backward(ours)` runs first."""
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     device = device_for_backend()
@@ -134,11 +137,18 @@ def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
         mfsdp.fully_shard(m, mesh=dp_mesh, sharding_strategy=strategy)
     for m in (theirs[0], theirs[2], theirs):
         fsdp2_shard(m, mesh=dp_mesh, reshard_after_forward=strategy == "optim_grads_params")
+    if check_before_backward is not None:
+        check_before_backward(ours)
     dp_rank = dist.get_rank(dp_mesh.get_group(dp_mesh.ndim - 1)) + (
         dp_mesh.size(-1) * dp_mesh.get_local_rank(0) if dp_mesh.ndim == 2 else 0)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + dp_rank)).to(device)
     for m in (ours, theirs):
         m(x).pow(2).mean().backward()
+    return dp_mesh, ours, theirs
+
+
+def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
+    _, ours, theirs = _ours_and_fsdp2(layout, world, strategy)
     results = {}
     for name, m in (("ours", ours), ("fsdp2", theirs)):
         params = list(m.parameters())
@@ -154,6 +164,77 @@ def norms_equal_fsdp2(rank, world, layout, norm_type, strategy):
     for (name, p), q in zip(theirs.named_parameters(), _full_grads(ours)):
         torch.testing.assert_close(q, p.grad.full_tensor(), rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     return results["ours"]
+
+
+def dtensor_face(rank, world, layout, strategy, titan=True):
+    """Between backward and the optimizer step our parameters and gradients are DTensors
+    to FSDP2's code, each with FSDP2's mesh (dim names, ranks) and placements (the dp
+    shard as FlatShard), its full value and full gradient FSDP2's; torchtitan's clip,
+    unchanged (its expert-parallel path asserts DTensors and splits by mesh names),
+    gives FSDP2's norm; torch's full-state-dict load lands in the window, its
+    broadcast_from_rank0 load is refused there; the step makes them plain again. Before
+    backward they are plain tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_fsdp_ext.core.dtensor_face import FlatShard, is_dtensor
+    from megatron_fsdp_ext.core.sharded_param import ShardedParameter
+
+    def plain_before_backward(model):
+        assert not any(isinstance(p, DTensor) for p in model.parameters()), "a DTensor before backward"
+
+    dp_mesh, ours, theirs = _ours_and_fsdp2(layout, world, strategy, plain_before_backward)
+    dp_dims = range(dp_mesh.ndim)
+    for (name, q), p in zip(theirs.named_parameters(), ours.parameters()):
+        assert type(p) is ShardedParameter and type(p.grad).__name__ == "ShardedGrad", (name, type(p), type(p.grad))
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert not is_dtensor(p) and not is_dtensor(p.grad) and is_dtensor(q), name
+        mesh = p.device_mesh
+        assert mesh.mesh_dim_names == q.device_mesh.mesh_dim_names, (name, mesh, q.device_mesh)
+        assert mesh.mesh.tolist() == q.device_mesh.mesh.tolist(), (name, mesh, q.device_mesh)
+        assert p.grad.device_mesh == mesh and p.grad.placements == p.placements, name
+        if strategy == "no_shard":  # replicated over every dp dim; tp's placements as FSDP2's
+            assert all(p.placements[d] == Replicate() for d in dp_dims), (name, p.placements)
+            assert p.placements[dp_mesh.ndim:] == q.placements[dp_mesh.ndim:], (name, p.placements, q.placements)
+        else:
+            assert tuple(p.placements) == tuple(q.placements), (name, p.placements, q.placements)
+            for d, (ours_pl, theirs_pl) in enumerate(zip(p.placements, q.placements)):
+                shard_dim = d == dp_mesh.ndim - 1 and type(theirs_pl) is Shard  # FSDP2's dp rows: our pieces
+                assert type(ours_pl) is (FlatShard if shard_dim else type(theirs_pl)), (name, p.placements, q.placements)
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"grad of {name}: {m}")
+        local = p.grad.to_local()
+        assert type(local) is torch.Tensor and local.shape == p.shape and local.data_ptr() == p.grad.data_ptr(), name
+        with pytest.raises(NotImplementedError, match="redistribute"):
+            p.redistribute(mesh, p.placements)
+        with pytest.raises(AttributeError, match="fully_shard"):
+            p.grad._spec
+    norms = []
+    dist_utils = None
+    if titan:  # titan=False: the GPU machine, without torchtitan (CI runs it); torch's clip, as its non-EP path
+        from torchtitan.distributed import utils as dist_utils
+    for ep_enabled in (False, True):  # max_norm large: nothing scaled, the same gradients both times
+        pair = [dist_utils.clip_grad_norm_(list(m.parameters()), 1e9, foreach=True, ep_enabled=ep_enabled)
+                if dist_utils is not None else torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1e9, foreach=True)
+                for m in (ours, theirs)]
+        pair = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in pair]
+        torch.testing.assert_close(pair[0], pair[1], rtol=1e-5, atol=0)
+        norms.append(pair[0])
+    # torch's full-state-dict load inside the window: distribute_tensor takes FlatShard as Shard.
+    doubled = {k: v * 2 for k, v in get_model_state_dict(theirs, options=StateDictOptions(full_state_dict=True)).items()}
+    set_model_state_dict(ours, dict(doubled), options=StateDictOptions(full_state_dict=True))  # (it updates the dict)
+    for (name, q), p in zip(theirs.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(p.full_tensor(), 2 * q.full_tensor(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    # Its broadcast_from_rank0 load would write FSDP2's rows through to_local() into our
+    # flat pieces: refused, on every rank (a shape error on some ranks only would hang).
+    with pytest.raises(NotImplementedError, match="to_local"):
+        set_model_state_dict(ours, dict(doubled),
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True).step()
+    for p in ours.parameters():
+        assert type(p.grad) is torch.Tensor and not isinstance(p, DTensor) and not isinstance(p.grad, DTensor)
+    return norms
 
 
 def _full_grads(model):
@@ -226,8 +307,9 @@ def megatron_1f1b(rank, world, strategy):
         assert all(p.grad is None for p in model.parameters())
         model.finish_grad_sync()
         assert _reductions() > 0
-        for p in model.parameters():
-            assert isinstance(p.grad, ShardedGrad) != (strategy == "no_shard"), type(p.grad)
+        for p in model.parameters():  # reduced over ranks unless replicated; a DTensor to FSDP2's code either way
+            assert isinstance(p.grad, ShardedGrad) and isinstance(p.grad, DTensor), type(p.grad)
+            assert (type(p.grad).domain is None) == (strategy == "no_shard"), type(p.grad).domain
         for (name, q), full in zip(ref.named_parameters(), _full_grads(model)):
             torch.testing.assert_close(full, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
         opt.step()

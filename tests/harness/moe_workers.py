@@ -377,20 +377,31 @@ def _state_dict_values(pair) -> float:
 
 # ------------------------------------------------------------------ grad norms
 
-def _grad_norm(model, impl: str, ep: int) -> float:
-    """The total grad norm each side's training loop would clip by (max_norm 1e9: nothing
-    is scaled). FSDP2: torchtitan's clip_grad_norm_ (its EP path with ep > 1: expert and
-    dense DTensor grads live on different meshes and torch's get_total_norm cannot stack
-    their norms). Ours: torch's clip_grad_norm_ on our sharded gradients (no DTensors)."""
-    if impl == "fsdp2":
-        from torchtitan.distributed import utils as dist_utils
+def _grad_norm(model, ep: int) -> float:
+    """The total grad norm each side's training loop clips by (max_norm 1e9: nothing is
+    scaled): torchtitan's clip_grad_norm_, unchanged, on both sides (its EP path with
+    ep > 1, which asserts that every parameter and gradient is a DTensor and splits them
+    by their mesh's "ep" dim: expert and dense DTensor grads live on different meshes)."""
+    from torchtitan.distributed import utils as dist_utils
 
-        norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1e9, foreach=True, ep_enabled=ep > 1)
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1e9, foreach=True, ep_enabled=ep > 1)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _ep_split(model) -> Dict[str, list]:
+    """After backward: the parameters torchtitan's EP clip counts as experts (their mesh
+    has an "ep" dim), and those with a gradient that are not DTensors to it."""
+    expert, plain = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if not (isinstance(p, DTensor) and isinstance(p.grad, DTensor)):
+            plain.append(name)
+        elif "ep" in (p.device_mesh.mesh_dim_names or ()):
+            expert.append(name)
+    return {"expert": expert, "not_dtensor": plain}
 
 
 # ------------------------------------------------------------------ the worker
@@ -408,6 +419,8 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
     Returns (the same on every rank):
       losses: [(fsdp2, impl)] per step, the mean over the dp ranks of their local losses;
       grad_norms: [(fsdp2, impl)] per step (see _grad_norm);
+      ep_split: [fsdp2's, impl's] _ep_split after the first backward (the parameters
+        torchtitan's EP clip takes for experts, and any it would not take for DTensors);
       worst: max relative differences: loss, grad_norm (over steps), grad (every
         parameter's full gradient after the last backward), param (every parameter's full
         value after the last step), param_state_dict (the state dicts' values then),
@@ -501,6 +514,7 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
     rows = slice(dp_index * local_bs, (dp_index + 1) * local_bs)
     t0 = time.perf_counter()
     timings["train"] = timings["compare"] = 0.0
+    split: Dict[str, Dict[str, list]] = {}
     for step, (tokens, labels) in enumerate(_batches(steps, local_bs, dp_world)):
         step_losses, step_norms = [], []
         for k, m in models.items():
@@ -509,7 +523,9 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
             total = loss.detach().double().cpu().reshape(1)
             dist.all_reduce(total)  # the tp ranks of a dp rank have its loss each (cp = pp = 1)
             step_losses.append(float(total) / world)
-            step_norms.append(_grad_norm(m, "fsdp2" if k.startswith("fsdp2") else "ours", ep))
+            if step == 0:
+                split[k] = _ep_split(m)
+            step_norms.append(_grad_norm(m, ep))
         losses.append(tuple(step_losses))
         norms.append(tuple(step_norms))
         worst["loss"] = max(worst["loss"], _rel(step_losses[1], step_losses[0]))
@@ -533,7 +549,8 @@ def moe_train_vs_fsdp2(rank: int, world: int, model: str, ep: int, num_experts: 
     worst["param_state_dict"] = _state_dict_values(pair)
     moved = v["moved"]
     timings["compare"] += time.perf_counter() - t0
-    result.update(losses=losses, grad_norms=norms, worst=worst, placements=placements,
+    result.update(losses=losses, grad_norms=norms, ep_split=[split[k] for k in models], worst=worst,
+                  placements=placements,
                   placement_mismatches=mismatches, mesh_name_mismatches=mesh_names, moved=moved, impl=impl,
                   sharded_on=sharded_on, meshes={"dp_shard": dp_shard, "tp": tp, "ep": ep,
                                                  "efsdp": dims.get_mesh("efsdp").size() if ep > 1 else None},

@@ -50,7 +50,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 from ..core import backends, shard_changes
 from ..core.agree import Agreement, gather_objects, rank_world
@@ -68,6 +67,7 @@ from .dcp_flat import (check_covers_world, optimizer_state_kind, check_groups, c
                        is_flat_format, plan_load, read_into)
 from ..core.param_index import iter_states
 from ..core.state_dict import local_state_dict, unread_values
+from ..core.dtensor_face import is_dtensor
 
 FORMAT = {"format": "torch_state_dict", "version": 2}
 _FORMAT_KEY = "meta.format"
@@ -274,7 +274,7 @@ def _copies(tree, fresh: Dict[int, tuple]):
         return {k: _copies(v, fresh) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_copies(v, fresh) for v in tree)
-    if isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor) and id(tree) not in fresh:
+    if isinstance(tree, torch.Tensor) and not is_dtensor(tree) and id(tree) not in fresh:
         return tree.detach().clone()
     return tree
 

@@ -22,9 +22,9 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor
 
 from .reader import SafeFileSystemReader, load_weights_only
+from ..core.dtensor_face import is_dtensor
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) in the full tensor
 
@@ -90,7 +90,7 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
     for key, value in flat.items():
         entry = made.get(id(value))
         if entry is None:
-            if isinstance(value, DTensor):
+            if is_dtensor(value):
                 return None
             out[key] = value
             continue
@@ -98,7 +98,7 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
         spec = state.unit.param_spec(index)
         if tp_spec_of(state, index) is not None or spec.slice.numel != state.unit.sharded_param(index).numel():
             return None
-        local = value.to_local() if isinstance(value, DTensor) else value
+        local = value.to_local() if is_dtensor(value) else value
         piece = torch.empty(spec.slice.numel, dtype=local.dtype, device=local.device)
         out[key] = PieceTarget(spec.shape, piece, spec.slice.param_offset)
     return out

@@ -50,6 +50,7 @@ from ..core.agree import describe, listing
 from .files import (WRITER, CheckpointError, data_file_records, moved_aside, publish, whole_file_record)
 from .dcp_flat import quiet
 from ..core.param_index import iter_states
+from ..core.dtensor_face import is_dtensor
 
 # torch's default collective timeout (Gloo's; NCCL's is shorter), for a job whose groups
 # do not say theirs.
@@ -179,7 +180,7 @@ class HostStaging:
                 self._buffers[path] = self._arena.take(shape, dtype)
 
     def _cuda_tensors(self, value, path: Tuple, out: List[Tuple]) -> None:
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             value = value.to_local()
         if isinstance(value, torch.Tensor):
             if value.device.type == "cuda":
@@ -192,7 +193,7 @@ class HostStaging:
                 self._cuda_tensors(v, path + (i,), out)
 
     def _copy(self, value, path: Tuple, cuda_devices: set, used: set):
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             local = self._tensor(value.to_local().detach(), path, cuda_devices, used)
             return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):

@@ -20,18 +20,26 @@ intercepts only the norm path:
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
 outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`.
 
-Replicated gradients (no_shard, parameters outside any unit) stay plain tensors: every
-rank holds the whole value, so their local norm is already global.
+Replicated gradients (no_shard) carry a ShardedGrad type without a domain: every rank
+holds the whole value, so their local norm is already global.
+
+Every ShardedGrad also presents itself as a DTensor, as FSDP2's gradients are
+(dtensor_face.py): `isinstance(g, DTensor)`, `g.device_mesh` / `g.placements` (its
+parameter's), `g.full_tensor()`. torchtitan's expert-parallel clip asks exactly that.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils import _foreach_utils
+
+from . import state_dict
+from .dtensor_face import DTensorFace
 
 
 class ReductionDomain:
@@ -57,11 +65,32 @@ class ReductionDomain:
         return f"ReductionDomain(ranks={self.ranks}, device={self.device})"
 
 
-class ShardedGrad(torch.Tensor):
+class ShardedGrad(torch.Tensor, DTensorFace):
     """A gradient piece of a sharded parameter (see the module docstring). Subclasses,
-    one per ReductionDomain, carry it as `domain`."""
+    one per ReductionDomain and DTensor layout, carry them as `domain` (None: replicated)
+    and `layout` (mesh, placements); `owners` are weak references to the unit states
+    whose gradients take the class (for full_tensor())."""
 
     domain: Optional[ReductionDomain] = None
+    layout: tuple = (None, ())
+    owners: list = []
+
+    def _face_layout(self):
+        return type(self).layout
+
+    def _face_full_tensor(self) -> torch.Tensor:
+        for ref in type(self).owners:
+            state = ref()
+            if state is None or state.unit is None:
+                continue
+            for i, p in enumerate(state.unit.sharded_params):
+                if p.grad is self:
+                    return state_dict.full_grad(state, i)
+        raise RuntimeError("full_tensor() of a gradient no sharded parameter holds any more (after the optimizer "
+                           "step, a gradient is a plain tensor again)")
+
+    def _face_kind(self) -> str:
+        return "gradient"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -121,14 +150,24 @@ _GRAD_CLASSES: Dict[tuple, type] = {}
 _NORM_CLASSES: Dict[tuple, type] = {}
 
 
-def grad_class(groups: Sequence[dist.ProcessGroup], device) -> type:
-    """The ShardedGrad subclass of the domain split over `groups` (in this order) whose
-    collectives run on `device`; one class per domain, created once."""
-    key = (tuple(groups), str(torch.device(device)))
+_DOMAINS: Dict[tuple, ReductionDomain] = {}
+
+
+def grad_class(groups: Sequence[dist.ProcessGroup], device, layout: tuple = (None, ())) -> type:
+    """The ShardedGrad subclass of the domain split over `groups` (in this order; none:
+    replicated) whose collectives run on `device`, presenting `layout` (mesh, placements)
+    as a DTensor; one class per domain and layout, created once."""
+    domain_key = (tuple(groups), str(torch.device(device)))
+    key = domain_key + (layout,)
     cls = _GRAD_CLASSES.get(key)
     if cls is None:
-        domain = ReductionDomain(tuple(groups), device)
-        cls = type("ShardedGrad", (ShardedGrad,), {"domain": domain, "__module__": __name__})
+        domain = None
+        if groups:
+            domain = _DOMAINS.get(domain_key)
+            if domain is None:
+                domain = _DOMAINS[domain_key] = ReductionDomain(tuple(groups), device)
+        cls = type("ShardedGrad", (ShardedGrad,), {"domain": domain, "layout": layout, "owners": [],
+                                                   "__module__": __name__})
         _GRAD_CLASSES[key] = cls
         # torch's clip and get_total_norm take their foreach path only for tensor types
         # registered here (DTensor registers itself the same way).
@@ -289,16 +328,21 @@ _KEEPS_NORM = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.T
                torch.Tensor.cpu, torch.Tensor.cuda}
 
 
-def unit_grad_types(unit, shard_group: dist.ProcessGroup, tp=None) -> list:
-    """Per parameter of `unit`, the ShardedGrad type of its gradient pieces: split over the
-    unit's shard group unless the strategy replicates gradients, and over the tp group for
-    a tensor-parallel-sharded parameter; None where the piece is the whole gradient."""
-    dp = () if unit.strategy.replicated else (shard_group,)
+def unit_grad_types(state) -> list:
+    """Per parameter of the unit of `state`, the ShardedGrad type of its gradient pieces:
+    split over the unit's shard group unless the strategy replicates gradients, and over
+    the tp group for a tensor-parallel-sharded parameter (no domain where the piece is the
+    whole gradient), presenting the parameter's DTensor layout."""
+    unit, tp = state.unit, state.tp
+    dp = () if unit.strategy.replicated else (state.process_group,)
     types = []
     for i in range(len(unit.sharded_params)):
         groups = dp
         spec = tp.specs.get(i) if tp is not None else None
         if spec is not None and spec.sharded:
             groups = dp + (tp.tp_group,)
-        types.append(grad_class(groups, unit.device) if groups else None)
+        cls = grad_class(groups, unit.device, state_dict.face_layout(state, i))
+        if not any(ref() is state for ref in cls.owners):
+            cls.owners[:] = [ref for ref in cls.owners if ref() is not None] + [weakref.ref(state)]
+        types.append(cls)
     return types

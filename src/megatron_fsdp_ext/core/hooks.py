@@ -63,6 +63,9 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.process_group = pg
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
+        # The 1-D mesh the unit was sharded on, when given one (its dim names are what the
+        # unit's DTensors carry, as FSDP2's); None when sharded over a process group.
+        self.shard_mesh = None
         # The unit's tensor-parallel (DTensor) parameters (tensor_parallel.py), or None.
         self.tp = tp
         self.options = options

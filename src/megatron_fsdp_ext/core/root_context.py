@@ -193,5 +193,5 @@ def make_root(root) -> None:
         if s.unit is not None:
             s.unit.set_context(ctx.comm)
             apply_comm_buffer_source(s)
-            s.grad_types = grad_norm.unit_grad_types(s.unit, s.process_group, s.tp)
+            s.grad_types = grad_norm.unit_grad_types(s)
             s.plain_types = [None if t is None else torch.Tensor for t in s.grad_types]

@@ -11,6 +11,10 @@ the next use gathers, casts and scales again from the shard. A read of `.data` t
 writes nothing costs one extra gather of that unit; the hot paths (forward, backward,
 torch's optimizers, clipping) never touch `.data`.
 
+Between its unit's backward and the optimizer step it presents itself as a DTensor, as
+FSDP2's parameters are (dtensor_face.py): `isinstance(p, DTensor)`, `p.device_mesh`,
+`p.placements`, `p.full_tensor()`, `p.to_local()` (refused inside that window: below).
+
 Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data = x`
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
@@ -20,12 +24,49 @@ import torch.nn as nn
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
+from . import state_dict
+from .dtensor_face import DTensorFace
+from .param_index import owner_of
+
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
-class ShardedParameter(nn.Parameter):
+class ShardedParameter(nn.Parameter, DTensorFace):
     """A sharded parameter of a fully_shard unit (see the module docstring)."""
+
+    def _owner(self):
+        state, index = owner_of(self)
+        if state is None:
+            raise RuntimeError("this sharded parameter no longer belongs to a fully_shard unit (its module was "
+                               "freed or re-sharded); it has no mesh or full value")
+        return state, index
+
+    def _face_active(self) -> bool:
+        # A reduced gradient not yet consumed by an optimizer step is what makes it a DTensor.
+        return isinstance(self.grad, DTensorFace)
+
+    def _face_layout(self):
+        return state_dict.face_layout(*self._owner())
+
+    def _face_full_tensor(self) -> torch.Tensor:
+        return state_dict.full_param(*self._owner())
+
+    def _face_kind(self) -> str:
+        return "parameter"
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's flat piece (a view). Refused while the parameter is a DTensor (between
+        backward and the step): FSDP2 code may write FSDP2's rows through it then (torch's
+        set_model_state_dict(broadcast_from_rank0=True) does), and they would land in the
+        wrong elements, on some ranks without a shape error. Refused on every rank alike."""
+        if self._face_active():
+            raise NotImplementedError(
+                "to_local() of a fully_shard parameter between backward and the optimizer step: it presents "
+                "itself as a DTensor there, but its local tensor is this rank's flat piece of its unit's buffer, "
+                "not FSDP2's rows, so values written through it would land in the wrong elements. Read the "
+                "parameter itself (that piece) or full_tensor(); load state between training steps")
+        return super().to_local(grad_placements=grad_placements)
 
     @property
     def data(self) -> torch.Tensor:

@@ -37,6 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import _C
 from . import backends
 from .agree import digest_differs
+from .dtensor_face import FlatShard, is_dtensor
 from .param_index import by_unit, check_materialized, check_resharded, owner_of
 
 _mode = threading.local()
@@ -79,12 +80,15 @@ def unread_values():
 # ---------------------------------------------------------------- gathering and slicing
 
 def _mesh(state, device_type: str) -> DeviceMesh:
-    """The data-parallel mesh of the unit's DTensors (kept on the state, made once): 1-D
-    over its group, or HSDP's 2-D (replicate, shard) mesh."""
+    """The data-parallel mesh of the unit's DTensors (kept on the state, made once): the
+    1-D mesh it was sharded on (else one over its group), or HSDP's 2-D (replicate, shard)
+    mesh."""
     cached = state.__dict__.get("_dtensor_mesh")
     if cached is None or cached.device_type != device_type:
-        hsdp = state.device_mesh
-        if hsdp is None:
+        hsdp, given = state.device_mesh, state.shard_mesh
+        if hsdp is None and given is not None and given.device_type == device_type:
+            cached = given  # the user's mesh: its dim names, as FSDP2's DTensors carry
+        elif hsdp is None:
             cached = DeviceMesh.from_group(state.process_group, device_type)
         elif hsdp.device_type == device_type:
             cached = hsdp
@@ -136,6 +140,46 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
     if tp_spec is None:
         return mesh, tuple(dp), torch.Size(spec.shape), dp_ndim - 1
     return mesh, state.tp.placements(index, dp), tp_spec.shape, dp_ndim - 1
+
+
+def face_layout(state, index: int) -> Tuple[DeviceMesh, tuple]:
+    """(mesh, placements) that sharded parameter `index` and its gradient present as
+    DTensors (dtensor_face.py): its state-dict DTensors' (FSDP2's), the data-parallel
+    shard's Shard(dim) given as FlatShard(dim)."""
+    shard = state.unit.sharded_param(index)
+    mesh, placements, _, shard_dim = _layout(state, index, _mesh_device_type(state, shard))
+    placements = list(placements)
+    if type(placements[shard_dim]) is Shard:
+        placements[shard_dim] = FlatShard(placements[shard_dim].dim)
+    return mesh, tuple(placements)
+
+
+def _full_of(value, what: str) -> torch.Tensor:
+    return gather_dtensor(value, what) if is_dtensor(value) else value
+
+
+def full_param(state, index: int) -> torch.Tensor:
+    """Parameter `index`'s full value (across tensor parallelism too, as FSDP2's
+    full_tensor()) on the shard's device. A collective over the unit's group (and the TP
+    group)."""
+    check_materialized([state], "full_tensor()")
+    check_resharded(state, "full_tensor()")
+    shard = state.unit.sharded_param(index)
+    value = _row_values(state, [], shard.dtype, shard.device)[index]
+    return _full_of(value, f"full_tensor() of '{state.names[index]}'")
+
+
+def full_grad(state, index: int) -> torch.Tensor:
+    """The full gradient of parameter `index` from its reduced pieces (zeros where a
+    parameter of the unit has none), as full_param. A collective over the unit's group."""
+    params = state.unit.sharded_params
+    grad = params[index].grad
+    pieces = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=grad.dtype, device=grad.device)
+              for p in params]
+    with torch.no_grad():
+        pieces = [g.to(grad.dtype) for g in pieces]
+        value = _row_values(state, pieces, grad.dtype, grad.device)[index]
+    return _full_of(value, f"full_tensor() of the gradient of '{state.names[index]}'")
 
 
 def _dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape=None) -> DTensor:
@@ -207,7 +251,7 @@ def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Te
     """This rank's 1-D piece of parameter `index` from a loaded value: FSDP2-placed
     DTensors by the exchange, anything else gathered (a collective) and cut (its TP shard,
     then this rank's piece)."""
-    if isinstance(value, DTensor) and tuple(value.shape) == _full_shape(state, index) \
+    if is_dtensor(value) and tuple(value.shape) == _full_shape(state, index) \
             and _exchangeable(state, value, index):
         local = value.to_local()
         if local.device.type != value.device_mesh.device_type:  # offloaded copies: exchange where the mesh lives
@@ -282,7 +326,7 @@ def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor
 def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tensor:
     """The full tensor behind a loaded value: a DTensor (gathered: a collective over its
     mesh) or a plain tensor of the full shape. Anything else is refused."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         if tuple(value.shape) != shape:
             raise ValueError(f"{what}: the loaded DTensor has shape {tuple(value.shape)}, expected {shape}")
         return gather_dtensor(value, what)
@@ -388,6 +432,13 @@ class ModuleStateDictHooks:
                 continue  # strict loading reports it
             shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
             if _is_the_shard(value, shard):
+                if isinstance(value, DTensor):  # dtensor_face.py: it holds a gradient not yet stepped on
+                    raise RuntimeError(
+                        f"load_state_dict '{prefix + key}': the value given is the parameter itself, between "
+                        "backward and the optimizer step, when a sharded parameter presents itself as a DTensor; "
+                        "torch's set_model_state_dict(broadcast_from_rank0=True) then writes the loaded rows "
+                        "through to_local() into its flat piece, a different layout. Load between training "
+                        "steps: after optimizer.step() or zero_grad(set_to_none=True)")
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
             state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
 
@@ -415,7 +466,7 @@ def _shard_shaped_keys(state, index_to_key, states) -> Dict[str, torch.dtype]:
     for i, key in index_to_key.items():
         shard = state.unit.sharded_param(i)
         for name, v in states.get(key, {}).items():
-            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.dim() > 0:
                 if tuple(v.shape) != tuple(shard.shape):
                     raise NotImplementedError(
                         f"optimizer state '{name}' of '{state.names[i]}' has shape {tuple(v.shape)}, not the "
@@ -491,9 +542,9 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
     shard = state.unit.sharded_param(index)
     out = dict(entry)
     for name, v in entry.items():
-        if not isinstance(v, torch.Tensor) or (not isinstance(v, DTensor) and v.dim() == 0):
+        if not isinstance(v, torch.Tensor) or (not is_dtensor(v) and v.dim() == 0):
             continue
-        if keep_local and not isinstance(v, DTensor) and v.shape == shard.shape:
+        if keep_local and not is_dtensor(v) and v.shape == shard.shape:
             continue
         piece = _piece_of(state, index, v, shard.numel(), f"{what}: state '{name}' of '{state.names[index]}'")
         out[name] = piece.to(shard.device).clone()

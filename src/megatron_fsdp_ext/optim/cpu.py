@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Callable, Iterable, List, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import _C
 from ..core.param_index import owner_of
 from ..core.shard_changes import COPIED_OUT
+from ..core.dtensor_face import is_dtensor
 
 
 def set_num_threads(threads: int) -> None:
@@ -36,7 +36,7 @@ def num_threads() -> int:
 
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """What the kernel writes: a DTensor's local tensor (FSDP2's sharded parameters), else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _check_float(name: str, value, low: float = 0.0, *, tensor_ok: bool = False) -> None:

@@ -16,10 +16,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .. import _C
 from ..core.hook_support import run_outside_dynamo
+from ..core.dtensor_face import is_dtensor
 
 OptimizerFactory = Callable[[List[nn.Parameter]], Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]]
 
@@ -63,7 +63,7 @@ def build_owner_buckets(named, bucket_size: int, cost_fn, alignment: int, world:
     for n, p in named:
         if getattr(p, "_mfsdp_owner", None) is not None:
             raise ValueError(f"parameter '{n}' is sharded by fully_shard; the layer-wise optimizer takes replicated parameters")
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
             raise NotImplementedError(
                 f"parameter '{n}' is a DTensor placed {tuple(p.placements)} on mesh {p.device_mesh.mesh_dim_names} "
                 "(tensor parallel); the layer-wise optimizer takes plain replicated parameters: use fully_shard "

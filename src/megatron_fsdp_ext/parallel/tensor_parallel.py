@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core.extension_points import OuterSharding, register_outer_sharding
+from ..core.dtensor_face import is_dtensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ class TensorParallelParams:
             if grad is None:
                 continue
             wrapper.grad = None
-            if not isinstance(grad, DTensor):
+            if not is_dtensor(grad):
                 raise RuntimeError(f"the gradient of tensor-parallel parameter '{unit.param_spec(index).name}' is a "
                                    f"{type(grad).__name__}, expected a DTensor like the parameter")
             if tuple(grad.placements) != spec.placements:
@@ -137,7 +138,7 @@ class TensorParallelParams:
         first, a plain tensor of the full shape is cut. Anything else is passed on as it is
         (the unit refuses shapes it cannot place)."""
         spec = self.specs[index]
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             if value.device_mesh == self.tp_mesh and tuple(value.placements) == spec.placements \
                     and value.shape == spec.shape:
                 return value.to_local()
@@ -193,7 +194,7 @@ def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[T
     """The unit's DTensor parameters checked against the data-parallel `mesh`, or None when
     it has none. They must share one 1-D TP mesh drawn from the same job mesh as `mesh`,
     with dims of its own, every dim named."""
-    dtensors = [(i, p) for i, p in enumerate(params) if isinstance(p, DTensor)]
+    dtensors = [(i, p) for i, p in enumerate(params) if is_dtensor(p)]
     if not dtensors:
         return None
     first = names[dtensors[0][0]]
@@ -249,7 +250,7 @@ def collect(params: list, names: list, mesh: Optional[DeviceMesh]) -> Optional[T
 def local_tensors(params: list) -> list:
     """What the unit holds of each parameter: a DTensor's local TP shard, else itself."""
     with torch.no_grad():
-        return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        return [p.to_local() if is_dtensor(p) else p for p in params]
 
 
 class TensorParallelSharding(OuterSharding):

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..core.api import fully_shard
 from ..core.options import MixedPrecisionPolicy, as_timeout, check_offload_fraction, offloaded_units
 from ..core.strategy import SHARDING_STRATEGIES, sharding_strategy
+from ..core.dtensor_face import is_dtensor
 
 
 @dataclass
@@ -199,9 +200,7 @@ def _mesh_for(device_mesh, dp_shard_dim, dp_outer_dim, process_group):
 
 def _check_tp_dim(module: nn.Module, device_mesh, tp_dim, dp_dims, ignored: set) -> None:
     """Megatron-FSDP's tp_dim: the model's DTensor parameters live on device_mesh[tp_dim]."""
-    from torch.distributed.tensor import DTensor
-
-    dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor) and id(p) not in ignored]
+    dtensors = [(n, p) for n, p in module.named_parameters() if is_dtensor(p) and id(p) not in ignored]
     if tp_dim is None:
         if dtensors and device_mesh is not None and device_mesh.ndim > 1 and dp_dims[0] is None:
             raise ValueError(f"fully_shard_model: parameter '{dtensors[0][0]}' is a DTensor (tensor parallel); name the "

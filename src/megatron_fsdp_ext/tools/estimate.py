@@ -30,13 +30,13 @@ from typing import Callable, Iterable, List, Optional, Type
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .. import _C
 from ..precision import fp8
 from ..core.options import MixedPrecisionPolicy, as_mp_policy, check_count, offloaded_units
 from ..core.schedule import bucket_runs
 from ..core.strategy import sharding_strategy as strategy_named
+from ..core.dtensor_face import is_dtensor
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "none": 0}
 
@@ -107,7 +107,7 @@ def _full_numel(p: torch.Tensor) -> int:
         for s, u in zip(state.sharded_params, state.unit.unsharded_locals):
             if s is p:
                 return u.numel()
-    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return p.to_local().numel() if is_dtensor(p) else p.numel()
 
 
 def _units(model: nn.Module, unit_modules) -> List[List[nn.Parameter]]:
@@ -201,7 +201,7 @@ def estimate_memory(
         groups = []
         for u in units:
             dense, routed = [p for p in u if not experts(p)], [p for p in u if experts(p)]
-            split = [1 if isinstance(p, DTensor) else expert_parallel for p in routed]
+            split = [1 if is_dtensor(p) else expert_parallel for p in routed]
             groups += [(g, s, d) for g, s, d in ((routed, shard // expert_parallel, split), (dense, shard, 1)) if g]
         units = [g for g, _, _ in groups]
     expert_optim = 0

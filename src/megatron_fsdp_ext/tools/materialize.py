@@ -21,10 +21,10 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..core.param_index import iter_states, owner_of
 from ..core.states import ParamInit, SlotsHold
+from ..core.dtensor_face import is_dtensor
 
 
 def _blank(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -143,7 +143,7 @@ def _initialize_module(m: nn.Module, path: str, init_fn, deferred: dict, written
             f"materialize: the initializer of '{where}' ({type(m).__name__}) wrote to parameters of {touched[0]} "
             "that it does not hold directly; an initializer must only set the module's own parameters and buffers "
             "(torch.nn's reset_parameters convention)")
-    swaps = [(name, p, full.to_local() if isinstance(full, DTensor) else full, *rest)
+    swaps = [(name, p, full.to_local() if is_dtensor(full) else full, *rest)
              for name, p, full, *rest in swaps]
     for name, _, full, state, _, scratch in swaps:
         if not scratch and _unwritten(full):
