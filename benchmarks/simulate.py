@@ -214,6 +214,8 @@ def measure(args, world: int) -> dict:
     if cuda:
         torch.cuda.set_device(0)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.peak_breakdown and cuda:  # from before the build: every block alive at the peak has its stack
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
     vocab, d, layers, heads, ffn, mb, seq = parse_config(args.config)
     link_model = parse_link(args.link) if args.link and args.system == "mfsdp" else None
@@ -352,6 +354,14 @@ def measure(args, world: int) -> dict:
         if i >= args.warmup:
             rows.append({"step_ms": ev[0].ms_until(ev[3]), "forward_ms": ev[0].ms_until(ev[1]),
                          "backward_ms": ev[1].ms_until(ev[2]), "optimizer_ms": ev[2].ms_until(ev[3])})
+    breakdown = None
+    if args.peak_breakdown and cuda:  # the allocator's trace ends here: the profiled step is not in it
+        from megatron_fsdp_ext.tools.memory import live_at_peak
+
+        peak_bytes, at, rows = live_at_peak(torch.cuda.memory._snapshot())
+        breakdown = {"peak_bytes": peak_bytes, "at_event": at,
+                     "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in rows[:args.peak_breakdown]]}
+        torch.cuda.memory._record_memory_history(enabled=None)
     before = dict(_C.collective_counts())
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda and args.kernels else [])
@@ -382,6 +392,7 @@ def measure(args, world: int) -> dict:
         "steps": rows, "c10d_calls_per_step": c10d_calls, "our_counts_per_step": ours,
         "largest_param_gib": largest * 4 / 2**30,
         "kernels_in_profiled_step": kernels,
+        "peak_breakdown": breakdown,
     }
     if args.system == "mfsdp" and args.tp == 1:  # estimate_memory does not model TP
         # estimate_memory leaves activations out: its prediction is checked against a
@@ -421,7 +432,7 @@ def run_system(system: str, config: str, worlds, args) -> list:
            "--warmup", str(args.warmup), "--tp", str(args.tp), "--fp8", args.fp8, "--json", str(out)] + \
         (["--compile"] if args.compile else []) + (["--link", args.link] if args.link else []) + \
         ["--experts", str(args.experts), "--top-k", str(args.top_k), "--ep", str(args.ep), "--moe-form", args.moe_form,
-         "--kernels", str(args.kernels)]
+         "--kernels", str(args.kernels), "--peak-breakdown", str(args.peak_breakdown)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     results = json.loads(out.read_text()) if out.exists() else []
     done = {r["world"] for r in results}
@@ -462,6 +473,10 @@ def main() -> None:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also profile the GPU in the profiled step: busy time against span, and the N "
                    "kernels that took the most time")
+    p.add_argument("--peak-breakdown", type=int, default=0, metavar="N",
+                   help="record the allocator's trace from before the build and report the N largest groups "
+                   "of blocks alive at its peak, by allocation site (tools.memory.live_at_peak; the steps are "
+                   "slower then: not for timing)")
     p.add_argument("--out", default="runs/simulate")
     p.add_argument("--timeout", type=float, default=400)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
