@@ -358,9 +358,9 @@ def measure(args, world: int) -> dict:
     if args.peak_breakdown and cuda:  # the allocator's trace ends here: the profiled step is not in it
         from megatron_fsdp_ext.tools.memory import live_at_peak
 
-        peak_bytes, at, rows = live_at_peak(torch.cuda.memory._snapshot())
+        peak_bytes, at, groups = live_at_peak(torch.cuda.memory._snapshot())
         breakdown = {"peak_bytes": peak_bytes, "at_event": at,
-                     "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in rows[:args.peak_breakdown]]}
+                     "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in groups[:args.peak_breakdown]]}
         torch.cuda.memory._record_memory_history(enabled=None)
     before = dict(_C.collective_counts())
     from torch.profiler import ProfilerActivity, profile
