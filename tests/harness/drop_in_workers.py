@@ -1,6 +1,8 @@
 """Workers of the drop-in tests (tests/distributed/test_drop_in.py on Gloo CPU,
 tests/gpu/test_drop_in_gpu.py with CUDA tensors): our modules as FSDP2's to torch's code,
 torch's clip over our gradients against FSDP2's, Megatron's micro-batch controls."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -204,6 +206,9 @@ def dtensor_face(rank, world, layout, strategy, titan=True):
         torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"grad of {name}: {m}")
+        kept = copy.deepcopy(p.grad)  # still this rank's piece, still a DTensor to FSDP2's code
+        assert type(kept) is type(p.grad) and (kept.numel() == 0 or kept.data_ptr() != p.grad.data_ptr()), name
+        assert torch.equal(kept.to_local(), p.grad.to_local()), name
         local = p.grad.to_local()
         assert type(local) is torch.Tensor and local.shape == p.shape and local.data_ptr() == p.grad.data_ptr(), name
         with pytest.raises(NotImplementedError, match="redistribute"):

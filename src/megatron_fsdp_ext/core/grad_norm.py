@@ -92,6 +92,14 @@ class ShardedGrad(torch.Tensor, DTensorFace):
     def _face_kind(self) -> str:
         return "gradient"
 
+    def __deepcopy__(self, memo):
+        # A copy of this rank's piece that still reduces its norm across ranks (torch's
+        # default goes through new_empty, which is plain here, and refuses).
+        with DisableTorchFunctionSubclass():
+            out = torch.Tensor.clone(self).as_subclass(type(self))
+        memo[id(self)] = out
+        return out
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
