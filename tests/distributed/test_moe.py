@@ -19,8 +19,9 @@ Configs, as torchtitan's apply_fsdp_to_decoder shards the MoE blocks:
   torchtitan TP-shards the routed experts, w1/w3 Shard(1), w2 Shard(2) on "tp", and shards
   the block plainly).
 
-Each: per step the loss and the grad norm (FSDP2: torchtitan's clip_grad_norm_, its EP path
-when ep > 1; ours: torch's clip_grad_norm_) within 1e-5 relative; after the last backward
+Each: per step the loss and the grad norm (torchtitan's clip_grad_norm_ on both, unchanged,
+its EP path when ep > 1: it asserts DTensor parameters and gradients and splits experts by
+their mesh's "ep" dim; the split must equal FSDP2's) within 1e-5 relative; after the last backward
 every parameter's full gradient, after the last step every full value (and the state
 dicts' values), within 1e-4; the state-dict placements of every entry equal, those of the
 expert weight layers.1...w1_EFD also the ones the research probe recorded for FSDP2.
