@@ -201,6 +201,20 @@ def child(args) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
+def _large_events(snapshot: dict, until: int, min_bytes: int = 64 << 20, last: int = 120) -> list:
+    """The allocator trace's last `last` allocations and frees of at least `min_bytes` up to
+    event `until` (the peak): [event index, action, MiB, where it was allocated]."""
+    events, where = [], {}
+    for i, e in enumerate(snapshot["device_traces"][0][:until + 1]):
+        action, size = e.get("action"), e.get("size", 0)
+        if action == "alloc":
+            frames = [f for f in e.get("frames", []) if "/torch/" not in f.get("filename", "")]
+            where[e["addr"]] = f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']}" if frames else "?"
+        if size >= min_bytes and action in ("alloc", "free_requested"):
+            events.append([i, action, round(size / 2**20, 1), where.get(e.get("addr"), "?")])
+    return events[-last:]
+
+
 def measure(args, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -358,9 +372,11 @@ def measure(args, world: int) -> dict:
     if args.peak_breakdown and cuda:  # the allocator's trace ends here: the profiled step is not in it
         from megatron_fsdp_ext.tools.memory import live_at_peak
 
-        peak_bytes, at, groups = live_at_peak(torch.cuda.memory._snapshot())
+        snapshot = torch.cuda.memory._snapshot()
+        peak_bytes, at, groups = live_at_peak(snapshot)
         breakdown = {"peak_bytes": peak_bytes, "at_event": at,
-                     "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in groups[:args.peak_breakdown]]}
+                     "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in groups[:args.peak_breakdown]],
+                     "large_events_to_peak": _large_events(snapshot, at)}
         torch.cuda.memory._record_memory_history(enabled=None)
     before = dict(_C.collective_counts())
     from torch.profiler import ProfilerActivity, profile
