@@ -174,10 +174,10 @@ def full_grad(state, index: int) -> torch.Tensor:
     parameter of the unit has none), as full_param. A collective over the unit's group."""
     params = state.unit.sharded_params
     grad = params[index].grad
+    # One flat gradient buffer holds every piece of the unit: one dtype.
     pieces = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=grad.dtype, device=grad.device)
               for p in params]
     with torch.no_grad():
-        pieces = [g.to(grad.dtype) for g in pieces]
         value = _row_values(state, pieces, grad.dtype, grad.device)[index]
     return _full_of(value, f"full_tensor() of the gradient of '{state.names[index]}'")
 
@@ -432,13 +432,6 @@ class ModuleStateDictHooks:
                 continue  # strict loading reports it
             shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
             if _is_the_shard(value, shard):
-                if isinstance(value, DTensor):  # dtensor_face.py: it holds a gradient not yet stepped on
-                    raise RuntimeError(
-                        f"load_state_dict '{prefix + key}': the value given is the parameter itself, between "
-                        "backward and the optimizer step, when a sharded parameter presents itself as a DTensor; "
-                        "torch's set_model_state_dict(broadcast_from_rank0=True) then writes the loaded rows "
-                        "through to_local() into its flat piece, a different layout. Load between training "
-                        "steps: after optimizer.step() or zero_grad(set_to_none=True)")
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
             state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
 
