@@ -349,8 +349,7 @@ def unit_grad_types(state) -> list:
         spec = tp.specs.get(i) if tp is not None else None
         if spec is not None and spec.sharded:
             groups = dp + (tp.tp_group,)
-        cls = grad_class(groups, unit.device, state_dict.face_layout(state, i))
-        if not any(ref() is state for ref in cls.owners):
-            cls.owners[:] = [ref for ref in cls.owners if ref() is not None] + [weakref.ref(state)]
-        types.append(cls)
+        types.append(grad_class(groups, unit.device, state_dict.face_layout(state, i)))
+    for cls in set(types):
+        cls.owners[:] = [ref for ref in cls.owners if ref() is not None and ref() is not state] + [weakref.ref(state)]
     return types

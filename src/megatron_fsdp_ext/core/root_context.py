@@ -194,4 +194,4 @@ def make_root(root) -> None:
             s.unit.set_context(ctx.comm)
             apply_comm_buffer_source(s)
             s.grad_types = grad_norm.unit_grad_types(s)
-            s.plain_types = [None if t is None else torch.Tensor for t in s.grad_types]
+            s.plain_types = [torch.Tensor] * len(s.grad_types)
