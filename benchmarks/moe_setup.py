@@ -17,6 +17,39 @@ def moe_config(shape, experts: int, top_k: int):
                      n_experts=experts, top_k=top_k, expert_hidden=max(1, ffn // top_k))
 
 
+def balanced_routing(model) -> None:
+    """Route every MoE layer of `model` by a fixed, balanced pattern: token i goes to experts
+    (i * top_k + j) % n_experts, j < top_k, in that order of preference. The router still
+    runs and gets its gradient (the pattern replaces its logits' values, not their graph).
+
+    Under the fake backend a gathered weight is whatever memory the gather's output held:
+    the router's logits, and with them which tokens each expert keeps, then differ between
+    the systems and from run to run (FSDP2's garbage routed every token to the same two
+    experts, ours spread them), and so do the sizes of the tensors that depend on how many
+    (token, choice) pairs were kept. With this pattern every system keeps every pair (the
+    capacity is 1.25x the fair share), on every rank and in every run."""
+    import torch
+
+    cache = {}
+
+    def pattern(logits):
+        n, e = logits.shape
+        key = (n, e, logits.device, logits.dtype)
+        if key not in cache:
+            top_k = model.cfg.top_k
+            experts = (torch.arange(n, device=logits.device)[:, None] * top_k
+                       + torch.arange(top_k, device=logits.device)) % e
+            preference = torch.arange(top_k, 0, -1, device=logits.device, dtype=logits.dtype).expand(n, top_k)
+            cache[key] = torch.zeros(n, e, device=logits.device, dtype=logits.dtype).scatter(1, experts, preference)
+        return cache[key]
+
+    def fixed_logits(module, args, out):
+        return out + (pattern(out) - out).detach()
+
+    for block in model.blocks:
+        block.moe.router.register_forward_hook(fixed_logits)
+
+
 def check_ep(ep: int, experts: int, world: int) -> None:
     if ep > 1 and (not experts or experts % ep or world % ep):
         raise SystemExit(f"--ep {ep}: needs --experts divisible by it and a world it divides "

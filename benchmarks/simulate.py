@@ -32,6 +32,9 @@ experts over the W/E expert data-parallel ranks, for both FSDPs as FSDP2 does it
 torch (shard_placement_fn with ShardPlacementResult from torch 2.12; before it, the
 experts as a unit of their own on that mesh, torchtitan 0.2's form): "moe_form" in the
 results says which. local runs the same MoE model whole, without expert parallelism.
+Every system routes by the same fixed, balanced pattern (moe_setup.balanced_routing): the
+fake gathers leave the router's weights without values, so its own routing would differ
+between the systems and between runs, and with it the activations' sizes.
 
     python benchmarks/simulate.py --points moe_1b@8,64 --experts 16 --ep 8 --out runs/sim_ep8
 """
@@ -52,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
-from moe_setup import FORMS, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
+from moe_setup import FORMS, balanced_routing, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
 
 # name: shape (benchmarks/shapes.py). "8b" is the 32-layer d 4096 shape (6.7B), the name
 # earlier results use.
@@ -328,6 +331,8 @@ def measure(args, world: int) -> dict:
                     m.reset_parameters()
     else:
         raise SystemExit(f"unknown system {args.system!r}")
+    if args.experts:  # the gathered router weights hold no values here (see balanced_routing)
+        balanced_routing(model)
     if args.compile:
         for block in model.blocks:
             block.compile()
