@@ -78,6 +78,19 @@ def _expert_dim(weight, efsdp_size: int):
     return Shard(1) if efsdp_size > shape[0] and shape[1] % efsdp_size == 0 else Shard(0)
 
 
+def expert_placement_fn(model, mesh_size: int):
+    """Without expert parallelism, torchtitan's placement for a block's experts sharded with
+    the dense parameters over `mesh_size` ranks (its ep_degree == 1 path): dim 1 where the
+    mesh has more ranks than there are experts (_expert_dim), dim 0 for everything else.
+    None for a model without experts."""
+    from torch.distributed.tensor import Shard
+
+    if not hasattr(model.blocks[0], "moe"):
+        return None
+    dims = {p: _expert_dim(p, mesh_size) for b in model.blocks for p in b.moe.experts.parameters()}
+    return lambda p: dims.get(p, Shard(0))
+
+
 def shard_moe_blocks(model, shard, dense, efsdp, form: str = "auto", **kwargs) -> str:
     """Every MoE block sharded by `shard` (either library's fully_shard): dense parameters
     over `dense`, experts over `efsdp`; then the root. form "shard_placement_fn": one call

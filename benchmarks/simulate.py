@@ -31,7 +31,9 @@ tokens exchanged by all-to-all, fake too): dense parameters shard over all W ran
 experts over the W/E expert data-parallel ranks, for both FSDPs as FSDP2 does it on this
 torch (shard_placement_fn with ShardPlacementResult from torch 2.12; before it, the
 experts as a unit of their own on that mesh, torchtitan 0.2's form): "moe_form" in the
-results says which. local runs the same MoE model whole, without expert parallelism.
+results says which. Without --ep the experts shard with the dense parameters, on dim 1
+where W exceeds the experts (torchtitan's ep_degree == 1 rule, expert_placement_fn). local
+runs the same MoE model whole, without expert parallelism.
 Every system routes by the same fixed, balanced pattern (moe_setup.balanced_routing): the
 fake gathers leave the router's weights without values, so its own routing would differ
 between the systems and between runs, and with it the activations' sizes.
@@ -55,7 +57,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
-from moe_setup import FORMS, balanced_routing, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
+from moe_setup import (FORMS, balanced_routing, check_ep, expert_parallel_meshes, expert_placement_fn,  # noqa: E402
+                       moe_config, shard_moe_blocks)  # noqa: E402
 
 # name: shape (benchmarks/shapes.py). "8b" is the 32-layer d 4096 shape (6.7B), the name
 # earlier results use.
@@ -304,8 +307,9 @@ def measure(args, world: int) -> dict:
                                         args.moe_form, mp_policy=mp)
         else:
             dp_mesh = tp_split(model)
+            placement = expert_placement_fn(model, world // args.tp)
             for block in model.blocks:
-                mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh)
+                mfsdp.fully_shard(block, mp_policy=mp, mesh=dp_mesh, shard_placement_fn=placement)
             mfsdp.fully_shard(model, mp_policy=mp, mesh=dp_mesh)
         if link_model is not None:  # plan the "auto" buckets as on the machine whose link this is
             model.set_link_model(link_model)
@@ -321,8 +325,9 @@ def measure(args, world: int) -> dict:
                                         args.moe_form, mp_policy=mp)
         else:
             mesh = tp_split(model) or init_device_mesh(device.type, (world,))
+            placement = expert_placement_fn(model, world // args.tp)
             for block in model.blocks:
-                fully_shard(block, mesh=mesh, mp_policy=mp)
+                fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
             fully_shard(model, mesh=mesh, mp_policy=mp)
         model.to_empty(device=device)
         with torch.no_grad():

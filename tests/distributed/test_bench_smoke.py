@@ -366,6 +366,28 @@ def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form, exp
     assert "--ep 4: needs --experts divisible by it" in simulate_indivisible_experts
 
 
+def test_simulate_experts_without_expert_parallelism_shard_as_torchtitan(tmp_path):
+    """simulate.py --experts 4 at world 8, no --ep: the experts shard with the block, on
+    dim 1 where the world exceeds the experts (torchtitan's ep_degree == 1 rule), so both
+    systems gather the same bytes. On dim 0 FSDP2 would pad 4 experts up to 8 rows and move
+    about twice the expert bytes (an unfair peer, and a 2.7x larger peak at W 256)."""
+    out = tmp_path / "sim"
+    proc = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems",
+                           "mfsdp,fsdp2", "--experts", "4", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((out / "simulate.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["mfsdp", "fsdp2"]
+    units = 1 + 2
+    for r in rows:
+        assert "error" not in r and (r["experts"], r["ep"]) == (4, 1), r
+        assert {k: v[0] for k, v in r["c10d_calls_per_step"].items()} == {
+            "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, r
+    for kind in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+        ours, theirs = rows[0]["c10d_calls_per_step"][kind][1], rows[1]["c10d_calls_per_step"][kind][1]
+        assert abs(ours - theirs) <= 0.01 * theirs, (kind, ours, theirs)
+
+
 def test_simulate_plans_auto_buckets_from_a_given_link(tmp_path):
     """simulate.py --link: ours plans its "auto" buckets from the given link (under the fake
     backend nothing moves, so without it no buckets), records the link and the budgets,
