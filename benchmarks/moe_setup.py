@@ -70,12 +70,15 @@ def expert_parallel_meshes(model, device_type: str, world: int, ep: int):
 
 def _expert_dim(weight, efsdp_size: int):
     """torchtitan's rule: where the expert data-parallel mesh has more ranks than there are
-    local experts, dim 0 would be padded up to the mesh size, so dim 1 is sharded instead;
-    kept at dim 0 where dim 1 does not divide evenly (FSDP2 refuses uneven dim-1 shards)."""
+    local experts, dim 0 would be padded up to the mesh size, so dim 1 is sharded instead.
+    FSDP2 refuses uneven shards on any dim but 0, so where dim 1 does not divide evenly the
+    next dim that does is taken (torchtitan would fail there), and dim 0 where none does."""
     from torch.distributed.tensor import Shard
 
     shape = (weight.to_local() if hasattr(weight, "to_local") else weight).shape
-    return Shard(1) if efsdp_size > shape[0] and shape[1] % efsdp_size == 0 else Shard(0)
+    if efsdp_size <= shape[0]:
+        return Shard(0)
+    return next((Shard(d) for d in range(1, len(shape)) if shape[d] % efsdp_size == 0), Shard(0))
 
 
 def expert_placement_fn(model, mesh_size: int):
