@@ -38,7 +38,7 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEConfig, MoEMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
 import shapes  # noqa: E402
-from moe_setup import FORMS, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
+from moe_setup import FORMS, balanced_routing, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
 
 # name: shape (benchmarks/shapes.py: vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
@@ -90,6 +90,10 @@ def parse_args():
     p.add_argument("--experts", type=int, default=0, help="routed experts per block (0: the dense model)")
     p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (with --experts)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a (W/E, E) efsdp x ep mesh)")
+    p.add_argument("--balanced-routing", action="store_true",
+                   help="route every MoE layer by one fixed, balanced pattern (moe_setup.balanced_routing): "
+                        "every system then holds the same activations, so their peaks compare without "
+                        "the routing's run-to-run variation")
     p.add_argument("--moe-form", choices=FORMS, default="auto",
                    help="how experts get their mesh (auto: shard_placement_fn where torch has ShardPlacementResult)")
     return p.parse_args()
@@ -248,6 +252,10 @@ def run_one(system, name, device, args):
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     init_start = time.perf_counter()
     wrapped, model, autocast = build(system, cfg, device, args.meta_init, args.ep, args.moe_form)
+    if args.balanced_routing:
+        if not args.experts:
+            raise SystemExit("--balanced-routing needs --experts")
+        balanced_routing(model)
     if device.type == "cuda":
         torch.cuda.synchronize()
         init_peak = torch.cuda.max_memory_allocated() - baseline
@@ -339,7 +347,7 @@ def run_one(system, name, device, args):
         "losses": losses, "updates_before_timed_steps": args.warmup + (max(args.warmup, 1) + 1 if graphed else 0),
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep,
-        "moe_form": getattr(model, "moe_form", None),
+        "moe_form": getattr(model, "moe_form", None), "balanced_routing": args.balanced_routing,
         # Rank 0's NCCL kernels in the profiled step (--timeline): per collective the
         # count, summed kernel time and the largest grid (blocks = SMs it occupies).
         "nccl_kernels": collectives,

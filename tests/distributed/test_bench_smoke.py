@@ -60,15 +60,16 @@ def test_bench_train_mixture_of_experts_with_expert_parallelism_cpu(tmp_path):
     """--experts 4 --ep 2 at world 4: ours and FSDP2, the experts on the expert data-parallel
     mesh and tokens exchanged by all-to-all, train like the whole MoE model run without
     expert parallelism on each rank's batch (local; every system's first loss is the same
-    function of the same data), and refusals name the problem."""
+    function of the same data), also with the fixed routing of --balanced-routing, and
+    refusals name the problem."""
     run_script(4, _script("bench_train.py"), "--device", "cpu", "--configs", "tiny", "--steps", "2",
                "--warmup", "0", "--systems", "mfsdp,fsdp2,local", "--experts", "4", "--ep", "2",
-               "--out", str(tmp_path), port=29577)
+               "--balanced-routing", "--out", str(tmp_path), port=29577)
     data = json.loads((tmp_path / "results.json").read_text())
     rows = {r["system"]: r for r in data["results"]}
     assert set(rows) == {"mfsdp", "fsdp2", "local"}
     for system, r in rows.items():
-        assert (r["experts"], r["ep"]) == (4, 2), r
+        assert (r["experts"], r["ep"], r["balanced_routing"]) == (4, 2, True), r
         assert (r["moe_form"] is None) == (system == "local"), r
     # The first timed step is the first update: rank 0's loss before any update is one
     # function of the same seeded model and rank 0's batch, whoever computes it.
