@@ -2,7 +2,8 @@
 offloaded model trains as the same model kept on the GPU (single-process reference, FSDP2
 with its own offload and CPUAdamW for bf16), pinned copies run on the side streams beside
 compute with no host wait in forward or backward, the device peak drops by what moved to
-the host, and state dicts, DCP checkpoints and materialize work with offloaded units."""
+the host (on NCCL; on Gloo, whose thread frees a collective's tensors late, the memory
+between steps), and state dicts, DCP checkpoints and materialize work with offloaded units."""
 import pytest
 import torch
 

@@ -6,6 +6,7 @@ too) and the GPU suite (tests/gpu/test_offload_gpu.py: host memory beside a GPU)
 from __future__ import annotations
 
 import gc
+import time
 from typing import Dict
 
 import torch
@@ -324,12 +325,67 @@ def offload_streams(rank: int, world: int, opts: Dict) -> Dict:
             "syncs_in_backward": len(syncs)}
 
 
+def _warm_up_matmul_workspaces(device) -> None:
+    """cuBLAS keeps a workspace per handle (one per thread: forward on this one, backward on
+    autograd's device thread) allocated for the process's life: allocated before the
+    baseline, they are not taken for memory a model left behind."""
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+        torch.nn.functional.linear(a, a, a[0]).sum().backward()
+    del a
+    torch.cuda.synchronize()
+
+
+def _quiescent_allocated(timeout_s: float = 5.0) -> int:
+    """The device's allocated bytes once they stop changing (three equal readings 50 ms
+    apart): what Gloo's thread still held from the last collectives is gone by then."""
+    deadline = time.monotonic() + timeout_s
+    readings = []
+    while True:
+        gc.collect()
+        torch.cuda.synchronize()
+        readings = (readings + [torch.cuda.memory_allocated()])[-3:]
+        if (len(readings) == 3 and len(set(readings)) == 1) or time.monotonic() > deadline:
+            return min(readings)
+        time.sleep(0.05)
+
+
+def _settle_device_memory(baseline: int, timeout_s: float = 10.0, slack: int = 1 << 20) -> None:
+    """Wait until the device holds no more than `baseline` bytes again, give or take
+    `slack` for process-wide caches (the model's rope tables: 32 KiB here): the hooks make
+    reference cycles (a collection frees them), and Gloo keeps a collective's input alive
+    until its work object is destroyed on Gloo's own thread, some time after the wait (a
+    unit's 14.5 MB shard, measured). Memory still held after `timeout_s` is a leak, and
+    fails here by name."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        if held <= baseline + slack:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{held - baseline} bytes still allocated on the device {timeout_s} s after "
+                                 f"the model and its optimizer were deleted (baseline {baseline})")
+        time.sleep(0.05)
+    torch.cuda.empty_cache()
+
+
 def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
     """CUDA only. The device peak of a training step drops by what offloading moves to the
     host (fp32 shard, gradient and AdamW's two states: 16 bytes an element of the shard),
-    and the host holds what the units report."""
+    and the host holds what the units report.
+
+    The peak is bounded on NCCL only. Gloo releases a collective's tensors when its work
+    object dies on Gloo's own thread, some time after the wait returned: with several
+    ranks sharing a host's cores that held memory lands in either run's peak (measured at
+    world 4 on one GPU, four tests at once: the offloaded peak 154 MB in most runs, 195 MB
+    in one, and 2 of 12 runs short of the bound by 3-4 MB). The memory between steps, read
+    once those tensors are gone, is bounded on both."""
     device = device_for_backend()
     peaks, rest = {}, {}
+    _warm_up_matmul_workspaces(device)
+    start = torch.cuda.memory_allocated()
     for offload in (False, True):
         model = _gpu_model(device, offload, GPU_CFG)
         opt = (CPUAdamW if offload else torch.optim.AdamW)(model.parameters(), lr=1e-4)
@@ -342,24 +398,24 @@ def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         peaks[offload] = torch.cuda.max_memory_allocated()
-        rest[offload] = torch.cuda.memory_allocated()  # between steps: shards and AdamW state
+        rest[offload] = _quiescent_allocated()  # between steps: shards and AdamW state
         shard_elems = sum(s.unit.sharded_flat.numel() for s in iter_states(model))
         largest_unit = max(s.unit.sharded_flat.numel() for s in iter_states(model))
-        del model, opt
-        gc.collect()  # the hooks make cycles: the first model must be gone before the second is measured
-        torch.cuda.empty_cache()
+        del model, opt, tokens
+        _settle_device_memory(start)  # the first model must be gone before the second is measured
     # Between steps the device holds no shard and no optimizer state (12 bytes an element
     # without offload). At the peak those 12 bytes are off the device too, less what an
     # offloaded step stages on the device: the units in flight (the one computing and the
     # one prefetched) hold their fp32 shard copied in and their reduced fp32 gradient on
     # its way out (8 bytes an element of a unit's shard). Where each run peaks differs, so
-    # the gradients' 4 bytes are not counted (measured: 9.2 bytes an element saved at world
-    # 4, 11.5 at world 2).
+    # the gradients' 4 bytes are not counted (measured on NCCL: 9.2 bytes an element saved
+    # at world 4, 11.5 at world 2).
     assert rest[True] <= rest[False] - 0.95 * 12 * shard_elems, (rest, shard_elems)
-    staged = 2 * 8 * largest_unit
-    assert peaks[False] - peaks[True] >= 12 * shard_elems - staged, (peaks, shard_elems, largest_unit)
+    if dist.get_backend() == "nccl":
+        staged = 2 * 8 * largest_unit
+        assert peaks[False] - peaks[True] >= 12 * shard_elems - staged, (peaks, shard_elems, largest_unit)
     return {"peak_device": peaks[False], "peak_offload": peaks[True], "rest": rest, "elements": shard_elems,
-            "largest_unit": largest_unit}
+            "largest_unit": largest_unit, "peak_bounded": dist.get_backend() == "nccl"}
 
 
 def cpu_optimizer_refuses_device_params(rank: int, world: int, opts: Dict) -> None:
