@@ -30,10 +30,16 @@ Model (all parameters printed with the table):
     compute; in backward the previous block's all-gather and this block's
     reduce-scatter share the link and hide behind this block's backward; the root's
     gather, and the last reduce-scatters, are exposed.
+  - a collective running beside compute takes its grid's SMs from it: the compute that
+    overlaps communication runs on the remaining SMs, so each phase's compute grows by
+    --comm-sm-share times the communication it hides (at most its own compute). The
+    default, 24 of the H200's 132 SMs, is the grid NCCL 2.28.9 gave every all-gather and
+    reduce-scatter at worlds 2 and 4 in RESULTS 16 (0 turns the term off).
 Exposed communication per phase = sum over units of max(0, communication - compute it
-hides behind). Projected step = measured step + exposed forward + exposed backward.
-Not modelled: collectives slowing compute (SMs and memory bandwidth they take), CPU
-launch cost, stragglers, contention with other jobs.
+hides behind). Projected step = measured step + exposed forward + exposed backward + the
+compute lost to the collectives' SMs.
+Not modelled: the memory bandwidth collectives take, CPU launch cost, stragglers,
+contention with other jobs.
 """
 from __future__ import annotations
 
@@ -51,6 +57,9 @@ MIB = 2**20
 # 0.069 ms, 256 MiB 0.565 ms; reduce-scatter 0.066 and 0.607 ms.
 RUN_G = {"all_gather": ((16, 0.069), (256, 0.565)), "reduce_scatter": ((16, 0.066), (256, 0.607))}
 IB_BUSBW_GBPS = 45.0
+# RESULTS 16: every NCCL all-gather and reduce-scatter ran on a grid of 24 blocks (one SM
+# each) at worlds 2 and 4 on H200, which has 132 SMs.
+COMM_SM_SHARE = 24 / 132
 
 
 def fit_nvlink(points, world=2):
@@ -119,7 +128,8 @@ def unit_sizes(config: str):
     return root, block, layers
 
 
-def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict = None) -> dict:
+def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict = None,
+            sm_share: float = COMM_SM_SHARE) -> dict:
     world = row["world"]
     root, block, layers = unit_sizes(row["config"])
     n_ag, n_rs = collectives_per_phase(row, layers)
@@ -132,12 +142,17 @@ def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict =
     # reduce-scatter but the last share the link and hide behind the backward compute;
     # the last reduce-scatter and the root's are exposed. Uniform shares: the sum over
     # shares of max(0, communication - compute) is max(0, total communication - compute).
-    exposed_fwd = ag_root + ag + max(0.0, (n_ag - 1) * ag - row["forward_ms"] * (n_ag - 1) / n_ag)
-    exposed_bwd = rs + rs_root + max(0.0, (n_ag - 1) * ag + (n_rs - 1) * rs - row["backward_ms"] * (n_rs - 1) / n_rs)
+    hidden_fwd, hideable_fwd = (n_ag - 1) * ag, row["forward_ms"] * (n_ag - 1) / n_ag
+    hidden_bwd, hideable_bwd = (n_ag - 1) * ag + (n_rs - 1) * rs, row["backward_ms"] * (n_rs - 1) / n_rs
+    exposed_fwd = ag_root + ag + max(0.0, hidden_fwd - hideable_fwd)
+    exposed_bwd = rs + rs_root + max(0.0, hidden_bwd - hideable_bwd)
+    # The compute that ran beside a collective did so on 1 - sm_share of the SMs.
+    sm_loss = sm_share * (min(hidden_fwd, hideable_fwd) + min(hidden_bwd, hideable_bwd))
     return {"system": row["system"], "config": row["config"], "world": world, "measured_compute_ms": row["step_ms"],
             "gathers_per_phase": n_ag, "reduce_scatters": n_rs,
             "all_gather_ms_each": ag, "reduce_scatter_ms_each": rs, "exposed_forward_ms": exposed_fwd,
-            "exposed_backward_ms": exposed_bwd, "projected_step_ms": row["step_ms"] + exposed_fwd + exposed_bwd}
+            "exposed_backward_ms": exposed_bwd, "compute_lost_to_comm_sms_ms": sm_loss,
+            "projected_step_ms": row["step_ms"] + exposed_fwd + exposed_bwd + sm_loss}
 
 
 def load_measured(paths, default_world=None) -> dict:
@@ -182,8 +197,12 @@ def main() -> None:
     p.add_argument("--link", help="a link_probe.py JSON: fit the W <= 8 link to it instead of run G")
     p.add_argument("--measured", nargs="*", default=[], help="bench_train / compare_systems JSON to check against")
     p.add_argument("--measured-world", type=int, help="the world of --measured files that do not record it")
+    p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
+                   help="the share of the GPU's SMs a collective takes from the compute beside it (0: none)")
     p.add_argument("--out", default="runs/projection")
     args = p.parse_args()
+    if not 0.0 <= args.comm_sm_share < 1.0:
+        raise SystemExit(f"--comm-sm-share {args.comm_sm_share}: must be in [0, 1)")
     rows = []
     for f in args.files:
         data = json.loads(Path(f).read_text())
@@ -195,20 +214,22 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines = ["Model parameters: " + "; ".join(f"{k} NVLink alpha {nvlink[k][0]:.3f} ms busbw {nvlink[k][1]:.1f} GB/s"
                                                for k in ("all_gather", "reduce_scatter"))
-             + f" ({source}); W > 8: busbw {IB_BUSBW_GBPS} GB/s, alpha + 0.02 ms + 0.002 ms per node", "",
+             + f" ({source}); W > 8: busbw {IB_BUSBW_GBPS} GB/s, alpha + 0.02 ms + 0.002 ms per node; "
+             + f"collectives take {args.comm_sm_share:.3f} of the SMs from the compute beside them", "",
              "| config | W | system | measured compute ms | gathers / reduce-scatters per phase | AG / RS ms each | "
-             "exposed fwd ms | exposed bwd ms | projected step ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "exposed fwd ms | exposed bwd ms | compute lost to comm SMs ms | projected step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     projections = []
     for r in rows:
         if "/" in r["config"]:
             continue  # depth-reduced copies: their own projection adds nothing
-        pr = project(r, nvlink=nvlink)
+        pr = project(r, nvlink=nvlink, sm_share=args.comm_sm_share)
         projections.append(pr)
         lines.append(f"| {r['config']} | {r['world']} | {r['system']} | {pr['measured_compute_ms']:.1f} | "
                      f"{pr['gathers_per_phase']} / {pr['reduce_scatters']} | "
                      f"{pr['all_gather_ms_each']:.2f} / {pr['reduce_scatter_ms_each']:.2f} | "
                      f"{pr['exposed_forward_ms']:.1f} | {pr['exposed_backward_ms']:.1f} | "
-                     f"{pr['projected_step_ms']:.1f} |")
+                     f"{pr['compute_lost_to_comm_sms_ms']:.1f} | {pr['projected_step_ms']:.1f} |")
     checks = []
     measured = load_measured(args.measured, args.measured_world)
     if measured:
@@ -233,7 +254,7 @@ def main() -> None:
             src = next((r for r in rows if r["system"] == system and r["config"] == config), None)
             if src is None:
                 continue
-            pr = project(dict(src, world=2), nvlink=nvlink)
+            pr = project(dict(src, world=2), nvlink=nvlink, sm_share=args.comm_sm_share)
             err = pr["projected_step_ms"] / step - 1
             checks.append({"system": system, "config": config, "projected_ms": pr["projected_step_ms"],
                            "measured_ms": step, "error": err})
@@ -243,6 +264,7 @@ def main() -> None:
     print(text)
     (out / "projection.md").write_text(text + "\n")
     (out / "projection.json").write_text(json.dumps({"nvlink": nvlink, "ib_busbw_gbps": IB_BUSBW_GBPS,
+                                                     "comm_sm_share": args.comm_sm_share,
                                                      "projections": projections, "checks": checks}, indent=1))
     plot(rows, out / "simulate_peak_and_step.png")
 

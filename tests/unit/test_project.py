@@ -84,3 +84,25 @@ def test_measured_steps_are_read_from_each_format(project, tmp_path):
     assert found == {("mfsdp", "1b", 4): [200.0, 300.0], ("mfsdp", "13b", 4): [360.0]}
     # Without a default world, rows that do not say theirs cannot match a projection.
     assert ("mfsdp", "1b", 4) not in project.load_measured([str(compare_rows)])
+
+
+def test_collectives_take_their_sms_from_the_compute_beside_them(project, tmp_path):
+    """The compute a collective runs beside loses the collective's share of the SMs: the
+    projected step grows by that share of the communication hidden (no more than the
+    compute it hides behind), and by nothing with the share at 0."""
+    link = project.fit_probe(probe(tmp_path, 4, 0.04, 300.0))
+    off = project.project(row("mfsdp"), nvlink=link, sm_share=0.0)
+    assert off["compute_lost_to_comm_sms_ms"] == 0.0
+    assert off["projected_step_ms"] == pytest.approx(
+        off["measured_compute_ms"] + off["exposed_forward_ms"] + off["exposed_backward_ms"])
+    # Long compute hides every collective but the first gather and the last reductions.
+    long = project.project(row("mfsdp", fwd=10_000.0, bwd=10_000.0), nvlink=link, sm_share=0.25)
+    n_ag, n_rs = long["gathers_per_phase"], long["reduce_scatters"]
+    ag, rs = long["all_gather_ms_each"], long["reduce_scatter_ms_each"]
+    hidden = (n_ag - 1) * ag + (n_ag - 1) * ag + (n_rs - 1) * rs
+    assert long["compute_lost_to_comm_sms_ms"] == pytest.approx(0.25 * hidden)
+    # Short compute: only the compute there is can be slowed.
+    short = project.project(row("mfsdp", fwd=1.0, bwd=1.0), nvlink=link, sm_share=0.25)
+    assert short["compute_lost_to_comm_sms_ms"] == pytest.approx(0.25 * (1.0 * (n_ag - 1) / n_ag + 1.0 * (n_rs - 1) / n_rs))
+    assert short["projected_step_ms"] == pytest.approx(short["measured_compute_ms"] + short["exposed_forward_ms"]
+                                                       + short["exposed_backward_ms"] + short["compute_lost_to_comm_sms_ms"])
