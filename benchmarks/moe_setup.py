@@ -83,8 +83,8 @@ def _expert_dim(weight, efsdp_size: int):
 
 def expert_placement_fn(model, mesh_size: int):
     """Without expert parallelism, torchtitan's placement for a block's experts sharded with
-    the dense parameters over `mesh_size` ranks (its ep_degree == 1 path): dim 1 where the
-    mesh has more ranks than there are experts (_expert_dim), dim 0 for everything else.
+    the dense parameters over `mesh_size` ranks (its ep_degree == 1 path): off dim 0 where
+    the mesh has more ranks than there are experts (_expert_dim), dim 0 for everything else.
     None for a model without experts."""
     from torch.distributed.tensor import Shard
 

@@ -31,7 +31,7 @@ tokens exchanged by all-to-all, fake too): dense parameters shard over all W ran
 experts over the W/E expert data-parallel ranks, for both FSDPs as FSDP2 does it on this
 torch (shard_placement_fn with ShardPlacementResult from torch 2.12; before it, the
 experts as a unit of their own on that mesh, torchtitan 0.2's form): "moe_form" in the
-results says which. Without --ep the experts shard with the dense parameters, on dim 1
+results says which. Without --ep the experts shard with the dense parameters, off dim 0
 where W exceeds the experts (torchtitan's ep_degree == 1 rule, expert_placement_fn). local
 runs the same MoE model whole, without expert parallelism.
 Every system routes by the same fixed, balanced pattern (moe_setup.balanced_routing): the
