@@ -32,7 +32,8 @@ Model (all parameters printed with the table):
     gather, and the last reduce-scatters, are exposed.
   - a collective running beside compute takes its grid's SMs from it: the compute that
     overlaps communication runs on the remaining SMs, so each phase's compute grows by
-    --comm-sm-share times the communication it hides (at most its own compute). The
+    --comm-sm-share times the communication it hides (at most its own compute), and
+    that longer compute hides as much more of the communication. The
     default, 24 of the H200's 132 SMs, is the grid NCCL 2.28.9 gave every all-gather and
     reduce-scatter at worlds 2 and 4 in RESULTS 16 (0 turns the term off).
 Exposed communication per phase = sum over units of max(0, communication - compute it
@@ -144,10 +145,14 @@ def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict =
     # shares of max(0, communication - compute) is max(0, total communication - compute).
     hidden_fwd, hideable_fwd = (n_ag - 1) * ag, row["forward_ms"] * (n_ag - 1) / n_ag
     hidden_bwd, hideable_bwd = (n_ag - 1) * ag + (n_rs - 1) * rs, row["backward_ms"] * (n_rs - 1) / n_rs
-    exposed_fwd = ag_root + ag + max(0.0, hidden_fwd - hideable_fwd)
-    exposed_bwd = rs + rs_root + max(0.0, hidden_bwd - hideable_bwd)
-    # The compute that ran beside a collective did so on 1 - sm_share of the SMs.
-    sm_loss = sm_share * (min(hidden_fwd, hideable_fwd) + min(hidden_bwd, hideable_bwd))
+    # The compute that ran beside a collective did so on 1 - sm_share of the SMs: it takes
+    # longer, and the longer compute hides more of the communication (a phase bound by the
+    # link loses nothing to the SMs until the slowed compute outlasts the link).
+    lost_fwd = sm_share * min(hidden_fwd, hideable_fwd)
+    lost_bwd = sm_share * min(hidden_bwd, hideable_bwd)
+    exposed_fwd = ag_root + ag + max(0.0, hidden_fwd - hideable_fwd - lost_fwd)
+    exposed_bwd = rs + rs_root + max(0.0, hidden_bwd - hideable_bwd - lost_bwd)
+    sm_loss = lost_fwd + lost_bwd
     return {"system": row["system"], "config": row["config"], "world": world, "measured_compute_ms": row["step_ms"],
             "gathers_per_phase": n_ag, "reduce_scatters": n_rs,
             "all_gather_ms_each": ag, "reduce_scatter_ms_each": rs, "exposed_forward_ms": exposed_fwd,
