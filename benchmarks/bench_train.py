@@ -38,7 +38,8 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel, MoEConfig, MoEMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_meta import init_benchmark_process, run_meta  # noqa: E402
 import shapes  # noqa: E402
-from moe_setup import FORMS, balanced_routing, check_ep, expert_parallel_meshes, moe_config, shard_moe_blocks  # noqa: E402
+from moe_setup import (FORMS, balanced_routing, check_ep, expert_parallel_meshes, moe_config,  # noqa: E402
+                       routing_kept_fraction, shard_moe_blocks)
 
 # name: shape (benchmarks/shapes.py: vocab, d_model, layers, heads, ffn, micro_batch, seq)
 CONFIGS = {
@@ -93,7 +94,7 @@ def parse_args():
     p.add_argument("--balanced-routing", action="store_true",
                    help="route every MoE layer by one fixed, balanced pattern (moe_setup.balanced_routing): "
                         "every system then holds the same activations, so their peaks compare without "
-                        "the routing's run-to-run variation")
+                        "the routing's variation between runs and systems")
     p.add_argument("--moe-form", choices=FORMS, default="auto",
                    help="how experts get their mesh (auto: shard_placement_fn where torch has ShardPlacementResult)")
     return p.parse_args()
@@ -252,10 +253,10 @@ def run_one(system, name, device, args):
     baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     init_start = time.perf_counter()
     wrapped, model, autocast = build(system, cfg, device, args.meta_init, args.ep, args.moe_form)
+    # The model with the MoE blocks (Megatron-FSDP returns its wrapper for both).
+    inner = model if hasattr(model, "blocks") else getattr(model, "module", model)
     if args.balanced_routing:
-        if not args.experts:
-            raise SystemExit("--balanced-routing needs --experts")
-        balanced_routing(model)
+        balanced_routing(inner)
     if device.type == "cuda":
         torch.cuda.synchronize()
         init_peak = torch.cuda.max_memory_allocated() - baseline
@@ -308,6 +309,13 @@ def run_one(system, name, device, args):
         if step >= args.warmup:
             times.append(dt)
             losses.append(loss.item())  # after the clock stopped
+    # After the measured steps, one forward without grad: how many (token, choice) pairs the
+    # routing kept (not for a captured CUDA graph, which replays its own forward).
+    def forward_only():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            return wrapped(tokens)
+
+    kept = routing_kept_fraction(inner, forward_only) if args.experts and not graphed else None
     if snapshot:
         if dist.get_rank() == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -348,6 +356,7 @@ def run_one(system, name, device, args):
         "meta_init": args.meta_init, "init_s": init_s, "init_peak_gib": init_peak,
         "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep,
         "moe_form": getattr(model, "moe_form", None), "balanced_routing": args.balanced_routing,
+        "routing_kept_fraction": kept,
         # Rank 0's NCCL kernels in the profiled step (--timeline): per collective the
         # count, summed kernel time and the largest grid (blocks = SMs it occupies).
         "nccl_kernels": collectives,
@@ -462,6 +471,8 @@ def write_outputs(results, out: Path, meta):
 
 def main():
     args = parse_args()
+    if args.balanced_routing and not args.experts:
+        raise SystemExit("--balanced-routing needs --experts")
     device = init_benchmark_process(args.device, standalone_port=29561)
     rank = dist.get_rank()
     meta = dict(run_meta(device), steps=args.steps, warmup=args.warmup,

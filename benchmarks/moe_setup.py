@@ -22,12 +22,14 @@ def balanced_routing(model) -> None:
     (i * top_k + j) % n_experts, j < top_k, in that order of preference. The router still
     runs and gets its gradient (the pattern replaces its logits' values, not their graph).
 
-    Under the fake backend a gathered weight is whatever memory the gather's output held:
-    the router's logits, and with them which tokens each expert keeps, then differ between
-    the systems and from run to run (FSDP2's garbage routed every token to the same two
-    experts, ours spread them), and so do the sizes of the tensors that depend on how many
-    (token, choice) pairs were kept. With this pattern every system keeps every pair (the
-    capacity is 1.25x the fair share), on every rank and in every run."""
+    Under the fake backend a gather moves nothing: the local shard lands in every chunk, so
+    a gathered weight is this rank's shard repeated, laid out by each system's own shard
+    shape. FSDP2's router weight (one row a rank at W 64) becomes one row repeated: every
+    logit ties and every token goes to the same two experts. Ours (flat shards) repeats a
+    slice of the unit's buffer whose rows differ, and the tokens spread. The tensors sized
+    by the kept (token, choice) pairs then differ between the systems. With this pattern
+    every system keeps every pair (the capacity is 1.25x the fair share), whatever the
+    weights hold."""
     import torch
 
     cache = {}
@@ -44,10 +46,35 @@ def balanced_routing(model) -> None:
         return cache[key]
 
     def fixed_logits(module, args, out):
-        return out + (pattern(out) - out).detach()
+        return pattern(out) + (out - out.detach())  # the pattern's values exactly, the router's gradient
 
     for block in model.blocks:
         block.moe.router.register_forward_hook(fixed_logits)
+
+
+def routing_kept_fraction(model, forward) -> float:
+    """The share of (token, choice) pairs the MoE layers of `model` kept (within their
+    experts' capacity) in one call of `forward`, run without grad: 1.0 under
+    balanced_routing, less wherever the router's own choices overflow an expert."""
+    import torch
+    import torch.nn.functional as F
+
+    kept_and_total = [0, 0]
+
+    def observe(module, args, out):
+        chosen = torch.softmax(out.float(), dim=-1).topk(model.cfg.top_k, dim=-1).indices.reshape(-1)
+        place = (torch.cumsum(F.one_hot(chosen, out.shape[-1]), dim=0) - 1).gather(1, chosen[:, None]).squeeze(1)
+        kept_and_total[0] += int((place < model.cfg.capacity(out.shape[0])).sum())
+        kept_and_total[1] += chosen.numel()
+
+    handles = [block.moe.router.register_forward_hook(observe) for block in model.blocks]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept_and_total[0] / kept_and_total[1]
 
 
 def check_ep(ep: int, experts: int, world: int) -> None:

@@ -58,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
 from moe_setup import (FORMS, balanced_routing, check_ep, expert_parallel_meshes, expert_placement_fn,  # noqa: E402
-                       moe_config, shard_moe_blocks)  # noqa: E402
+                       moe_config, routing_kept_fraction, shard_moe_blocks)
 
 # name: shape (benchmarks/shapes.py). "8b" is the 32-layer d 4096 shape (6.7B), the name
 # earlier results use.
@@ -401,12 +401,18 @@ def measure(args, world: int) -> dict:
         c10d_calls = {"error": repr(e)}
     after = dict(_C.collective_counts())
     ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
+
+    def forward_only():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            return model(tokens)
+
+    kept = routing_kept_fraction(model, forward_only) if args.experts else None  # after every measurement
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "layers": layers, "micro_batch": mb, "seq": seq, "tp": args.tp, "fp8": args.fp8, "compile": args.compile,
         "experts": args.experts, "top_k": args.top_k if args.experts else None, "ep": args.ep, "moe_form": moe_form,
-        "init_s": init_s, "init_peak_gib": init_peak / 2**30,
+        "routing_kept_fraction": kept, "init_s": init_s, "init_peak_gib": init_peak / 2**30,
         "first_step_peak_gib": peaks[0] / 2**30, "steady_peak_gib": max(peaks[1:], default=peaks[0]) / 2**30,
         "step_ms": statistics.median(r["step_ms"] for r in rows),
         "step_ms_min": min(r["step_ms"] for r in rows), "step_ms_max": max(r["step_ms"] for r in rows),

@@ -70,6 +70,7 @@ def test_bench_train_mixture_of_experts_with_expert_parallelism_cpu(tmp_path):
     assert set(rows) == {"mfsdp", "fsdp2", "local"}
     for system, r in rows.items():
         assert (r["experts"], r["ep"], r["balanced_routing"]) == (4, 2, True), r
+        assert r["routing_kept_fraction"] == 1.0, r  # every (token, choice) pair kept
         assert (r["moe_form"] is None) == (system == "local"), r
     # The first timed step is the first update: rank 0's loss before any update is one
     # function of the same seeded model and rank 0's batch, whoever computes it.
@@ -355,6 +356,7 @@ def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form, exp
     calls = []
     for r in rows:
         assert "error" not in r and r["moe_form"] == form and (r["experts"], r["ep"]) == (experts, ep), r
+        assert r["routing_kept_fraction"] == 1.0, r  # the same balanced routing in every system
         got = r["c10d_calls_per_step"]
         assert {k: v[0] for k, v in got.items()} == {
             "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units,
@@ -381,7 +383,7 @@ def test_simulate_experts_without_expert_parallelism_shard_as_torchtitan(tmp_pat
     assert [r["system"] for r in rows] == ["mfsdp", "fsdp2"]
     units = 1 + 2
     for r in rows:
-        assert "error" not in r and (r["experts"], r["ep"]) == (4, 1), r
+        assert "error" not in r and (r["experts"], r["ep"]) == (4, 1) and r["routing_kept_fraction"] == 1.0, r
         assert {k: v[0] for k, v in r["c10d_calls_per_step"].items()} == {
             "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, r
     for kind in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
