@@ -309,18 +309,20 @@ def run_one(system, name, device, args):
         if step >= args.warmup:
             times.append(dt)
             losses.append(loss.item())  # after the clock stopped
-    # After the measured steps, one forward without grad: how many (token, choice) pairs the
-    # routing kept (not for a captured CUDA graph, which replays its own forward).
-    def forward_only():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            return wrapped(tokens)
-
-    kept = routing_kept_fraction(inner, forward_only) if args.experts and not graphed else None
     if snapshot:
         if dist.get_rank() == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(Path(args.out) / f"memory_{system}_{name}.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
+
+    # After the measured steps and the memory snapshot, one forward without grad: how many
+    # (token, choice) pairs the routing kept (not for a captured CUDA graph, which replays
+    # its own forward).
+    def forward_only():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            return wrapped(tokens)
+
+    kept = routing_kept_fraction(inner, forward_only) if args.experts and not graphed else None
     collectives = None
     if device.type == "cuda" and name in args.timeline.split(","):
         collectives = profile_timeline(train_step, system, name, Path(args.out))
