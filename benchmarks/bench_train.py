@@ -318,11 +318,8 @@ def run_one(system, name, device, args):
     # After the measured steps and the memory snapshot, one forward without grad: how many
     # (token, choice) pairs the routing kept (not for a captured CUDA graph, which replays
     # its own forward).
-    def forward_only():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            return wrapped(tokens)
-
-    kept = routing_kept_fraction(inner, forward_only) if args.experts and not graphed else None
+    kept = routing_kept_fraction(inner, lambda: wrapped(tokens), device.type, autocast) \
+        if args.experts and not graphed else None
     collectives = None
     if device.type == "cuda" and name in args.timeline.split(","):
         collectives = profile_timeline(train_step, system, name, Path(args.out))

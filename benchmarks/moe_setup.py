@@ -52,10 +52,11 @@ def balanced_routing(model) -> None:
         block.moe.router.register_forward_hook(fixed_logits)
 
 
-def routing_kept_fraction(model, forward) -> float:
+def routing_kept_fraction(model, forward, device_type: str, autocast: bool) -> float:
     """The share of (token, choice) pairs the MoE layers of `model` kept (within their
-    experts' capacity) in one call of `forward`, run without grad: 1.0 under
-    balanced_routing, less wherever the router's own choices overflow an expert."""
+    experts' capacity) in one call of `forward`, run without grad and under bf16 autocast
+    where the training step uses it: 1.0 under balanced_routing, less wherever the
+    router's own choices overflow an expert."""
     import torch
     import torch.nn.functional as F
 
@@ -69,7 +70,7 @@ def routing_kept_fraction(model, forward) -> float:
 
     handles = [block.moe.router.register_forward_hook(observe) for block in model.blocks]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
             forward()
     finally:
         for handle in handles:

@@ -34,9 +34,9 @@ experts as a unit of their own on that mesh, torchtitan 0.2's form): "moe_form" 
 results says which. Without --ep the experts shard with the dense parameters, off dim 0
 where W exceeds the experts (torchtitan's ep_degree == 1 rule, expert_placement_fn). local
 runs the same MoE model whole, without expert parallelism.
-Every system routes by the same fixed, balanced pattern (moe_setup.balanced_routing): the
-fake gathers leave the router's weights without values, so its own routing would differ
-between the systems and between runs, and with it the activations' sizes.
+Every system routes by the same fixed, balanced pattern (moe_setup.balanced_routing): a
+fake gather repeats the local shard, so each system's router would route by its own shard
+layout, and the activations sized by the routing would differ between the systems.
 
     python benchmarks/simulate.py --points moe_1b@8,64 --experts 16 --ep 8 --out runs/sim_ep8
 """
@@ -207,20 +207,6 @@ def child(args) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def _large_events(snapshot: dict, until: int, min_bytes: int = 64 << 20, last: int = 120) -> list:
-    """The allocator trace's last `last` allocations and frees of at least `min_bytes` up to
-    event `until` (the peak): [event index, action, MiB, where it was allocated]."""
-    events, where = [], {}
-    for i, e in enumerate(snapshot["device_traces"][0][:until + 1]):
-        action, size = e.get("action"), e.get("size", 0)
-        if action == "alloc":
-            frames = [f for f in e.get("frames", []) if "/torch/" not in f.get("filename", "")]
-            where[e["addr"]] = f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']}" if frames else "?"
-        if size >= min_bytes and action in ("alloc", "free_requested"):
-            events.append([i, action, round(size / 2**20, 1), where.get(e.get("addr"), "?")])
-    return events[-last:]
-
-
 def measure(args, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -336,7 +322,7 @@ def measure(args, world: int) -> dict:
                     m.reset_parameters()
     else:
         raise SystemExit(f"unknown system {args.system!r}")
-    if args.experts:  # the gathered router weights hold no values here (see balanced_routing)
+    if args.experts:  # the gathered router weights are the local shard repeated (see balanced_routing)
         balanced_routing(model)
     if args.compile:
         for block in model.blocks:
@@ -380,13 +366,13 @@ def measure(args, world: int) -> dict:
                          "backward_ms": ev[1].ms_until(ev[2]), "optimizer_ms": ev[2].ms_until(ev[3])})
     breakdown = None
     if args.peak_breakdown and cuda:  # the allocator's trace ends here: the profiled step is not in it
-        from megatron_fsdp_ext.tools.memory import live_at_peak
+        from megatron_fsdp_ext.tools.memory import large_events_to, live_at_peak
 
         snapshot = torch.cuda.memory._snapshot()
         peak_bytes, at, groups = live_at_peak(snapshot)
         breakdown = {"peak_bytes": peak_bytes, "at_event": at,
                      "groups": [{"origin": o, "blocks": c, "bytes": b} for o, c, b in groups[:args.peak_breakdown]],
-                     "large_events_to_peak": _large_events(snapshot, at)}
+                     "large_events_to_peak": large_events_to(snapshot, at)}
         torch.cuda.memory._record_memory_history(enabled=None)
     before = dict(_C.collective_counts())
     from torch.profiler import ProfilerActivity, profile
@@ -401,12 +387,8 @@ def measure(args, world: int) -> dict:
         c10d_calls = {"error": repr(e)}
     after = dict(_C.collective_counts())
     ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
-
-    def forward_only():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            return model(tokens)
-
-    kept = routing_kept_fraction(model, forward_only) if args.experts else None  # after every measurement
+    # After every measurement:
+    kept = routing_kept_fraction(model, lambda: model(tokens), device.type, autocast) if args.experts else None
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from megatron_fsdp_ext.tools.memory import live_at_peak, main
+from megatron_fsdp_ext.tools.memory import large_events_to, live_at_peak, main
 
 
 def frame(name, line):
@@ -34,6 +34,19 @@ def test_peak_and_live_blocks_by_origin():
     assert peak == 200 and at == 5
     # Grouped by the first frame outside torch, largest first, ties by origin.
     assert rows == [("grads.py:20 grads", 2, 100), ("model.py:10 model", 1, 100)]
+
+
+def test_large_events_up_to_the_peak_name_their_allocation():
+    # The trace with every size in MiB: events of at least 50 MiB up to the peak (event
+    # 5); a free is named by where its block was allocated.
+    mib = {"segments": [], "device_traces": [[dict(e, size=e["size"] << 20) for e in SNAPSHOT["device_traces"][0]]]}
+    assert large_events_to(mib, 5, min_bytes=50 << 20) == [
+        [0, "alloc", 100.0, "model.py:10 model"],
+        [1, "alloc", 50.0, "grads.py:20 grads"],
+        [2, "free_requested", 50.0, "grads.py:20 grads"],
+        [4, "alloc", 70.0, "grads.py:20 grads"],
+    ]
+    assert large_events_to(mib, 5, min_bytes=50 << 20, last=1) == [[4, "alloc", 70.0, "grads.py:20 grads"]]
 
 
 def test_missing_device_is_an_error():

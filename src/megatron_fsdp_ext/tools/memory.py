@@ -55,6 +55,21 @@ def live_at_peak(snapshot: dict, device: int = 0) -> Tuple[int, int, List[Tuple[
     return peak, peak_at, rows
 
 
+def large_events_to(snapshot: dict, until: int, device: int = 0, min_bytes: int = 64 << 20,
+                    last: int = 120) -> List[list]:
+    """The last `last` allocations and frees of at least `min_bytes` in the trace of
+    `device` up to event `until` (e.g. the peak live_at_peak found): [event index, action,
+    MiB, the allocation's origin as live_at_peak names it]."""
+    events, origins = [], {}
+    for i, ev in enumerate(snapshot["device_traces"][device][:until + 1]):
+        action, size = ev.get("action"), ev.get("size", 0)
+        if action == "alloc":
+            origins[ev["addr"]] = _origin(ev.get("frames", []))
+        if size >= min_bytes and action in ("alloc", "free_requested"):
+            events.append([i, action, round(size / 2**20, 1), origins.get(ev.get("addr"), "?")])
+    return events[-last:]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("snapshots", nargs="+")
