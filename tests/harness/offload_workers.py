@@ -336,15 +336,21 @@ def _warm_up_matmul_workspaces(device) -> None:
     torch.cuda.synchronize()
 
 
+def _collected_allocated() -> int:
+    """The device's allocated bytes after a collection (the hooks make reference cycles) and
+    once the device is idle."""
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def _quiescent_allocated(timeout_s: float = 5.0) -> int:
     """The device's allocated bytes once they stop changing (three equal readings 50 ms
     apart): what Gloo's thread still held from the last collectives is gone by then."""
     deadline = time.monotonic() + timeout_s
     readings = []
     while True:
-        gc.collect()
-        torch.cuda.synchronize()
-        readings = (readings + [torch.cuda.memory_allocated()])[-3:]
+        readings = (readings + [_collected_allocated()])[-3:]
         if (len(readings) == 3 and len(set(readings)) == 1) or time.monotonic() > deadline:
             return min(readings)
         time.sleep(0.05)
@@ -359,9 +365,7 @@ def _settle_device_memory(baseline: int, timeout_s: float = 10.0, slack: int = 1
     fails here by name."""
     deadline = time.monotonic() + timeout_s
     while True:
-        gc.collect()
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
+        held = _collected_allocated()
         if held <= baseline + slack:
             break
         if time.monotonic() > deadline:
@@ -411,11 +415,12 @@ def offload_memory(rank: int, world: int, opts: Dict) -> Dict:
     # the gradients' 4 bytes are not counted (measured on NCCL: 9.2 bytes an element saved
     # at world 4, 11.5 at world 2).
     assert rest[True] <= rest[False] - 0.95 * 12 * shard_elems, (rest, shard_elems)
-    if dist.get_backend() == "nccl":
+    peak_bounded = dist.get_backend() == "nccl"
+    if peak_bounded:
         staged = 2 * 8 * largest_unit
         assert peaks[False] - peaks[True] >= 12 * shard_elems - staged, (peaks, shard_elems, largest_unit)
     return {"peak_device": peaks[False], "peak_offload": peaks[True], "rest": rest, "elements": shard_elems,
-            "largest_unit": largest_unit, "peak_bounded": dist.get_backend() == "nccl"}
+            "largest_unit": largest_unit, "peak_bounded": peak_bounded}
 
 
 def cpu_optimizer_refuses_device_params(rank: int, world: int, opts: Dict) -> None:
