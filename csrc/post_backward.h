@@ -1,8 +1,8 @@
 // The post-backward marker: an autograd node between a unit's forward inputs and the
 // unit, identity in forward. Its backward runs once the unit's whole backward is done
 // (the inputs' gradients are the last thing the unit produces) and notifies Python with
-// the unit's key. A C++ node instead of a Python autograd.Function: no ctx object, no
-// grad materialization, one GIL acquisition per backward call.
+// the unit's key. A plain C++ autograd Node, not a (Python or C++) custom Function: no
+// ctx, no saved state, no gradient materialization; one GIL acquisition per backward call.
 #pragma once
 
 #include <ATen/ATen.h>

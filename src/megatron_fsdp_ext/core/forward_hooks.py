@@ -8,7 +8,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _C
 from . import hook_support
-from .hook_support import SCALAR_TYPES, cast_floating, profiled, same_type, tensors_in
+from .hook_support import cast_call_inputs, cast_floating, is_flat_call, profiled, same_type, tensors_in
 from .states import BackwardProgress
 
 
@@ -45,7 +45,7 @@ class ForwardHooks:
             self.ctx.abandon_backward()
         mp = self.options.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_call_inputs(args, kwargs, mp.param_dtype)
         if self.method_active:
             return args, kwargs
         if self.is_root:
@@ -67,8 +67,7 @@ class ForwardHooks:
     def _register_post_backward(self, args, kwargs):
         """The inputs that need a gradient go through the C++ post-backward marker, whose
         backward calls post_backward_of_one_call() once this forward call's backward is done."""
-        flat_args = not kwargs and all(isinstance(a, (torch.Tensor, *SCALAR_TYPES)) for a in args)
-        flat, spec = (list(args), None) if flat_args else tree_flatten((args, kwargs))
+        flat, spec = (list(args), None) if is_flat_call(args, kwargs) else tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
