@@ -4,7 +4,8 @@
 # Usage (GPU machine, repo root): BASE=<dir holding the older tree> bash benchmarks/ab_unit_overhead.sh
 # Builds BASE and the current tree in place (in parallel), then runs ROUNDS rounds, each
 # one process per side in alternating order, with this tree's benchmark scripts against
-# each side's package (PYTHONPATH). Raw JSON: $OUT/ab_overhead/{base,new}_<round>.json and
+# each side's package (PYTHONPATH); OVERHEAD_ARGS go to bench_unit_overhead.py (e.g.
+# "--param-dtype bf16"). Raw JSON: $OUT/ab_overhead/{base,new}_<round>.json and
 # $OUT/ab_checkpoint/{base,new}_<round>.json; summary: benchmarks/ab_overhead_summary.py.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,7 +28,7 @@ for round in $(seq 1 "${ROUNDS:-4}"); do
     echo "== $side round $round ($(date +%T))"
     PYTHONPATH=$src timeout "${RUN_TIMEOUT:-120}" $PY -m torch.distributed.run --nproc_per_node=1 \
       benchmarks/bench_unit_overhead.py --device cuda --units "${UNITS:-64}" --variants per_unit \
-      --steps "${STEPS:-30}" --warmup 5 --profile-steps 2 --out "$OUT/ab_overhead/${side}_$round" \
+      --steps "${STEPS:-30}" --warmup 5 --profile-steps 2 ${OVERHEAD_ARGS:-} --out "$OUT/ab_overhead/${side}_$round" \
       > "$OUT/ab_overhead/${side}_$round.log" 2>&1 || { echo "$side overhead round $round failed"; tail -5 "$OUT/ab_overhead/${side}_$round.log"; status=1; }
     mv "$OUT/ab_overhead/${side}_$round/overhead.json" "$OUT/ab_overhead/${side}_$round.json" 2>/dev/null
     rm -rf "$OUT/ab_overhead/${side}_$round"

@@ -113,6 +113,9 @@ def parse_args():
     p.add_argument("--variants", default="per_unit,bucketed", help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--bucket-units", type=int, default=8,
                    help="bucketed: units per gather and per reduce bucket (their bytes set the budgets)")
+    p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the sharded models compute in bf16 (MixedPrecisionPolicy, fp32 reduce, inputs "
+                        "cast per unit), the plain model is bf16 throughout")
     p.add_argument("--out", default="benchmarks/out/overhead")
     return p.parse_args()
 
@@ -262,23 +265,27 @@ def _with_adamw(model, device):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
 
 
-def _plain(cfg, device):
+def _plain(cfg, device, param_dtype: str):
     torch.manual_seed(0)
-    return _with_adamw(LlamaModel(cfg).to(device), device)
+    dtype = torch.bfloat16 if param_dtype == "bf16" else torch.float32
+    return _with_adamw(LlamaModel(cfg).to(device=device, dtype=dtype), device)
 
 
-def _sharded(cfg, device, variant: str, bucket_units: int):
+def _sharded(cfg, device, variant: str, bucket_units: int, param_dtype: str):
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(device)
+    mp = {}
+    if param_dtype == "bf16":
+        mp["mp_policy"] = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
-        mfsdp.fully_shard(block)
+        mfsdp.fully_shard(block, **mp)
     gather_bytes = reduce_bytes = 0
     if variant == "bucketed":
         # Units are alike: a budget of bucket_units blocks' bytes puts that many in a bucket.
         block = model.blocks[0]._mfsdp_state.unit
         gather_bytes = bucket_units * block.unsharded_nbytes
         reduce_bytes = bucket_units * block.layout.total_numel * block.reduce_dtype.itemsize
-    mfsdp.fully_shard(model, gather_bucket_bytes=gather_bytes, reduce_bucket_bytes=reduce_bytes)
+    mfsdp.fully_shard(model, gather_bucket_bytes=gather_bytes, reduce_bucket_bytes=reduce_bytes, **mp)
     return _with_adamw(model, device)
 
 
@@ -299,12 +306,12 @@ def main():
     tokens = _tokens(cfg, device, seed=dist.get_rank())
     units = args.units + 1
 
-    models = {"plain": _plain(cfg, device)}
+    models = {"plain": _plain(cfg, device, args.param_dtype)}
     # The clock stays on for the whole run: the timed steps pay its two perf_counter
     # reads per hook entry (well under a microsecond each) as the clocked ones do.
     with hook_clock() as clock_totals:
         for variant in variants:
-            models[variant] = _sharded(cfg, device, variant, args.bucket_units)
+            models[variant] = _sharded(cfg, device, variant, args.bucket_units, args.param_dtype)
         for model, opt in models.values():  # the recording step and the first bucketed one
             for _ in range(2):
                 _step(model, opt, tokens, device)
@@ -319,7 +326,7 @@ def main():
                                  units, args.op_table) if args.op_table else []
             results[variant] = r
     plain_ms = timed["plain"]["step_ms"]
-    result = {"units": units, "width": args.width, "bucket_units": args.bucket_units,
+    result = {"units": units, "width": args.width, "bucket_units": args.bucket_units, "param_dtype": args.param_dtype,
               "plain_step_ms": plain_ms, "plain_step_times_s": timed["plain"]["step_times_s"],
               "plain_step_parts_ms": timed["plain"]["step_parts_ms"],
               "plain_gc_ms_per_step": timed["plain"]["gc_ms_per_step"], "variants": results}
