@@ -23,7 +23,9 @@ drifts fall on all of them alike. Reported for each variant:
     Scopes nest (a collective runs inside a hook), so the phases are not summed, and the
     profiler inflates every scope;
   - with --op-table N, the N operators whose self CPU time grows most from the plain step
-    to the sharded one (per unit per step, with the added calls): where the time goes.
+    to the sharded one (per unit per step, with the added calls): where the time goes;
+  - with --python-profile N, the same for Python functions and builtins under cProfile
+    (which charges each call about a microsecond: for ranking, not for totals).
 At world 1 every collective is skipped: what remains is the hooks' own work. With
 --device cuda the blocks are tiny kernels, so the CPU side is what the step waits for.
 """
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import json
+import pstats
 import re
 import statistics
 import sys
@@ -113,6 +117,9 @@ def parse_args():
     p.add_argument("--variants", default="per_unit,bucketed", help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--bucket-units", type=int, default=8,
                    help="bucketed: units per gather and per reduce bucket (their bytes set the budgets)")
+    p.add_argument("--python-profile", type=int, default=0, metavar="N",
+                   help="also list the N Python functions and builtins (cProfile) whose self time grows most "
+                        "from the plain step to the sharded one, per unit per step")
     p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the sharded models compute in bf16 (MixedPrecisionPolicy, fp32 reduce, inputs "
                         "cast per unit), the plain model is bf16 throughout")
@@ -242,6 +249,26 @@ def _op_self_us(model, opt, tokens, device, steps: int):
     return {k: tuple(v) for k, v in ops.items()}
 
 
+def _python_self_us(model, opt, tokens, device, steps: int):
+    """Self microseconds and calls per step of every Python function and builtin (C++
+    entry points included) under cProfile, keyed "file:line(function)" with the path
+    shortened to what follows site-packages/ or src/. cProfile charges each call about
+    a microsecond: compare rows, not totals."""
+    prof = cProfile.Profile()
+    _sync(device)
+    prof.enable()
+    for _ in range(steps):
+        _step(model, opt, tokens, device)
+    prof.disable()
+    rows = {}
+    for (path, line, func), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        short = re.sub(r"^.*/(site-packages|src)/", "", path)
+        key = f"{short}:{line}({func})" if line else func
+        us, n = rows.get(key, (0.0, 0.0))
+        rows[key] = (us + tottime * 1e6 / steps, n + ncalls / steps)
+    return rows
+
+
 def _op_table(plain_ops, sharded_ops, units: int, top: int):
     rows = []
     for key in set(plain_ops) | set(sharded_ops):
@@ -317,6 +344,7 @@ def main():
                 _step(model, opt, tokens, device)
         timed = _interleaved(models, tokens, device, args.steps, args.warmup, clock_totals, units)
         plain_ops = _op_self_us(*models["plain"], tokens, device, args.profile_steps) if args.op_table else {}
+        plain_py = _python_self_us(*models["plain"], tokens, device, args.profile_steps) if args.python_profile else {}
         results = {}
         for variant in variants:
             r = timed[variant]
@@ -324,6 +352,8 @@ def main():
             r["phases"] = _phase_us(*models[variant], tokens, device, args.profile_steps, units)
             r["ops"] = _op_table(plain_ops, _op_self_us(*models[variant], tokens, device, args.profile_steps),
                                  units, args.op_table) if args.op_table else []
+            r["python"] = _op_table(plain_py, _python_self_us(*models[variant], tokens, device, args.profile_steps),
+                                    units, args.python_profile) if args.python_profile else []
             results[variant] = r
     plain_ms = timed["plain"]["step_ms"]
     result = {"units": units, "width": args.width, "bucket_units": args.bucket_units, "param_dtype": args.param_dtype,
@@ -354,6 +384,11 @@ def main():
                 print("  operators adding the most self CPU time (us per unit per step, calls per unit per step):")
             for row in r["ops"]:
                 print(f"  {row['added_self_us_per_unit']:8.1f} {row['added_calls_per_unit']:6.1f}  {row['op'][:90]}")
+            if r["python"]:
+                print("  Python functions and builtins adding the most self time under cProfile (us per unit per step, "
+                      "calls per unit per step):")
+            for row in r["python"]:
+                print(f"  {row['added_self_us_per_unit']:8.1f} {row['added_calls_per_unit']:6.1f}  {row['op'][:100]}")
     dist.barrier()
     dist.destroy_process_group()
 
