@@ -292,13 +292,13 @@ def _with_adamw(model, device):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
 
 
-def _plain(cfg, device, param_dtype: str):
+def _plain(cfg, device, param_dtype: str = "fp32"):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if param_dtype == "bf16" else torch.float32
     return _with_adamw(LlamaModel(cfg).to(device=device, dtype=dtype), device)
 
 
-def _sharded(cfg, device, variant: str, bucket_units: int, param_dtype: str):
+def _sharded(cfg, device, variant: str, bucket_units: int, param_dtype: str = "fp32"):
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(device)
     mp = {}
