@@ -3,6 +3,7 @@
 #include "unit.h"
 
 #include "coalescing.h"
+#include "flat_view.h"
 
 #include <ATen/record_function.h>
 
@@ -36,7 +37,7 @@ at::Tensor Unit::gather_input(bool in_place) {
   }
   if (offloaded_) {
     const int r = ag_comm_.rank();
-    at::Tensor input = in_place ? unsharded_flat_.narrow(0, layout_.segment_start(r), layout_.segment_numel(r))
+    at::Tensor input = in_place ? flat_range(unsharded_flat_, layout_.segment_start(r), layout_.segment_numel(r))
                                 : at::empty({sharded_flat_.numel()}, device_options(param_dtype_));
     copy_shard_in(input);
     return input;
@@ -45,7 +46,7 @@ at::Tensor Unit::gather_input(bool in_place) {
   if (!in_place) return sharded_flat_.to(param_dtype_);
   // Cast straight into this rank's slot of the output: an in-place all-gather.
   const int r = ag_comm_.rank();
-  at::Tensor input = unsharded_flat_.narrow(0, layout_.segment_start(r), layout_.segment_numel(r));
+  at::Tensor input = flat_range(unsharded_flat_, layout_.segment_start(r), layout_.segment_numel(r));
   input.copy_(sharded_flat_);
   return input;
 }

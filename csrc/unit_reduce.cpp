@@ -5,6 +5,7 @@
 #include "unit.h"
 
 #include "coalescing.h"
+#include "flat_view.h"
 #include "grad_buffers.h"
 #include "pack.h"
 
@@ -298,7 +299,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
     at::NoGradGuard no_grad;
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      auto view = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+      auto view = flat_range(landed, specs_[i].slice.shard_offset, specs_[i].slice.numel);
       auto& g = sharded_params_[i].mutable_grad();
       if (g.defined()) g.add_(view.view_as(g));
       else g = view;
@@ -307,7 +308,7 @@ void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
     // Views only: the current stream reads them after the final callback's wait.
     for (int64_t i = 0; i < n; ++i) {
       if (!has_grad_[i]) continue;
-      sharded_params_[i].mutable_grad() = landed.narrow(0, specs_[i].slice.shard_offset, specs_[i].slice.numel);
+      sharded_params_[i].mutable_grad() = flat_range(landed, specs_[i].slice.shard_offset, specs_[i].slice.numel);
     }
   }
 }
