@@ -1,5 +1,6 @@
 #include "post_backward.h"
 
+#include <ATen/FuncTorchTLS.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
@@ -28,6 +29,9 @@ py::object* callback_slot() {
 struct PostBackwardNode : public autograd::Node {
   explicit PostBackwardNode(int64_t key) : key_(key) {}
 
+  // Compiled autograd refuses the node by this name (it has no compiled form: a unit's
+  // reduction is a side effect a graph cannot hold; forward_hooks.py refuses the global
+  // switch with an explanation).
   std::string name() const override { return "mfsdp::PostBackwardMarker"; }
 
   autograd::variable_list apply(autograd::variable_list&& grads) override {
@@ -61,6 +65,9 @@ void set_post_backward_callback(py::object callback) { *callback_slot() = std::m
 std::vector<at::Tensor> mark_post_backward(int64_t key, const std::vector<at::Tensor>& inputs) {
   MFSDP_CHECK(!callback_slot()->is_none() && callback_slot()->ptr() != nullptr,
               "mark_post_backward: no post-backward callback is set (internal error)");
+  // As for a custom Function: under torch.func transforms the unit's reduction would run
+  // on gradients that never reach .grad, so the transforms are refused here, loudly.
+  if (const auto& functorch = at::functorch::functorchTLSAccessor()) functorch->checkSupportsCppAutogradFunction();
   bool any_requires_grad = false;
   for (const auto& t : inputs) {
     MFSDP_CHECK(t.defined(), "mark_post_backward: an input is undefined");

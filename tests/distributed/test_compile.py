@@ -95,3 +95,27 @@ def _compiled_training(rank, world, mode):
 @pytest.mark.parametrize("mode", ["blocks_fullgraph", "whole_model"])
 def test_compile_after_fully_shard_matches_eager_pytorch(mode):
     assert run_distributed(_compiled_training, 2, mode, timeout=240) == [True, True]
+
+
+def _compiled_autograd_is_refused(_rank, world_size):
+    """Compiled autograd cannot hold a unit's gathers and reductions (side effects of its
+    hooks): the global switch is refused at the root's forward, by name; a backward run
+    under compiled_autograd._enable fails at the post-backward marker. Neither trains."""
+    model = _build()
+    for block in model[:3]:
+        mfsdp.fully_shard(block)
+    mfsdp.fully_shard(model)
+    x = torch.randn(4, 16)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with pytest.raises(NotImplementedError, match="do not support compiled autograd"):
+            model(x)
+    loss = model(x).sum()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        with pytest.raises(Exception, match="PostBackwardMarker"):
+            loss.backward()
+    assert all(p.grad is None for p in model.parameters()), "a refused backward left gradients"
+    return True
+
+
+def test_compiled_autograd_is_refused_by_name():
+    assert run_distributed(_compiled_autograd_is_refused, 2, timeout=240) == [True, True]

@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_map
 
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.core import hooks
-from megatron_fsdp_ext.core.hook_support import cast_call_inputs
+from megatron_fsdp_ext.core.hook_support import cast_call_inputs, is_flat_call
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def reported():
     _C.set_post_backward_callback(hooks._post_backward_of_key)
 
 
-def test_marker_passes_gradients_through_and_reports_after_the_inputs_consumers(reported):
+def test_marker_passes_gradients_through_and_reports_once_its_outputs_gradients_are_complete(reported):
     torch.manual_seed(0)
     a = torch.randn(3, 4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
@@ -27,9 +27,12 @@ def test_marker_passes_gradients_through_and_reports_after_the_inputs_consumers(
     assert mx.shape == x.shape and torch.equal(mx, x) and torch.equal(my, y)
     assert mx.grad_fn is not None and mx.grad_fn is my.grad_fn
     assert mx.grad_fn.name() == "mfsdp::PostBackwardMarker"
+    # A hook on the marked output fires once all of its consumers' backward is done: the
+    # report comes after it, never earlier (e.g. in forward) and once.
     mx.register_hook(lambda g: reported.append("gradient of the marked input"))
+    assert reported == []
     (mx * my).sum().backward()
-    assert reported == ["gradient of the marked input", 7]  # after the consumers' backward
+    assert reported == ["gradient of the marked input", 7]
     # The same gradients as without the marker.
     a_ref, b_ref = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     ((a_ref * 2) * (b_ref + 1)).sum().backward()
@@ -56,9 +59,11 @@ def test_marker_outside_grad_mode_returns_the_inputs(reported):
     a = torch.randn(2, requires_grad=True)
     with torch.no_grad():
         (out,) = _C.mark_post_backward(5, [a])
-    assert out is a
-    (out2,) = _C.mark_post_backward(5, [torch.randn(2)])  # nothing needs a gradient
-    assert out2.grad_fn is None
+    assert out is a  # no node, no view: the inputs as they are
+    plain = torch.randn(2)
+    (out2,) = _C.mark_post_backward(5, [plain])  # nothing needs a gradient
+    assert out2 is plain
+    assert reported == []
 
 
 def test_an_in_place_write_to_a_marked_input_fails_loudly(reported):
@@ -66,7 +71,7 @@ def test_an_in_place_write_to_a_marked_input_fails_loudly(reported):
     # raise (as for any custom Function's output that is its input), never train silently.
     x = torch.randn(3, requires_grad=True) * 1
     (mx,) = _C.mark_post_backward(1, [x])
-    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace.*created inside a custom Function"):
         mx.mul_(2)
 
 
@@ -78,6 +83,17 @@ def test_marker_refuses_forward_mode_gradients(reported):
         dual = fwAD.make_dual(primal, torch.ones(3))
         with pytest.raises(RuntimeError, match="forward-mode"):
             _C.mark_post_backward(1, [dual])
+
+
+def test_marker_refuses_torch_func_transforms(reported):
+    # Under torch.func the unit's reduction would run on gradients that never reach .grad.
+    def f(x):
+        (mx,) = _C.mark_post_backward(1, [x * 1])
+        return (mx * mx).sum()
+
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(f)(torch.randn(3))
+    assert reported == []
 
 
 def _reference_cast(args, kwargs, dtype):
@@ -95,9 +111,11 @@ def test_cast_call_inputs_matches_the_pytree_cast(call):
         args, kwargs = (f32,), {"mask": f16, "ids": ids, "scale": 2.0}
     else:
         args, kwargs = ([f32, ids], {"h": (f16,)}), {}
+    # The flat call takes the fast path; the others the pytree walk it must agree with.
+    assert is_flat_call(args, kwargs) == (call == "flat")
     got_args, got_kwargs = cast_call_inputs(args, kwargs, torch.bfloat16)
     want_args, want_kwargs = _reference_cast(args, kwargs, torch.bfloat16)
-    got, want = tree_map(lambda v: v, (got_args, got_kwargs)), (want_args, want_kwargs)
+    got, want = (got_args, got_kwargs), (want_args, want_kwargs)
     flat_got, flat_want = torch.utils._pytree.tree_flatten(got), torch.utils._pytree.tree_flatten(want)
     assert flat_got[1] == flat_want[1], "structure differs"
     for g, w in zip(flat_got[0], flat_want[0]):

@@ -12,6 +12,18 @@ from .hook_support import cast_call_inputs, cast_floating, is_flat_call, profile
 from .states import BackwardProgress
 
 
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd traces the backward into a graph; a unit's gathers and reductions
+    are side effects of its hooks that the graph cannot hold. Refused at the root's forward
+    when switched on globally; a backward run under compiled_autograd._enable fails at the
+    post-backward marker, which names itself."""
+    if getattr(torch._dynamo.config, "compiled_autograd", False):
+        raise NotImplementedError(
+            "megatron_fsdp_ext: fully_shard units do not support compiled autograd "
+            "(torch._dynamo.config.compiled_autograd is on); turn it off: torch.compile of the "
+            "model or its blocks works without it")
+
+
 class ForwardHooks:
     def enter_method(self, module, args, kwargs):
         """Before a method registered as a forward method (ours or torch's
@@ -49,6 +61,7 @@ class ForwardHooks:
         if self.method_active:
             return args, kwargs
         if self.is_root:
+            _refuse_compiled_autograd()
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
             self.ctx.refresh_fp8_scales()  # after a load or a step without the optimizer hook
