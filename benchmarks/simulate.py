@@ -387,7 +387,7 @@ def measure(args, world: int) -> dict:
         c10d_calls = {"error": repr(e)}
     after = dict(_C.collective_counts())
     ours = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
-    # After every measurement:
+    # Last, so that nothing measured includes it: one forward without grad counts the kept routing pairs.
     kept = routing_kept_fraction(model, lambda: model(tokens), device.type, autocast) if args.experts else None
     result = {
         "system": args.system, "config": args.config, "world": world, "rank": args.rank, "params": params,

@@ -45,9 +45,13 @@ def profiled(phase: str):
     return wrap
 
 
+def _cast_if_floating(x, dtype: torch.dtype):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
 def cast_floating(tree, dtype: torch.dtype):
     """Every floating-point tensor in `tree` cast to `dtype`; everything else as it is."""
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+    return tree_map(lambda x: _cast_if_floating(x, dtype), tree)
 
 
 def cast_call_inputs(args: tuple, kwargs: dict, dtype: torch.dtype):
@@ -56,7 +60,7 @@ def cast_call_inputs(args: tuple, kwargs: dict, dtype: torch.dtype):
     several times the casts' own dispatch once per unit and forward."""
     if not is_flat_call(args, kwargs):
         return cast_floating((args, kwargs), dtype)
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args), kwargs
+    return tuple(_cast_if_floating(a, dtype) for a in args), kwargs
 
 
 def same_type(marked: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
