@@ -24,7 +24,7 @@ fi
 $PY -c "import torch, megatron_fsdp; print('torch', torch.__version__, torch.cuda.get_device_name(), 'megatron_fsdp', megatron_fsdp.__version__)" | tee "$OUT/env.txt"
 $PY benchmarks/compare_systems.py --nproc ${NPROC:-$(nvidia-smi -L | wc -l)} --rounds ${ROUNDS:-3} --configs ${CONFIGS:-small_many} \
   --systems ${SYSTEMS:-local,ddp,mfsdp,fsdp2,megatron_fsdp} --steps ${STEPS:-20} --warmup ${WARMUP:-5} \
-  --timeout ${RUN_TIMEOUT:-300} --bench-args "${BENCH_ARGS:-}" --out "$WORK/compare" 2>&1 | tee "$OUT/compare.log" | tail -14
+  --timeout ${RUN_TIMEOUT:-300} --bench-args="${BENCH_ARGS:-}" --out "$WORK/compare" 2>&1 | tee "$OUT/compare.log" | tail -14
 cp "$WORK/compare/summary.json" "$WORK/compare/rows.json" "$WORK/compare/step_time.png" "$OUT/" 2>/dev/null
 # The full output of every run that failed, one file.
 $PY - "$WORK/compare" > "$OUT/failed_runs.log" <<'PYEOF'
