@@ -12,7 +12,10 @@ median over rounds of the per-round median step time, the min-max over rounds, t
 memory, and the ratios of the medians against fsdp2, ddp and local (the no-communication
 limit), and step_time.png plots the medians with their min-max. `--device cpu` runs the
 same on Gloo (a smoke run, not a measurement). `--replot SUMMARY_JSON` only redraws the
-plot of a saved summary (next to it).
+plot of a saved summary (next to it). `--time-budget S` fits the whole comparison into S
+seconds (a device call's limit): a run starts only while the time left is at least the
+longest run so far, and may take no more than what is left; the runs it leaves out are
+recorded as not run, and the summary is written as for a complete comparison.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import os
 import re
 import shlex
 import statistics
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +46,8 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=900, help="seconds one system's process may take")
     p.add_argument("--out", default="benchmarks/out/compare")
     p.add_argument("--port", type=int, default=29641)
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="seconds for the whole comparison (0: no limit); runs that would not fit are not started")
     p.add_argument("--bench-args", default="", help="more bench_train.py arguments for every run, e.g. "
                    "'--experts 16 --ep 4' (a mixture of experts with expert parallelism)")
     p.add_argument("--replot", default="", metavar="SUMMARY_JSON",
@@ -60,22 +67,66 @@ def _cause(output: str) -> str:
     return telling[-1] if telling else (lines[-1] if lines else "no output")
 
 
-def run_system(args, k: int, config: str, system: str, out: Path) -> dict:
+NOT_RUN = "not run: the time budget was spent"
+
+
+class TimeBudget:
+    """The comparison's time left (`--time-budget`; 0: none): a run starts only while what
+    is left covers the longest run so far, and its timeout is at most what is left."""
+
+    def __init__(self, seconds: float):
+        self._end = self._clock() + seconds if seconds > 0 else None
+        self.longest = 0.0
+
+    @staticmethod
+    def _clock() -> float:
+        return time.monotonic()
+
+    def left(self) -> float:
+        return float("inf") if self._end is None else self._end - self._clock()
+
+    def allows_a_run(self) -> bool:
+        left = self.left()
+        return left > 0 and left >= self.longest
+
+    def timeout(self, limit: float) -> float:
+        return min(limit, self.left())
+
+    def record(self, seconds: float) -> None:
+        self.longest = max(self.longest, seconds)
+
+
+def _run_in_own_group(cmd, timeout: float, env: dict):
+    """Run `cmd` in a process group of its own, so that a timeout kills torchrun's workers
+    too (they would hold the GPUs the next run needs). Returns (returncode, output), with
+    returncode None on timeout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+
+
+def run_system(args, k: int, config: str, system: str, out: Path, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            f"--master_port={args.port}", str(HERE / "bench_train.py"), "--configs", config, "--systems", system,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--out", str(out),
            "--timeline", ""] + shlex.split(args.bench_args)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        (out / "log.txt").write_text(proc.stdout + proc.stderr)
-        if proc.returncode == 0 and (out / "results.json").exists():
-            row = json.loads((out / "results.json").read_text())["results"][0]
-            return dict(row, round=k)
-        error = f"exit {proc.returncode}: {_cause(proc.stdout + proc.stderr)}"
-    except subprocess.TimeoutExpired:
-        error = f"timed out after {args.timeout:.0f} s"
+    returncode, output = _run_in_own_group(cmd, timeout, env)
+    (out / "log.txt").write_text(output)
+    if returncode is None:
+        error = f"timed out after {timeout:.0f} s"
+    elif returncode == 0 and (out / "results.json").exists():
+        row = json.loads((out / "results.json").read_text())["results"][0]
+        return dict(row, round=k)
+    else:
+        error = f"exit {returncode}: {_cause(output)}"
     return {"system": system, "config": config, "round": k, "error": error}
 
 
@@ -164,11 +215,18 @@ def main():
     out = Path(args.out)
     systems, configs = args.systems.split(","), args.configs.split(",")
     rows, meta = [], None
+    budget = TimeBudget(args.time_budget)
     for k in range(args.rounds):
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         for config in configs:
             for system in order:
-                row = run_system(args, k, config, system, out / f"round{k}" / config / system)
+                if budget.allows_a_run():
+                    started = time.monotonic()
+                    row = run_system(args, k, config, system, out / f"round{k}" / config / system,
+                                     budget.timeout(args.timeout))
+                    budget.record(time.monotonic() - started)
+                else:
+                    row = {"system": system, "config": config, "round": k, "error": NOT_RUN}
                 rows.append(row)
                 print(f"round {k} {config:>14} {system:>16}: "
                       + (f"{row['step_s'] * 1e3:.1f} ms" if "error" not in row else row["error"]), flush=True)
