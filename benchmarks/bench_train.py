@@ -62,8 +62,12 @@ CONFIGS = {
 # backward); "mfsdp_unbucketed": one collective per unit (gather/reduce_bucket_bytes=0).
 SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "fsdp2", "ddp", "local", "megatron_fsdp", "megatron_fsdp_ag", "mfsdp_compiled",
            "fsdp2_compiled", "mfsdp_graphed", "local_graphed", "mfsdp_bucketed", "mfsdp_bucketed_graphed",
-           "mfsdp_nancheck", "mfsdp_ub", "mfsdp_unbucketed_ub", "fsdp2_ub")
+           "mfsdp_nancheck", "mfsdp_ub", "mfsdp_unbucketed_ub", "fsdp2_ub", "mfsdp_one_comm")
 # "mfsdp_nancheck": ours with check_for_nan_in_grad=True (its cost against "mfsdp").
+# "mfsdp_one_comm": ours with create_all_gather_group=False: all-gathers and reduce-scatters
+# on one communicator, so they run one at a time as FSDP2's do, against "mfsdp", whose
+# all-gathers have a communicator of their own (on NCCL) and can run beside a
+# reduce-scatter, each taking its own SMs from the compute.
 # "<system>_ub": every unit's all-gather output and reduce-scatter input allocated by the
 # process group (set_allocate_memory_from_process_group_for_comm(True); NCCL: registered
 # memory the collectives run on in place), against the same system without.
@@ -136,7 +140,7 @@ def _init_fsdp2_shards(model, device: torch.device) -> None:
 
 # With expert parallelism: the systems that place experts on their own mesh (local runs
 # every expert itself, without expert parallelism).
-EP_SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "fsdp2", "local")
+EP_SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "mfsdp_one_comm", "fsdp2", "local")
 
 
 def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool = False, ep: int = 1,
@@ -168,22 +172,23 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
     expert_meshes = None
     if ep > 1 and system != "local":
         expert_meshes = expert_parallel_meshes(model, device.type, dist.get_world_size(), ep)
-    if system in ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck"):
+    if system in ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "mfsdp_one_comm"):
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
-        check = system == "mfsdp_nancheck"
+        unit_args = dict(mp_policy=mp, check_for_nan_in_grad=system == "mfsdp_nancheck")
+        if system == "mfsdp_one_comm":
+            unit_args["create_all_gather_group"] = False
         buckets = {"mfsdp_bucketed": dict(gather_bucket_bytes=GATHER_BUCKET_BYTES, reduce_bucket_bytes=REDUCE_BUCKET_BYTES),
                    "mfsdp_unbucketed": dict(gather_bucket_bytes=0, reduce_bucket_bytes=0)}.get(system, {})
         if expert_meshes is not None:
-            model.moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *expert_meshes, moe_form, mp_policy=mp,
-                                              check_for_nan_in_grad=check)
+            model.moe_form = shard_moe_blocks(model, mfsdp.fully_shard, *expert_meshes, moe_form, **unit_args)
             if buckets:
                 model.set_gather_bucket_bytes(buckets["gather_bucket_bytes"])
                 model.set_reduce_bucket_bytes(buckets["reduce_bucket_bytes"])
         else:
             for block in model.blocks:
-                mfsdp.fully_shard(block, mp_policy=mp, check_for_nan_in_grad=check)
-            mfsdp.fully_shard(model, mp_policy=mp, check_for_nan_in_grad=check, **buckets)
+                mfsdp.fully_shard(block, **unit_args)
+            mfsdp.fully_shard(model, **unit_args, **buckets)
         if meta_init:
             mfsdp.materialize(model)
         return model, model, False
