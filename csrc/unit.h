@@ -377,6 +377,16 @@ class Unit {
   // unscaled and scales after (1/W applied first could flush small fp16 gradients to zero).
   double pack_scale() const;
   void land_grads(const GradBuffers& b, const PendingCollective& done);
+  // The parameters whose sharded .grad this reduction landed and that carry
+  // post-accumulate-grad hooks (Tensor.register_post_accumulate_grad_hook); read before
+  // has_grad_ is reset.
+  std::vector<int64_t> hooked_landings() const;
+  // Runs those hooks once the gradients landed, as FSDP2 runs them after its
+  // reduce-scatter: autograd runs such hooks only for the leaves it accumulates into (the
+  // unsharded parameters), so the sharded ones would never see theirs. `done` is
+  // recorded again after them when they ran on the reduce-scatter stream.
+  void run_post_accumulate_grad_hooks(const std::vector<int64_t>& hooked, const GradBuffers& b,
+                                      PendingCollective& done);
   // The end of a reduction on the reduce-scatter stream: the reduced segment scaled and
   // cast into `target`, checked when asked, and copied out to `host` when offloaded.
   // (An offloaded unit never lands as GradLanding::kAccumulate: plan_reduction makes it kMixed.)

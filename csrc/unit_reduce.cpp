@@ -9,6 +9,9 @@
 #include "grad_buffers.h"
 #include "pack.h"
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -83,8 +86,10 @@ bool Unit::reduce_grads(bool sync) {
   }
   partial_ = at::Tensor();
   land_grads(buffers, *done);
-  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, buffers.host, partial}, std::move(done));
+  ctx().hold_reduction({buffers.flat, buffers.reduced, buffers.target, buffers.host, partial}, done);
+  const auto hooked = hooked_landings();
   std::fill(has_grad_.begin(), has_grad_.end(), false);
+  run_post_accumulate_grad_hooks(hooked, buffers, *done);
   return true;
 }
 
@@ -278,13 +283,57 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
     for (size_t i = 0; i < members.size(); ++i) members[i]->copy_out(buffers[i]);
   });
   std::vector<at::Tensor> held;
+  std::vector<std::vector<int64_t>> hooked(members.size());
   for (size_t i = 0; i < members.size(); ++i) {
     Unit& u = *members[i];
     u.land_grads(buffers[i], *done);
     held.insert(held.end(), {buffers[i].flat, buffers[i].reduced, buffers[i].target, buffers[i].host});
+    hooked[i] = u.hooked_landings();
     std::fill(u.has_grad_.begin(), u.has_grad_.end(), false);
   }
-  lead.ctx().hold_reduction(std::move(held), std::move(done));
+  lead.ctx().hold_reduction(std::move(held), done);
+  for (size_t i = 0; i < members.size(); ++i) {
+    members[i]->run_post_accumulate_grad_hooks(hooked[i], buffers[i], *done);
+  }
+}
+
+std::vector<int64_t> Unit::hooked_landings() const {
+  std::vector<int64_t> hooked;
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    // A parameter that received a gradient requires grad, so it has autograd meta.
+    if (has_grad_[i] && torch::autograd::impl::post_acc_grad_hooks(sharded_params_[i]) != nullptr) {
+      hooked.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return hooked;
+}
+
+void Unit::run_post_accumulate_grad_hooks(const std::vector<int64_t>& hooked, const GradBuffers& b,
+                                          PendingCollective& done) {
+  if (hooked.empty()) return;
+  auto run_all = [&] {
+    for (int64_t i : hooked) {
+      auto& hook = torch::autograd::impl::post_acc_grad_hooks(sharded_params_[i]);
+      if (hook) (*hook)(sharded_params_[i]);  // takes the GIL itself, as autograd's AccumulateGrad calls it
+    }
+  };
+  const auto& streams = ctx().streams();
+  if (offloaded_) {
+    // The hooks read the gradient in host memory: the copy out must be done (FSDP2 makes
+    // that copy blocking when a parameter has such a hook).
+    done.synchronize();
+    run_all();
+  } else if (!streams.enabled() || b.landing == GradLanding::kMixed) {
+    run_all();  // the gradient is final on the current stream (kMixed merged it there)
+  } else {
+    // On the reduce-scatter stream, where the gradient was just written: what the hooks
+    // launch (an optimizer step in backward) follows it without holding the compute
+    // stream back, and the done event, recorded after them, is what the end of backward
+    // and the next reduction wait for.
+    c10::StreamGuard guard(streams.reduce_scatter());
+    run_all();
+    done.record(streams.reduce_scatter());
+  }
 }
 
 void Unit::land_grads(const GradBuffers& b, const PendingCollective& done) {
