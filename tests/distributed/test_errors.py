@@ -113,3 +113,51 @@ def _misuse(rank, world):
 
 def test_misuse_is_refused_clearly():
     run_distributed(_misuse, 2, timeout=120)
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)  # a buffer the refused conversion must leave as it was
+
+    def forward(self, x):
+        return self.norm(torch.tanh(self.lin(x)))
+
+
+def _conversions_after_fully_shard(rank, world):
+    import copy
+
+    from harness.workers import gather_full_grads
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(_NormedBlock(), _NormedBlock(), nn.Linear(8, 1))
+    net = copy.deepcopy(plain)
+    for block in net[:2]:
+        mfsdp.fully_shard(block)
+    mfsdp.fully_shard(net)
+    # A dtype or device change of the shards: the flat buffers cannot follow (FSDP2 would
+    # re-create its parameters; we refuse before anything is converted).
+    for convert, to in ((lambda m: m.double(), "torch.float64"), (lambda m: m.half(), "torch.float16"),
+                        (lambda m: m.to(torch.bfloat16), "torch.bfloat16"), (lambda m: m.to("meta"), "meta")):
+        for target in (net, net[1]):
+            expect_error(lambda: convert(target), RuntimeError, "cannot change its sharded parameters", to,
+                         "before fully_shard")
+    assert all(b.dtype in (torch.float32, torch.int64) for b in net.buffers()), \
+        [b.dtype for b in net.buffers()]
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    # Conversions that change nothing still work, and training is plain PyTorch's after them.
+    net.float()
+    net.to("cpu")
+    net.to(torch.float32)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    net(x).sum().backward()
+    xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    (sum(plain(xr).sum() for xr in xs) / world).backward()
+    full = gather_full_grads(net, replicated=False)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.grad.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_dtype_and_device_conversions_after_fully_shard_are_refused():
+    run_distributed(_conversions_after_fully_shard, 2, timeout=120)

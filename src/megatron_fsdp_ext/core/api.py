@@ -41,6 +41,33 @@ class UnshardHandle(torch_fsdp.UnshardHandle):
             self._state = None
 
 
+# Set while an outermost FSDPModule._apply runs, whose check covered the modules below it.
+_APPLY_CHECKED = False
+
+
+def _refuse_shard_conversion(states, fn) -> None:
+    """Refuse module.double() / .half() / .to(dtype or device) / .cuda() / .cpu() /
+    .to_empty(device=) when it would change a unit's shards: nn.Module._apply would swap
+    each sharded parameter's .data, and the unit, whose flat buffers have one dtype and one
+    device, would copy the values back into them and train as before (FSDP2 re-creates
+    its sharded parameters instead). `fn` is tried on an empty tensor like the first shard
+    of each unit (a unit holds one dtype on one device)."""
+    for state in states:
+        unit = state.unit
+        if unit is None or not unit.sharded_params:
+            continue
+        shard = unit.sharded_params[0]
+        probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+        if isinstance(probe, torch.Tensor) and (probe.dtype != shard.dtype or probe.device != shard.device):
+            raise RuntimeError(
+                f"megatron_fsdp_ext: fully_shard unit '{unit.label}' cannot change its sharded parameters from "
+                f"{shard.dtype} on {shard.device} to {probe.dtype} on {probe.device} (module.double(), .half(), "
+                ".to(), .cuda(), .cpu() or .to_empty() after fully_shard): the unit's flat buffers keep one dtype "
+                "and device. Cast or move the model before fully_shard; for a compute dtype use "
+                "MixedPrecisionPolicy(param_dtype=...); for a model built on the meta device use "
+                "megatron_fsdp_ext.materialize(model)")
+
+
 def _original_class(cls: type) -> type:
     """The user's class behind a class fully_shard made: the first class of the MRO after
     torch's FSDPModule."""
@@ -82,9 +109,19 @@ class FSDPModule(torch_fsdp.FSDPModule):
                 state.unit.wait_host_update()
         super().zero_grad(set_to_none=set_to_none)
 
-    def _apply(self, *args, **kwargs):
-        # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's own.
-        return super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)
+    def _apply(self, fn, recurse: bool = True):
+        # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's
+        # own, once no shard would change dtype or device (checked once, at the outermost
+        # call: nn.Module._apply calls this again for every fully_shard module below).
+        global _APPLY_CHECKED
+        if _APPLY_CHECKED:
+            return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
+        _refuse_shard_conversion(self._states(recurse), fn)
+        _APPLY_CHECKED = True
+        try:
+            return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
+        finally:
+            _APPLY_CHECKED = False
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters; with async_op, return a handle to wait on."""
