@@ -300,8 +300,10 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
 std::vector<int64_t> Unit::hooked_landings() const {
   std::vector<int64_t> hooked;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
-    // A parameter that received a gradient requires grad, so it has autograd meta.
-    if (has_grad_[i] && torch::autograd::impl::post_acc_grad_hooks(sharded_params_[i]) != nullptr) {
+    // Hooks live in the autograd meta; a tensor without one has none (and the accessor
+    // expects one).
+    if (has_grad_[i] && sharded_params_[i].unsafeGetTensorImpl()->autograd_meta() != nullptr &&
+        torch::autograd::impl::post_acc_grad_hooks(sharded_params_[i]) != nullptr) {
       hooked.push_back(static_cast<int64_t>(i));
     }
   }
