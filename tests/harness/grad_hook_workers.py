@@ -14,26 +14,17 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import _full, device_for_backend, expect_error, gather_full_grads
+from .workers import TinyBlock, _full, device_for_backend, expect_error, gather_full_grads
 
 STEPS = 3
 MICRO_BATCHES = 3  # "accumulate": the first two without gradient sync
 LR = 0.1
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([TinyBlock() for _ in range(3)])
         self.head = nn.Linear(8, 1)
 
     def forward(self, x):
