@@ -1,26 +1,17 @@
 """benchmarks/moe_setup.balanced_routing: the fixed routing the fake-backend simulator gives
 every system (its gathered router weights hold no values)."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_fsdp_ext.models import MoEConfig, MoEModel
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from harness.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def moe_setup():
-    if not (BENCH / "moe_setup.py").exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    spec = importlib.util.spec_from_file_location("moe_setup", BENCH / "moe_setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("moe_setup")
 
 
 def tiny(experts=8, top_k=2):

@@ -1,7 +1,6 @@
 """benchmarks/compare_systems.py under a time budget: runs that would not fit are recorded
 as not run (the summary still written), a run's timeout is what is left, and a run that
 times out takes torchrun's workers down with it."""
-import importlib.util
 import json
 import os
 import sys
@@ -10,18 +9,12 @@ import types
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from harness.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def compare():
-    if not (BENCH / "compare_systems.py").exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    spec = importlib.util.spec_from_file_location("compare_systems", BENCH / "compare_systems.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compare_systems")
 
 
 class FakeClock:

@@ -1,27 +1,14 @@
 """benchmarks/project.py: the link fitted to a probe, a system's own collective counts, and
 the check against measured steps."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from harness.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def project():
-    if not (BENCH / "project.py").exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("project", BENCH / "project.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_benchmark("project")
 
 
 def probe(tmp_path, world, alpha_ms, busbw_gbps):

@@ -1,21 +1,13 @@
 """benchmarks/scaling.py: efficiency = tokens/s/GPU at world N over the reference world's."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"
+from harness.scripts import BENCH, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def scaling():
-    if not SCRIPT.exists():
-        pytest.skip("benchmarks/ is not part of this checkout")
-    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("scaling")
 
 
 def write(tmp_path, name, world, rows):
@@ -50,5 +42,5 @@ def test_bad_inputs_name_the_problem(scaling, tmp_path):
 
 
 def test_recorded_two_gpu_reference_loads(scaling):
-    world, rows = scaling.load(str(SCRIPT.parent / "data" / "train_world2_h200_runE.json"))
+    world, rows = scaling.load(str(BENCH / "data" / "train_world2_h200_runE.json"))
     assert world == 2 and ("8b_ish", "fsdp2") in rows
