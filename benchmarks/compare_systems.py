@@ -75,15 +75,11 @@ class TimeBudget:
     is left covers the longest run so far, and its timeout is at most what is left."""
 
     def __init__(self, seconds: float):
-        self._end = self._clock() + seconds if seconds > 0 else None
+        self._end = time.monotonic() + seconds if seconds > 0 else None
         self.longest = 0.0
 
-    @staticmethod
-    def _clock() -> float:
-        return time.monotonic()
-
     def left(self) -> float:
-        return float("inf") if self._end is None else self._end - self._clock()
+        return float("inf") if self._end is None else self._end - time.monotonic()
 
     def allows_a_run(self) -> bool:
         left = self.left()
