@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import _C
 from . import hook_support
 from .hook_support import profiled
-from .states import BackwardProgress
+from .states import BackwardProgress, GraphHold
 
 
 class BackwardHooks:
@@ -50,11 +50,22 @@ class BackwardHooks:
             self.ctx.queue_final_callback()
 
     @profiled("post_backward")
-    def post_backward(self) -> None:
+    def post_backward(self, at_end: bool = False) -> None:
+        """`at_end`: called by the final callback, once every node of this backward ran."""
         if self.backward_progress is BackwardProgress.REDUCED:
             return
-        self.backward_progress = BackwardProgress.REDUCED
         self.ctx.queue_final_callback()
+        if self.ctx.backward_builds_graph:
+            self._hold_for_graph()
+            return
+        if self.graph_hold is GraphHold.HELD:
+            # The higher-order graph's nodes read these parameters and add to their
+            # gradients outside this unit's forward graph, possibly after this hook:
+            # reduced once the whole backward is done.
+            if not at_end:
+                return
+            self.graph_hold = GraphHold.NONE
+        self.backward_progress = BackwardProgress.REDUCED
         if self.unit is None:
             return
         if self.tp is not None:
@@ -70,6 +81,29 @@ class BackwardHooks:
             self.unit.reduce_grads(self.requires_gradient_sync)
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
+
+    def _hold_for_graph(self) -> None:
+        """This backward runs with create_graph=True (autograd.grad of a gradient penalty):
+        the graph it builds saved the gathered parameters, and its own backward (the next
+        one) reads them. A unit gathered for this backward keeps them gathered until then
+        (the module's slots get the shards back, as after any backward). Gradients with a
+        graph of their own on the parameters (backward(create_graph=True) into them) are
+        refused: a reduce-scatter cannot carry their graph to the shards."""
+        gathered = self.backward_progress is BackwardProgress.GATHERED
+        self.backward_progress = BackwardProgress.REDUCED
+        if self.unit is None:
+            return
+        params = list(self.unsharded_params) + list(self.unit.unsharded_locals)
+        if any(p.grad is not None and p.grad.requires_grad for p in params):
+            raise NotImplementedError(
+                f"megatron_fsdp_ext: backward with create_graph=True wrote gradients that carry a graph "
+                f"into the parameters of fully_shard unit '{self.label}'; a sharded gradient cannot keep "
+                f"that graph. Take higher-order gradients with torch.autograd.grad(..., inputs=<tensors "
+                f"that are not parameters, e.g. the model's input>, create_graph=True) (a gradient "
+                f"penalty), then call backward() on the total loss")
+        if gathered:
+            self.graph_hold = GraphHold.HELD
+            self.release()
 
     def _release_after_backward(self) -> None:
         """After a unit's backward: free the gathered parameters and give the slots the

@@ -36,11 +36,11 @@ def profiled(phase: str):
     collectives carry "mfsdp::all_gather[<unit>]" and the like). Otherwise one flag read."""
     def wrap(method):
         @functools.wraps(method)
-        def run(self, *args):
+        def run(self, *args, **kwargs):
             if not autograd_profiler._is_profiler_enabled:
-                return method(self, *args)
+                return method(self, *args, **kwargs)
             with torch.profiler.record_function(f"mfsdp::{phase}[{self.label}]"):
-                return method(self, *args)
+                return method(self, *args, **kwargs)
         return run
     return wrap
 

@@ -23,7 +23,7 @@ from .hook_support import run_outside_dynamo
 from .options import UnitOptions
 from .residency import UnitResidency
 from .root_context import RootContext, make_root
-from .states import BackwardProgress, ParamInit, SlotsHold
+from .states import BackwardProgress, GraphHold, ParamInit, SlotsHold
 
 
 # Units by key, for the C++ post-backward marker node (it carries the key, not the state).
@@ -93,6 +93,8 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.backward_progress = BackwardProgress.NONE
         # Gathered again after its reduction in this backward (_gather_again_for_backward).
         self.reduce_again = False
+        # Gathered parameters kept for a graph built by a create_graph backward.
+        self.graph_hold = GraphHold.NONE
         # Forward calls of this unit whose backward has not finished yet (a unit may run
         # several times before one backward: weight sharing, summed micro-batches).
         self._pending_backward_calls = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List
 
 from . import shard_changes
+from .states import GraphHold
 
 
 class UnitResidency:
@@ -29,8 +30,10 @@ class UnitResidency:
     def release(self, keep_unsharded: bool = False) -> None:
         """Done with the unsharded parameters for now: the module's slots get the sharded
         ones back; the memory is freed unless the strategy keeps it (or `keep_unsharded`;
-        the next use then gathers again only if the shards changed)."""
-        self._adopt_replaced(self.slots.release(keep_unsharded or self.keeps_params_unsharded), unsharded=False)
+        the next use then gathers again only if the shards changed). A higher-order graph
+        that reads the gathered parameters (GraphHold) keeps the memory too."""
+        keep = keep_unsharded or self.keeps_params_unsharded or self.graph_hold is GraphHold.HELD
+        self._adopt_replaced(self.slots.release(keep), unsharded=False)
 
     def _adopt_replaced(self, replaced: List[int], unsharded: bool) -> None:
         """After the slots got the unsharded (or sharded) parameters: slots the user

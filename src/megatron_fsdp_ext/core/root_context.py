@@ -36,6 +36,8 @@ class RootContext:
         self.device = device
         self.comm = _C.CommContext(device)
         self.phase = RootPhase.IDLE
+        # The running backward has create_graph=True (set when its first hook runs).
+        self.backward_builds_graph = False
         self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
         # The units' link as measured for the "auto" bucket budgets (link.py); None until then.
         self.link: Optional[link.LinkModel] = None
@@ -67,6 +69,8 @@ class RootContext:
         if self.phase is RootPhase.BACKWARD:  # queued once per backward
             return
         self.phase = RootPhase.BACKWARD
+        # Inside backward, grad mode is on exactly when it runs with create_graph=True.
+        self.backward_builds_graph = torch.is_grad_enabled()
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def abandon_backward(self) -> None:
@@ -92,7 +96,7 @@ class RootContext:
         # token ids) are reduced here, innermost last-used first.
         for state in reversed(self.states):
             if state.backward_progress is not BackwardProgress.REDUCED:
-                state.post_backward()
+                state.post_backward(at_end=True)
         # A bucket whose last member to finish did not sync (requires_gradient_sync off
         # on that unit alone) was never reduced: now, last bucket first, the same order
         # on every rank.

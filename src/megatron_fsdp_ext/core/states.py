@@ -24,6 +24,15 @@ class BackwardProgress(enum.Enum):
     REDUCED = "reduced"  # post-backward ran: gradients reduced
 
 
+class GraphHold(enum.Enum):
+    """Whether a backward with create_graph=True (a gradient penalty's autograd.grad) built
+    a graph that reads this unit's gathered parameters: that graph's own backward reads
+    them again, so they stay gathered, and the unit reduces only at the end of the next
+    backward, once the gradients of both graphs have landed."""
+    NONE = "none"
+    HELD = "held"  # gathered parameters kept for a higher-order graph
+
+
 class SlotsHold(enum.Enum):
     """Which parameters the module's parameter slots hold."""
     SHARDED = "sharded"
