@@ -71,6 +71,8 @@ SYSTEMS = ("mfsdp", "mfsdp_unbucketed", "fsdp2", "ddp", "local", "megatron_fsdp"
 # "<system>_ub": every unit's all-gather output and reduce-scatter input allocated by the
 # process group (set_allocate_memory_from_process_group_for_comm(True); NCCL: registered
 # memory the collectives run on in place), against the same system without.
+# Our eager variants: one build path, each may start from the meta device.
+MFSDP_EAGER = ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "mfsdp_one_comm")
 GATHER_BUCKET_BYTES = 32 << 20
 REDUCE_BUCKET_BYTES = 64 << 20
 
@@ -160,7 +162,7 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
             block.compile()
         return wrapped, model, autocast
-    if meta_init and system not in ("mfsdp", "fsdp2"):  # ddp and local need the whole model on each rank
+    if meta_init and system not in MFSDP_EAGER + ("fsdp2",):  # ddp and local need the whole model on each rank
         raise ValueError(f"--meta-init: {system} cannot start from a model on the meta device")
     if ep > 1 and system not in EP_SYSTEMS:
         raise SystemExit(f"--ep {ep}: {system} does not place experts on their own mesh; use one of {EP_SYSTEMS}")
@@ -172,7 +174,7 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
     expert_meshes = None
     if ep > 1 and system != "local":
         expert_meshes = expert_parallel_meshes(model, device.type, dist.get_world_size(), ep)
-    if system in ("mfsdp", "mfsdp_unbucketed", "mfsdp_bucketed", "mfsdp_nancheck", "mfsdp_one_comm"):
+    if system in MFSDP_EAGER:
         mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else mfsdp.MixedPrecisionPolicy()
         unit_args = dict(mp_policy=mp, check_for_nan_in_grad=system == "mfsdp_nancheck")

@@ -68,12 +68,12 @@ def stream_chaos():
         delay_before_gathers([self])
         orig_unshard(self)
 
-    def post_backward(self):
+    def post_backward(self, *args, **kwargs):
         if self.unit is not None and self.backward_progress is not BackwardProgress.REDUCED:
             torch.cuda._sleep(_sleep_cycles())            # grads packed late on compute
             with torch.cuda.stream(as_cuda_stream(self.ctx.comm.reduce_scatter_stream())):
                 torch.cuda._sleep(_sleep_cycles())        # RS late: optimizer must wait
-        orig_post_backward(self)
+        orig_post_backward(self, *args, **kwargs)
 
     hook_support.units_to_gather = units_to_gather
     hooks.FSDPState.unshard = unshard
