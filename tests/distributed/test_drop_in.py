@@ -59,3 +59,7 @@ def test_parameters_and_gradients_are_fsdp2s_dtensors_between_backward_and_step(
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
 def test_megatron_no_sync_and_finish_grad_sync_over_1f1b(strategy):
     assert run_distributed(w.megatron_1f1b, 2, strategy, timeout=180) == [True, True]
+
+
+def test_gradient_norms_as_fsdp2_users_write_them():
+    assert run_distributed(w.norm_patterns, 2, timeout=120) == [True, True]

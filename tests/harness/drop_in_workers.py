@@ -15,7 +15,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core import fsdp2_view
 from megatron_fsdp_ext.core.grad_norm import ShardedGrad
 
-from .workers import device_for_backend
+from .workers import device_for_backend, expect_error
 
 
 def mlp():
@@ -330,4 +330,38 @@ def megatron_1f1b(rank, world, strategy):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    return True
+
+
+def norm_patterns(rank: int, world: int) -> bool:
+    """Gradient norms as FSDP2 users write them: `p.grad.norm()`, `torch.norm(p.grad, p)`
+    give the full gradient's norm on every rank; a clip over our gradients and a plain
+    one (an ignored parameter's, different on each rank) is refused by name, as FSDP2
+    refuses mixing DTensors and tensors, and the same clip without it still works."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+    net = copy.deepcopy(plain)
+    ignored = {net[4].bias}
+    mfsdp.fully_shard(net[0])
+    mfsdp.fully_shard(net[2])
+    mfsdp.fully_shard(net, ignored_params=ignored)
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
+    net(x[4 * rank:4 * rank + 4]).square().mean().backward()
+    plain(x).square().mean().backward()
+    for (name, p), (_, ref) in zip(net.named_parameters(), plain.named_parameters()):
+        if p in ignored:
+            continue
+        for got, want in ((p.grad.norm(), ref.grad.norm()), (torch.norm(p.grad), torch.norm(ref.grad)),
+                          (p.grad.norm(1), ref.grad.norm(1)), (p.grad.norm(float("inf")), ref.grad.norm(float("inf")))):
+            torch.testing.assert_close(float(got), float(want), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"norm of {name}'s gradient: {m}")
+    for foreach in (True, False):
+        expect_error(lambda: torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0, foreach=foreach),
+                     RuntimeError, "mixes fully_shard gradients with plain tensors")
+    sharded = [p for p in net.parameters() if p not in ignored]
+    expect_error(lambda: torch._foreach_norm([sharded[0].grad, net[4].bias.grad]), RuntimeError,
+                 "mixes fully_shard gradients with plain tensors")
+    total = torch.nn.utils.clip_grad_norm_(sharded, 1e9)
+    want = torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p is not plain[4].bias], 1e9)
+    torch.testing.assert_close(float(total), float(want), rtol=1e-5, atol=1e-7)
     return True

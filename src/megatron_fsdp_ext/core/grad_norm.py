@@ -129,7 +129,8 @@ class _NormValue(torch.Tensor):
 
 
 class PartialNorm(_NormValue):
-    """A local norm (0-dim) of sharded gradients: `domain` and `ord` say how it combines."""
+    """A local norm (0-dim) of sharded gradients: `domain` and `ord` say how it combines
+    (domain None: a replicated gradient's norm, the same global value on every rank)."""
 
     domain: Optional[ReductionDomain] = None
     ord: float = 2.0
@@ -194,13 +195,25 @@ def _norm_class(domain: ReductionDomain, ord: float) -> type:
 
 
 def _as_partial(norm: torch.Tensor, grad: torch.Tensor, ord: float) -> torch.Tensor:
-    if isinstance(grad, ShardedGrad) and type(grad).domain is not None:
+    """The norm of a gradient piece, marked as what it is: a local norm of its domain, or
+    (a replicated gradient: domain None) a norm already global."""
+    if isinstance(grad, ShardedGrad):
         norm.__class__ = _norm_class(type(grad).domain, ord)
     return norm
 
 
+def _refuse_mixed(kind: str) -> None:
+    raise RuntimeError(
+        f"megatron_fsdp_ext: {kind} mixes fully_shard gradients with plain tensors (e.g. the gradients of "
+        "ignored_params, or of parameters outside the sharded model). Each rank holds its own plain "
+        "gradient, so no norm over both is the same global value on every rank. Take the norm of (or clip) "
+        "the two sets separately; FSDP2 refuses this too ('mixed torch.Tensor and DTensor')")
+
+
 def _foreach_norm(tensors, ord=2, dtype=None):
     tensors = list(tensors)
+    if not all(isinstance(t, ShardedGrad) for t in tensors):
+        _refuse_mixed("torch._foreach_norm")
     ord_f = float(ord)
     with DisableTorchFunctionSubclass():
         # An empty piece (a rank holding none of a parameter) has norm 0; torch refuses
@@ -222,7 +235,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     whole = dim is None and out is None
     if isinstance(x, PartialNormVector) and whole:
         return _reduce_vector(x, ord_f, dtype)
-    if isinstance(x, PartialNorm) and whole:
+    if isinstance(x, PartialNorm) and whole and type(x).domain is not None:
         return _reduce_vector(_stack([x]), ord_f, dtype)
     if isinstance(x, ShardedGrad) and whole:
         with DisableTorchFunctionSubclass():
@@ -240,7 +253,11 @@ def _stack(tensors, dim=0, *, out=None):
     if out is not None or dim != 0 or not scalars:
         args, kwargs = _resolve_partials(((tensors, dim), {"out": out}))
         return _plain_call(torch.stack, args, kwargs)
-    keys = [(type(t).domain, type(t).ord) if isinstance(t, PartialNorm) else None for t in tensors]
+    # A replicated gradient's norm (domain None) is global already: key None, as a plain value.
+    keys = [(type(t).domain, type(t).ord) if isinstance(t, PartialNorm) and type(t).domain is not None else None
+            for t in tensors]
+    if any(k is not None for k in keys) and not all(isinstance(t, _NormValue) for t in tensors):
+        _refuse_mixed("torch.stack of gradient norms")
     with DisableTorchFunctionSubclass():
         stacked = torch.stack(tensors)
     if all(k is None for k in keys):
@@ -320,7 +337,18 @@ def _resolve_vector_elements(x: "PartialNormVector") -> torch.Tensor:
     return values
 
 
+def _tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None, out=None):
+    """Tensor.norm / torch.norm of a gradient piece: over the whole gradient, the same
+    global norm as vector_norm's; along a dim, of this rank's piece (as vector_norm)."""
+    if dim is None and out is None and (p is None or p == "fro" or isinstance(p, (int, float))):
+        return _vector_norm(input, 2 if p in (None, "fro") else p, dtype=dtype)
+    args, kwargs = _resolve_partials(((input, p, dim, keepdim), {"dtype": dtype, "out": out}))
+    return _plain_call(torch.norm, args, kwargs)
+
+
 _HANDLERS = {
+    torch.Tensor.norm: _tensor_norm,
+    torch.norm: _tensor_norm,
     torch._foreach_norm: _foreach_norm,
     torch.linalg.vector_norm: _vector_norm,
     torch.stack: _stack,
