@@ -105,6 +105,10 @@ def _misuse(rank, world):
     for _ in range(2):
         expect_error(early.step, RuntimeError, "AdamW holds 4 parameter(s) that fully_shard replaced",
                      "Build the optimizer after fully_shard")
+    # Adafactor factors by shape and scales by the parameter's RMS: a 1-D piece trains
+    # differently, so it is refused at its first step (on every rank alike).
+    factored = torch.optim.Adafactor(m.parameters(), lr=0.01)
+    expect_error(factored.step, NotImplementedError, "Adafactor holds fully_shard parameters", "1-D piece")
     late = torch.optim.AdamW(m.parameters(), lr=0.1)
     before = [p.detach().clone() for p in m.parameters()]
     late.step()

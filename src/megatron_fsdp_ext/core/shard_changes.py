@@ -62,12 +62,31 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     seen = optimizer.__dict__.get(_ADOPTED)
     was_ours = seen is not None and seen[0]
     ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
+    if ours:
+        _refuse_shape_dependent(optimizer)
     optimizer.__dict__[_ADOPTED] = (ours, len(optimizer.param_groups))
     if ours and not was_ours:
         convert_loaded_optimizer_state(optimizer)
         attach_optimizer(optimizer)
         optimizer.register_step_post_hook(lambda opt, args, kwargs: mark_stepped(opt))
     return ours
+
+
+def _shape_dependent_optimizers() -> tuple:
+    return tuple(c for c in (getattr(torch.optim, "Adafactor", None),) if c is not None)
+
+
+def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose update depends on a parameter's shape or its whole RMS (Adafactor
+    factors the second moment of a matrix into rows and columns, and scales by the
+    parameter's RMS) would step each rank's 1-D piece as a different, smaller parameter:
+    refused on every rank at its first step (FSDP2 fails on such an optimizer too)."""
+    if isinstance(optimizer, _shape_dependent_optimizers()):
+        raise NotImplementedError(
+            f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, which are each rank's "
+            "1-D piece of a parameter: its row/column factoring and its scaling by the parameter's RMS would "
+            "see the piece, not the parameter, and train differently. Use an elementwise optimizer "
+            "(AdamW, SGD, ...) with fully_shard")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the
