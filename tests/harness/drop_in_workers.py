@@ -355,6 +355,12 @@ def norm_patterns(rank: int, world: int) -> bool:
                           (p.grad.norm(1), ref.grad.norm(1)), (p.grad.norm(float("inf")), ref.grad.norm(float("inf")))):
             torch.testing.assert_close(float(got), float(want), rtol=1e-5, atol=1e-7,
                                        msg=lambda m, name=name: f"norm of {name}'s gradient: {m}")
+    # Shown, a norm not yet reduced says so (no collective: a print on one rank must not
+    # wait); a format spec is refused, as FSDP2's partial DTensor refuses it.
+    n = net[0].weight.grad.norm()
+    assert "this rank's part" in repr(n) and "this rank's part" in str(n), repr(n)
+    expect_error(lambda: f"{n:.3f}", TypeError, "call .item() (or float()) on every rank")
+    assert f"{float(n):.4f}" == f"{float(plain[0].weight.grad.norm()):.4f}"
     for foreach in (True, False):
         expect_error(lambda: torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0, foreach=foreach),
                      RuntimeError, "mixes fully_shard gradients with plain tensors")

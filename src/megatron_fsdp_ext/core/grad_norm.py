@@ -120,12 +120,31 @@ class _NormValue(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        if func in _SHOWN:
+            if args[0]._is_partial():
+                return _show_partial(func, *args, **kwargs)
+            with DisableTorchFunctionSubclass():  # a global value already: shown as a plain tensor
+                return func(torch.Tensor.as_subclass(args[0], torch.Tensor), *args[1:], **kwargs)
         if func in _METADATA:
             return _plain_call(func, args, kwargs)
         if func in _KEEPS_NORM:  # .to(device), .float(), ...: the same local norm elsewhere
             return args[0]._same_kind(_plain_call(func, args, kwargs))
         args, kwargs = _resolve_partials((args, kwargs))
         return _plain_call(func, args, kwargs)
+
+
+def _show_partial(func, value: "_NormValue", spec: str = "", **_) -> str:
+    """repr / str / format of a norm not yet reduced: shown with what it is (FSDP2's
+    partial DTensor shows its placement), never as if it were the global value. Showing
+    does not reduce: a print on one rank alone would otherwise wait for the others."""
+    with DisableTorchFunctionSubclass():
+        local = torch.Tensor.as_subclass(value, torch.Tensor)
+    if func is torch.Tensor.__format__ and spec:
+        raise TypeError(
+            f"format '{spec}' of a norm of fully_shard gradients that is this rank's part only: call .item() "
+            "(or float()) on every rank first, which reduces it to the global norm (FSDP2's partial DTensor "
+            "refuses a format spec too)")
+    return f"{type(value).__name__}(local={local.tolist()}; this rank's part, .item() on every rank gives the global norm)"
 
 
 class PartialNorm(_NormValue):
@@ -135,6 +154,9 @@ class PartialNorm(_NormValue):
     domain: Optional[ReductionDomain] = None
     ord: float = 2.0
 
+    def _is_partial(self) -> bool:
+        return type(self).domain is not None
+
     def _same_kind(self, out: torch.Tensor) -> torch.Tensor:
         out.__class__ = type(self)
         return out
@@ -143,6 +165,9 @@ class PartialNorm(_NormValue):
 class PartialNormVector(_NormValue):
     """torch.stack of norms: element i is a local norm of `keys[i]` (domain, ord), or a
     plain (global) value where keys[i] is None."""
+
+    def _is_partial(self) -> bool:
+        return any(k is not None for k in self._mfsdp_keys)
 
     def _same_kind(self, out: torch.Tensor) -> torch.Tensor:
         out.__class__ = PartialNormVector
@@ -360,6 +385,7 @@ _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tens
              torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.shape.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
              torch.Tensor.is_cuda.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__}
+_SHOWN = {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__}
 _KEEPS_NORM = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.detach,
                torch.Tensor.cpu, torch.Tensor.cuda}
 
