@@ -63,3 +63,7 @@ def test_megatron_no_sync_and_finish_grad_sync_over_1f1b(strategy):
 
 def test_gradient_norms_as_fsdp2_users_write_them():
     assert run_distributed(w.norm_patterns, 2, timeout=120) == [True, True]
+
+
+def test_optimizer_groups_by_the_pieces_shape_are_refused_and_groups_by_name_train():
+    assert run_distributed(w.weight_decay_groups, 2, timeout=120) == [True, True]

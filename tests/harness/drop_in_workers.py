@@ -371,3 +371,43 @@ def norm_patterns(rank: int, world: int) -> bool:
     want = torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p is not plain[4].bias], 1e9)
     torch.testing.assert_close(float(total), float(want), rtol=1e-5, atol=1e-7)
     return True
+
+
+def weight_decay_groups(rank: int, world: int) -> bool:
+    """nanoGPT's optimizer groups (weight decay for p.dim() >= 2) built after fully_shard
+    see 1-D pieces: the empty decay group beside sharded matrices without decay is refused
+    at the first step. Groups by name with the dims recorded before sharding (the README's
+    way) train as plain PyTorch with the same groups."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 3))
+    net = copy.deepcopy(plain)
+    ndim = {n: p.dim() for n, p in net.named_parameters()}
+    mfsdp.fully_shard(net[0])
+    mfsdp.fully_shard(net)
+
+    def groups(model, dims):
+        named = list(model.named_parameters())
+        return [{"params": [p for n, p in named if dims(n, p) >= 2], "weight_decay": 0.5},
+                {"params": [p for n, p in named if dims(n, p) < 2], "weight_decay": 0.0}]
+
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
+    by_piece = torch.optim.AdamW(groups(net, lambda n, p: p.dim()), lr=0.1)
+    net(x[4 * rank:4 * rank + 4]).square().mean().backward()
+    expect_error(by_piece.step, ValueError, "has weight_decay=0.5 and no parameters", "'weight'",
+                 "choose them by name")
+    net.zero_grad()
+    ours = torch.optim.AdamW(groups(net, lambda n, p: ndim[n]), lr=0.1)
+    ref = torch.optim.AdamW(groups(plain, lambda n, p: p.dim()), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(10 + step))
+        net(x[4 * rank:4 * rank + 4]).square().mean().backward()
+        plain(x).square().mean().backward()
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    state = net.state_dict()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(state[name].full_tensor(), p.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return True

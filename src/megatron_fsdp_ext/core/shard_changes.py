@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .extension_points import gather_transform
 from .nonfinite import check_nonfinite_grads
+from .param_index import owner_of
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
@@ -64,6 +65,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
     if ours:
         _refuse_shape_dependent(optimizer)
+        _refuse_groups_by_piece_shape(optimizer)
     optimizer.__dict__[_ADOPTED] = (ours, len(optimizer.param_groups))
     if ours and not was_ours:
         convert_loaded_optimizer_state(optimizer)
@@ -87,6 +89,33 @@ def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
             "1-D piece of a parameter: its row/column factoring and its scaling by the parameter's RMS would "
             "see the piece, not the parameter, and train differently. Use an elementwise optimizer "
             "(AdamW, SGD, ...) with fully_shard")
+
+
+def _refuse_groups_by_piece_shape(optimizer: torch.optim.Optimizer) -> None:
+    """Param groups chosen by shape (nanoGPT's `decay = [p for p in params if p.dim() >= 2]`)
+    see each rank's 1-D piece after fully_shard: the decay group comes out empty and the
+    matrices land in the group without decay, training silently without weight decay.
+    Refused when the groups show exactly that: a group with weight decay and no parameters
+    beside a group without it that holds a sharded parameter of 2 or more dims."""
+    groups = optimizer.param_groups
+    empty = [i for i, g in enumerate(groups) if not g["params"] and g.get("weight_decay", 0)]
+    if not empty:
+        return
+    for g in groups:
+        if g.get("weight_decay", 0):
+            continue
+        for p in g["params"]:
+            state, index = owner_of(p)
+            if state is None:
+                continue
+            shape = tuple(state.unit.param_spec(index).shape)
+            if len(shape) >= 2:
+                raise ValueError(
+                    f"megatron_fsdp_ext: param group {empty[0]} of {type(optimizer).__name__} has weight_decay="
+                    f"{groups[empty[0]]['weight_decay']} and no parameters, while '{state.names[index]}' (shape "
+                    f"{shape}) is in a group without weight decay. Groups chosen by p.dim() or p.shape see each "
+                    f"rank's 1-D piece after fully_shard; choose them by name, or by shapes recorded before "
+                    f"fully_shard (README: Switch from FSDP2)")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the
