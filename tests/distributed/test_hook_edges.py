@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from harness import run_distributed
-from harness.workers import expect_error, gather_full_grads
+from harness.workers import TinyStack, expect_error, gather_full_grads
 
 
 class Tagged(torch.Tensor):
@@ -25,21 +25,9 @@ class _Block(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _sharded_and_plain(**root_options):
     torch.manual_seed(0)
-    plain = _Net()
+    plain = TinyStack(_Block)
     net = copy.deepcopy(plain)
     for b in net.blocks:
         mfsdp.fully_shard(b)

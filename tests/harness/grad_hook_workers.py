@@ -14,23 +14,11 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import TinyBlock, _full, device_for_backend, expect_error, gather_full_grads
+from .workers import TinyStack, _full, device_for_backend, expect_error, gather_full_grads
 
 STEPS = 3
 MICRO_BATCHES = 3  # "accumulate": the first two without gradient sync
 LR = 0.1
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([TinyBlock() for _ in range(3)])
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def _step_in_backward(model: nn.Module, calls: Dict[str, int]):
@@ -62,7 +50,7 @@ def optimizer_in_backward(rank: int, world: int, mode: str, chaos: bool = False)
     wrong values. Returns the largest relative parameter error against plain PyTorch."""
     device = device_for_backend()
     torch.manual_seed(0)
-    plain = _Net().to(device)
+    plain = TinyStack().to(device)
     initial = [p.detach().cpu().clone() for p in plain.parameters()]
     net = copy.deepcopy(plain)
     buckets = {"bucketed": 1 << 30}.get(mode, 0)
@@ -109,7 +97,7 @@ def hook_error_propagates(rank: int, world: int) -> bool:
     after it like plain PyTorch's."""
     device = device_for_backend()
     torch.manual_seed(0)
-    plain = _Net().to(device)
+    plain = TinyStack().to(device)
     net = copy.deepcopy(plain)
     for block in net.blocks:
         mfsdp.fully_shard(block)

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import device_for_backend, expect_error, gather_full_grads
+from .workers import TinyStack, device_for_backend, expect_error, gather_full_grads
 
 STEPS = 3
 PENALTY = 10.0
@@ -30,18 +30,6 @@ class _TanhBlock(nn.Module):
 
     def forward(self, x):
         return torch.tanh(self.lin(x))
-
-
-class _Critic(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([_TanhBlock() for _ in range(3)])
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def _batch(step: int, rank: int, kind: int, device) -> torch.Tensor:
@@ -84,7 +72,7 @@ def gradient_penalty(rank: int, world: int, mode: str, chaos: bool = False) -> b
     graph's gradients landed, or memory freed under that graph, gives wrong values."""
     device = device_for_backend()
     torch.manual_seed(0)
-    plain = _Critic().to(device)
+    plain = TinyStack(_TanhBlock).to(device)
     net = copy.deepcopy(plain)
     _shard(net, mode)
     ours_opt = torch.optim.SGD(net.parameters(), lr=LR)
@@ -125,7 +113,7 @@ def create_graph_into_parameters_is_refused(rank: int, world: int) -> bool:
     reduce-scatter can carry that graph, so it is refused by name; training goes on."""
     device = device_for_backend()
     torch.manual_seed(0)
-    plain = _Critic().to(device)
+    plain = TinyStack(_TanhBlock).to(device)
     net = copy.deepcopy(plain)
     _shard(net, "per_unit")
     expect_error(lambda: net(_batch(0, rank, 0, device)).sum().backward(create_graph=True),

@@ -33,6 +33,21 @@ class TinyBlock(nn.Module):
         return torch.relu(self.lin(x))
 
 
+class TinyStack(nn.Module):
+    """`depth` blocks of width 8 (`block()` each; a unit each in the tests that shard them)
+    and a Linear(8, 1) head."""
+
+    def __init__(self, block=TinyBlock, depth: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList([block() for _ in range(depth)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
 def device_for_backend() -> torch.device:
     """Where this rank's tensors live: as run_distributed(device=...) said, else cuda
     under NCCL and the CPU otherwise."""
