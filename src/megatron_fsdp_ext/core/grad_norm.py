@@ -260,7 +260,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     whole = dim is None and out is None
     if isinstance(x, PartialNormVector) and whole:
         return _reduce_vector(x, ord_f, dtype)
-    if isinstance(x, PartialNorm) and whole and type(x).domain is not None:
+    if isinstance(x, PartialNorm) and whole and x._is_partial():
         return _reduce_vector(_stack([x]), ord_f, dtype)
     if isinstance(x, ShardedGrad) and whole:
         with DisableTorchFunctionSubclass():
@@ -279,8 +279,7 @@ def _stack(tensors, dim=0, *, out=None):
         args, kwargs = _resolve_partials(((tensors, dim), {"out": out}))
         return _plain_call(torch.stack, args, kwargs)
     # A replicated gradient's norm (domain None) is global already: key None, as a plain value.
-    keys = [(type(t).domain, type(t).ord) if isinstance(t, PartialNorm) and type(t).domain is not None else None
-            for t in tensors]
+    keys = [(type(t).domain, type(t).ord) if isinstance(t, PartialNorm) and t._is_partial() else None for t in tensors]
     if any(k is not None for k in keys) and not all(isinstance(t, _NormValue) for t in tensors):
         _refuse_mixed("torch.stack of gradient norms")
     with DisableTorchFunctionSubclass():
@@ -340,7 +339,7 @@ def _resolve_partials(tree):
 
     def resolve(t):
         if isinstance(t, PartialNorm):
-            return _reduce_vector(_stack([t]), type(t).ord) if type(t).domain is not None else \
+            return _reduce_vector(_stack([t]), type(t).ord) if t._is_partial() else \
                 torch.Tensor.as_subclass(t, torch.Tensor)
         if isinstance(t, PartialNormVector):
             return _resolve_vector_elements(t)

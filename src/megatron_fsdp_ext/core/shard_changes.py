@@ -74,8 +74,8 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     return ours
 
 
-def _shape_dependent_optimizers() -> tuple:
-    return tuple(c for c in (getattr(torch.optim, "Adafactor", None),) if c is not None)
+# Optimizers whose update reads a parameter's shape or whole RMS (torch has Adafactor from 2.5).
+_SHAPE_DEPENDENT = tuple(c for c in (getattr(torch.optim, "Adafactor", None),) if c is not None)
 
 
 def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
@@ -83,7 +83,7 @@ def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
     factors the second moment of a matrix into rows and columns, and scales by the
     parameter's RMS) would step each rank's 1-D piece as a different, smaller parameter:
     refused on every rank at its first step (FSDP2 fails on such an optimizer too)."""
-    if isinstance(optimizer, _shape_dependent_optimizers()):
+    if isinstance(optimizer, _SHAPE_DEPENDENT):
         raise NotImplementedError(
             f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, which are each rank's "
             "1-D piece of a parameter: its row/column factoring and its scaling by the parameter's RMS would "
