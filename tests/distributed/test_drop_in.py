@@ -65,5 +65,6 @@ def test_gradient_norms_as_fsdp2_users_write_them():
     assert run_distributed(w.norm_patterns, 2, timeout=120) == [True, True]
 
 
-def test_optimizer_groups_by_the_pieces_shape_are_refused_and_groups_by_name_train():
-    assert run_distributed(w.weight_decay_groups, 2, timeout=120) == [True, True]
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_code_that_decides_by_shape_sees_the_parameters_shape(world):
+    assert run_distributed(w.shape_choices, world, timeout=180) == [True] * world

@@ -109,6 +109,13 @@ def _misuse(rank, world):
     # differently, so it is refused at its first step (on every rank alike).
     factored = torch.optim.Adafactor(m.parameters(), lr=0.01)
     expect_error(factored.step, NotImplementedError, "Adafactor holds fully_shard parameters", "1-D piece")
+    # Muon accepts the matrices (they report their 2-D shapes) but would orthogonalize
+    # pieces; LBFGS's dot products and stopping tests would be each rank's own.
+    muon = torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.01)
+    expect_error(muon.step, NotImplementedError, "Muon holds fully_shard parameters", "LayerwiseDistributedOptimizer")
+    lbfgs = torch.optim.LBFGS(m.parameters())
+    expect_error(lambda: lbfgs.step(lambda: m(torch.randn(3, 4)).sum()), NotImplementedError,
+                 "LBFGS holds fully_shard parameters", "numbers of closure calls")
     late = torch.optim.AdamW(m.parameters(), lr=0.1)
     before = [p.detach().clone() for p in m.parameters()]
     late.step()

@@ -28,7 +28,7 @@ def _specs_match(rank, world, param_dtype):
         assert spec.shape == tuple(full.shape) and spec.numel == full.numel(), (name, spec)
         assert spec.dtype == torch.float32 and spec.gather_dtype == (param_dtype or torch.float32), spec
         assert spec.transform == unit.gather_transform and spec.storage_device == unit.device, spec
-        assert spec.slice.numel == shard.numel(), (spec, shard.shape)
+        assert spec.slice.numel == shard.detach().numel() and shard.shape == spec.shape, (spec, shard.detach().shape)
         piece = unit.local_piece(list(reference).index(name), full)
         assert torch.equal(piece, shard.detach()), name
         assert torch.equal(piece, full.reshape(-1)[spec.slice.param_offset: spec.slice.param_offset + spec.slice.numel])

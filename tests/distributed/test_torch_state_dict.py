@@ -329,7 +329,7 @@ def _plain_load_and_refusals(rank, world):
     # local_state_dict(): this rank's shards as they are, loadable back in that mode only
     with mfsdp.local_state_dict():
         raw = model.state_dict()
-        assert raw["emb.weight"].dim() == 1 and raw["emb.weight"].numel() == local["emb.weight"].numel()
+        assert raw["emb.weight"].dim() == 1 and raw["emb.weight"].numel() == local["emb.weight"].detach().numel()
         model.load_state_dict(raw)
     return True
 
@@ -352,7 +352,7 @@ def _rows_exchanged_not_gathered(rank, world):
     _C.reset_collective_counts()
     sd, osd = model.state_dict(), opt.state_dict()
     counts = dict(_C.collective_counts())
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(p.detach().numel() for p in model.parameters())
     assert counts["all_to_all"][0] > 0, counts
     # Parameters and two moments: each rank sends its own elements once, plus the tiny
     # agreement on the optimizer's state keys; a gather would receive world x as much.

@@ -47,7 +47,7 @@ def identity(rank, world):
     handle.wait()
     assert model[0].weight.shape == (32, 16)
     model[0].reshard()
-    assert model[0].weight.dim() == 1
+    assert model[0].weight.detach().dim() == 1
 
     # torch's own register_fsdp_forward_method drives our unit (no longer a no-op).
     class Scorer(nn.Sequential):
@@ -62,7 +62,7 @@ def identity(rank, world):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         torch.testing.assert_close(scorer.score(x), ref(x).sum(dim=-1))
-    assert scorer[2].weight.dim() == 1, "the root must be released after the registered method"
+    assert scorer[2].weight.detach().dim() == 1, "the root must be released after the registered method"
 
     for call, match in ((lambda: model.set_reduce_scatter_max_input_buffers(2), "max_input_buffers"),
                         (lambda: model.set_separate_reduce_scatter_group(True), "create_all_gather_group"),
@@ -179,7 +179,7 @@ def dtensor_face(rank, world, layout, strategy, titan=True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import Replicate, Shard
 
-    from megatron_fsdp_ext.core.dtensor_face import FlatShard, is_dtensor
+    from megatron_fsdp_ext.core.dtensor_face import FlatShard, is_dtensor, local_numel
     from megatron_fsdp_ext.core.sharded_param import ShardedParameter
 
     def plain_before_backward(model):
@@ -207,10 +207,16 @@ def dtensor_face(rank, world, layout, strategy, titan=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"grad of {name}: {m}")
         kept = copy.deepcopy(p.grad)  # still this rank's piece, still a DTensor to FSDP2's code
-        assert type(kept) is type(p.grad) and (kept.numel() == 0 or kept.data_ptr() != p.grad.data_ptr()), name
+        assert type(kept) is type(p.grad) and (local_numel(kept) == 0 or kept.data_ptr() != p.grad.data_ptr()), name
         assert torch.equal(kept.to_local(), p.grad.to_local()), name
         local = p.grad.to_local()
-        assert type(local) is torch.Tensor and local.shape == p.shape and local.data_ptr() == p.grad.data_ptr(), name
+        assert type(local) is torch.Tensor and local.dim() == 1 and local.numel() == local_numel(p), name
+        assert local.data_ptr() == p.grad.data_ptr(), name
+        # Shape queries answer the parameter's shape, FSDP2's, for parameters and gradients.
+        for ours_t, theirs_t in ((p, q), (p.grad, q.grad)):
+            got = (ours_t.shape, ours_t.size(), ours_t.dim(), ours_t.ndim, ours_t.numel(), len(ours_t))
+            want = (theirs_t.shape, theirs_t.size(), theirs_t.dim(), theirs_t.ndim, theirs_t.numel(), len(theirs_t))
+            assert got == want, (name, got, want)
         with pytest.raises(NotImplementedError, match="redistribute"):
             p.redistribute(mesh, p.placements)
         with pytest.raises(AttributeError, match="fully_shard"):
@@ -373,41 +379,75 @@ def norm_patterns(rank: int, world: int) -> bool:
     return True
 
 
-def weight_decay_groups(rank: int, world: int) -> bool:
-    """nanoGPT's optimizer groups (weight decay for p.dim() >= 2) built after fully_shard
-    see 1-D pieces: the empty decay group beside sharded matrices without decay is refused
-    at the first step. Groups by name with the dims recorded before sharding (the README's
-    way) train as plain PyTorch with the same groups."""
+def shape_choices(rank: int, world: int) -> bool:
+    """Code that decides by a parameter's shape after fully_shard sees the parameter, as
+    FSDP2's DTensors show it: nanoGPT's weight-decay groups (`p.dim() >= 2`) and Megatron's
+    no-decay rule (`len(p.shape) == 1`) train exactly as plain PyTorch with the same rule,
+    gradients and parameters compared every step; nn.init's fan-in is the parameter's;
+    parameter counts are the model's; printing shows the shape and this rank's piece;
+    code that shapes the piece by the reported shape fails loudly."""
+    from megatron_fsdp_ext.core.dtensor_face import local_numel, local_shape
+
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 3))
-    net = copy.deepcopy(plain)
-    ndim = {n: p.dim() for n, p in net.named_parameters()}
-    mfsdp.fully_shard(net[0])
-    mfsdp.fully_shard(net)
+    plain = nn.Sequential(nn.Linear(8, 13), nn.LayerNorm(13), nn.Tanh(), nn.Linear(13, 3))
+    count = sum(p.numel() for p in plain.parameters())
+    rules = {"nanoGPT": lambda p: p.dim() >= 2, "Megatron": lambda p: len(p.shape) != 1}
+    for rule, decays in rules.items():
+        ref, net = copy.deepcopy(plain), copy.deepcopy(plain)
+        mfsdp.fully_shard(net[0])
+        mfsdp.fully_shard(net[3])
+        mfsdp.fully_shard(net)
+        assert sum(p.numel() for p in net.parameters()) == count, rule
+        pieces = torch.tensor([sum(local_numel(p) for p in net.parameters())])
+        dist.all_reduce(pieces)
+        assert int(pieces) == count, "the pieces must still be this rank's share"
 
-    def groups(model, dims):
-        named = list(model.named_parameters())
-        return [{"params": [p for n, p in named if dims(n, p) >= 2], "weight_decay": 0.5},
-                {"params": [p for n, p in named if dims(n, p) < 2], "weight_decay": 0.0}]
+        def groups(model):
+            params = list(model.parameters())
+            return [{"params": [p for p in params if decays(p)], "weight_decay": 0.5},
+                    {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
 
-    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
-    by_piece = torch.optim.AdamW(groups(net, lambda n, p: p.dim()), lr=0.1)
-    net(x[4 * rank:4 * rank + 4]).square().mean().backward()
-    expect_error(by_piece.step, ValueError, "has weight_decay=0.5 and no parameters", "'weight'",
-                 "choose them by name")
-    net.zero_grad()
-    ours = torch.optim.AdamW(groups(net, lambda n, p: ndim[n]), lr=0.1)
-    ref = torch.optim.AdamW(groups(plain, lambda n, p: p.dim()), lr=0.1)
-    for step in range(2):
-        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(10 + step))
-        net(x[4 * rank:4 * rank + 4]).square().mean().backward()
-        plain(x).square().mean().backward()
-        ours.step()
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
-    state = net.state_dict()
-    for name, p in plain.named_parameters():
-        torch.testing.assert_close(state[name].full_tensor(), p.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        ours, theirs = torch.optim.AdamW(groups(net), lr=0.1), torch.optim.AdamW(groups(ref), lr=0.1)
+        assert [len(g["params"]) for g in ours.param_groups] == [2, 4], (rule, ours.param_groups)
+        for step in range(3):
+            x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(10 + step))
+            net(x[4 * rank:4 * rank + 4]).square().mean().backward()
+            ref(x).square().mean().backward()
+            for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+                assert p.grad.shape == q.grad.shape and p.grad.dim() == q.grad.dim(), (rule, name)
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, name=name: f"{rule}, step {step}, grad of {name}: {m}")
+            ours.step()
+            theirs.step()
+            ours.zero_grad()
+            theirs.zero_grad()
+        state = net.state_dict()
+        for name, q in ref.named_parameters():
+            torch.testing.assert_close(state[name].full_tensor(), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{rule}, {name}: {m}")
+
+    # nn.init reads the fan-in from the shape: the parameter's (64), not the piece's (on a
+    # 1-D piece it refuses: "fewer than 2 dimensions"). The unit sees the in-place write.
+    lin = mfsdp.fully_shard(nn.Linear(64, 32))
+    w = lin.weight
+    assert (w.shape, w.size(), w.size(-1), w.dim(), w.ndim, w.numel(), len(w)) == \
+        ((32, 64), (32, 64), 64, 2, 2, 2048, 32)
+    assert len(local_shape(w)) == 1 and (world == 1 or local_shape(w)[0] < 2048), local_shape(w)
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        nn.init.kaiming_uniform_(w, a=5 ** 0.5)  # bound sqrt(1 / fan_in) = 1/8
+    full, bias = w.full_tensor(), lin.bias.full_tensor()
+    assert 0.12 < float(full.abs().max()) <= 0.125, float(full.abs().max())
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(lin(x), x @ full.T + bias)
+    lin.reshard()
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        w.size(2)
+    # Printing shows what it is, piece and shape; shaping the piece by the shape is loud.
+    assert "shape=(32, 64)" in repr(w) and "this rank's piece" in str(w), repr(w)
+    if world > 1:
+        with pytest.raises(RuntimeError):
+            w.view(w.shape)
+    lin(x).sum().backward()
+    assert "shape=(32, 64)" in repr(lin.weight.grad) and lin.weight.grad.shape == (32, 64)
     return True

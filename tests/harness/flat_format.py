@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from megatron_fsdp_ext.checkpoint.reader import encode_json
+from megatron_fsdp_ext.core.dtensor_face import local_shape
 from megatron_fsdp_ext.checkpoint.dcp_flat import model_entries, optimizer_param_names, param_shapes, sharded_param_ranges
 
 
@@ -22,7 +23,7 @@ def flat_state_dict(module: nn.Module, optimizer=None) -> dict:
         for p, name in zip(g["params"], names):
             info = infos.get(id(p))
             for key, value in optimizer.state.get(p, {}).items():
-                shard_shaped = info is not None and value.shape == p.shape and value.dim() == 1 \
+                shard_shaped = info is not None and value.shape == local_shape(p) and value.dim() == 1 \
                     if hasattr(value, "shape") else False
                 sd[f"optim.state.{name}.{key}"] = info.wrap(value) if shard_shaped else value
     sd["optim.param_groups"] = encode_json(groups_meta)

@@ -47,7 +47,7 @@ def check_local_shards(model: nn.Module, ref: nn.Module) -> int:
     for name, p in model.named_parameters():
         _, _, piece = shard_piece(p)
         want = ref.get_parameter(name).detach().reshape(-1)[piece.param_offset: piece.param_offset + piece.numel]
-        assert p.shape == want.shape and torch.equal(p.detach(), want), (
+        assert p.detach().shape == want.shape and torch.equal(p.detach(), want), (
             f"'{name}': local shard differs from the directly built model's slice "
             f"(max abs diff {(p.detach().float() - want.float()).abs().max().item():.3e})")
         checked += piece.numel
@@ -64,8 +64,8 @@ def deferred_init_parity(rank: int, world: int, opts: Dict) -> Dict:
     model = _meta_sharded(cfg, opts)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), device=device)
     for p in model.parameters():
-        assert p.device == device and p.dim() == 1, f"shard on {p.device}, {p.dim()}-D"
-        assert p.numel() == 0 or bool(torch.isnan(p).all()), "a deferred shard must hold NaN until materialized"
+        assert p.device == device and p.detach().dim() == 1, f"shard on {p.device}, {p.detach().dim()}-D"
+        assert p.detach().numel() == 0 or bool(torch.isnan(p).all()), "a deferred shard must hold NaN until materialized"
     expect_error(lambda: model(tokens), RuntimeError, "meta device", "materialize")
     expect_error(lambda: mfsdp.full_state_dict(model), RuntimeError, "meta device", "materialize")
     expect_error(lambda: model.state_dict(), RuntimeError, "meta device", "materialize")
@@ -108,7 +108,7 @@ def init_one_module_at_a_time(rank: int, world: int) -> Dict:
         own = {id(p) for p in module.parameters(recurse=False)}
         for name, p in model.named_parameters():
             if id(p) not in own:
-                assert p.dim() == 1 and hasattr(p, "_mfsdp_owner"), (
+                assert p.detach().dim() == 1 and hasattr(p, "_mfsdp_owner"), (
                     f"'{name}' is full size while '{type(module).__name__}' initializes")
         largest[0] = max(largest[0], sum(p.numel() for p in module.parameters(recurse=False)))
         module.reset_parameters()

@@ -210,6 +210,9 @@ def moe_vs_fsdp2(rank: int, world: int, ep: int, replicate: int = 1, factor: Opt
     ours = run("ours", rank, world, ep, replicate, factor, steps)
     worst = _worst_differences(ours, theirs)
     assert ours["placements"] == theirs["placements"], (ours["placements"], theirs["placements"])
+    # Dense and expert parameters report FSDP2's shapes (the experts' across ep ranks).
+    shapes = [{n: (tuple(p.shape), p.dim(), p.numel()) for n, p in r["model"].named_parameters()} for r in (ours, theirs)]
+    assert shapes[0] == shapes[1], shapes
     assert worst["loss"] < 1e-6 and worst["norm"] < 1e-5, (worst, ours["norms"], theirs["norms"])
     assert worst["grad"] < 1e-5 and worst["param"] < 1e-6, worst
     local = (EXPERTS // ep, HIDDEN, DIM)

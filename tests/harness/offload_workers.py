@@ -36,7 +36,7 @@ def offloaded_model(param_dtype=None, pin_memory=True, meta=False):
 def _grad_base(state) -> int:
     """Where the host buffer behind a unit's .grad views starts."""
     ptrs = {p.grad.data_ptr() - 4 * spec.slice.shard_offset
-            for p, spec in zip(state.sharded_params, state.unit.param_specs) if p.grad is not None and p.grad.numel() > 0}
+            for p, spec in zip(state.sharded_params, state.unit.param_specs) if p.grad is not None and p.grad.detach().numel() > 0}
     assert len(ptrs) == 1, ptrs
     return ptrs.pop()
 

@@ -249,7 +249,7 @@ def ignored_params_clip_and_state_dicts(rank: int, world: int) -> Dict:
         assert params[name] is p, f"ignored '{name}' was replaced"
         assert p.shape == ref_global.get_parameter(name).shape, f"ignored '{name}' lost its full shape"
         assert getattr(p, "_mfsdp_owner", None) is None, f"ignored '{name}' belongs to a unit"
-    sharded_numel = torch.tensor([sum(p.numel() for n, p in params.items() if n not in ignored)], device=device)
+    sharded_numel = torch.tensor([sum(p.detach().numel() for n, p in params.items() if n not in ignored)], device=device)
     dist.all_reduce(sharded_numel)
     expected_numel = sum(p.numel() for n, p in ref_global.named_parameters() if n not in ignored)
     assert sharded_numel.item() == expected_numel, "the other parameters must be sharded exactly once"

@@ -554,10 +554,12 @@ def api_semantics(rank: int, world: int) -> None:
     cfg, model, ref = build_models({"layers": 2}, device)
     shard(model, {})
     block = model.blocks[0]
-    # Outside forward: sharded 1-D parameters, which together hold each parameter once.
-    for p in model.parameters():
-        assert p.dim() == 1, "sharded parameters must be 1-D shards"
-    local = sum(p.numel() for p in model.parameters())
+    # Outside forward: sharded parameters, 1-D pieces that report the parameter's shape and
+    # together hold each parameter once.
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.detach().dim() == 1, "sharded parameters must be 1-D pieces"
+        assert p.shape == q.shape and p.numel() == q.numel(), (name, p.shape, q.shape)
+    local = sum(p.detach().numel() for p in model.parameters())
     total = torch.tensor([local], device=device)
     dist.all_reduce(total)
     assert total.item() == sum(p.numel() for p in ref.parameters())
@@ -569,7 +571,7 @@ def api_semantics(rank: int, world: int) -> None:
         assert p.shape == q.shape, f"{name}: {p.shape} vs {q.shape}"
         assert torch.equal(p.detach(), q.detach()), f"{name} differs after unshard"
     block.reshard()
-    assert all(p.dim() == 1 for p in block.parameters())
+    assert all(p.detach().dim() == 1 for p in block.parameters())
     handle = block.unshard(async_op=True)
     handle.wait()
     assert block.mlp.w_down.weight.shape == ref.blocks[0].mlp.w_down.weight.shape

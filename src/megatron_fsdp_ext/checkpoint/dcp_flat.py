@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core.agree import Agreement, failures, listing
+from ..core.dtensor_face import local_shape
 from .files import CheckpointError, no_manifest_message
 from .reader import (SafeFileSystemReader, SafeLoadPlanner, decode_json, decode_legacy_pickle,
                                 decode_object, encode_object)
@@ -379,7 +380,7 @@ def _plan_optimizer(plan: _Plan, small: dict, optimizer, path: str) -> None:
                 raise CheckpointError(f"load_checkpoint({path}): '{key}' claims shape {tuple(size)} in "
                                       f"{plan.meta_file}, more than the checkpoint's data files hold ({plan.data_bytes} bytes)")
             if info is not None and len(size) == 1 and size[0] == info.full_numel:
-                local[key] = torch.empty(p.shape, dtype=dtype, device=p.device)
+                local[key] = torch.empty(local_shape(p), dtype=dtype, device=p.device)
                 target[key] = info.wrap(local[key])
             elif info is not None and len(size) == 1 and size[0] > 1:
                 raise ValueError(f"load_checkpoint: '{key}' holds {size[0]} elements in {plan.meta_file}, but the "

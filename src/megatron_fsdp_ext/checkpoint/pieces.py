@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .reader import SafeFileSystemReader, load_weights_only
-from ..core.dtensor_face import is_dtensor
+from ..core.dtensor_face import is_dtensor, local_numel
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes) in the full tensor
 
@@ -96,7 +96,7 @@ def piece_targets(flat: Dict[str, Any], made: Dict[int, tuple]) -> Optional[Dict
             continue
         _, state, index = entry
         spec = state.unit.param_spec(index)
-        if tp_spec_of(state, index) is not None or spec.slice.numel != state.unit.sharded_param(index).numel():
+        if tp_spec_of(state, index) is not None or spec.slice.numel != local_numel(state.unit.sharded_param(index)):
             return None
         local = value.to_local() if is_dtensor(value) else value
         piece = torch.empty(spec.slice.numel, dtype=local.dtype, device=local.device)

@@ -24,7 +24,10 @@ retyped in place). They carry this face instead:
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch._guards
 from torch._C import DisableTorchFunctionSubclass
 from torch.distributed.tensor import DTensor, Shard
 
@@ -40,6 +43,82 @@ class FlatShard(Shard):
 
     def __str__(self) -> str:
         return f"FS({self.dim})"
+
+
+_tracing_context = torch._guards.TracingContext.try_get
+
+# Tensor's own shape getter, which LogicalShape shadows: the size of the storage view.
+_TENSOR_SHAPE = torch._C.TensorBase.__dict__["shape"]
+
+
+def local_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of `t` itself: for a sharded parameter or gradient (LogicalShape), this
+    rank's 1-D piece, not the parameter's shape it reports."""
+    return _TENSOR_SHAPE.__get__(t, type(t))
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """The number of elements of `t` itself (this rank's piece; see local_shape)."""
+    return torch._C.TensorBase.numel(t)
+
+
+class LogicalShape:
+    """Shape queries answered with the parameter's shape, as FSDP2's DTensor parameters
+    and gradients answer them: `shape`, `size()`, `dim()` / `ndimension()`, `ndim`,
+    `numel()` / `nelement()`, and so `len()`. Code that decides by shape sees the
+    parameter, not this rank's 1-D piece: weight decay for `p.dim() >= 2` (nanoGPT),
+    Megatron's `len(p.shape) == 1` no-decay rule, nn.init's fan-in, parameter counts.
+
+    Values are still the piece's: every op, `.data`, `.detach()`, `to_local()`, C++ and
+    torch's optimizer kernels see the storage as it is (`local_shape`, `local_numel`), so
+    code that shapes values by these answers (`p.view(p.shape)`) fails loudly, as with a
+    DTensor. A subclass gives the shape in `_logical_shape()`. Listed before torch.Tensor
+    among the bases, so that these shadow Tensor's own."""
+
+    __slots__ = ()
+
+    def _logical_shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    def _reported_shape(self) -> torch.Size:
+        # torch.compile reads tensors' metadata through these same Python methods while it
+        # traces (and pairs it with the storage's strides): it must see the storage as it
+        # is, the shape its compiled code will run on.
+        if _tracing_context() is not None:
+            return local_shape(self)
+        return self._logical_shape()
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._reported_shape()
+
+    def size(self, dim=None):
+        shape = self._reported_shape()
+        if dim is None:
+            return shape
+        if not -len(shape) <= dim < len(shape):
+            raise IndexError(f"Dimension out of range (the parameter has shape {tuple(shape)}; got dim {dim})")
+        return shape[dim]
+
+    def dim(self) -> int:
+        return len(self._reported_shape())
+
+    ndimension = dim
+
+    @property
+    def ndim(self) -> int:
+        return len(self._reported_shape())
+
+    def numel(self) -> int:
+        return math.prod(self._reported_shape())
+
+    nelement = numel
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        # torch's printing indexes by the reported shape: show the piece as what it is.
+        with DisableTorchFunctionSubclass():
+            piece = torch.Tensor.detach(self)
+        return f"{type(self).__name__}(shape={tuple(self._logical_shape())}, this rank's piece={piece!r})"
 
 
 def is_dtensor(t) -> bool:
@@ -83,7 +162,7 @@ class DTensorFace:
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's flat piece (a view: in-place writes land in it)."""
         with DisableTorchFunctionSubclass():
-            return torch.Tensor.view(self, self.shape)
+            return torch.Tensor.view(self, local_shape(self))
 
     @property
     def _local_tensor(self) -> torch.Tensor:

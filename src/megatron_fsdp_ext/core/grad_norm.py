@@ -39,7 +39,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils import _foreach_utils
 
 from . import state_dict
-from .dtensor_face import DTensorFace
+from .dtensor_face import DTensorFace, LogicalShape, local_numel
 
 
 class ReductionDomain:
@@ -65,15 +65,25 @@ class ReductionDomain:
         return f"ReductionDomain(ranks={self.ranks}, device={self.device})"
 
 
-class ShardedGrad(torch.Tensor, DTensorFace):
+class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
     """A gradient piece of a sharded parameter (see the module docstring). Subclasses,
-    one per ReductionDomain and DTensor layout, carry them as `domain` (None: replicated)
-    and `layout` (mesh, placements); `owners` are weak references to the unit states
-    whose gradients take the class (for full_tensor())."""
+    one per ReductionDomain, DTensor layout and parameter shape, carry them as `domain`
+    (None: replicated), `layout` (mesh, placements) and `face_shape` (what shape queries
+    answer: LogicalShape); `owners` are weak references to the unit states whose
+    gradients take the class (for full_tensor())."""
 
     domain: Optional[ReductionDomain] = None
     layout: tuple = (None, ())
+    face_shape: torch.Size = torch.Size()
     owners: list = []
+
+    def _logical_shape(self) -> torch.Size:
+        return type(self).face_shape
+
+    def __reduce_ex__(self, protocol):
+        # Pickles as what it holds: this rank's piece, a plain tensor.
+        with DisableTorchFunctionSubclass():
+            return torch.Tensor.detach(self).__reduce_ex__(protocol)
 
     def _face_layout(self):
         return type(self).layout
@@ -187,12 +197,14 @@ _NORM_CLASSES: Dict[tuple, type] = {}
 _DOMAINS: Dict[tuple, ReductionDomain] = {}
 
 
-def grad_class(groups: Sequence[dist.ProcessGroup], device, layout: tuple = (None, ())) -> type:
+def grad_class(groups: Sequence[dist.ProcessGroup], device, layout: tuple = (None, ()),
+               shape: Sequence[int] = ()) -> type:
     """The ShardedGrad subclass of the domain split over `groups` (in this order; none:
     replicated) whose collectives run on `device`, presenting `layout` (mesh, placements)
-    as a DTensor; one class per domain and layout, created once."""
+    as a DTensor and `shape` as its shape; one class per domain, layout and shape, created once."""
     domain_key = (tuple(groups), str(torch.device(device)))
-    key = domain_key + (layout,)
+    shape = torch.Size(shape)
+    key = domain_key + (layout, shape)
     cls = _GRAD_CLASSES.get(key)
     if cls is None:
         domain = None
@@ -200,8 +212,8 @@ def grad_class(groups: Sequence[dist.ProcessGroup], device, layout: tuple = (Non
             domain = _DOMAINS.get(domain_key)
             if domain is None:
                 domain = _DOMAINS[domain_key] = ReductionDomain(tuple(groups), device)
-        cls = type("ShardedGrad", (ShardedGrad,), {"domain": domain, "layout": layout, "owners": [],
-                                                   "__module__": __name__})
+        cls = type("ShardedGrad", (ShardedGrad,), {"domain": domain, "layout": layout, "face_shape": shape,
+                                                   "owners": [], "__module__": __name__})
         _GRAD_CLASSES[key] = cls
         # torch's clip and get_total_norm take their foreach path only for tensor types
         # registered here (DTensor registers itself the same way).
@@ -243,7 +255,7 @@ def _foreach_norm(tensors, ord=2, dtype=None):
     with DisableTorchFunctionSubclass():
         # An empty piece (a rank holding none of a parameter) has norm 0; torch refuses
         # the inf-norm of an empty tensor.
-        live = [i for i, t in enumerate(tensors) if t.numel() > 0]
+        live = [i for i, t in enumerate(tensors) if local_numel(t) > 0]
         norms = torch._foreach_norm([tensors[i] for i in live], ord, dtype=dtype) if live else []
         out = []
         by_index = dict(zip(live, norms))
@@ -264,7 +276,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         return _reduce_vector(_stack([x]), ord_f, dtype)
     if isinstance(x, ShardedGrad) and whole:
         with DisableTorchFunctionSubclass():
-            n = (torch.linalg.vector_norm(x, ord, dtype=dtype) if x.numel() > 0
+            n = (torch.linalg.vector_norm(x, ord, dtype=dtype) if local_numel(x) > 0
                  else torch.zeros((), dtype=dtype or x.dtype, device=x.device))
         return _as_partial(n, x, ord_f)
     args, kwargs = _resolve_partials(((x, ord, dim, keepdim), {"dtype": dtype, "out": out}))
@@ -274,7 +286,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
 def _stack(tensors, dim=0, *, out=None):
     tensors = list(tensors)
     with DisableTorchFunctionSubclass():
-        scalars = all(t.dim() == 0 for t in tensors)
+        scalars = all(torch._C.TensorBase.dim(t) == 0 for t in tensors)
     if out is not None or dim != 0 or not scalars:
         args, kwargs = _resolve_partials(((tensors, dim), {"out": out}))
         return _plain_call(torch.stack, args, kwargs)
@@ -402,7 +414,7 @@ def unit_grad_types(state) -> list:
         spec = tp.specs.get(i) if tp is not None else None
         if spec is not None and spec.sharded:
             groups = dp + (tp.tp_group,)
-        types.append(grad_class(groups, unit.device, state_dict.face_layout(state, i)))
+        types.append(grad_class(groups, unit.device, state_dict.face_layout(state, i), state_dict.face_shape(state, i)))
     for cls in set(types):
         cls.owners[:] = [ref for ref in cls.owners if ref() is not None and ref() is not state] + [weakref.ref(state)]
     return types

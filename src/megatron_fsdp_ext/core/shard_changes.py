@@ -22,7 +22,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .extension_points import gather_transform
 from .nonfinite import check_nonfinite_grads
-from .param_index import owner_of
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
@@ -64,8 +63,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     was_ours = seen is not None and seen[0]
     ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
     if ours:
-        _refuse_shape_dependent(optimizer)
-        _refuse_groups_by_piece_shape(optimizer)
+        _refuse_whole_parameter_optimizers(optimizer)
     optimizer.__dict__[_ADOPTED] = (ours, len(optimizer.param_groups))
     if ours and not was_ours:
         convert_loaded_optimizer_state(optimizer)
@@ -74,48 +72,32 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     return ours
 
 
-# Optimizers whose update reads a parameter's shape or whole RMS (torch has Adafactor from 2.5).
-_SHAPE_DEPENDENT = tuple(c for c in (getattr(torch.optim, "Adafactor", None),) if c is not None)
+# Optimizers whose update needs a whole parameter, or every parameter's values at once,
+# and would take each rank's piece for it. Each maps to why.
+_WHOLE_PARAMETER = {
+    name: why for name, why in (
+        ("Adafactor", "its row/column factoring of the second moment and its scaling by the parameter's RMS "
+                      "would see the piece, not the parameter"),
+        ("Muon", "its Newton-Schulz orthogonalization needs each matrix's whole gradient; for Muon use "
+                 "megatron_fsdp_ext.layerwise.LayerwiseDistributedOptimizer on a replicated model"),
+        ("LBFGS", "its dot products and convergence tests over all parameters would be each rank's own, so "
+                  "ranks would take different steps and different numbers of closure calls"),
+    ) if getattr(torch.optim, name, None) is not None
+}
+_WHOLE_PARAMETER_TYPES = tuple(getattr(torch.optim, name) for name in _WHOLE_PARAMETER)
 
 
-def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer whose update depends on a parameter's shape or its whole RMS (Adafactor
-    factors the second moment of a matrix into rows and columns, and scales by the
-    parameter's RMS) would step each rank's 1-D piece as a different, smaller parameter:
-    refused on every rank at its first step (FSDP2 fails on such an optimizer too)."""
-    if isinstance(optimizer, _SHAPE_DEPENDENT):
+def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that computes on a whole parameter (its shape, its RMS, its matrix) or
+    on all parameters together would step each rank's piece as a different parameter:
+    refused on every rank at its first step (FSDP2's DTensors fail on them too, or run
+    them with a collective per op)."""
+    if isinstance(optimizer, _WHOLE_PARAMETER_TYPES):
+        name = next(n for n in _WHOLE_PARAMETER if isinstance(optimizer, getattr(torch.optim, n)))
         raise NotImplementedError(
-            f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, which are each rank's "
-            "1-D piece of a parameter: its row/column factoring and its scaling by the parameter's RMS would "
-            "see the piece, not the parameter, and train differently. Use an elementwise optimizer "
-            "(AdamW, SGD, ...) with fully_shard")
-
-
-def _refuse_groups_by_piece_shape(optimizer: torch.optim.Optimizer) -> None:
-    """Param groups chosen by shape (nanoGPT's `decay = [p for p in params if p.dim() >= 2]`)
-    see each rank's 1-D piece after fully_shard: the decay group comes out empty and the
-    matrices land in the group without decay, training silently without weight decay.
-    Refused when the groups show exactly that: a group with weight decay and no parameters
-    beside a group without it that holds a sharded parameter of 2 or more dims."""
-    groups = optimizer.param_groups
-    empty = [i for i, g in enumerate(groups) if not g["params"] and g.get("weight_decay", 0)]
-    if not empty:
-        return
-    for g in groups:
-        if g.get("weight_decay", 0):
-            continue
-        for p in g["params"]:
-            state, index = owner_of(p)
-            if state is None:
-                continue
-            shape = tuple(state.unit.param_spec(index).shape)
-            if len(shape) >= 2:
-                raise ValueError(
-                    f"megatron_fsdp_ext: param group {empty[0]} of {type(optimizer).__name__} has weight_decay="
-                    f"{groups[empty[0]]['weight_decay']} and no parameters, while '{state.names[index]}' (shape "
-                    f"{shape}) is in a group without weight decay. Groups chosen by p.dim() or p.shape see each "
-                    f"rank's 1-D piece after fully_shard; choose them by name, or by shapes recorded before "
-                    f"fully_shard (README: Switch from FSDP2)")
+            f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, whose values are each "
+            f"rank's 1-D piece of a parameter: {_WHOLE_PARAMETER[name]}, and train differently. Use an "
+            "elementwise optimizer (AdamW, SGD, ...) with fully_shard")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the

@@ -15,6 +15,10 @@ Between its unit's backward and the optimizer step it presents itself as a DTens
 FSDP2's parameters are (dtensor_face.py): `isinstance(p, DTensor)`, `p.device_mesh`,
 `p.placements`, `p.full_tensor()`, `p.to_local()` (refused inside that window: below).
 
+It reports the parameter's shape (`shape`, `size()`, `dim()`, `numel()`: LogicalShape in
+dtensor_face.py), as FSDP2's DTensor parameters do, so code that groups or initializes by
+shape sees the parameter; its values are this rank's 1-D piece.
+
 Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data = x`
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
@@ -25,15 +29,25 @@ from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
 from . import state_dict
-from .dtensor_face import DTensorFace
+from .dtensor_face import DTensorFace, LogicalShape, local_shape
 from .param_index import owner_of
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
-class ShardedParameter(nn.Parameter, DTensorFace):
+class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     """A sharded parameter of a fully_shard unit (see the module docstring)."""
+
+    def _logical_shape(self) -> torch.Size:
+        shape = self.__dict__.get("_mfsdp_face_shape")
+        if shape is None:
+            state, index = owner_of(self)
+            if state is None:
+                # A copy (deepcopy) or a parameter whose unit is gone: the piece is all it is.
+                return local_shape(self)
+            shape = self.__dict__["_mfsdp_face_shape"] = state_dict.face_shape(state, index)
+        return shape
 
     def _owner(self):
         state, index = owner_of(self)

@@ -37,7 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import _C
 from . import backends
 from .agree import digest_differs
-from .dtensor_face import FlatShard, is_dtensor
+from .dtensor_face import FlatShard, LogicalShape, is_dtensor, local_numel, local_shape
 from .param_index import by_unit, check_materialized, check_resharded, owner_of
 
 _mode = threading.local()
@@ -142,6 +142,14 @@ def _layout(state, index: int, device_type: str) -> Tuple[DeviceMesh, tuple, tor
     return mesh, state.tp.placements(index, dp), tp_spec.shape, dp_ndim - 1
 
 
+def face_shape(state, index: int) -> torch.Size:
+    """The shape sharded parameter `index` and its gradient report (dtensor_face.LogicalShape):
+    its state-dict DTensors' (FSDP2's), the full parameter's, across tensor and expert
+    parallelism too."""
+    tp_spec = tp_spec_of(state, index)
+    return torch.Size(state.unit.param_spec(index).shape) if tp_spec is None else torch.Size(tp_spec.shape)
+
+
 def face_layout(state, index: int) -> Tuple[DeviceMesh, tuple]:
     """(mesh, placements) that sharded parameter `index` and its gradient present as
     DTensors (dtensor_face.py): its state-dict DTensors' (FSDP2's), the data-parallel
@@ -175,7 +183,7 @@ def full_grad(state, index: int) -> torch.Tensor:
     params = state.unit.sharded_params
     grad = params[index].grad
     # One flat gradient buffer holds every piece of the unit: one dtype.
-    pieces = [p.grad if p.grad is not None else torch.zeros(p.shape, dtype=grad.dtype, device=grad.device)
+    pieces = [p.grad if p.grad is not None else torch.zeros(local_shape(p), dtype=grad.dtype, device=grad.device)
               for p in params]
     with torch.no_grad():
         value = _row_values(state, pieces, grad.dtype, grad.device)[index]
@@ -343,6 +351,23 @@ def _full_value(value, shape: tuple, local_numel: int, what: str) -> torch.Tenso
     return value
 
 
+class _LoadedPiece(LogicalShape, torch.Tensor):
+    """A loaded value cut to this rank's piece, reporting its parameter's shape (as the
+    parameter does) for torch's size check in Module._load_from_state_dict, which then
+    copies the piece into the shard."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _logical_shape(self) -> torch.Size:
+        return self.__dict__["_mfsdp_face_shape"]
+
+    @staticmethod
+    def of(piece: torch.Tensor, shape: torch.Size) -> "_LoadedPiece":
+        out = piece.as_subclass(_LoadedPiece)
+        out.__dict__["_mfsdp_face_shape"] = shape
+        return out
+
+
 def _is_the_shard(value, shard) -> bool:
     # Identity only: every rank decides alike (a storage test would differ on ranks whose
     # shard is empty, and the ranks would then disagree on the collectives that follow).
@@ -421,6 +446,13 @@ class ModuleStateDictHooks:
             return
         state.unit.wait_host_update()
         if _local_mode():
+            # Pieces load as they are; torch compares their shape with the parameter's.
+            for key, i in owned:
+                value = state_dict.get(prefix + key)
+                shard = state.unit.sharded_param(i)
+                if isinstance(value, torch.Tensor) and value is not shard and not is_dtensor(value) \
+                        and local_shape(value) == local_shape(shard):
+                    state_dict[prefix + key] = _LoadedPiece.of(value, face_shape(state, i))
             return
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
@@ -433,7 +465,9 @@ class ModuleStateDictHooks:
             shard, value = state.unit.sharded_param(i), state_dict[prefix + key]
             if _is_the_shard(value, shard):
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
-            state_dict[prefix + key] = _piece_of(state, i, value, shard.numel(), f"load_state_dict '{prefix + key}'")
+            piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
+            # torch compares the value's shape with the parameter's (its full shape).
+            state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
 
 
 # ---------------------------------------------------------------- optimizer hooks
@@ -460,10 +494,10 @@ def _shard_shaped_keys(state, index_to_key, states) -> Dict[str, torch.dtype]:
         shard = state.unit.sharded_param(i)
         for name, v in states.get(key, {}).items():
             if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.dim() > 0:
-                if tuple(v.shape) != tuple(shard.shape):
+                if tuple(v.shape) != tuple(local_shape(shard)):
                     raise NotImplementedError(
                         f"optimizer state '{name}' of '{state.names[i]}' has shape {tuple(v.shape)}, not the "
-                        f"shard's {tuple(shard.shape)}: state shaped unlike its parameter cannot be resharded")
+                        f"shard's {tuple(local_shape(shard))}: state shaped unlike its parameter cannot be resharded")
                 keys.setdefault(name, v.dtype)
     return keys
 
@@ -537,8 +571,8 @@ def _cut_entry(state, index: int, entry: dict, what: str, keep_local: bool) -> d
     for name, v in entry.items():
         if not isinstance(v, torch.Tensor) or (not is_dtensor(v) and v.dim() == 0):
             continue
-        if keep_local and not is_dtensor(v) and v.shape == shard.shape:
+        if keep_local and not is_dtensor(v) and v.shape == local_shape(shard):
             continue
-        piece = _piece_of(state, index, v, shard.numel(), f"{what}: state '{name}' of '{state.names[index]}'")
+        piece = _piece_of(state, index, v, local_numel(shard), f"{what}: state '{name}' of '{state.names[index]}'")
         out[name] = piece.to(shard.device).clone()
     return out

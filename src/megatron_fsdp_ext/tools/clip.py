@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..core.dtensor_face import local_numel
 from ..core.nonfinite import check_nonfinite_grads
 
 
@@ -80,7 +81,7 @@ def clip_grad_norm_(
     def local(gs):
         if not inf_norm and not counts_replicated:
             gs = [g for g in gs if id(g) in tp_split]  # the tp-replicated ones count on tp rank 0
-        gs = [g for g in gs if g.numel() > 0]  # empty shards (and inf-norm on empties raises)
+        gs = [g for g in gs if local_numel(g) > 0]  # empty shards (and inf-norm on empties raises)
         if not gs:
             return torch.zeros((), device=device, dtype=torch.float32)
         norms = [n for same in _by_device(gs).values() for n in torch._foreach_norm(same, norm_type)]
