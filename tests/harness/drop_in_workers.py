@@ -450,4 +450,23 @@ def shape_choices(rank: int, world: int) -> bool:
             w.view(w.shape)
     lin(x).sum().backward()
     assert "shape=(32, 64)" in repr(lin.weight.grad) and lin.weight.grad.shape == (32, 64)
+
+    # A tensor built from the reported shape meeting the piece is refused on every rank,
+    # also where broadcasting would let it through silently: a (2, 64) weight over two
+    # ranks is 64 elements a rank, which `+=` would add to both rows.
+    row = mfsdp.fully_shard(nn.Linear(64, 2, bias=False))
+    row(torch.randn(3, 64)).sum().backward()
+    g = row.weight.grad
+    if world == 2:
+        assert local_shape(g) == (64,), local_shape(g)
+    acc = torch.zeros(g.shape)
+    with pytest.raises(RuntimeError, match="holds this rank's 1-D piece"):
+        acc += g
+    with pytest.raises(RuntimeError, match="holds this rank's 1-D piece"):
+        g.full_tensor() - g
+    assert not acc.any(), "a refused op must not have written"
+    kept = torch.zeros_like(g)
+    kept += g  # tensors built from the gradient itself are its piece
+    g.mul_(torch.tensor(0.5))  # scalars meet gradients freely
+    torch.testing.assert_close(g * 2, kept)
     return True

@@ -54,12 +54,14 @@ _TENSOR_SHAPE = torch._C.TensorBase.__dict__["shape"]
 def local_shape(t: torch.Tensor) -> torch.Size:
     """The shape of `t` itself: for a sharded parameter or gradient (LogicalShape), this
     rank's 1-D piece, not the parameter's shape it reports."""
-    return _TENSOR_SHAPE.__get__(t, type(t))
+    with DisableTorchFunctionSubclass():  # a gradient's __torch_function__ is not asked
+        return _TENSOR_SHAPE.__get__(t, type(t))
 
 
 def local_numel(t: torch.Tensor) -> int:
     """The number of elements of `t` itself (this rank's piece; see local_shape)."""
-    return torch._C.TensorBase.numel(t)
+    with DisableTorchFunctionSubclass():
+        return torch._C.TensorBase.numel(t)
 
 
 class LogicalShape:

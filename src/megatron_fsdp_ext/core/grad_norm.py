@@ -39,7 +39,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils import _foreach_utils
 
 from . import state_dict
-from .dtensor_face import DTensorFace, LogicalShape, local_numel
+from .dtensor_face import DTensorFace, LogicalShape, local_numel, local_shape
 
 
 class ReductionDomain:
@@ -116,7 +116,33 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        _refuse_full_shape_meeting_piece(func, args)
         return _plain_call(func, args, kwargs)
+
+
+def _refuse_full_shape_meeting_piece(func, args) -> None:
+    """A tensor built from a gradient's reported shape (`torch.zeros(p.grad.shape)`,
+    `p.grad.full_tensor()`) meeting the gradient itself pairs the whole parameter with
+    this rank's piece: mostly a size error, but silently wrong where broadcasting fits one
+    to the other (a piece as long as the trailing dims, or of one element). Refused by
+    name whenever the two meet, decided from the gradient's class, never from this rank's
+    piece, so that every rank refuses alike (pieces differ in size, some are empty). A
+    0-dim parameter's gradient meets scalars freely; a replicated 1-D gradient is the
+    whole parameter. Optimizers never pay for this: their step untags the gradients first."""
+    for g in args:
+        if not isinstance(g, ShardedGrad):
+            continue
+        cls = type(g)
+        face = cls.face_shape
+        if len(face) == 0 or (cls.domain is None and len(face) == 1):
+            continue
+        for other in args:
+            if isinstance(other, torch.Tensor) and not isinstance(other, ShardedGrad) and local_shape(other) == face:
+                raise RuntimeError(
+                    f"megatron_fsdp_ext: {getattr(func, '__name__', func)} combines a tensor of shape {tuple(face)} "
+                    f"with a fully_shard gradient that reports that shape but holds this rank's 1-D piece "
+                    f"({local_numel(g)} elements here). Build tensors for a gradient from the gradient itself "
+                    f"(torch.zeros_like(g), g.clone()), or work on g.full_tensor() alone")
 
 
 class _NormValue(torch.Tensor):
