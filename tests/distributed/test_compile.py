@@ -10,7 +10,7 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import megatron_fsdp_ext as mfsdp
-from harness import run_distributed
+from harness import drop_in_workers, run_distributed
 from harness.workers import gather_full_grads
 
 
@@ -121,37 +121,6 @@ def test_compiled_autograd_is_refused_by_name():
     assert run_distributed(_compiled_autograd_is_refused, 2, timeout=240) == [True, True]
 
 
-def _compiled_optimizer_step(rank, world):
-    """torch.compile of the optimizer's step over sharded parameters, which report their
-    parameters' shapes to eager code: Dynamo traces the pieces as they are (their real
-    shapes and strides), trains as plain PyTorch, and compiles no new graph after the
-    first steps."""
-    torch._dynamo.reset()
-    ref, model = _build(), _build()
-    for block in list(model)[:3]:
-        mfsdp.fully_shard(block)
-    mfsdp.fully_shard(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    step = torch.compile(opt.step, backend="aot_eager")
-    per = 8 // world
-    graphs = []
-    for i in range(4):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
-        ref(x).pow(2).mean().backward()
-        model(x[rank * per:(rank + 1) * per]).pow(2).mean().backward()
-        ref_opt.step()
-        step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        graphs.append(counters["stats"]["unique_graphs"])
-    full = mfsdp.full_state_dict(model, rank0_only=False)
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    assert graphs[-1] == graphs[-2], f"the compiled step recompiled every step: {graphs}"
-    assert model[3].weight.shape == (4, 16), "eager code sees the parameter's shape"
-    return True
-
 
 def test_compiled_optimizer_step_over_sharded_parameters():
-    assert run_distributed(_compiled_optimizer_step, 2, timeout=240) == [True, True]
+    assert run_distributed(drop_in_workers.compiled_optimizer_step, 2, "aot_eager", timeout=240) == [True, True]

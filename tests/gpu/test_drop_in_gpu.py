@@ -42,3 +42,15 @@ def test_parameters_and_gradients_are_fsdp2s_dtensors_gpu(layout, strategy):
 
 def test_megatron_no_sync_and_finish_grad_sync_gpu():
     assert run_distributed(w.megatron_1f1b, WORLD, "optim_grads_params", **GPU, timeout=240) == [True] * WORLD
+
+
+def test_code_that_decides_by_shape_sees_the_parameters_shape_gpu():
+    """nanoGPT's and Megatron's weight-decay rules against plain PyTorch, nn.init's fan-in,
+    the refusal of a gradient-shaped tensor meeting the piece: with CUDA tensors."""
+    assert run_distributed(w.shape_choices, WORLD, **GPU, timeout=240) == [True] * WORLD
+
+
+def test_compiled_optimizer_step_with_inductor_gpu():
+    """torch.compile (inductor, CUDA) of AdamW's step over sharded parameters trains as
+    plain PyTorch and does not recompile every step."""
+    assert run_distributed(w.compiled_optimizer_step, WORLD, "inductor", **GPU, timeout=480) == [True] * WORLD

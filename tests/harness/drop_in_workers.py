@@ -388,8 +388,9 @@ def shape_choices(rank: int, world: int) -> bool:
     code that shapes the piece by the reported shape fails loudly."""
     from megatron_fsdp_ext.core.dtensor_face import local_numel, local_shape
 
+    device = device_for_backend()
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(8, 13), nn.LayerNorm(13), nn.Tanh(), nn.Linear(13, 3))
+    plain = nn.Sequential(nn.Linear(8, 13), nn.LayerNorm(13), nn.Tanh(), nn.Linear(13, 3)).to(device)
     count = sum(p.numel() for p in plain.parameters())
     rules = {"nanoGPT": lambda p: p.dim() >= 2, "Megatron": lambda p: len(p.shape) != 1}
     for rule, decays in rules.items():
@@ -398,7 +399,7 @@ def shape_choices(rank: int, world: int) -> bool:
         mfsdp.fully_shard(net[3])
         mfsdp.fully_shard(net)
         assert sum(p.numel() for p in net.parameters()) == count, rule
-        pieces = torch.tensor([sum(local_numel(p) for p in net.parameters())])
+        pieces = torch.tensor([sum(local_numel(p) for p in net.parameters())], device=device)
         dist.all_reduce(pieces)
         assert int(pieces) == count, "the pieces must still be this rank's share"
 
@@ -410,7 +411,7 @@ def shape_choices(rank: int, world: int) -> bool:
         ours, theirs = torch.optim.AdamW(groups(net), lr=0.1), torch.optim.AdamW(groups(ref), lr=0.1)
         assert [len(g["params"]) for g in ours.param_groups] == [2, 4], (rule, ours.param_groups)
         for step in range(3):
-            x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(10 + step))
+            x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(10 + step)).to(device)
             net(x[4 * rank:4 * rank + 4]).square().mean().backward()
             ref(x).square().mean().backward()
             for (name, p), q in zip(net.named_parameters(), ref.parameters()):
@@ -428,7 +429,7 @@ def shape_choices(rank: int, world: int) -> bool:
 
     # nn.init reads the fan-in from the shape: the parameter's (64), not the piece's (on a
     # 1-D piece it refuses: "fewer than 2 dimensions"). The unit sees the in-place write.
-    lin = mfsdp.fully_shard(nn.Linear(64, 32))
+    lin = mfsdp.fully_shard(nn.Linear(64, 32).to(device))
     w = lin.weight
     assert (w.shape, w.size(), w.size(-1), w.dim(), w.ndim, w.numel(), len(w)) == \
         ((32, 64), (32, 64), 64, 2, 2, 2048, 32)
@@ -438,7 +439,7 @@ def shape_choices(rank: int, world: int) -> bool:
         nn.init.kaiming_uniform_(w, a=5 ** 0.5)  # bound sqrt(1 / fan_in) = 1/8
     full, bias = w.full_tensor(), lin.bias.full_tensor()
     assert 0.12 < float(full.abs().max()) <= 0.125, float(full.abs().max())
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 64, device=device)
     torch.testing.assert_close(lin(x), x @ full.T + bias)
     lin.reshard()
     with pytest.raises(IndexError, match="Dimension out of range"):
@@ -454,12 +455,12 @@ def shape_choices(rank: int, world: int) -> bool:
     # A tensor built from the reported shape meeting the piece is refused on every rank,
     # also where broadcasting would let it through silently: a (2, 64) weight over two
     # ranks is 64 elements a rank, which `+=` would add to both rows.
-    row = mfsdp.fully_shard(nn.Linear(64, 2, bias=False))
-    row(torch.randn(3, 64)).sum().backward()
+    row = mfsdp.fully_shard(nn.Linear(64, 2, bias=False).to(device))
+    row(torch.randn(3, 64, device=device)).sum().backward()
     g = row.weight.grad
     if world == 2:
         assert local_shape(g) == (64,), local_shape(g)
-    acc = torch.zeros(g.shape)
+    acc = torch.zeros(g.shape, device=device)
     with pytest.raises(RuntimeError, match="holds this rank's 1-D piece"):
         acc += g
     with pytest.raises(RuntimeError, match="holds this rank's 1-D piece"):
@@ -467,6 +468,41 @@ def shape_choices(rank: int, world: int) -> bool:
     assert not acc.any(), "a refused op must not have written"
     kept = torch.zeros_like(g)
     kept += g  # tensors built from the gradient itself are its piece
-    g.mul_(torch.tensor(0.5))  # scalars meet gradients freely
+    g.mul_(torch.tensor(0.5, device=device))  # scalars meet gradients freely
     torch.testing.assert_close(g * 2, kept)
+    return True
+
+
+def compiled_optimizer_step(rank: int, world: int, backend: str) -> bool:
+    """torch.compile of the optimizer's step over sharded parameters, which report their
+    parameters' shapes to eager code: Dynamo traces the pieces as they are (their real
+    shapes and strides), trains as plain PyTorch (AdamW with weight decay), and compiles
+    no new graph after the first steps."""
+    from torch._dynamo.utils import counters
+
+    device = device_for_backend()
+    torch._dynamo.reset()
+    counters.clear()
+    ref, model = mlp().to(device), mlp().to(device)
+    shard_mlp(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    step = torch.compile(opt.step, backend=backend)
+    per = 8 // world
+    graphs = []
+    for i in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i)).to(device)
+        ref(x).pow(2).mean().backward()
+        model(x[rank * per:(rank + 1) * per]).pow(2).mean().backward()
+        ref_opt.step()
+        step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    full = mfsdp.full_state_dict(model, rank0_only=False)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k].to(device), v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[-1] == graphs[-2], f"the compiled step recompiled every step: {graphs}"
+    assert model[4].weight.shape == (4, 16), "eager code sees the parameter's shape"
     return True
