@@ -21,6 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .extension_points import gather_transform
+from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state
 
@@ -30,10 +31,13 @@ _registered = False
 
 
 def ensure_step_hook_registered() -> None:
-    """Called by fully_shard: from then on every optimizer's first step is checked."""
+    """Called by fully_shard: from then on every optimizer's first step is checked. The
+    hooks run eagerly under torch.compile of a step (a graph break, as the unit hooks):
+    they keep Python state (Dynamo cannot trace writes into the optimizer's __dict__)."""
     global _registered
     if not _registered:
-        register_optimizer_step_pre_hook(_step_pre_hook)
+        load_dynamo()
+        register_optimizer_step_pre_hook(run_outside_dynamo(_step_pre_hook))
         _registered = True
 
 
@@ -68,7 +72,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     if ours and not was_ours:
         convert_loaded_optimizer_state(optimizer)
         attach_optimizer(optimizer)
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: mark_stepped(opt))
+        optimizer.register_step_post_hook(run_outside_dynamo(lambda opt, args, kwargs: mark_stepped(opt)))
     return ours
 
 
