@@ -501,7 +501,9 @@ def compiled_optimizer_step(rank: int, world: int, backend: str) -> bool:
         graphs.append(counters["stats"]["unique_graphs"])
     full = mfsdp.full_state_dict(model, rank0_only=False)
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k].to(device), v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        # Inductor fuses AdamW differently and CUDA reduces a split batch in another order:
+        # a wrong or missed step moves parameters by about lr (1e-2).
+        torch.testing.assert_close(full[k].to(device), v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[-1] == graphs[-2], f"the compiled step recompiled every step: {graphs}"
     assert model[4].weight.shape == (4, 16), "eager code sees the parameter's shape"
