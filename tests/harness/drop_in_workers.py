@@ -444,6 +444,28 @@ def shape_choices(rank: int, world: int) -> bool:
     lin.reshard()
     with pytest.raises(IndexError, match="Dimension out of range"):
         w.size(2)
+    # Initializers that write a whole matrix into the tensor refuse on every rank (eye_
+    # would resize the piece over its neighbours through out=); iterating is refused.
+    for init in (nn.init.eye_, nn.init.orthogonal_, lambda t: nn.init.sparse_(t, 0.5)):
+        with pytest.raises(ValueError, match="dimensions"):
+            init(w)
+    with pytest.raises(TypeError, match="iterating over a fully_shard"):
+        list(w)
+    # Assigning a value of the parameter's shape to .data sets the parameter on every
+    # rank, whatever piece each holds (at world 2 the (3, 4) weight below is all on one
+    # rank and the bias all on the other).
+    tiny = mfsdp.fully_shard(nn.Linear(4, 3).to(device))
+    tiny.weight.data = torch.zeros(tiny.weight.shape, device=device)
+    tiny.bias.data = torch.full(tiny.bias.shape, 3.0, device=device)
+    torch.testing.assert_close(tiny(torch.randn(2, 4, device=device)), torch.full((2, 3), 3.0, device=device))
+    tiny.reshard()
+    tiny(torch.randn(2, 4, device=device)).sum().backward()
+    b = tiny.bias.grad
+    # Ops of a 1-D gradient with tensors shaped like its piece run on every rank.
+    b.add_(tiny.bias.detach(), alpha=0.1)
+    torch.zeros_like(b).add_(b)
+    b[torch.isnan(b)] = 0
+    tiny.weight.grad.add_(tiny.weight.detach(), alpha=0.1)
     # Printing shows what it is, piece and shape; shaping the piece by the shape is loud.
     assert "shape=(32, 64)" in repr(w) and "this rank's piece" in str(w), repr(w)
     if world > 1:

@@ -66,8 +66,8 @@ def local_numel(t: torch.Tensor) -> int:
 
 class LogicalShape:
     """Shape queries answered with the parameter's shape, as FSDP2's DTensor parameters
-    and gradients answer them: `shape`, `size()`, `dim()` / `ndimension()`, `ndim`,
-    `numel()` / `nelement()`, and so `len()`. Code that decides by shape sees the
+    and gradients answer them: `shape`, `size()`, `dim()`, `ndim`, `numel()` /
+    `nelement()`, and so `len()` (`ndimension()` answers the piece's: below). Code that decides by shape sees the
     parameter, not this rank's 1-D piece: weight decay for `p.dim() >= 2` (nanoGPT),
     Megatron's `len(p.shape) == 1` no-decay rule, nn.init's fan-in, parameter counts.
 
@@ -105,7 +105,13 @@ class LogicalShape:
     def dim(self) -> int:
         return len(self._reported_shape())
 
-    ndimension = dim
+    def ndimension(self) -> int:
+        # The piece's dims (1), unlike dim(): torch's structural initializers (nn.init.eye_,
+        # orthogonal_, dirac_, sparse_) test ndimension() before writing a whole matrix
+        # into the tensor (eye_ through out=, which would resize the piece over its
+        # neighbours in the flat buffer); so they refuse on every rank, while the fan-in
+        # of the other initializers (dim()) is the parameter's.
+        return len(local_shape(self))
 
     @property
     def ndim(self) -> int:
@@ -115,6 +121,21 @@ class LogicalShape:
         return math.prod(self._reported_shape())
 
     nelement = numel
+
+    def __iter__(self):
+        # torch iterates by unbind(0), which runs on the piece: another count of rows on
+        # every rank than len() says.
+        raise TypeError(
+            f"iterating over a fully_shard {type(self).__name__}: its values are this rank's 1-D piece of a "
+            f"parameter of shape {tuple(self._logical_shape())}; iterate over full_tensor() (a collective) "
+            "or over the piece itself (.detach())")
+
+    @property
+    def __cuda_array_interface__(self):
+        # torch builds it from self.shape: it must describe the memory there is, the piece.
+        with DisableTorchFunctionSubclass():
+            piece = torch.Tensor.view(self, local_shape(self))
+        return piece.__cuda_array_interface__
 
     def __repr__(self, *, tensor_contents=None) -> str:
         # torch's printing indexes by the reported shape: show the piece as what it is.

@@ -125,16 +125,16 @@ def _refuse_full_shape_meeting_piece(func, args) -> None:
     `p.grad.full_tensor()`) meeting the gradient itself pairs the whole parameter with
     this rank's piece: mostly a size error, but silently wrong where broadcasting fits one
     to the other (a piece as long as the trailing dims, or of one element). Refused by
-    name whenever the two meet, decided from the gradient's class, never from this rank's
-    piece, so that every rank refuses alike (pieces differ in size, some are empty). A
-    0-dim parameter's gradient meets scalars freely; a replicated 1-D gradient is the
-    whole parameter. Optimizers never pay for this: their step untags the gradients first."""
+    name whenever the two meet, for parameters of 2 or more dims: a piece is always 1-D, so
+    a tensor shaped like the piece never takes that shape, and every rank refuses alike
+    (pieces differ in size, some are empty). For a 1-D parameter a tensor of its shape
+    cannot be told from one of a piece that happens to be the whole parameter on this rank:
+    not checked. Optimizers never pay for this: their step untags the gradients first."""
     for g in args:
         if not isinstance(g, ShardedGrad):
             continue
-        cls = type(g)
-        face = cls.face_shape
-        if len(face) == 0 or (cls.domain is None and len(face) == 1):
+        face = type(g).face_shape
+        if len(face) < 2:
             continue
         for other in args:
             if isinstance(other, torch.Tensor) and not isinstance(other, ShardedGrad) and local_shape(other) == face:

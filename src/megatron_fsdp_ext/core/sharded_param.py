@@ -95,6 +95,18 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
+        # A value of the parameter's shape (`p.data = torch.zeros(p.shape)`) is the full
+        # value: every rank keeps its slice. Anything else replaces the piece as it is, and
+        # the unit checks it at the next use.
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._logical_shape()) \
+                and tuple(value.shape) != tuple(local_shape(self)):
+            state, index = owner_of(self)
+            if state is not None and state.unit is not None:
+                from .shard_changes import set_full_value
+
+                state.unit.wait_host_update()
+                set_full_value(state, index, value.detach())
+                return
         _TENSOR_DATA.__set__(self, value)
 
 
