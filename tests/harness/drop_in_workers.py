@@ -466,6 +466,12 @@ def shape_choices(rank: int, world: int) -> bool:
     torch.zeros_like(b).add_(b)
     b[torch.isnan(b)] = 0
     tiny.weight.grad.add_(tiny.weight.detach(), alpha=0.1)
+    if device.type == "cuda":  # what CuPy / Numba read: the piece's memory, not the reported shape
+        cai = tiny.weight.grad.__cuda_array_interface__
+        assert cai["shape"] == tuple(local_shape(tiny.weight.grad)), cai
+        assert cai["data"][0] == tiny.weight.grad.data_ptr(), cai
+        with pytest.raises(RuntimeError, match="requires grad"):
+            tiny.weight.__cuda_array_interface__
     # Printing shows what it is, piece and shape; shaping the piece by the shape is loud.
     assert "shape=(32, 64)" in repr(w) and "this rank's piece" in str(w), repr(w)
     if world > 1:
