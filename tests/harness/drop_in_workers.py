@@ -467,9 +467,10 @@ def shape_choices(rank: int, world: int) -> bool:
     b[torch.isnan(b)] = 0
     tiny.weight.grad.add_(tiny.weight.detach(), alpha=0.1)
     if device.type == "cuda":  # what CuPy / Numba read: the piece's memory, not the reported shape
-        cai = tiny.weight.grad.__cuda_array_interface__
-        assert cai["shape"] == tuple(local_shape(tiny.weight.grad)), cai
-        assert cai["data"][0] == tiny.weight.grad.data_ptr(), cai
+        g = tiny.weight.grad
+        cai = g.__cuda_array_interface__
+        assert cai["shape"] == tuple(local_shape(g)), cai
+        assert cai["data"][0] == (g.data_ptr() if local_numel(g) else 0), cai
         with pytest.raises(RuntimeError, match="requires grad"):
             tiny.weight.__cuda_array_interface__
     # Printing shows what it is, piece and shape; shaping the piece by the shape is loud.
