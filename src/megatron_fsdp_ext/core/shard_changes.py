@@ -77,9 +77,9 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
 
 
 # Optimizers whose update needs a whole parameter, or every parameter's values at once,
-# and would take each rank's piece for it. Each maps to why.
+# and would take each rank's piece for it (those this torch has), each with why.
 _WHOLE_PARAMETER = {
-    name: why for name, why in (
+    getattr(torch.optim, name): why for name, why in (
         ("Adafactor", "its row/column factoring of the second moment and its scaling by the parameter's RMS "
                       "would see the piece, not the parameter"),
         ("Muon", "its Newton-Schulz orthogonalization needs each matrix's whole gradient; for Muon use "
@@ -88,7 +88,6 @@ _WHOLE_PARAMETER = {
                   "ranks would take different steps and different numbers of closure calls"),
     ) if getattr(torch.optim, name, None) is not None
 }
-_WHOLE_PARAMETER_TYPES = tuple(getattr(torch.optim, name) for name in _WHOLE_PARAMETER)
 
 
 def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None:
@@ -96,12 +95,12 @@ def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None
     on all parameters together would step each rank's piece as a different parameter:
     refused on every rank at its first step (FSDP2's DTensors fail on them too, or run
     them with a collective per op)."""
-    if isinstance(optimizer, _WHOLE_PARAMETER_TYPES):
-        name = next(n for n in _WHOLE_PARAMETER if isinstance(optimizer, getattr(torch.optim, n)))
-        raise NotImplementedError(
-            f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, whose values are each "
-            f"rank's 1-D piece of a parameter: {_WHOLE_PARAMETER[name]}, and train differently. Use an "
-            "elementwise optimizer (AdamW, SGD, ...) with fully_shard")
+    for cls, why in _WHOLE_PARAMETER.items():
+        if isinstance(optimizer, cls):
+            raise NotImplementedError(
+                f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, whose values are "
+                f"each rank's 1-D piece of a parameter: {why}, and train differently. Use an elementwise "
+                "optimizer (AdamW, SGD, ...) with fully_shard")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the

@@ -250,22 +250,17 @@ def _exchangeable(state, value: DTensor, index: int) -> bool:
     return tuple(value.to_local().shape) == (end - begin, *shape[1:])
 
 
-def _full_shape(state, index: int) -> tuple:
-    tp_spec = tp_spec_of(state, index)
-    return tuple(tp_spec.shape) if tp_spec is not None else tuple(state.unit.param_spec(index).shape)
-
-
 def _piece_of(state, index: int, value, local_numel: int, what: str) -> torch.Tensor:
     """This rank's 1-D piece of parameter `index` from a loaded value: FSDP2-placed
     DTensors by the exchange, anything else gathered (a collective) and cut (its TP shard,
     then this rank's piece)."""
-    if is_dtensor(value) and tuple(value.shape) == _full_shape(state, index) \
-            and _exchangeable(state, value, index):
+    full_shape = tuple(face_shape(state, index))
+    if is_dtensor(value) and tuple(value.shape) == full_shape and _exchangeable(state, value, index):
         local = value.to_local()
         if local.device.type != value.device_mesh.device_type:  # offloaded copies: exchange where the mesh lives
             local = local.to(value.device_mesh.device_type)
         return state.unit.piece_from_rows(index, local.contiguous())
-    full = _full_value(value, _full_shape(state, index), local_numel, what)
+    full = _full_value(value, full_shape, local_numel, what)
     if tp_spec_of(state, index) is not None:
         full = state.tp.local_of_full(index, full)
     return state.unit.local_piece(index, full)
