@@ -331,6 +331,29 @@ def _plain_load_and_refusals(rank, world):
         raw = model.state_dict()
         assert raw["emb.weight"].dim() == 1 and raw["emb.weight"].numel() == local["emb.weight"].detach().numel()
         model.load_state_dict(raw)
+
+    # Inside local_state_dict(), full values and DTensors (model and optimizer) are cut to
+    # this rank's piece on every rank: at world 2 some ranks hold a whole 1-D parameter
+    # (norm.weight, head.bias), where a full value has the piece's shape, and the others
+    # do not; the parameters and the moments must come out right on both.
+    trained = _shard(_net(), "optim_grads_params")
+    trained_opt = _opt(trained)
+    _train(trained, trained_opt, 2, rows=_my_rows())
+    for source in (trained.state_dict(), _full(trained)):
+        # A copy each time: torch's load keeps a loaded Adam `step` tensor as it is, so
+        # the step after the load would advance the trained optimizer's own.
+        opt_dtensors = copy.deepcopy(trained_opt.state_dict())
+        fresh = _shard(_net(seed=4), "optim_grads_params")
+        fresh_opt = _opt(fresh)
+        _train(fresh, fresh_opt, 1, rows=_my_rows())  # stepped: its optimizer hooks are attached
+        with mfsdp.local_state_dict():
+            fresh.load_state_dict(source)
+            fresh_opt.load_state_dict(opt_dtensors)
+        _assert_model_equal(_full(fresh), _reference(2)[0])
+        ref, ref_opt = _reference(2)
+        _train(ref, ref_opt, 1, first=2)
+        _train(fresh, fresh_opt, 1, first=2, rows=_my_rows())
+        _assert_model_equal(_full(fresh), ref)
     return True
 
 

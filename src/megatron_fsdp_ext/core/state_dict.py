@@ -47,7 +47,8 @@ _mode = threading.local()
 def local_state_dict():
     """Inside this context, state_dict() of sharded modules and their optimizers returns
     each rank's 1-D shards (no collective, not loadable at another layout), and
-    load_state_dict() expects them back."""
+    load_state_dict() takes them back; it also takes full values and DTensors, cut to
+    this rank's piece as outside the context."""
     depth = getattr(_mode, "local", 0)
     _mode.local = depth + 1
     try:
@@ -441,13 +442,20 @@ class ModuleStateDictHooks:
             return
         state.unit.wait_host_update()
         if _local_mode():
-            # Pieces load as they are; torch compares their shape with the parameter's.
+            # Pieces load as they are; full values and DTensors are cut as outside the
+            # context. A value shaped like both the piece and the parameter (a rank holding
+            # a whole 1-D parameter) is the same elements either way, so every rank loads
+            # the same parameter; torch compares anything else's shape with the parameter's.
             for key, i in owned:
                 value = state_dict.get(prefix + key)
                 shard = state.unit.sharded_param(i)
-                if isinstance(value, torch.Tensor) and value is not shard and not is_dtensor(value) \
-                        and local_shape(value) == local_shape(shard):
+                if not isinstance(value, torch.Tensor) or value is shard:
+                    continue
+                if not is_dtensor(value) and local_shape(value) == local_shape(shard):
                     state_dict[prefix + key] = _LoadedPiece.of(value, face_shape(state, i))
+                elif is_dtensor(value) or tuple(value.shape) == tuple(face_shape(state, i)):
+                    piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
+                    state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
             return
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
@@ -525,14 +533,15 @@ def _optimizer_post_state_dict(optimizer, state_dict):
 
 
 def _optimizer_pre_load(optimizer, state_dict):
-    if _local_mode():
-        return None
+    # In local_state_dict() mode this rank's pieces load as they are; full values and
+    # DTensors are cut, as for the parameters.
+    keep_local = _local_mode()
     state_dict = dict(state_dict)
     states = dict(state_dict["state"])
     for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
         for i, key in index_to_key.items():
             if key in states:
-                states[key] = _cut_entry(state, i, states[key], "optimizer.load_state_dict", keep_local=False)
+                states[key] = _cut_entry(state, i, states[key], "optimizer.load_state_dict", keep_local=keep_local)
     state_dict["state"] = states
     return state_dict
 
