@@ -24,6 +24,18 @@ def test_tied_embedding_in_a_unit_of_several_modules(buckets):
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
+def test_functional_call_computes_with_the_given_tensors_and_leaves_the_model():
+    """torch.func.functional_call on a sharded model: the given tensors (all, or one) are
+    used and get their gradients; the model keeps its values and gets no gradient."""
+    worst = run_distributed(w.functional_call_leaves_the_model, 2, timeout=120)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
+def test_forward_hook_registered_after_fully_shard_reads_the_whole_weight():
+    worst = run_distributed(w.hook_reads_weight_after_fully_shard, 2, timeout=120)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
 def test_unit_returning_a_dataclass():
     """A unit whose forward returns a plain @dataclass: its outputs get the pre-backward
     hook (the unit is gathered for backward), as FSDP2 finds them."""

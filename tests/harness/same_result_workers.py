@@ -233,3 +233,91 @@ def data_writes_after_step(rank, world, strategy: str, param_dtype, offload: str
         want = q.full_tensor().float().cpu()
         worst["param"] = max(worst["param"], ((full[name].float() - want).norm() / want.norm()).item())
     return worst
+
+
+class TwoUnits(nn.Module):
+    """An inner unit and the root's own parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)))
+
+
+def _two_units_sharded(plain):
+    model = copy.deepcopy(plain)
+    mfsdp.fully_shard(model.inner)
+    return mfsdp.fully_shard(model)
+
+
+def _full_values(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def functional_call_leaves_the_model(rank, world):
+    """torch.func.functional_call(model, tensors, x) on a sharded model, as on a plain one:
+    the call computes with the given tensors (all of them, or one), they get this rank's
+    gradient, the model's parameters they replace get none, all keep their values (the tensors were once
+    written into the shards, permanently), the given dict is not changed, and training
+    goes on as plain PyTorch's."""
+    from torch.func import functional_call
+
+    device = device_for_backend()
+    plain = TwoUnits().to(device)
+    model = _two_units_sharded(plain)
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 + rank)).to(device)
+    for keys in (None, ["inner.weight"]):
+        base = {n: p.detach() * 1.1 for n, p in plain.named_parameters() if keys is None or n in keys}
+        ours = {n: v.clone().requires_grad_() for n, v in base.items()}
+        theirs = {n: v.clone().requires_grad_() for n, v in base.items()}
+        given = dict(ours)
+        out = functional_call(model, ours, (x,))
+        ref = functional_call(plain, theirs, (x,))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        out.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        assert all(ours[n] is given[n] for n in given), "functional_call's dict was changed"
+        for n in ours:
+            assert ours[n].grad is not None and type(ours[n].grad) is torch.Tensor, (n, type(ours[n].grad))
+            torch.testing.assert_close(ours[n].grad, theirs[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+        for n, p in model.named_parameters():
+            if n in given:  # replaced for the call: plain PyTorch gives it no gradient
+                assert p.grad is None or not p.grad.detach().abs().any(), f"{n} got a gradient from functional_call"
+            else:  # used by the call as it is
+                assert p.grad is not None, f"{n} was used by functional_call but got no gradient"
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        full = _full_values(model)
+        for n, v in plain.state_dict().items():
+            torch.testing.assert_close(full[n], v, rtol=0, atol=0, msg=f"{n} changed by functional_call")
+    return train_against_plain(TwoUnits, _two_units_sharded, lambda m, b: m(b).pow(2).mean())
+
+
+def _add_weight_sum(module, args, output):
+    return output + module.weight.sum()
+
+
+def hook_reads_weight_after_fully_shard(rank, world):
+    """A forward hook registered after fully_shard that reads the module's weight sees the
+    whole weight (our post-forward hook stays last), as a plain module's hook does; it once
+    read this rank's piece: a different loss on each rank."""
+    def model_fn():
+        m = TwoUnits()
+        m.inner.register_forward_hook(_add_weight_sum)
+        m.head.register_forward_hook(_add_weight_sum)
+        return m
+
+    def shard(m):
+        for sub in (m.inner, m.head):  # registered again below, after fully_shard
+            sub._forward_hooks.clear()
+        mfsdp.fully_shard(m.inner)
+        mfsdp.fully_shard(m)
+        m.inner.register_forward_hook(_add_weight_sum)
+        m.head.register_forward_hook(_add_weight_sum)
+        return m
+    return train_against_plain(model_fn, shard, lambda m, b: m(b).pow(2).mean())

@@ -60,6 +60,7 @@ class ForwardHooks:
             args, kwargs = cast_call_inputs(args, kwargs, mp.param_dtype)
         if self.method_active:
             return args, kwargs
+        self._keep_post_forward_last(module)
         if self.is_root:
             _refuse_compiled_autograd()
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
@@ -76,6 +77,15 @@ class ForwardHooks:
             self.backward_progress = BackwardProgress.NONE
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
+
+    def _keep_post_forward_last(self, module) -> None:
+        """Our post-forward hook runs after every forward hook of the module, also those
+        registered after fully_shard: they see the unsharded parameters, as forward hooks
+        see a plain module's (after ours they would read this rank's piece)."""
+        hooks = module._forward_hooks
+        ours = self._post_forward_hook_ids[id(module)]
+        if hooks and next(reversed(hooks)) != ours and ours in hooks:
+            hooks.move_to_end(ours)
 
     def _register_post_backward(self, args, kwargs):
         """The inputs that need a gradient go through the C++ post-backward marker, whose

@@ -123,6 +123,8 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
             m.register_forward_pre_hook(run_outside_dynamo(self._pre_forward), prepend=True, with_kwargs=True),
             m.register_forward_hook(run_outside_dynamo(self._post_forward), prepend=False),
         )]
+        # Per module, the id of our post-forward hook: kept last (ForwardHooks._keep_post_forward_last).
+        self._post_forward_hook_ids = {id(m): self._handles[2 * k + 1].id for k, m in enumerate(modules)}
 
     def __str__(self) -> str:
         on = f" on {self.mesh_tag}" if self.mesh_tag else ""

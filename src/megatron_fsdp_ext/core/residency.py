@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from typing import List
 
+import torch
+import torch.nn as nn
+
 from . import shard_changes
 from .states import GraphHold
+
+
+def _lent(value) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
 class UnitResidency:
@@ -38,7 +45,14 @@ class UnitResidency:
     def _adopt_replaced(self, replaced: List[int], unsharded: bool) -> None:
         """After the slots got the unsharded (or sharded) parameters: slots the user
         re-assigned since the last install (module.weight = nn.Parameter(...)) give their
-        values to the unit, then the slots are installed again."""
+        values to the unit, then the slots are installed again. A slot holding a tensor
+        that is not an nn.Parameter was lent, not re-assigned (Module.__setattr__ refuses
+        a plain tensor for a parameter; torch's stateless reparametrization, as in
+        torch.func.functional_call, writes it into the module's dict for one call): it
+        stays, the module computes with it, and torch puts ours back after the call."""
+        if not replaced:
+            return
+        replaced = [k for k in replaced if not _lent(self.slots.params_dict(k).get(str(self.slots.name(k))))]
         if not replaced:
             return
         shard_changes.adopt_replaced_params(self, replaced)
