@@ -172,3 +172,38 @@ def _conversions_after_fully_shard(rank, world):
 
 def test_dtype_and_device_conversions_after_fully_shard_are_refused():
     run_distributed(_conversions_after_fully_shard, 2, timeout=120)
+
+
+def _replacements_refused_alike(rank, world):
+    # A parameter tied to another after fully_shard (another unit's, or this unit's): its
+    # values are that parameter's piece. Once copied as this rank's piece of the head: the
+    # tie was silently cut (and, where pieces differ in length, refused on some ranks only).
+    for same_unit in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+        if not same_unit:
+            mfsdp.fully_shard(m[0])
+        mfsdp.fully_shard(m)
+        m[1].weight = m[0].weight
+        expect_error(lambda: m(torch.tensor([[1, 2, 3]])), ValueError, "weight' of",
+                     "tied after fully_shard", "before fully_shard")
+
+    # A replacement the length of one rank's piece (16 elements of the (3, 8) weight on
+    # rank 0, 8 on rank 1): decided by the full shape on every rank, not taken as a piece.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 8), nn.Linear(8, 3))
+    mfsdp.fully_shard(m)
+    first_piece = torch.tensor([m[1].weight.detach().numel()])
+    dist.broadcast(first_piece, 0)
+    assert first_piece.item() != m[1].weight.detach().numel() or rank == 0 or world == 1
+    m[1].weight = nn.Parameter(torch.zeros(first_piece.item()))
+    expect_error(lambda: m(torch.ones(1, 2)), ValueError, "replaced by one of shape", "the parameter's shape is (3, 8)")
+
+    # An embedding that renormalizes its rows in place during forward (max_norm).
+    for cls in (nn.Embedding, nn.EmbeddingBag):
+        emb = nn.Sequential(cls(8, 4, max_norm=1.0))
+        expect_error(lambda: mfsdp.fully_shard(emb), NotImplementedError, "max_norm=1.0", "in place")
+
+
+def test_replacements_and_writes_in_forward_are_refused_on_every_rank():
+    run_distributed(_replacements_refused_alike, 2, timeout=120)

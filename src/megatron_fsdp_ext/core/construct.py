@@ -297,7 +297,20 @@ def check_target(module) -> list:
             if other is not m and any(sub is other for sub in m.modules()):
                 raise ValueError(f"fully_shard([...]): {type(other).__name__} is inside {type(m).__name__}; a unit of "
                                  "several modules takes modules that do not contain each other")
+        _refuse_writes_in_forward(m)
     return modules
+
+
+def _refuse_writes_in_forward(module: nn.Module) -> None:
+    """Modules that write their own weight during forward: the write would land in the
+    gathered copy, which is freed after the unit's forward, so the shard never sees it."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
+            raise NotImplementedError(
+                f"fully_shard: {name or 'the module'} is an {type(sub).__name__} with max_norm={sub.max_norm}, "
+                "which renormalizes the rows it looks up in its weight, in place, during forward; under "
+                "fully_shard that write lands in the gathered copy and is lost (FSDP2 loses it too), and ranks "
+                "looking up different rows would write different values. Build it without max_norm")
 
 
 class CommGroups:

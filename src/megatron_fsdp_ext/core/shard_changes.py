@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
-from .state_dict import attach_optimizer, convert_loaded_optimizer_state
+from .state_dict import attach_optimizer, convert_loaded_optimizer_state, face_shape
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
 _ADOPTED = "_mfsdp_adopted"
@@ -176,10 +176,26 @@ def adopt_replaced_params(state, replaced_slots) -> None:
         index = state.slots.param_index(slot)
         params_dict, name = state.slots.params_dict(slot), str(state.slots.name(slot))
         new = params_dict[name]
+        what = f"parameter '{state.names[index]}' of {state}"
         if not isinstance(new, torch.Tensor):
-            raise ValueError(f"parameter '{state.names[index]}' of {state} was replaced by a "
-                             f"{type(new).__name__}, not a tensor")
-        set_full_value(state, index, new.detach())
+            raise ValueError(f"{what} was replaced by a {type(new).__name__}, not a tensor")
+        owner = getattr(new, "_mfsdp_owner", None)
+        if owner is not None:
+            # Another unit's (or this unit's) sharded parameter: its values are a piece of
+            # that parameter, and a tie made now would not survive the next step.
+            raise ValueError(
+                f"{what} was replaced by a sharded parameter of {owner() or 'another fully_shard unit'}: "
+                "parameters tied after fully_shard are not supported; tie them before fully_shard, "
+                "with the tied modules in one unit (e.g. fully_shard([embedding, lm_head]) or the root)")
+        value = new.detach()
+        shape = tuple(face_shape(state, index))
+        if tuple(value.shape) != shape:
+            # Decided by the full shape, the same on every rank (a value the length of one
+            # rank's piece is no exception).
+            raise ValueError(
+                f"{what} was replaced by one of shape {tuple(value.shape)}, but the parameter's shape is "
+                f"{shape}; a replacement must keep the shape (or build the model again before fully_shard)")
+        set_full_value(state, index, value)
         sharded = state.unit.sharded_param(index)
         # The replacement's requires_grad is the user's word on training it (the unsharded
         # parameter follows the sharded one at its next install).
