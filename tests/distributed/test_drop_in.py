@@ -65,6 +65,11 @@ def test_gradient_norms_as_fsdp2_users_write_them():
     assert run_distributed(w.norm_patterns, 2, timeout=120) == [True, True]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_norm_order_nan_and_norms_after_the_step_match_plain_pytorch(world):
+    assert run_distributed(w.norm_orders, world, timeout=180) == [True] * world
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_code_that_decides_by_shape_sees_the_parameters_shape(world):
     assert run_distributed(w.shape_choices, world, timeout=180) == [True] * world

@@ -2,6 +2,7 @@
 tests/gpu/test_drop_in_gpu.py with CUDA tensors): our modules as FSDP2's to torch's code,
 torch's clip over our gradients against FSDP2's, Megatron's micro-batch controls."""
 import copy
+import math
 
 import pytest
 import torch
@@ -249,9 +250,15 @@ def dtensor_face(rank, world, layout, strategy, titan=True):
     with pytest.raises(NotImplementedError, match="to_local"):
         set_model_state_dict(ours, dict(doubled),
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True).step()
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True)
+    seen = []  # what the optimizer reads: plain gradients (no Python dispatch per read)
+    opt.register_step_pre_hook(lambda o, a, k: seen.extend(type(p.grad) for p in ours.parameters()))
+    opt.step()
+    assert seen and all(t is torch.Tensor for t in seen), seen
     for p in ours.parameters():
-        assert type(p.grad) is torch.Tensor and not isinstance(p, DTensor) and not isinstance(p.grad, DTensor)
+        # the step consumed the gradients: the parameters stop presenting as DTensors, the
+        # gradients stay DTensors (their norms global) until zero_grad, as FSDP2's
+        assert not isinstance(p, DTensor) and isinstance(p.grad, DTensor)
     return norms
 
 
@@ -330,9 +337,11 @@ def megatron_1f1b(rank, world, strategy):
             assert (type(p.grad).domain is None) == (strategy == "no_shard"), type(p.grad).domain
         for (name, q), full in zip(ref.named_parameters(), _full_grads(model)):
             torch.testing.assert_close(full, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        seen = []  # the optimizer step reads plain gradients (no Python dispatch per read)
+        hook = opt.register_step_pre_hook(lambda o, a, k: seen.extend(type(p.grad) for p in model.parameters()))
         opt.step()
-        # the optimizer step reads plain gradients (no Python dispatch per read)
-        assert all(type(p.grad) is torch.Tensor for p in model.parameters()), {type(p.grad) for p in model.parameters()}
+        hook.remove()
+        assert seen and all(t is torch.Tensor for t in seen), seen
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -536,4 +545,66 @@ def compiled_optimizer_step(rank: int, world: int, backend: str) -> bool:
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[-1] == graphs[-2], f"the compiled step recompiled every step: {graphs}"
     assert model[4].weight.shape == (4, 16), "eager code sees the parameter's shape"
+    return True
+
+
+def norm_orders(rank: int, world: int) -> bool:
+    """Every norm order torch takes, over gradients some ranks hold none of: per parameter,
+    torch's get_total_norm and clip, and ours, equal plain PyTorch's on every rank; -inf
+    (a min: an empty piece must not count as 0) and 0 (the count of nonzero gradients)
+    included. A NaN in one rank's piece makes the inf- and 2-norm NaN on every rank (a
+    backend's MAX may drop another rank's NaN), so error_if_nonfinite raises everywhere.
+    Norms taken after optimizer.step() are still global (the step pre-hook's plain types
+    are undone after it)."""
+    U = torch.nn.utils
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+    net = copy.deepcopy(plain)
+    mfsdp.fully_shard(net[2])  # 70 elements: at world 4 some ranks hold none of the bias
+    mfsdp.fully_shard(net)
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
+
+    def backward():
+        for m in (net, plain):
+            m.zero_grad(set_to_none=True)
+        net(x[4 * rank:4 * rank + 4]).square().mean().backward()
+        plain(x).square().mean().backward()
+
+    def close(got, want, what):
+        torch.testing.assert_close(float(got), float(want), rtol=1e-5, atol=1e-9, msg=lambda m: f"{what}: {m}")
+
+    backward()
+    for ord in (2.0, 1.0, 3.0, 0.5, -1.0, math.inf, -math.inf, 0.0):
+        for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+            close(torch.linalg.vector_norm(p.grad, ord), torch.linalg.vector_norm(q.grad, ord), f"ord {ord}, {name}")
+        for foreach in (True, False):
+            close(U.get_total_norm([p.grad for p in net.parameters()], ord, foreach=foreach),
+                  U.get_total_norm([q.grad for q in plain.parameters()], ord, foreach=foreach),
+                  f"get_total_norm(ord {ord}, foreach={foreach})")
+        want = U.clip_grad_norm_(plain.parameters(), 1e9, ord)
+        close(U.clip_grad_norm_(net.parameters(), 1e9, ord), want, f"torch's clip, ord {ord}")
+        close(mfsdp.clip_grad_norm_(net, 1e9, ord), want, f"our clip, ord {ord}")
+
+    # A NaN in the piece of one gradient held by the last rank that holds any of it.
+    holder = torch.tensor([rank if net[0].weight.detach().numel() > 0 else -1])
+    dist.all_reduce(holder, op=dist.ReduceOp.MAX)
+    assert holder.item() > 0, "the NaN must sit on a rank other than the first"
+    for ord in (math.inf, 2.0):
+        for clip in (U.clip_grad_norm_, mfsdp.clip_grad_norm_):
+            backward()
+            grad = net[0].weight.grad
+            if rank == holder.item():
+                with torch.no_grad():
+                    grad.detach().view(-1)[0] = math.nan
+            expect_error(lambda: clip(net.parameters(), 1.0, ord, error_if_nonfinite=True), RuntimeError,
+                         "non-finite")
+
+    # After the step.
+    backward()
+    for model in (net, plain):
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+    close(U.get_total_norm([p.grad for p in net.parameters()]), U.get_total_norm([q.grad for q in plain.parameters()]),
+          "get_total_norm after the step")
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        close(p.grad.norm(), q.grad.norm(), f"{name}'s gradient norm after the step")
     return True

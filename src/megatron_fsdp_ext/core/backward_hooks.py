@@ -129,6 +129,16 @@ class BackwardHooks:
 
     def tag_grads(self) -> None:
         """Give the new gradients their ShardedGrad type (grad_norm.py)."""
+        self.grads_stepped = False
+        if self.grad_types:
+            self.unit.retype_grads(self.plain_types, self.grad_types)
+
+    def tag_grads_after_step(self) -> None:
+        """The step is done with the gradients: their ShardedGrad types back, so that norms
+        taken now (logging, a late clip) are still global, as FSDP2's DTensor gradients'
+        are until zero_grad. The parameters stop presenting as DTensors (sharded_param.py):
+        the step consumed their gradients."""
+        self.grads_stepped = True
         if self.grad_types:
             self.unit.retype_grads(self.plain_types, self.grad_types)
 

@@ -279,8 +279,8 @@ def _foreach_norm(tensors, ord=2, dtype=None):
         _refuse_mixed("torch._foreach_norm")
     ord_f = float(ord)
     with DisableTorchFunctionSubclass():
-        # An empty piece (a rank holding none of a parameter) has norm 0; torch refuses
-        # the inf-norm of an empty tensor.
+        # An empty piece (a rank holding none of a parameter) adds nothing (empty_piece_norm);
+        # torch refuses the inf-norm of an empty tensor.
         live = [i for i, t in enumerate(tensors) if local_numel(t) > 0]
         norms = torch._foreach_norm([tensors[i] for i in live], ord, dtype=dtype) if live else []
         out = []
@@ -288,7 +288,7 @@ def _foreach_norm(tensors, ord=2, dtype=None):
         for i, t in enumerate(tensors):
             n = by_index.get(i)
             if n is None:
-                n = torch.zeros((), dtype=dtype or t.dtype, device=t.device)
+                n = empty_piece_norm(ord_f, dtype or t.dtype, t.device)
             out.append(n)
     return tuple(_as_partial(n, t, ord_f) for n, t in zip(out, tensors))
 
@@ -296,6 +296,11 @@ def _foreach_norm(tensors, ord=2, dtype=None):
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     ord_f = float(ord)
     whole = dim is None and out is None
+    if ord_f == 0 and isinstance(x, (PartialNormVector, PartialNorm)):
+        # ord 0 of norms counts the entries that are nonzero: each entry's global value
+        # first (a sum of the pieces' counts), not one count over every piece.
+        args, kwargs = _resolve_partials(((x, ord, dim, keepdim), {"dtype": dtype, "out": out}))
+        return _plain_call(torch.linalg.vector_norm, args, kwargs)
     if isinstance(x, PartialNormVector) and whole:
         return _reduce_vector(x, ord_f, dtype)
     if isinstance(x, PartialNorm) and whole and x._is_partial():
@@ -303,7 +308,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     if isinstance(x, ShardedGrad) and whole:
         with DisableTorchFunctionSubclass():
             n = (torch.linalg.vector_norm(x, ord, dtype=dtype) if local_numel(x) > 0
-                 else torch.zeros((), dtype=dtype or x.dtype, device=x.device))
+                 else empty_piece_norm(ord_f, dtype or x.dtype, x.device))
         return _as_partial(n, x, ord_f)
     args, kwargs = _resolve_partials(((x, ord, dim, keepdim), {"dtype": dtype, "out": out}))
     return _plain_call(torch.linalg.vector_norm, args, kwargs)
@@ -338,7 +343,6 @@ def _reduce_vector(x: "PartialNormVector", ord: float, dtype=None) -> torch.Tens
         if dtype is not None:
             values = values.to(dtype)
         work_dtype = values.dtype if values.dtype in (torch.float32, torch.float64) else torch.float32
-        inf = math.isinf(ord)
         by_domain: Dict[int, list] = {}
         domains: Dict[int, ReductionDomain] = {}
         plain = []
@@ -353,22 +357,63 @@ def _reduce_vector(x: "PartialNormVector", ord: float, dtype=None) -> torch.Tens
                 domains[id(key[0])] = key[0]
 
         def local(idx, device):
-            part = values[idx].to(device=device, dtype=work_dtype).abs()
-            if inf:
-                return part.max() if len(idx) else torch.zeros((), device=device, dtype=work_dtype)
-            return (part ** ord).sum()
+            return local_power_sum(values[idx].to(device=device, dtype=work_dtype), ord)
 
         total = local(plain, values.device)
         for did in sorted(domains, key=lambda d: domains[d].sort_key):
             domain = domains[did]
             part = local(by_domain[did], domain.device)
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             for group in domain.groups:
-                dist.all_reduce(part, op=op, group=group)
-            part = part.to(values.device)
-            total = torch.maximum(total, part) if inf else total + part
-        result = total if inf else total ** (1.0 / ord)
-        return result.to(values.dtype)
+                part = all_reduce_power_sum(part, ord, group)
+            total = combine_power_sums(total, part.to(values.device), ord)
+        return norm_of_power_sum(total, ord).to(values.dtype)
+
+
+# How local norms of order `ord` combine into the global one. The "power sum" is what
+# adds up across pieces: the sum of |n|^ord, the count of nonzeros for ord 0, the max for
+# inf and the min for -inf. Shared by grad_norm's norms and tools.clip.
+
+def empty_piece_norm(ord: float, dtype, device) -> torch.Tensor:
+    """The local norm of an empty piece: one that adds nothing to the power sum (inf for
+    negative orders, whose |n|^ord of nothing is 0, and the identity of the -inf min)."""
+    return torch.full((), math.inf if ord < 0 else 0.0, dtype=dtype, device=device)
+
+
+def local_power_sum(norms: torch.Tensor, ord: float) -> torch.Tensor:
+    """The power sum of a 1-D tensor of norms (possibly empty)."""
+    norms = norms.abs()
+    if ord == math.inf:
+        return norms.max() if norms.numel() else norms.new_zeros(())
+    if ord == -math.inf:
+        return norms.min() if norms.numel() else norms.new_full((), math.inf)
+    if ord == 0:
+        return norms.sum()
+    return (norms ** ord).sum()
+
+
+def all_reduce_power_sum(part: torch.Tensor, ord: float, group) -> torch.Tensor:
+    """`part` combined over `group`. A max or min carries a NaN flag beside the value:
+    backends' MAX/MIN need not pass on a NaN from another rank (Gloo's drops it), and a
+    non-finite norm must read the same on every rank."""
+    if not math.isinf(ord):
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        return part
+    sign = 1.0 if ord > 0 else -1.0
+    both = torch.stack([torch.nan_to_num(part * sign, nan=-math.inf, posinf=math.inf, neginf=-math.inf), torch.isnan(part).to(part.dtype)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0] * sign)
+
+
+def combine_power_sums(a: torch.Tensor, b: torch.Tensor, ord: float) -> torch.Tensor:
+    if ord == math.inf:
+        return torch.maximum(a, b)  # propagates NaN
+    if ord == -math.inf:
+        return torch.minimum(a, b)
+    return a + b
+
+
+def norm_of_power_sum(total: torch.Tensor, ord: float) -> torch.Tensor:
+    return total if math.isinf(ord) or ord == 0 else total ** (1.0 / ord)
 
 
 def _resolve_partials(tree):

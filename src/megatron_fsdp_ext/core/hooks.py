@@ -90,6 +90,9 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.
         self.grad_types: list = []
         self.plain_types: list = []
+        # An optimizer step consumed the gradients since the last backward (their face stays,
+        # the parameters' goes: sharded_param.py).
+        self.grads_stepped = False
         self.backward_progress = BackwardProgress.NONE
         # Gathered again after its reduction in this backward (_gather_again_for_backward).
         self.reduce_again = False

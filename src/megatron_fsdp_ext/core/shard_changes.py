@@ -131,8 +131,8 @@ def _units_of(optimizer: torch.optim.Optimizer):
 
 
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
-    """After optimizer.step(): any gathered copy of the units whose parameters it
-    updated (those with a gradient) is stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads,
+    """After optimizer.step(): the units' gradients get their ShardedGrad types back, any
+    gathered copy of the units whose parameters it updated (those with a gradient) is stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads,
     no_shard with a cast) and anything gathered before the step. Needed because fused
     optimizers change the shards without moving their version counters. Per unit, not
     per parameter: the first parameter with a gradient decides."""
@@ -141,6 +141,7 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
         state = owner()
         if state is None or state.unit is None:
             continue
+        state.tag_grads_after_step()  # the step pre-hook made them plain for the optimizer's reads
         for p in params:
             if p.grad is not None:
                 state.unit.shard_changed()

@@ -58,7 +58,11 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
     def _face_active(self) -> bool:
         # A reduced gradient not yet consumed by an optimizer step is what makes it a DTensor.
-        return isinstance(self.grad, DTensorFace)
+        if not isinstance(self.grad, DTensorFace):
+            return False
+        owner = self.__dict__.get("_mfsdp_owner")
+        state = owner() if owner is not None else None
+        return state is None or not state.grads_stepped
 
     def _face_layout(self):
         return state_dict.face_layout(*self._owner())

@@ -1,6 +1,7 @@
 """Gradient clipping over sharded and replicated parameters."""
 from __future__ import annotations
 
+import math
 from typing import Iterable, Union
 
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.dtensor_face import local_numel
+from ..core.grad_norm import all_reduce_power_sum, combine_power_sums, local_power_sum, norm_of_power_sum
 from ..core.nonfinite import check_nonfinite_grads
 
 
@@ -62,11 +64,12 @@ def clip_grad_norm_(
             sharded.append(p.grad)
         else:
             replicated.append(p.grad)
-    if len(groups) > 1 or len(tp_groups) > 1:
+    if len(groups) > 1 or len(tp_groups) > 1 or norm_type == 0:
         # Several reduction domains (MoE experts on the expert mesh beside dense parameters,
         # or units on different groups): torch's clip over the gradients' ShardedGrad types
         # reduces each domain's sum over its own groups (grad_norm.py), as FSDP2's DTensor
-        # norms would per mesh.
+        # norms would per mesh. So does order 0, which counts the gradients with a nonzero
+        # element: each gradient's count is global before it is counted.
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     tp_group = next(iter(tp_groups.values()), None)
     counts_replicated = tp_group is None or dist.get_rank(tp_group) == 0
@@ -76,30 +79,27 @@ def clip_grad_norm_(
     # Where the norm is combined: the units' device (offloaded units hold host gradients,
     # which a device backend cannot reduce), else the gradients' own.
     device = next((torch.device(o.unit.device) for o in owners.values() if o.unit is not None), grads[0].device)
-    inf_norm = norm_type == float("inf")
+    idempotent = math.isinf(norm_type)  # a max or min counts a repeated gradient once by itself
 
     def local(gs):
-        if not inf_norm and not counts_replicated:
+        if not idempotent and not counts_replicated:
             gs = [g for g in gs if id(g) in tp_split]  # the tp-replicated ones count on tp rank 0
-        gs = [g for g in gs if local_numel(g) > 0]  # empty shards (and inf-norm on empties raises)
-        if not gs:
-            return torch.zeros((), device=device, dtype=torch.float32)
+        gs = [g for g in gs if local_numel(g) > 0]  # empty shards add nothing (and inf-norm on empties raises)
         norms = [n for same in _by_device(gs).values() for n in torch._foreach_norm(same, norm_type)]
-        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-        return stacked.max() if inf_norm else (stacked ** norm_type).sum()
+        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]) if norms else \
+            torch.zeros(0, device=device, dtype=torch.float32)
+        return local_power_sum(stacked, norm_type)
 
     # The gradients' ShardedGrad type would reduce their norms across ranks by itself
     # (grad_norm.py); here the reduction is explicit, so they count as plain tensors.
     with torch._C.DisableTorchFunctionSubclass():
-        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
         shard_part = local(sharded)
         if groups:
-            dist.all_reduce(shard_part, op=op, group=next(iter(groups.values())))
-        rep_part = local(replicated)
-        combined = torch.maximum(shard_part, rep_part) if inf_norm else shard_part + rep_part
+            shard_part = all_reduce_power_sum(shard_part, norm_type, next(iter(groups.values())))
+        combined = combine_power_sums(shard_part, local(replicated), norm_type)
         if tp_group is not None:
-            dist.all_reduce(combined, op=op, group=tp_group)
-        total = combined if inf_norm else combined ** (1.0 / norm_type)
+            combined = all_reduce_power_sum(combined, norm_type, tp_group)
+        total = norm_of_power_sum(combined, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()})"
