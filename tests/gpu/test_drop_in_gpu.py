@@ -44,6 +44,12 @@ def test_megatron_no_sync_and_finish_grad_sync_gpu():
     assert run_distributed(w.megatron_1f1b, WORLD, "optim_grads_params", **GPU, timeout=240) == [True] * WORLD
 
 
+def test_every_norm_order_nan_and_norms_after_the_step_gpu():
+    """Every norm order (-inf and 0 included), a NaN on a later rank (NCCL's MAX) and norms
+    after the step, against plain PyTorch with CUDA tensors."""
+    assert run_distributed(w.norm_orders, WORLD, **GPU, timeout=240) == [True] * WORLD
+
+
 def test_code_that_decides_by_shape_sees_the_parameters_shape_gpu():
     """nanoGPT's and Megatron's weight-decay rules against plain PyTorch, nn.init's fan-in,
     the refusal of a gradient-shaped tensor meeting the piece: with CUDA tensors."""

@@ -27,7 +27,8 @@ def test_writes_through_data_after_the_step_gpu(strategy, param_dtype, offload):
     assert max(worst.values()) < (1e-5 if param_dtype is None else 1e-2), worst
 
 
-@pytest.mark.parametrize("case", ["shared_on_raw_input", "tied_embedding", "dataclass_output"])
+@pytest.mark.parametrize("case", ["shared_on_raw_input", "tied_embedding", "dataclass_output",
+                                  "functional_call_leaves_the_model", "hook_reads_weight_after_fully_shard"])
 def test_units_called_again_and_dataclass_outputs_gpu(case):
     args = (1 << 20,) if case == "tied_embedding" else ()
     worst = run_distributed(getattr(w, case), WORLD, *args, **GPU, timeout=240)[0]

@@ -557,12 +557,15 @@ def norm_orders(rank: int, world: int) -> bool:
     Norms taken after optimizer.step() are still global (the step pre-hook's plain types
     are undone after it)."""
     U = torch.nn.utils
+    device = device_for_backend()
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+    plain = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3)).to(device)
     net = copy.deepcopy(plain)
     mfsdp.fully_shard(net[2])  # 70 elements: at world 4 some ranks hold none of the bias
     mfsdp.fully_shard(net)
-    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    # On GPUs the half batches meet other kernels than the whole batch (a min of |g| is small).
+    tol = dict(rtol=1e-4, atol=1e-7) if device.type == "cuda" else dict(rtol=1e-5, atol=1e-9)
 
     def backward():
         for m in (net, plain):
@@ -571,7 +574,7 @@ def norm_orders(rank: int, world: int) -> bool:
         plain(x).square().mean().backward()
 
     def close(got, want, what):
-        torch.testing.assert_close(float(got), float(want), rtol=1e-5, atol=1e-9, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(float(got), float(want), **tol, msg=lambda m: f"{what}: {m}")
 
     backward()
     for ord in (2.0, 1.0, 3.0, 0.5, -1.0, math.inf, -math.inf, 0.0):
@@ -586,7 +589,7 @@ def norm_orders(rank: int, world: int) -> bool:
         close(mfsdp.clip_grad_norm_(net, 1e9, ord), want, f"our clip, ord {ord}")
 
     # A NaN in the piece of one gradient held by the last rank that holds any of it.
-    holder = torch.tensor([rank if net[0].weight.detach().numel() > 0 else -1])
+    holder = torch.tensor([rank if net[0].weight.detach().numel() > 0 else -1], device=device)
     dist.all_reduce(holder, op=dist.ReduceOp.MAX)
     assert holder.item() > 0, "the NaN must sit on a rank other than the first"
     for ord in (math.inf, 2.0):
