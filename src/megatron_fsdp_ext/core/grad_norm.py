@@ -398,8 +398,9 @@ def all_reduce_power_sum(part: torch.Tensor, ord: float, group) -> torch.Tensor:
     if not math.isinf(ord):
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
         return part
-    sign = 1.0 if ord > 0 else -1.0
-    both = torch.stack([torch.nan_to_num(part * sign, nan=-math.inf, posinf=math.inf, neginf=-math.inf), torch.isnan(part).to(part.dtype)])
+    sign = 1.0 if ord > 0 else -1.0  # a min is the max of the negated values
+    value = torch.nan_to_num(part * sign, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    both = torch.stack([value, torch.isnan(part).to(part.dtype)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0] * sign)
 

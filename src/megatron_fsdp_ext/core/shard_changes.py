@@ -131,9 +131,10 @@ def _units_of(optimizer: torch.optim.Optimizer):
 
 
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
-    """After optimizer.step(): the units' gradients get their ShardedGrad types back, any
-    gathered copy of the units whose parameters it updated (those with a gradient) is stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads,
-    no_shard with a cast) and anything gathered before the step. Needed because fused
+    """After optimizer.step(): the units' gradients get their ShardedGrad types back; any
+    gathered copy of the units whose parameters it updated (those with a gradient) is
+    stale, and their FP8 scales are recomputed: kept copies (optim, optim_grads, no_shard
+    with a cast) and anything gathered before the step. Needed because fused
     optimizers change the shards without moving their version counters. Per unit, not
     per parameter: the first parameter with a gradient decides."""
     stepped = []
