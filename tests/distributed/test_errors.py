@@ -204,6 +204,15 @@ def _replacements_refused_alike(rank, world):
         emb = nn.Sequential(cls(8, 4, max_norm=1.0))
         expect_error(lambda: mfsdp.fully_shard(emb), NotImplementedError, "max_norm=1.0", "in place")
 
+    # A deep copy of a sharded model (torch's AveragedModel makes one): once a TypeError from
+    # the module's constructor, called without its arguments.
+    import copy
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    mfsdp.fully_shard(m[1])
+    mfsdp.fully_shard(m)
+    for make_copy in (copy.deepcopy, torch.optim.swa_utils.AveragedModel):
+        expect_error(lambda: make_copy(m), TypeError, "copy.deepcopy of a fully_shard module", "before fully_shard")
+
 
 def test_replacements_and_writes_in_forward_are_refused_on_every_rank():
     run_distributed(_replacements_refused_alike, 2, timeout=120)

@@ -93,6 +93,14 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self.__init__(*args, **kwargs)
         return self
 
+    def __deepcopy__(self, memo):
+        # The copy would share the unit (its flat buffers, its group) with the original, or
+        # (built through __new__) have none: neither trains as a model of its own.
+        raise TypeError(
+            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its parameters "
+            "are pieces of a unit bound to a process group. Copy the model before fully_shard and shard the "
+            "copy too (e.g. for torch.optim.swa_utils.AveragedModel, or an EMA model)")
+
     @property
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_mfsdp_state"]
