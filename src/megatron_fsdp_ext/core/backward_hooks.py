@@ -127,18 +127,13 @@ class BackwardHooks:
         if self.requires_gradient_sync:
             self.unit.reduce_grads(True)
 
-    def tag_grads(self) -> None:
-        """Give the new gradients their ShardedGrad type (grad_norm.py)."""
-        self.grads_stepped = False
-        if self.grad_types:
-            self.unit.retype_grads(self.plain_types, self.grad_types)
-
-    def tag_grads_after_step(self) -> None:
-        """The step is done with the gradients: their ShardedGrad types back, so that norms
-        taken now (logging, a late clip) are still global, as FSDP2's DTensor gradients'
-        are until zero_grad. The parameters stop presenting as DTensors (sharded_param.py):
-        the step consumed their gradients."""
-        self.grads_stepped = True
+    def tag_grads(self, stepped: bool = False) -> None:
+        """Give the gradients their ShardedGrad type (grad_norm.py): the new ones at the end
+        of backward, or (`stepped`) the ones an optimizer step just read as plain tensors, so
+        that norms taken after it (logging, a late clip) are still global, as FSDP2's DTensor
+        gradients' are until zero_grad; the parameters then stop presenting as DTensors
+        (sharded_param.py): the step consumed their gradients."""
+        self.grads_stepped = stepped
         if self.grad_types:
             self.unit.retype_grads(self.plain_types, self.grad_types)
 

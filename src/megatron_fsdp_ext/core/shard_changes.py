@@ -142,7 +142,7 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
         state = owner()
         if state is None or state.unit is None:
             continue
-        state.tag_grads_after_step()  # the step pre-hook made them plain for the optimizer's reads
+        state.tag_grads(stepped=True)  # the step pre-hook made them plain for the optimizer's reads
         for p in params:
             if p.grad is not None:
                 state.unit.shard_changed()

@@ -451,11 +451,12 @@ class ModuleStateDictHooks:
                 shard = state.unit.sharded_param(i)
                 if not isinstance(value, torch.Tensor) or value is shard:
                     continue
+                shape = face_shape(state, i)
                 if not is_dtensor(value) and local_shape(value) == local_shape(shard):
-                    state_dict[prefix + key] = _LoadedPiece.of(value, face_shape(state, i))
-                elif is_dtensor(value) or tuple(value.shape) == tuple(face_shape(state, i)):
+                    state_dict[prefix + key] = _LoadedPiece.of(value, shape)
+                elif is_dtensor(value) or tuple(value.shape) == tuple(shape):
                     piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
-                    state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
+                    state_dict[prefix + key] = _LoadedPiece.of(piece, shape)
             return
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
