@@ -349,8 +349,8 @@ def _plain_load_and_refusals(rank, world):
         with mfsdp.local_state_dict():
             fresh.load_state_dict(source)
             fresh_opt.load_state_dict(opt_dtensors)
-        _assert_model_equal(_full(fresh), _reference(2)[0])
         ref, ref_opt = _reference(2)
+        _assert_model_equal(_full(fresh), ref)
         _train(ref, ref_opt, 1, first=2)
         _train(fresh, fresh_opt, 1, first=2, rows=_my_rows())
         _assert_model_equal(_full(fresh), ref)
