@@ -8,7 +8,7 @@ compute, fp32 gradient reduction and fused AdamW (DDP: fp32 parameters under bf1
 autocast). Reports the median step time, tokens/s/GPU, TFLOP/s/GPU and peak memory,
 and the ratios against FSDP2 (compiled FSDP2 for compiled rows) and DDP; writes results.json, results.md and a step-time
 PNG under --out. `--device cpu --configs tiny` runs the same code on Gloo (a smoke run,
-not a measurement). `--meta-init` builds mfsdp and fsdp2 on the meta device (needed for
+not a measurement). `--meta-init` builds mfsdp, fsdp2 and megatron_fsdp on the meta device (needed for
 the 13b config, which does not fit one GPU) and records init time, init peak and the
 local shard size; `--systems mfsdp,fsdp2 --configs 13b --meta-init` is the run for a
 model that needs FSDP.
@@ -89,8 +89,9 @@ def parse_args():
                    help="configs (comma-separated) whose last step is profiled into timeline_<system>_<config>.png and "
                         "the NCCL kernel summary (CUDA only; '' = none)")
     p.add_argument("--meta-init", action="store_true",
-                   help="mfsdp and fsdp2 build the model on the meta device and initialize only their shards "
-                        "(mfsdp: materialize(); fsdp2: to_empty() + reset_parameters()); ddp is skipped")
+                   help="mfsdp, fsdp2 and megatron_fsdp build the model on the meta device and initialize only "
+                        "their shards (mfsdp: materialize(); fsdp2: to_empty() + reset_parameters(); megatron_fsdp: "
+                        "its init_model_with_meta_device); ddp and local are refused")
     p.add_argument("--memory-snapshot", default="",
                    help="config whose allocations are recorded (CUDA only) into memory_<system>_<config>.pickle "
                         "for python -m megatron_fsdp_ext.tools.memory")
@@ -110,11 +111,14 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor
 
 
-def _megatron_fsdp(model, device: torch.device, separate_all_gather_group: bool):
+def _megatron_fsdp(model, device: torch.device, separate_all_gather_group: bool, meta_init: bool = False):
     """NVIDIA Megatron-FSDP from PyPI (`megatron-fsdp`), set up as its docs recommend for
     this comparison: a bf16 model, fp32 main parameters and gradients, one unit per block,
     ZeRO-3; `_ag` adds its separate all-gather group (fsdp_group_ag) so all-gathers
-    overlap reduce-scatters, as ours and FSDP2 do by default on NCCL."""
+    overlap reduce-scatters, as ours and FSDP2 do by default on NCCL. With `meta_init` the
+    model comes on the meta device and Megatron-FSDP's own deferred init
+    (init_model_with_meta_device) allocates its buffers and calls each module's
+    reset_parameters(), so a model that does not fit whole on one GPU can be compared."""
     if device.type != "cuda":
         raise SystemExit("megatron_fsdp runs on CUDA only")
     import megatron_fsdp
@@ -127,7 +131,8 @@ def _megatron_fsdp(model, device: torch.device, separate_all_gather_group: bool)
     wrapped = megatron_fsdp.fully_shard_model(
         model.to(torch.bfloat16), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
         fsdp_unit_modules=[type(model.blocks[0])],
-        zero_dp_strategy=3, mixed_precision_policy=mp, fsdp_group_ag=ag_group, device=device)
+        zero_dp_strategy=3, mixed_precision_policy=mp, fsdp_group_ag=ag_group, device=device,
+        init_model_with_meta_device=meta_init)
     return wrapped, wrapped, False
 
 
@@ -162,7 +167,8 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
         for block in model.blocks:  # the unit hooks stay outside the compiled graphs
             block.compile()
         return wrapped, model, autocast
-    if meta_init and system not in MFSDP_EAGER + ("fsdp2",):  # ddp and local need the whole model on each rank
+    if meta_init and system not in MFSDP_EAGER + ("fsdp2", "megatron_fsdp", "megatron_fsdp_ag"):
+        # ddp and local need the whole model on each rank
         raise ValueError(f"--meta-init: {system} cannot start from a model on the meta device")
     if ep > 1 and system not in EP_SYSTEMS:
         raise SystemExit(f"--ep {ep}: {system} does not place experts on their own mesh; use one of {EP_SYSTEMS}")
@@ -217,7 +223,7 @@ def build(system: str, cfg: LlamaConfig, device: torch.device, meta_init: bool =
                   gradient_as_bucket_view=True)
         return ddp, model, bf16  # autocast for bf16 compute
     if system in ("megatron_fsdp", "megatron_fsdp_ag"):
-        return _megatron_fsdp(model, device, separate_all_gather_group=system.endswith("_ag"))
+        return _megatron_fsdp(model, device, separate_all_gather_group=system.endswith("_ag"), meta_init=meta_init)
     if system == "local":
         # The no-communication limit: each rank trains its micro-batch alone, with the
         # same bf16 compute as DDP (autocast), no collective at all.
