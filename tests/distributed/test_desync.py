@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from harness import run_distributed
+from harness.adversarial_workers import check_one_rank_state_dicts, one_rank_state_dicts
 from harness.workers import expect_error
 
 TIMEOUT_S = 4
@@ -189,3 +190,8 @@ def test_timeout_argument_checked():
             mfsdp.FSDPConfig(collective_timeout=bad)
     for good in (30, 0.5, datetime.timedelta(minutes=2), None):
         assert mfsdp.FSDPConfig(collective_timeout=good).collective_timeout == good
+
+
+def test_state_dict_on_one_rank_fails_naming_the_others():
+    check_one_rank_state_dicts(run_distributed(one_rank_state_dicts, 2, {"timeout": TIMEOUT_S}, timeout=120),
+                               TIMEOUT_S)

@@ -89,3 +89,13 @@ def _uneven_tables(rank, world):
 
 def test_nccl_all_gather_v_refuses_rank_dependent_tables():
     run_distributed(_uneven_tables, WORLD, **GPU, timeout=180)
+
+
+def test_state_dict_on_one_rank_fails_naming_the_others_gpu():
+    """The ranks meet through the store before a state-dict collective on NCCL too: a call
+    on rank 0 alone fails there naming the others, and issues no NCCL collective."""
+    from harness.adversarial_workers import check_one_rank_state_dicts, one_rank_state_dicts
+
+    timeout = 4
+    check_one_rank_state_dicts(run_distributed(one_rank_state_dicts, WORLD, {"timeout": timeout}, **GPU,
+                                               timeout=180), timeout)

@@ -4,7 +4,10 @@ against plain PyTorch or names the error it must raise."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import time
+import warnings
 from typing import Dict
 
 import torch
@@ -230,3 +233,92 @@ def nan_check(rank: int, world: int, opts: Dict) -> None:
         opt.zero_grad()
     step(4)  # finite again: the step is taken
     assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters()), "no parameter moved"
+
+
+def one_rank_state_dicts(rank: int, world: int, opts: Dict):
+    """Rank 0 alone calls the model's and the optimizer's state_dict() and load_state_dict()
+    (the DDP habit `if rank == 0: torch.save(model.state_dict(), f)`): each fails on rank 0
+    within the units' timeout (opts["timeout"] s), naming the other ranks, with no
+    collective issued (the process group still works after). Then every rank makes the
+    same calls, rank 1 late: rank 0 warns and all complete with plain PyTorch's values; a
+    plain root over sharded blocks checks its group once per call."""
+    from megatron_fsdp_ext.core import arrival
+
+    timeout = opts["timeout"]
+    os.environ["MFSDP_ARRIVAL_WARN_S"] = "1"
+    device = device_for_backend()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    net = copy.deepcopy(plain)
+    for i in (0, 2):  # a plain root: the blocks' state_dict() calls are the outermost of ours
+        mfsdp.fully_shard(net[i], timeout=timeout)
+    x = torch.randn(4, 8, device=device)  # the same on every rank: the mean gradient is plain PyTorch's
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    for model, optimizer in ((net, opt), (plain, torch.optim.AdamW(plain.parameters(), lr=0.1))):
+        model(x).sum().backward()
+        optimizer.step()
+    saved, saved_opt = net.state_dict(), opt.state_dict()  # every rank: the values to load below
+    calls = {"model state_dict()": net.state_dict, "optimizer.state_dict()": opt.state_dict,
+             "load_state_dict()": lambda: net.load_state_dict(saved),
+             "optimizer.load_state_dict()": lambda: opt.load_state_dict(saved_opt)}
+    failures = {}
+    if rank == 0:
+        for what, call in calls.items():
+            start = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    call()
+                except RuntimeError as e:
+                    failures[what] = (time.monotonic() - start, str(e), [str(w.message) for w in caught])
+                else:
+                    raise AssertionError(f"{what} on rank 0 alone returned")
+    else:
+        time.sleep(len(calls) * timeout + 2)  # past every failure on rank 0: none of its calls meets ours
+    flag = torch.ones(1, device=device)
+    dist.all_reduce(flag)  # no collective of a failed call is pending on any rank
+    assert flag.item() == world, flag
+
+    checked = []
+    original = arrival.await_group
+    arrival.await_group = lambda group, what, limit: (checked.append(what), original(group, what, limit))[1]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 1:
+                time.sleep(2.5)  # late, within the timeout: a warning on rank 0, no error
+            sd = net.state_dict()
+        late = [str(w.message) for w in caught if "to call it too" in str(w.message)]
+        osd = opt.state_dict()
+        net.load_state_dict(sd)
+        opt.load_state_dict(osd)
+    finally:
+        arrival.await_group = original
+    assert checked == ["state_dict()", "optimizer.state_dict()", "load_state_dict()",
+                       "optimizer.load_state_dict()"], checked
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+    expected = plain.state_dict()
+    assert set(full) == set(expected), (set(full), set(expected))
+    for k, v in expected.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    return failures, late, {k: v.tolist() for k, v in full.items()}
+
+
+def check_one_rank_state_dicts(results, timeout: float) -> None:
+    """What one_rank_state_dicts returned on every rank."""
+    (failures, late, values), others = results[0], results[1:]
+    world = len(results)
+    absent = list(range(1, world))
+    assert set(failures) == {"model state_dict()", "optimizer.state_dict()", "load_state_dict()",
+                             "optimizer.load_state_dict()"}, failures
+    for what, (elapsed, message, warned) in failures.items():
+        assert (f"is a collective over the ranks {list(range(world))}, and rank(s) {absent} did not call it"
+                in message), (what, message)
+        assert "no collective was issued" in message and "torch.save(sd, path)" in message, message
+        assert timeout - 0.5 <= elapsed < 2 * timeout, f"{what}: failed after {elapsed:.1f}s"
+        assert any("has waited 1 s" in w and f"for rank(s) {absent} to call it too" in w for w in warned), \
+            (what, warned)
+    assert late and "state_dict() for rank(s) [1]" in late[0], late
+    for r, (their_failures, their_late, their_values) in enumerate(others, start=1):
+        assert their_failures == {} and their_late == [], (r, their_failures, their_late)
+        assert their_values == values, r  # the same full values on every rank, after the failed calls

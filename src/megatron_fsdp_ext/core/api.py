@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from typing import Iterable, List, Optional, Tuple, Union
 
 import contextlib
@@ -23,7 +24,7 @@ from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
-from .state_dict import ModuleStateDictHooks
+from .state_dict import ModuleStateDictHooks, callers_arrived
 from .strategy import sharding_strategy as strategy_named
 
 
@@ -108,6 +109,18 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def _get_fsdp_state(self):
         """What torch's code reads as FSDP2's state: a view of our unit (fsdp2_view.py)."""
         return self._fsdp_state.fsdp2_view
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """nn.Module's, after every rank of each unit group met has called it too (a
+        collective: state_dict.callers_arrived); checked once per group for the outermost
+        call, which the destination dict passed down the module tree identifies."""
+        if args:  # torch's deprecated positional form: passed on as it is
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        callers_arrived(self._states(False), "state_dict()", destination)
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, after waiting for the units' overlapped optimizer updates
@@ -496,6 +509,7 @@ def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, o
     state = FSDPState(modules, unit, group_names, group_slots, comm.pg, options,
                       check_group=comm.reduce_scatter_group,
                       deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None, tp=tp)
+    state.collective_timeout = comm.timeout
     if mesh is not None and mesh.ndim == 1 and \
             dist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(comm.pg):
         state.shard_mesh = mesh

@@ -61,6 +61,8 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.unit = unit
         self.names = names
         self.process_group = pg
+        # fully_shard(timeout=): how long its collectives wait (None: the backend's default).
+        self.collective_timeout = None
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
         # The 1-D mesh the unit was sharded on, when given one (its dim names are what the

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import math
 import threading
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import _C
-from . import backends
+from . import arrival, backends
 from .agree import digest_differs
 from .dtensor_face import FlatShard, LogicalShape, is_dtensor, local_numel, local_shape
 from .param_index import by_unit, check_materialized, check_resharded, owner_of
@@ -59,6 +60,39 @@ def local_state_dict():
 
 def _local_mode() -> bool:
     return getattr(_mode, "local", 0) > 0
+
+
+def callers_arrived(states, what: str, call=None) -> None:
+    """Before the first collective of a state-dict call: every rank of each unit's group
+    has made the same call (arrival.py), so a call on some ranks only fails naming them
+    instead of waiting in (or mispairing) a collective. `call`: an object of the outermost
+    call that reaches every module it visits (state_dict()'s destination, a load's error
+    list), so that each group is checked once per call; None: a call of its own."""
+    if _local_mode():
+        return
+    checked = _checked_groups(call)
+    for state in states:
+        group = state.process_group
+        if state.unit is None or id(group) in checked:
+            continue
+        checked.add(id(group))
+        arrival.await_group(group, what, arrival.group_timeout(group, state.collective_timeout))
+
+
+def _checked_groups(call) -> set:
+    """The groups checked so far in `call`, kept by the thread for the latest call only
+    (weakly where the object allows: a destination dict holds the whole state dict)."""
+    if call is None:
+        return set()
+    latest = getattr(_mode, "arrival_call", None)
+    if latest is not None and latest[0]() is call:
+        return latest[1]
+    try:
+        ref = weakref.ref(call)
+    except TypeError:  # a list: small, held until the next call
+        ref = lambda: call  # noqa: E731
+    _mode.arrival_call = (ref, set())
+    return _mode.arrival_call[1]
 
 
 @contextlib.contextmanager
@@ -458,6 +492,7 @@ class ModuleStateDictHooks:
                     piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
                     state_dict[prefix + key] = _LoadedPiece.of(piece, shape)
             return
+        callers_arrived(self.state.with_companions, "load_state_dict()", error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
@@ -510,7 +545,9 @@ def _optimizer_post_state_dict(optimizer, state_dict):
     if _local_mode():
         return None
     states = state_dict["state"]
-    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+    units = _units_in(optimizer, state_dict["param_groups"])
+    callers_arrived([state for state, _ in units], "optimizer.state_dict()")
+    for state, index_to_key in units:
         keys = _shard_shaped_keys(state, index_to_key, states)
         if getattr(_mode, "unread", None) is None:  # unread values need no collective to agree on
             _agree(state, ",".join(f"{k}:{d}" for k, d in sorted(keys.items(), key=lambda kv: kv[0])),
@@ -537,9 +574,12 @@ def _optimizer_pre_load(optimizer, state_dict):
     # In local_state_dict() mode this rank's pieces load as they are; full values and
     # DTensors are cut, as for the parameters.
     keep_local = _local_mode()
+    units = _units_in(optimizer, state_dict["param_groups"])
+    if not keep_local:
+        callers_arrived([state for state, _ in units], "optimizer.load_state_dict()")
     state_dict = dict(state_dict)
     states = dict(state_dict["state"])
-    for state, index_to_key in _units_in(optimizer, state_dict["param_groups"]):
+    for state, index_to_key in units:
         for i, key in index_to_key.items():
             if key in states:
                 states[key] = _cut_entry(state, i, states[key], "optimizer.load_state_dict", keep_local=keep_local)
