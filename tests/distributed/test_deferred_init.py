@@ -6,6 +6,7 @@ import pytest
 
 from harness import run_distributed
 from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
+                                   load_state_dict_into_meta_model,
                                    load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model)
 
 CASES = {
@@ -76,3 +77,8 @@ def test_safetensors_directory_loads_into_a_model_built_on_meta(case, tmp_path):
     directory = tmp_path / "hf"
     directory.mkdir()
     run_distributed(load_safetensors_into_meta_model, world, opts, str(directory), timeout=240)
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "optim_grads_params"), (3, "optim_grads"), (2, "no_shard")])
+def test_torch_loads_into_a_model_built_on_meta(world, strategy):
+    run_distributed(load_state_dict_into_meta_model, world, {"strategy": strategy}, timeout=240)

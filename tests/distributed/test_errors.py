@@ -151,7 +151,9 @@ def _conversions_after_fully_shard(rank, world):
     # re-create its parameters; we refuse before anything is converted).
     for convert, to in ((lambda m: m.double(), "torch.float64"), (lambda m: m.half(), "torch.float16"),
                         (lambda m: m.to(torch.bfloat16), "torch.bfloat16"), (lambda m: m.to("meta"), "meta")):
-        for target in (net, net[1]):
+        # The unit's modules, and plain modules inside units (model.norm.float() to keep a
+        # norm in fp32: nn.Module._apply swaps .data, which the unit would undo silently).
+        for target in (net, net[1]) + ((net[1].lin, net[1].norm, net[2]) if to != "meta" else ()):
             expect_error(lambda: convert(target), RuntimeError, "cannot change its sharded parameters", to,
                          "before fully_shard")
     assert all(b.dtype in (torch.float32, torch.int64) for b in net.buffers()), \

@@ -408,3 +408,47 @@ def deferred_init_memory(rank: int, world: int) -> Dict:
     out["full_model_mib"] = (full_bytes + (cfg.n_layers - 1) * 4 * sum(
         p.numel() for p in LlamaModel(LlamaConfig(**{**cfg.__dict__, "n_layers": 1})).blocks.parameters())) / mib
     return out
+
+
+def load_state_dict_into_meta_model(rank: int, world: int, opts: Dict) -> Dict:
+    """torch's own loads into a model built on the meta device (model.load_state_dict of a
+    full state dict, or set_model_state_dict with full_state_dict and broadcast_from_rank0,
+    as for FSDP2 after to_empty): every unit the load wrote whole holds the values, so
+    forward runs (it once refused, asking for materialize(), which then overwrote them).
+    A partial load leaves its units deferred, and materialize() refuses to overwrite what
+    was loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = device_for_backend()
+    cfg = _cfg(opts)
+    torch.manual_seed(SEED + 1)
+    source = LlamaModel(cfg).to(device)
+    sd = {k: v.detach().cpu().clone() for k, v in source.state_dict().items()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5)).to(device)
+    errs = {}
+    for how in ("load_state_dict", "set_model_state_dict_broadcast"):
+        model = _meta_sharded(cfg, opts)
+        if how == "load_state_dict":
+            result = model.load_state_dict({k: v.to(device) for k, v in sd.items()})
+            assert not result.missing_keys and not result.unexpected_keys, result
+        else:
+            set_model_state_dict(model, sd if rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        check_local_shards(model, source)
+        with torch.no_grad():
+            errs[how] = rel_err(model(tokens), source(tokens))
+        assert errs[how] <= 1e-5, f"{how}: forward after loading into a meta model: rel err {errs[how]}"
+        expect_error(lambda: mfsdp.materialize(model), ValueError, "nothing to initialize")
+
+    model = _meta_sharded(cfg, opts)
+    partial = {k: v for k, v in sd.items() if k != "blocks.1.mlp.w_down.weight"}
+    result = model.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["blocks.1.mlp.w_down.weight"], result
+    expect_error(lambda: model(tokens), RuntimeError, "Block (unit of", "materialize")
+    expect_error(lambda: mfsdp.materialize(model), RuntimeError, "would overwrite the loaded values",
+                 "w_down.weight")
+    model.load_state_dict({"blocks.1.mlp.w_down.weight": sd["blocks.1.mlp.w_down.weight"]}, strict=False)
+    check_local_shards(model, source)  # the two loads together wrote the unit
+    with torch.no_grad():
+        assert rel_err(model(tokens), source(tokens)) <= 1e-5
+    return errs

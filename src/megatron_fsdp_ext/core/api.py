@@ -24,6 +24,7 @@ from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
+from .sharded_param import conversion_refused
 from .state_dict import ModuleStateDictHooks, callers_arrived
 from .strategy import sharding_strategy as strategy_named
 
@@ -60,13 +61,7 @@ def _refuse_shard_conversion(states, fn) -> None:
         shard = unit.sharded_params[0]
         probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
         if isinstance(probe, torch.Tensor) and (probe.dtype != shard.dtype or probe.device != shard.device):
-            raise RuntimeError(
-                f"megatron_fsdp_ext: fully_shard unit '{unit.label}' cannot change its sharded parameters from "
-                f"{shard.dtype} on {shard.device} to {probe.dtype} on {probe.device} (module.double(), .half(), "
-                ".to(), .cuda(), .cpu() or .to_empty() after fully_shard): the unit's flat buffers keep one dtype "
-                "and device. Cast or move the model before fully_shard; for a compute dtype use "
-                "MixedPrecisionPolicy(param_dtype=...); for a model built on the meta device use "
-                "megatron_fsdp_ext.materialize(model)")
+            raise conversion_refused(unit.label, shard, probe.dtype, probe.device)
 
 
 def _original_class(cls: type) -> type:

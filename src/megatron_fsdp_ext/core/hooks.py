@@ -109,6 +109,8 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # Meta-device parameters: the shard is allocated but holds no values until
         # megatron_fsdp_ext.materialize() runs the modules' initializers.
         self.param_init = ParamInit.DEFERRED if deferred else ParamInit.MATERIALIZED
+        # Deferred: the parameters (indices) a load_state_dict() has written so far.
+        self._loaded_while_deferred: set = set()
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 
@@ -190,6 +192,21 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         """Every parameter of this unit now holds its value (materialize, or a load that
         wrote the whole unit): the one writer of param_init after construction."""
         self.param_init = ParamInit.MATERIALIZED
+
+    @property
+    def loaded_while_deferred(self) -> frozenset:
+        return frozenset(self._loaded_while_deferred)
+
+    def note_loaded(self, indices) -> None:
+        """load_state_dict() is writing these parameters (state_dict.py's load pre-hook): a
+        deferred unit whose every parameter was written, in one load or several, holds its
+        values, as after materialize() (which then leaves it alone)."""
+        if self.param_init is not ParamInit.DEFERRED:
+            return
+        self._loaded_while_deferred.update(indices)
+        if len(self._loaded_while_deferred) == len(self.names):
+            self._loaded_while_deferred.clear()
+            self.mark_loaded()
 
     def set_options(self, **changes) -> None:
         """The one writer of this unit's options: a new frozen UnitOptions with

@@ -36,6 +36,20 @@ from .param_index import owner_of
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
+def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device) -> RuntimeError:
+    """The error for a dtype or device change of a unit's shards (module.double(), .half(),
+    .to(), .cuda(), .cpu(), .to_empty() after fully_shard, on the unit's module or any
+    module inside it): the unit's flat buffers keep one dtype and device, and would copy
+    the converted values back and train as before."""
+    return RuntimeError(
+        f"megatron_fsdp_ext: fully_shard unit '{unit_label}' cannot change its sharded parameters from "
+        f"{shard.dtype} on {shard.device} to {to_dtype} on {to_device} (module.double(), .half(), .float(), "
+        ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it): "
+        "the unit's flat buffers keep one dtype and device. Cast or move the model (or that module) before "
+        "fully_shard; for a compute dtype use MixedPrecisionPolicy(param_dtype=...); for a model built on the "
+        "meta device use megatron_fsdp_ext.materialize(model)")
+
+
 class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     """A sharded parameter of a fully_shard unit (see the module docstring)."""
 
@@ -111,6 +125,12 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 state.unit.wait_host_update()
                 set_full_value(state, index, value.detach())
                 return
+        if isinstance(value, torch.Tensor) and (value.dtype != self.dtype or value.device != self.device):
+            # nn.Module._apply on a module inside a unit (model.norm.float()) swaps .data
+            # here; on the unit's own module FSDPModule._apply refuses it first.
+            state, _ = owner_of(self)
+            if state is not None and state.unit is not None:
+                raise conversion_refused(state.unit.label, self, value.dtype, value.device)
         _TENSOR_DATA.__set__(self, value)
 
 

@@ -491,6 +491,7 @@ class ModuleStateDictHooks:
                 elif is_dtensor(value) or tuple(value.shape) == tuple(shape):
                     piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
                     state_dict[prefix + key] = _LoadedPiece.of(piece, shape)
+            state.note_loaded(i for key, i in owned if isinstance(state_dict.get(prefix + key), _LoadedPiece))
             return
         callers_arrived(self.state.with_companions, "load_state_dict()", error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
@@ -498,6 +499,7 @@ class ModuleStateDictHooks:
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
                 "cannot be replaced; load without assign=True")
         check_resharded(state, "load_state_dict()")
+        written = []
         for key, i in owned:
             if prefix + key not in state_dict:
                 continue  # strict loading reports it
@@ -507,6 +509,8 @@ class ModuleStateDictHooks:
             piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
             # torch compares the value's shape with the parameter's (its full shape).
             state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
+            written.append(i)
+        state.note_loaded(written)
 
 
 # ---------------------------------------------------------------- optimizer hooks

@@ -76,6 +76,15 @@ def materialize(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]
     for s in deferred.values():
         if s.slots_hold is not SlotsHold.SHARDED:
             raise RuntimeError(f"materialize: {s} has its unsharded parameters installed; call it before training")
+        loaded = s.loaded_while_deferred
+        if loaded:
+            # Its initializers would overwrite what load_state_dict() wrote (a load covering
+            # the whole unit would have marked it loaded).
+            raise RuntimeError(
+                f"materialize: load_state_dict() wrote {sorted(s.names[i] for i in loaded)[:5]} of {s} but not "
+                f"{sorted(s.names[i] for i in range(len(s.names)) if i not in loaded)[:5]}; materialize would "
+                "overwrite the loaded values. Load every parameter of the unit (strict=True), or call "
+                "materialize(model) before loading")
 
     written = set()  # (id(state), index in the unit) whose shard holds its value
     for path, m in module.named_modules():
