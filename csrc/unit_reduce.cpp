@@ -321,7 +321,15 @@ void Unit::agree_on_grads(const std::vector<Unit*>& units) {
     numels.push_back(static_cast<int64_t>(u->has_grad_.size()));
     lacking = lacking || u->lacks_some_grad();
   }
-  at::Tensor mask = at::tensor(flags, at::kInt).to(lead.device_, /*non_blocking=*/true);
+  // Pinned, so the copy is legal under CUDA graph capture; the host allocator keeps the
+  // pinned block until the copy ran.
+  at::Tensor host = at::tensor(flags, at::kInt);
+  if (lead.device_.is_cuda()) host = host.pin_memory();
+  at::Tensor mask = host.to(lead.device_, /*non_blocking=*/true);
+  const auto& streams = lead.ctx().streams();
+  // Allocated on the current stream, written on the reduce-scatter stream: not reused
+  // before the all-reduce there is done.
+  if (mask.is_cuda() && streams.enabled()) mask.record_stream(streams.reduce_scatter());
   auto done = lead.on_reduce_stream([&]() {
     run_coalesced(CollectivePhase::kAllReduceGradMask, units, numels, lead.rs_comm_,
                   [&] { lead.rs_comm_.all_reduce(mask, c10d::ReduceOp::MAX); });
