@@ -503,8 +503,8 @@ def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, o
     mesh = comm.mesh
     state = FSDPState(modules, unit, group_names, group_slots, comm.pg, options,
                       check_group=comm.reduce_scatter_group,
-                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None, tp=tp)
-    state.collective_timeout = comm.timeout
+                      deferred=deferred, device_mesh=mesh if mesh is not None and mesh.ndim == 2 else None, tp=tp,
+                      collective_timeout=comm.timeout)
     if mesh is not None and mesh.ndim == 1 and \
             dist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(comm.pg):
         state.shard_mesh = mesh

@@ -48,7 +48,7 @@ def unit_kind(modules) -> str:
 
 class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
     def __init__(self, modules, unit, names, slots, pg, options: UnitOptions, *,
-                 check_group=None, deferred: bool = False, device_mesh=None, tp=None):
+                 check_group=None, deferred: bool = False, device_mesh=None, tp=None, collective_timeout=None):
         # A unit of several modules (FSDP2's fully_shard([...])) is gathered before the
         # first of them runs in a forward and released after the last (_group_pending).
         self._module_refs = [weakref.ref(m) for m in modules]
@@ -62,7 +62,7 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.names = names
         self.process_group = pg
         # fully_shard(timeout=): how long its collectives wait (None: the backend's default).
-        self.collective_timeout = None
+        self.collective_timeout = collective_timeout
         # HSDP: the 2-D (replicate, shard) mesh the unit was sharded on; None for 1-D.
         self.device_mesh = device_mesh
         # The 1-D mesh the unit was sharded on, when given one (its dim names are what the

@@ -493,7 +493,7 @@ class ModuleStateDictHooks:
                     state_dict[prefix + key] = _LoadedPiece.of(piece, shape)
             state.note_loaded(i for key, i in owned if isinstance(state_dict.get(prefix + key), _LoadedPiece))
             return
-        callers_arrived(self.state.with_companions, "load_state_dict()", error_msgs)
+        callers_arrived(state.with_companions, "load_state_dict()", error_msgs)
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
