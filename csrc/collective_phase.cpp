@@ -11,6 +11,7 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kAllReduceReplicas: return "all-reduce of gradient shards across replicas";
     case CollectivePhase::kExchangeRows: return "exchange of state-dict rows";
     case CollectivePhase::kAllReduceFp8Amax: return "all-reduce(max) of FP8 weight amaxes";
+    case CollectivePhase::kAllReduceGradMask: return "all-reduce(max) of which parameters got gradients";
   }
   return "collective";
 }

@@ -12,6 +12,7 @@ enum class CollectivePhase {
   kAllReduceReplicas = 4,  // HSDP: reduced gradient shards across the replicas
   kExchangeRows = 5,       // state dicts: our layout pieces <-> FSDP2's rows (row_exchange.h)
   kAllReduceFp8Amax = 6,   // FP8 gather: every FP8 parameter's amax, max over the ranks
+  kAllReduceGradMask = 7,  // which parameters got a gradient on any rank (Unit::agree_on_grads)
 };
 const char* phase_name(CollectivePhase phase);
 

@@ -377,6 +377,14 @@ class Unit {
   // unscaled and scales after (1/W applied first could flush small fp16 gradients to zero).
   double pack_scale() const;
   void land_grads(const GradBuffers& b, const PendingCollective& done);
+  // A parameter used on some ranks only (a layer skipped by rank-dependent control flow,
+  // an expert no local token reached) still has a reduced gradient on every rank, as in
+  // plain PyTorch: which parameters got one anywhere is agreed before the reduction is
+  // planned, by an all-reduce(max) of has_grad_ over the unit's group (and its replicas).
+  // Only a rank that lacks some gradient waits for it. `units` share the collective (a
+  // reduce bucket; the first leads).
+  static void agree_on_grads(const std::vector<Unit*>& units);
+  bool lacks_some_grad() const;
   // The parameters whose sharded .grad this reduction landed and that carry
   // post-accumulate-grad hooks (Tensor.register_post_accumulate_grad_hook); read before
   // has_grad_ is reset.
@@ -416,9 +424,10 @@ class Unit {
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
   // which unit every collective belongs to. Built in set_label, off the hot path.
-  std::array<std::string, 7> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+  std::array<std::string, 8> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
                                              "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas",
-                                             "mfsdp::exchange_rows", "mfsdp::all_reduce_fp8_amax"};
+                                             "mfsdp::exchange_rows", "mfsdp::all_reduce_fp8_amax",
+                                             "mfsdp::all_reduce_grad_mask"};
   // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
   // (or casting) its parameters and when it frees them; tests replay these from a trace.
   std::string unshard_scope_ = "mfsdp::unshard";

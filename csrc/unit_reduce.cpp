@@ -72,6 +72,7 @@ bool Unit::reduce_grads(bool sync) {
     return true;
   }
   accumulated_ = at::Tensor();
+  agree_on_grads({this});
   GradBuffers buffers = plan_reduction(std::move(flat), defer);
   at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
   if (defer && !partial_.defined()) {
@@ -251,16 +252,21 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   // Pack every member's gradients (the first pack retires the held reduction); units
   // without any gradient drop out, as reduce_grads would skip them.
   std::vector<Unit*> members;
-  std::vector<GradBuffers> buffers;
+  std::vector<at::Tensor> flats;
   for (Unit* u : together) {
     u->check_bound("reduce_grads");
     at::Tensor flat = u->pack_grads(/*sync=*/true);
     if (!flat.defined()) continue;
     u->accumulated_ = at::Tensor();
     members.push_back(u);
-    buffers.push_back(u->plan_reduction(std::move(flat), /*defer=*/false));
+    flats.push_back(std::move(flat));
   }
   if (members.empty()) return;
+  agree_on_grads(members);
+  std::vector<GradBuffers> buffers;
+  for (size_t i = 0; i < members.size(); ++i) {
+    buffers.push_back(members[i]->plan_reduction(std::move(flats[i]), /*defer=*/false));
+  }
   Unit& lead = *members.front();
   std::vector<at::Tensor> outs, ins;
   std::vector<int64_t> numels;
@@ -294,6 +300,52 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   lead.ctx().hold_reduction(std::move(held), done);
   for (size_t i = 0; i < members.size(); ++i) {
     members[i]->run_post_accumulate_grad_hooks(hooked[i], buffers[i], *done);
+  }
+}
+
+bool Unit::lacks_some_grad() const {
+  for (size_t i = 0; i < has_grad_.size(); ++i) {
+    if (!has_grad_[i] && sharded_params_[i].requires_grad()) return true;
+  }
+  return false;
+}
+
+void Unit::agree_on_grads(const std::vector<Unit*>& units) {
+  Unit& lead = *units.front();
+  if (lead.world_size() * lead.replicate_size() == 1) return;
+  std::vector<int32_t> flags;
+  std::vector<int64_t> numels;
+  bool lacking = false;
+  for (const Unit* u : units) {
+    for (bool had : u->has_grad_) flags.push_back(had ? 1 : 0);
+    numels.push_back(static_cast<int64_t>(u->has_grad_.size()));
+    lacking = lacking || u->lacks_some_grad();
+  }
+  // Pinned, so the copy is legal under CUDA graph capture; the host allocator keeps the
+  // pinned block until the copy ran.
+  at::Tensor host = at::tensor(flags, at::kInt);
+  if (lead.device_.is_cuda()) host = host.pin_memory();
+  at::Tensor mask;
+  auto done = lead.on_reduce_stream([&]() {
+    // Copied and allocated on the reduce-scatter stream, where the all-reduce writes it:
+    // no copy on the compute stream, and the memory is not reused before it is done.
+    mask = host.to(lead.device_, /*non_blocking=*/true);
+    run_coalesced(CollectivePhase::kAllReduceGradMask, units, numels, lead.rs_comm_,
+                  [&] { lead.rs_comm_.all_reduce(mask, c10d::ReduceOp::MAX); });
+    if (lead.replicate_comm_.defined()) {
+      run_coalesced(CollectivePhase::kAllReduceGradMask, units, numels, lead.replicate_comm_,
+                    [&] { lead.replicate_comm_.all_reduce(mask, c10d::ReduceOp::MAX); });
+    }
+  });
+  // A rank that got every gradient itself has nothing to learn: it does not wait.
+  if (!lacking) return;
+  done->synchronize();
+  const at::Tensor agreed = mask.cpu();
+  const int32_t* any = agreed.const_data_ptr<int32_t>();
+  for (Unit* u : units) {
+    for (size_t i = 0; i < u->has_grad_.size(); ++i, ++any) {
+      if (*any != 0) u->has_grad_[i] = true;
+    }
   }
 }
 

@@ -65,3 +65,11 @@ def test_writes_through_data_after_the_step_are_seen_like_fsdp2(strategy, param_
     worst = run_distributed(w.data_writes_after_step, 2, strategy, param_dtype, offload, timeout=120)[0]
     assert max(worst.values()) < 1e-5, worst
 
+
+@pytest.mark.parametrize("layout,world", [("units", 2), ("buckets", 2), ("root", 2), ("units", 3), ("hsdp", 4)])
+def test_parameters_used_on_some_ranks_only_get_their_gradient(layout, world):
+    """A parameter used on some ranks only (rank-dependent control flow) has plain
+    PyTorch's gradient on every rank: the rank holding its piece landed nothing when it
+    had not used it, and the parameter did not train there (FSDP2 hangs or fails here)."""
+    worst = run_distributed(w.partly_used_parameters, world, layout, timeout=180)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst

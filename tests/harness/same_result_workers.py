@@ -322,3 +322,64 @@ def hook_reads_weight_after_fully_shard(rank, world):
         return m
     return train_against_plain(model_fn, shard, lambda m, b: m(b).pow(2).mean())
 
+
+class _SkippableBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+
+    def forward(self, x, skip: bool):
+        h = torch.tanh(self.a(x))
+        return h if skip else h + self.b(h)
+
+
+class PartlyUsed(nn.Module):
+    """Rank-dependent control flow (LayerDrop, an expert no local token reached): on a
+    batch whose first entry is positive each block skips its second layer and the model
+    skips `aux`, so in a step where the ranks' batches differ in that sign some
+    parameters get a gradient on some ranks only. Plain PyTorch, on the whole batch,
+    gives them the mean of what the ranks that used them computed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_SkippableBlock() for _ in range(2))
+        self.aux = nn.Linear(D, D)
+        self.head = nn.Linear(D, 1)
+
+    @staticmethod
+    def skips(x) -> bool:
+        return bool(x[0, 0] > 0)
+
+    def forward(self, x):
+        skip = self.skips(x)
+        for block in self.blocks:
+            x = block(x, skip)
+        if not skip:
+            x = x + self.aux(x)
+        return self.head(x)
+
+
+def partly_used_parameters(rank, world, layout: str):
+    """Parameters used on some ranks only get their reduced gradient on every rank (the
+    rank holding their piece among them), step by step equal to plain PyTorch's. `layout`:
+    "units" (a unit per block, the root holding aux), "buckets" (the same in one reduce
+    bucket: the coalesced path), "root" (one unit), "hsdp" (units over a 2 x world/2 mesh)."""
+    kwargs = {}
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh(device_for_backend().type, (2, world // 2),
+                                          mesh_dim_names=("replicate", "shard"))
+    buckets = {"reduce_bucket_bytes": 1 << 30} if layout == "buckets" else {"reduce_bucket_bytes": 0}
+
+    def shard(m):
+        if layout != "root":
+            for block in m.blocks:
+                mfsdp.fully_shard(block, **kwargs)
+        return mfsdp.fully_shard(m, **kwargs, **buckets)
+
+    skipped = [[PartlyUsed.skips(torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step))[r])
+                for r in range(world)] for step in range(4)]
+    assert any(len(set(s)) > 1 for s in skipped), skipped  # some step is used on some ranks only
+    return train_against_plain(PartlyUsed, shard, lambda m, b: m(b).pow(2).mean())

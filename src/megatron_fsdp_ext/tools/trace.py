@@ -88,6 +88,8 @@ def kernel_kind(name: str) -> str:
             return "all-gather"
         if "reducescatter" in low:
             return "reduce-scatter"
+        if "allreduce" in low:
+            return "all-reduce"
         return "other collective"
     return "compute"
 
@@ -120,6 +122,8 @@ def step_overlap(kernels: List[Kernel], min_fraction: float = 0.5) -> Dict:
     fwd_ag = [k for k in fwd if kernel_kind(k[0]) == "all-gather"]
     bwd_ag = [k for k in bwd if kernel_kind(k[0]) == "all-gather"]
     rs = [k for k in bwd if kernel_kind(k[0]) == "reduce-scatter"]
+    # The units' agreement on which parameters got gradients (Unit::agree_on_grads).
+    bwd_ar = [k for k in bwd if kernel_kind(k[0]) == "all-reduce"]
     fwd_compute = [k for k in compute if begin[3] <= k[2] and k[3] <= boundary[2]]
 
     def fractions(group, against):
@@ -133,7 +137,8 @@ def step_overlap(kernels: List[Kernel], min_fraction: float = 0.5) -> Dict:
         "bwd_all_gathers": len(bwd_ag),
         "reduce_scatters": len(rs),
         # Collectives of the step that straddle the boundary marker, or of another kind.
-        "unclassified_collectives": len(step) - len(fwd_ag) - len(bwd_ag) - len(rs),
+        "bwd_all_reduces": len(bwd_ar),
+        "unclassified_collectives": len(step) - len(fwd_ag) - len(bwd_ag) - len(rs) - len(bwd_ar),
         "fwd_compute_ms": round(union_length(fwd_compute) / 1e3, 3),
         "fwd_all_gather_ms": ms(fwd_ag),
         "bwd_all_gather_ms": ms(bwd_ag),
