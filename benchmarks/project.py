@@ -138,6 +138,11 @@ def project(row: dict, param_bytes: int = 2, grad_bytes: int = 4, nvlink: dict =
     ag = collective_ms("all_gather", block * layers / n_ag * param_bytes, world, nvlink)
     rs = collective_ms("reduce_scatter", block * layers / n_rs * grad_bytes, world, nvlink)
     rs_root = collective_ms("reduce_scatter", root * grad_bytes, world, nvlink)
+    # Ours all-reduces a few bytes before each reduction (which parameters got gradients,
+    # Unit::agree_on_grads) on the same stream: one more latency per reduce-scatter.
+    if (row.get("our_counts_per_step") or {}).get("all_reduce"):
+        mask = link("all_gather", world, nvlink)[0]
+        rs, rs_root = rs + mask, rs_root + mask
     # Forward: the root's gather and the first block gather are exposed; the rest hide
     # behind the compute before them. Backward: each later all-gather and every
     # reduce-scatter but the last share the link and hide behind the backward compute;

@@ -15,9 +15,11 @@ NO_FLAT = {("gloo", "cpu"): {"flat_all_gather": False, "flat_reduce_scatter": Fa
 
 def _expected_step(result, per_unit_gathers=True):
     """Our counters for one steady ZeRO-3 step: every unit gathered in forward, every
-    block again in backward (the root stays unsharded), one reduce-scatter per unit."""
-    g, r = result["gather_bytes"], result["reduce_bytes"]
-    return {"all_gather": (2 * len(g) - 1, sum(g) + sum(g[1:])), "reduce_scatter": (len(r), sum(r))}
+    block again in backward (the root stays unsharded), one reduce-scatter per unit, each
+    after the all-reduce of which parameters got gradients."""
+    g, r, m = result["gather_bytes"], result["reduce_bytes"], result["mask_bytes"]
+    return {"all_gather": (2 * len(g) - 1, sum(g) + sum(g[1:])), "reduce_scatter": (len(r), sum(r)),
+            "all_reduce": (len(m), sum(m))}
 
 
 @pytest.mark.parametrize("rank", [0, 5])
@@ -41,13 +43,16 @@ def test_fake_backend_buckets_hsdp_and_mixed_precision():
     both = {"gather_bucket_bytes": ONE_BUCKET, "reduce_bucket_bytes": ONE_BUCKET, "bf16": True}
     out = run_distributed(BW.simulated_training, 8, both, backend="fake", simulate_rank=2, timeout=180)[0]
     g, r = out["gather_bytes"], out["reduce_bytes"]
-    # One coalesced gather per pass, one coalesced reduce-scatter: bf16 gathers, fp32 reduction.
-    assert out["steady_step"] == {"all_gather": (2, sum(g) + sum(g[1:])), "reduce_scatter": (1, sum(r))}, out
+    # One coalesced gather per pass, one coalesced reduce-scatter: bf16 gathers, fp32 reduction;
+    # the bucket's gradient agreement is one all-reduce of every member's flags.
+    assert out["steady_step"] == {"all_gather": (2, sum(g) + sum(g[1:])), "reduce_scatter": (1, sum(r)),
+                                  "all_reduce": (1, sum(out["mask_bytes"]))}, out
     assert g[0] * 2 == r[0], (g, r)
     hsdp = run_distributed(BW.simulated_training, 8, {"hsdp": (2, 4)}, backend="fake", simulate_rank=6,
                            timeout=180)[0]
     expected = _expected_step(hsdp)
-    expected["all_reduce"] = (hsdp["units"], sum(hsdp["shard_bytes"]))  # the shards across replicas
+    # The shards across replicas; the gradient flags over the shard group, then the replicas.
+    expected["all_reduce"] = (3 * hsdp["units"], sum(hsdp["shard_bytes"]) + 2 * sum(hsdp["mask_bytes"]))
     assert hsdp["steady_step"] == expected, hsdp
 
 
@@ -67,18 +72,20 @@ def test_without_coalesced_collectives_buckets_issue_one_collective_per_unit():
                                timeout=180)[0]
     units = fallback["units"]
     assert coalesced["c10d_calls"] == {"c10d::allgather_into_tensor_coalesced_": 2,
-                                       "c10d::reduce_scatter_tensor_coalesced_": 1}, coalesced
-    # The same buckets (one scope each), each member gathered and reduced by its own call.
+                                       "c10d::reduce_scatter_tensor_coalesced_": 1, "c10d::allreduce_": 1}, coalesced
+    # The same buckets (one scope each), each member gathered and reduced by its own call;
+    # the bucket's gradient agreement stays one all-reduce.
     assert (fallback["all_gathers"], fallback["reduce_scatters"]) == (2, 1), fallback
     assert fallback["c10d_calls"] == {"c10d::_allgather_base_": 2 * units - 1,
-                                      "c10d::_reduce_scatter_base_": units}, fallback
+                                      "c10d::_reduce_scatter_base_": units, "c10d::allreduce_": 1}, fallback
     assert fallback["params_with_grad"] == coalesced["params_with_grad"]
 
 
 def test_without_flat_collectives_units_gather_into_views_and_reduce_by_all_reduce():
     plain = run_distributed(BW.under_capabilities, 2, NO_FLAT, bucketed_collective_counts, {}, timeout=180)[0]
     units = plain["units"]
-    assert plain["c10d_calls"] == {"c10d::allgather_": 2 * units - 1, "c10d::allreduce_": units}, plain
+    # The reduction by all-reduce, after the all-reduce of the gradient flags: two per unit.
+    assert plain["c10d_calls"] == {"c10d::allgather_": 2 * units - 1, "c10d::allreduce_": 2 * units}, plain
 
 
 @pytest.mark.parametrize("caps", [NO_COALESCING, NO_FLAT], ids=["no_coalescing", "no_flat"])

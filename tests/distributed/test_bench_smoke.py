@@ -314,11 +314,16 @@ def test_simulate_tiny_cpu(tmp_path):
         assert "error" not in r, r
         assert len(r["steps"]) == 2 and r["step_ms"] > 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
         calls = {k: v[0] for k, v in r["c10d_calls_per_step"].items()}
-        assert calls == {"c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, r
+        # Ours agrees on which parameters got gradients before each reduction: one small
+        # all-reduce per reduce-scatter (Unit::agree_on_grads).
+        masks = {"c10d::allreduce_": units} if r["system"] == "mfsdp" else {}
+        assert calls == {"c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units, **masks}, r
     for r in rows[:2]:
         ours = r["our_counts_per_step"]
         assert ours["all_gather"] == r["c10d_calls_per_step"]["c10d::_allgather_base_"], r
         assert ours["reduce_scatter"] == r["c10d_calls_per_step"]["c10d::_reduce_scatter_base_"], r
+        # The profiler records no shapes for a tensor list (all_reduce's argument): calls only.
+        assert ours["all_reduce"][0] == r["c10d_calls_per_step"]["c10d::allreduce_"][0], r
         assert r["estimate_gib"] > 0
 
 
@@ -358,9 +363,10 @@ def test_simulate_mixture_of_experts_with_expert_parallelism(tmp_path, form, exp
         assert "error" not in r and r["moe_form"] == form and (r["experts"], r["ep"]) == (experts, ep), r
         assert r["routing_kept_fraction"] == 1.0, r  # the same balanced routing in every system
         got = r["c10d_calls_per_step"]
+        masks = {"c10d::allreduce_": units} if r["system"] == "mfsdp" else {}  # one per reduction
         assert {k: v[0] for k, v in got.items()} == {
             "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units,
-            "c10d::alltoall_base_": 2 * 2 * 2}, r
+            "c10d::alltoall_base_": 2 * 2 * 2, **masks}, r
         calls.append(got)
     for kind in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
         ours, theirs = calls[0][kind][1], calls[1][kind][1]
@@ -384,8 +390,9 @@ def test_simulate_experts_without_expert_parallelism_shard_as_torchtitan(tmp_pat
     units = 1 + 2
     for r in rows:
         assert "error" not in r and (r["experts"], r["ep"]) == (4, 1) and r["routing_kept_fraction"] == 1.0, r
+        masks = {"c10d::allreduce_": units} if r["system"] == "mfsdp" else {}  # one per reduction
         assert {k: v[0] for k, v in r["c10d_calls_per_step"].items()} == {
-            "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, r
+            "c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units, **masks}, r
     for kind in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
         ours, theirs = rows[0]["c10d_calls_per_step"][kind][1], rows[1]["c10d_calls_per_step"][kind][1]
         assert abs(ours - theirs) <= 0.01 * theirs, (kind, ours, theirs)
@@ -406,8 +413,9 @@ def test_simulate_plans_auto_buckets_from_a_given_link(tmp_path):
     assert row["bucket_budgets"] == [1 << 20, 1 << 20], row
     assert row["link_model"] == {"alpha_s": pytest.approx(1e-4), "bytes_per_s": pytest.approx(1e9)}, row
     calls = {k: v[0] for k, v in row["c10d_calls_per_step"].items()}
-    # A bucket of several units goes as one coalesced collective.
-    assert calls == {"c10d::allgather_into_tensor_coalesced_": 2, "c10d::reduce_scatter_tensor_coalesced_": 1}, row
+    # A bucket of several units goes as one coalesced collective, its gradient agreement as one all-reduce.
+    assert calls == {"c10d::allgather_into_tensor_coalesced_": 2, "c10d::reduce_scatter_tensor_coalesced_": 1,
+                     "c10d::allreduce_": 1}, row
     bad = subprocess.run([sys.executable, str(_script("simulate.py")), "--points", "tiny@8", "--systems", "mfsdp",
                           "--link", "fast", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--link 'fast': expected ALPHA_US:GBPS" in bad.stdout + bad.stderr

@@ -67,9 +67,11 @@ def test_buckets_issue_one_collective_per_bucket():
     one = run_distributed(bucketed_collective_counts, 2, both, timeout=180)[0]
     assert one["all_gathers"] == 2 and one["reduce_scatters"] == 1, one
     # What the process group itself was asked: one c10d call per collective above.
-    assert plain["c10d_calls"] == {"c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units}, plain
+    # Before each reduction (a unit's or a bucket's) one all-reduce of which parameters got gradients.
+    assert plain["c10d_calls"] == {"c10d::_allgather_base_": 2 * units - 1, "c10d::_reduce_scatter_base_": units,
+                                   "c10d::allreduce_": units}, plain
     assert one["c10d_calls"] == {"c10d::allgather_into_tensor_coalesced_": 2,
-                                 "c10d::reduce_scatter_tensor_coalesced_": 1}, one
+                                 "c10d::reduce_scatter_tensor_coalesced_": 1, "c10d::allreduce_": 1}, one
     # Every parameter still gets its gradient, every step.
     for counts in (plain, gathers, reductions, one):
         assert counts["params_with_grad"] == [params, params], counts

@@ -453,7 +453,9 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
     stats = {name: step_overlap(kernels) for name, kernels in traces.items()}
 
     n = n_blocks
-    counts = {"fwd_all_gathers": n + 1, "bwd_all_gathers": n, "reduce_scatters": n + 1, "unclassified_collectives": 0}
+    # One all-reduce of the gradient flags before each reduce-scatter (Unit::agree_on_grads).
+    counts = {"fwd_all_gathers": n + 1, "bwd_all_gathers": n, "reduce_scatters": n + 1, "bwd_all_reduces": n + 1,
+              "unclassified_collectives": 0}
     for name, s in stats.items():
         for key, expected in counts.items():
             assert s[key] == expected, f"{name} step: {key} = {s[key]}, expected {expected} (root + {n} blocks): {s}"

@@ -59,6 +59,17 @@ def test_buckets_mean_fewer_larger_collectives(project, tmp_path):
     assert hidden["exposed_backward_ms"] == pytest.approx(hidden["reduce_scatter_ms_each"] + rs_root)
 
 
+def test_the_gradient_agreement_costs_a_latency_per_reduction(project, tmp_path):
+    """Rows whose counts show ours's all-reduce of the gradient flags pay one more link
+    latency per reduce-scatter; the exposed last reduction and the root's pay it once each."""
+    link = project.fit_probe(probe(tmp_path, 4, 0.5, 300.0))
+    plain = row("mfsdp", bwd=10_000.0, fwd=10_000.0, counts=(48, 25))
+    agreed = dict(plain, our_counts_per_step=dict(plain["our_counts_per_step"], all_reduce=[25, 0]))
+    without, with_masks = project.project(plain, nvlink=link), project.project(agreed, nvlink=link)
+    assert with_masks["reduce_scatter_ms_each"] == pytest.approx(without["reduce_scatter_ms_each"] + 0.5)
+    assert with_masks["exposed_backward_ms"] == pytest.approx(without["exposed_backward_ms"] + 2 * 0.5)
+
+
 def test_measured_steps_are_read_from_each_format(project, tmp_path):
     compare_rows = tmp_path / "rows.json"  # compare_systems: rows without a world
     compare_rows.write_text(json.dumps([{"system": "mfsdp", "config": "1b", "step_s": 0.2, "round": 0},

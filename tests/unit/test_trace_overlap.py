@@ -9,6 +9,7 @@ from megatron_fsdp_ext.trace import covered_fraction, kernel_intervals, overlapp
 COMPUTE, AG, RS = 7, 17, 21  # stream ids
 AG_NAME = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 RS_NAME = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+AR_NAME = "ncclDevKernel_AllReduce_Max_i32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 MARKER = "spin_kernel(long)"
 
 
@@ -48,6 +49,8 @@ def prefetching_step(n):
     # Block 0's reduce-scatter beside the short embedding backward; the root's alone.
     k += [("pack", COMPUTE, t, t + 2), (RS_NAME, RS, t + 2, t + 14), ("embedding backward", COMPUTE, t + 2, t + 6),
           ("pack", COMPUTE, t + 6, t + 7), (RS_NAME, RS, t + 14, t + 26), (MARKER, COMPUTE, t + 26, t + 27)]
+    # Our gradient-flag all-reduce before the root's reduce-scatter: its own kind, not unclassified.
+    k.append((AR_NAME, RS, t + 13, t + 14))
     k += [("optimizer", COMPUTE, t + 27, t + 40), (AG_NAME, AG, t + 41, t + 49)]  # the next step: not counted
     return k
 
@@ -71,8 +74,8 @@ def serial_step(n):
 def test_prefetching_step_counts_each_overlapped_collective(tmp_path):
     n = 6
     s = step_overlap(write_trace(tmp_path, prefetching_step(n)))
-    assert (s["fwd_all_gathers"], s["bwd_all_gathers"], s["reduce_scatters"], s["unclassified_collectives"]) == \
-        (n + 1, n, n + 1, 0)
+    assert (s["fwd_all_gathers"], s["bwd_all_gathers"], s["reduce_scatters"], s["bwd_all_reduces"],
+            s["unclassified_collectives"]) == (n + 1, n, n + 1, 1, 0)
     # Forward: blocks 1..n-1 (the root's gather has no compute beside it, block 0's a sliver).
     assert s["fwd_all_gathers_overlapped"] == n - 1
     assert s["fwd_all_gather_covered_by_compute"][:2] == [0.0, 0.25]
