@@ -361,6 +361,43 @@ def test_plain_load_state_dict_and_refusals(tmp_path):
     assert run_distributed(_plain_load_and_refusals, 2, timeout=120) == [True, True]
 
 
+def _state_dict_between_forward_and_backward(rank, world):
+    """FSDP2's state-dict hooks reshard first, so state_dict() / load_state_dict() work
+    after a forward that no backward followed yet (the root keeps its parameters
+    unsharded then), and the backward still gets the gradients plain PyTorch gets. Inside
+    backward they raise, naming the unit."""
+    ref, model = _net(), _shard(_net(), "optim_grads_params")
+    raised = []
+
+    def during_backward(module, grad_input, grad_output):
+        try:
+            model.state_dict()
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    model.blocks[0].register_full_backward_hook(during_backward)
+    x, y = (t.to(_dev()) for t in _batch(0))
+    _loss(ref, x, y).backward()
+    loss = _loss(model, x[_my_rows()], y[_my_rows()])  # the mean over this rank's rows: FSDP averages
+    _assert_model_equal({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()},
+                        _net())
+    loss.backward()
+    assert raised and "has its unsharded parameters installed" in raised[0], raised
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name], **_tol(), msg=name)
+    # After an explicit unshard() a load resharded first too; the next forward gathers the loaded values.
+    model.unshard()
+    model.load_state_dict(ref.state_dict())
+    _assert_model_equal(_full(model), ref)
+    torch.testing.assert_close(model(x[_my_rows()]), ref(x[_my_rows()]), **_tol())
+    return True
+
+
+def test_state_dict_between_forward_and_backward_as_fsdp2():
+    assert run_distributed(_state_dict_between_forward_and_backward, 2, timeout=120) == [True, True]
+
+
 def _rows_exchanged_not_gathered(rank, world):
     """state_dict() moves each unit's rows by one all-to-all (every element once), not by
     gathering the unit; the result, and what loads back, equal the gathering path's (a

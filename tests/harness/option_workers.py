@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core.param_index import iter_states
+from megatron_fsdp_ext.core.states import SlotsHold
 from megatron_fsdp_ext.models import Block, LlamaModel
 
 from .observe import UnitTrace
@@ -636,10 +637,13 @@ def _sharded_llama_with_buffer(device, scale_numel: int = 3, **build_opts):
 def _full_state_dict_errors(device) -> None:
     cfg, model = _sharded_llama_with_buffer(device)
     good = mfsdp.full_state_dict(model, rank0_only=False)
-    model.blocks[0].unshard()
-    for call in (lambda: mfsdp.full_state_dict(model), lambda: mfsdp.load_full_state_dict(model, good)):
-        expect_error(call, RuntimeError, "has its unsharded parameters installed", "reshard() first")
-    model.blocks[0].reshard()
+    # After unshard() both reshard first, as FSDP2's state-dict hooks do, and work on the shards.
+    for call in (lambda: mfsdp.full_state_dict(model, rank0_only=False), lambda: mfsdp.load_full_state_dict(model, good)):
+        model.blocks[0].unshard()
+        again = call()
+        assert model.blocks[0]._fsdp_state.slots_hold is SlotsHold.SHARDED
+        if again is not None:
+            assert set(again) == set(good) and all(torch.equal(again[k], good[k]) for k in good)
     expect_error(lambda: mfsdp.load_full_state_dict(model, dict(good, bogus=torch.zeros(1))), KeyError,
                  "unexpected keys ['bogus']")
     missing = {k: v for k, v in good.items() if k != "norm.weight"}
@@ -667,10 +671,21 @@ def _sharded_checkpoint_errors(rank: int, world: int, device, path: str) -> None
     model.loss(tokens, tokens).backward()
     opt.step()
 
-    model.blocks[0].unshard()
-    for call in (lambda: save_checkpoint(path + "/never", model), lambda: sharded_state_dict(model)):
-        expect_error(call, RuntimeError, "has its unsharded parameters installed", "reshard() first")
-    model.blocks[0].reshard()
+    # Inside backward (a unit's parameters unsharded for it) both refuse, naming the unit.
+    refused = []
+
+    def during_backward(module, grad_input, grad_output):
+        for call in (lambda: save_checkpoint(path + "/never", model), lambda: sharded_state_dict(model)):
+            try:
+                call()
+            except RuntimeError as e:
+                refused.append(str(e))
+
+    handle = model.blocks[0].register_full_backward_hook(during_backward)
+    model.loss(tokens, tokens).backward()
+    handle.remove()
+    opt.zero_grad()
+    assert len(refused) == 2 and all("has its unsharded parameters installed" in e for e in refused), refused
     stranger = torch.optim.AdamW(params + [nn.Parameter(torch.zeros(2, 5, device=device))], lr=1e-3)
     expect_error(lambda: save_checkpoint(path + "/never", model, stranger), ValueError,
                  "the optimizer holds a parameter that is not in the module (shape (2, 5))")

@@ -61,6 +61,17 @@ def check_resharded(state, what: str, advice: str = _ADVICE) -> None:
             f"unshard()); {advice}")
 
 
+def reshard_for_state_dict(state, what: str, advice: str = _ADVICE) -> None:
+    """State dicts and loads work on the shards. Unsharded parameters installed outside
+    backward (the root after a forward no backward followed yet, or after unshard()) are
+    put back first, as FSDP2 does (its state-dict hooks call _to_sharded): the next use
+    gathers again, a backward's too. Inside backward it raises (check_resharded)."""
+    ctx = state.ctx
+    if state.slots_hold is SlotsHold.UNSHARDED and ctx is not None and not ctx.in_backward:
+        state.release()
+    check_resharded(state, what, advice)
+
+
 def check_materialized(states, what: str) -> None:
     """Units built on the meta device hold no values until materialize() ran."""
     deferred = [s for s in states if s.param_init is ParamInit.DEFERRED]
@@ -90,7 +101,7 @@ class ParamIndex:
         if not loading:  # a load is one way to give deferred units their values
             check_materialized(self.states, what)
         for state in self.states:
-            check_resharded(state, what, advice)
+            reshard_for_state_dict(state, what, advice)
         self.names: Dict[int, List[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(name)

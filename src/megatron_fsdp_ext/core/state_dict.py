@@ -39,7 +39,7 @@ from .. import _C
 from . import arrival, backends
 from .agree import digest_differs
 from .dtensor_face import FlatShard, LogicalShape, is_dtensor, local_numel, local_shape
-from .param_index import by_unit, check_materialized, check_resharded, owner_of
+from .param_index import by_unit, check_materialized, check_resharded, owner_of, reshard_for_state_dict
 
 _mode = threading.local()
 
@@ -450,7 +450,7 @@ class ModuleStateDictHooks:
     def _current_values(self) -> list:
         state = self.state
         check_materialized([state], "state_dict()")
-        check_resharded(state, "state_dict()")
+        reshard_for_state_dict(state, "state_dict()")
         shard = state.unit.sharded_param(0)
         return _row_values(state, [], shard.dtype, shard.device)
 
@@ -498,7 +498,7 @@ class ModuleStateDictHooks:
             raise NotImplementedError(
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
                 "cannot be replaced; load without assign=True")
-        check_resharded(state, "load_state_dict()")
+        reshard_for_state_dict(state, "load_state_dict()")
         written = []
         for key, i in owned:
             if prefix + key not in state_dict:
@@ -558,7 +558,7 @@ def _optimizer_post_state_dict(optimizer, state_dict):
                    "optimizer.state_dict()")
         if not keys:
             continue
-        check_resharded(state, "optimizer.state_dict()")
+        reshard_for_state_dict(state, "optimizer.state_dict()")
         for key in index_to_key.values():  # our copies: the live entries stay untouched
             if key in states:
                 states[key] = dict(states[key])
