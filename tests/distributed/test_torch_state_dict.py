@@ -361,6 +361,69 @@ def test_plain_load_state_dict_and_refusals(tmp_path):
     assert run_distributed(_plain_load_and_refusals, 2, timeout=120) == [True, True]
 
 
+def _rename_legacy(module, state_dict, prefix, *args):
+    for old in ("w_older", "w_old"):
+        if prefix + old in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + old)
+
+
+def _flip_and_double_bias(module, state_dict, prefix, *args):
+    # Not elementwise: on this rank's piece it would give other values (or another shape).
+    state_dict[prefix + "bias"] = state_dict[prefix + "bias"].flip(0) * 2
+
+
+def _triple_bias(module, state_dict, prefix, *args):
+    state_dict[prefix + "bias"] = state_dict[prefix + "bias"] * 3
+
+
+def _user_load_pre_hooks_see_full_values(rank, world):
+    """Load pre-hooks the user registers on a parameter's owner after fully_shard (renaming a
+    legacy key, changing a value) see the full values, as on a plain model: ours, which cuts
+    them, stays last, also behind a hook registered between two loads."""
+    def full(model):
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+    def check(model, ref, legacy):
+        ref.load_state_dict(legacy)
+        model.load_state_dict(legacy)
+        got, want = full(model), ref.state_dict()
+        assert set(got) == set(want), (sorted(got), sorted(want))
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+
+    source = _net(seed=7).state_dict()
+    legacy = {k.replace("blocks.0.0.weight", "blocks.0.0.w_older").replace("head.weight", "head.w_old"): v
+              for k, v in source.items()}
+    ref, model = _net(), _net()
+    for m in (ref, model):  # the one registered before fully_shard
+        m.blocks[0][0].register_load_state_dict_pre_hook(_rename_legacy)
+    _shard(model, "optim_grads_params")
+    for m in (ref, model):
+        for owner in (m.blocks[0][0], m.head):  # in a block's unit, in the root's
+            owner.register_load_state_dict_pre_hook(_rename_legacy)
+            owner.register_load_state_dict_pre_hook(_flip_and_double_bias)
+    check(model, ref, legacy)
+    for m in (ref, model):
+        m.head.register_load_state_dict_pre_hook(_triple_bias)
+    check(model, ref, legacy)
+
+    # The parameters directly on the fully_shard module, the hooks on it too.
+    torch.manual_seed(3)
+    ref = nn.Linear(DIM, VOCAB).to(_dev())
+    model = mfsdp.fully_shard(copy.deepcopy(ref))
+    for m in (ref, model):
+        m.register_load_state_dict_pre_hook(_rename_legacy)
+        m.register_load_state_dict_pre_hook(_flip_and_double_bias)
+    torch.manual_seed(4)
+    legacy = {k.replace("weight", "w_old"): v for k, v in nn.Linear(DIM, VOCAB).state_dict().items()}
+    check(model, ref, legacy)
+    return True
+
+
+def test_user_load_pre_hooks_after_fully_shard_see_full_values():
+    assert run_distributed(_user_load_pre_hooks_see_full_values, 2, timeout=120) == [True, True]
+
+
 def _state_dict_between_forward_and_backward(rank, world):
     """FSDP2's state-dict hooks reshard first, so state_dict() / load_state_dict() work
     after a forward that no backward followed yet (the root keeps its parameters

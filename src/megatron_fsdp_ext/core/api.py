@@ -25,7 +25,7 @@ from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
 from .sharded_param import conversion_refused
-from .state_dict import ModuleStateDictHooks, callers_arrived
+from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 
 
@@ -116,6 +116,13 @@ class FSDPModule(torch_fsdp.FSDPModule):
             destination._metadata = OrderedDict()
         callers_arrived(self._states(False), "state_dict()", destination)
         return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Our load pre-hooks go last on every owner, behind hooks registered after
+        # fully_shard: here, as load_state_dict reaches this module before the owners below
+        # it. (torch's FSDPModule does not define it: super() is the module's own.)
+        keep_load_pre_hooks_last(self._states(False))
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, after waiting for the units' overlapped optimizer updates

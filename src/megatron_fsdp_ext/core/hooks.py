@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -111,6 +111,10 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         self.param_init = ParamInit.DEFERRED if deferred else ParamInit.MATERIALIZED
         # Deferred: the parameters (indices) a load_state_dict() has written so far.
         self._loaded_while_deferred: set = set()
+        # (weakref to the owning module, handle id) of each load pre-hook ModuleStateDictHooks
+        # registered: moved last at every load (FSDPModule._load_from_state_dict), so the
+        # owner's hooks registered after fully_shard still see full values.
+        self.own_load_pre_hooks: List[Tuple[weakref.ref, int]] = []
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 

@@ -417,8 +417,9 @@ class ModuleStateDictHooks:
       state-dict pre-hook; the module that directly owns each parameter puts its values in
       a post-hook that runs first among that module's post-hooks, so its own hooks and
       every ancestor's see them; the unit module's last post-hook drops them;
-    - load: the owning module cuts each value to this rank's piece in a load pre-hook that
-      runs after the hooks registered before fully_shard (those merge the values first)."""
+    - load: the owning module cuts each value to this rank's piece in a load pre-hook kept
+      last among its load pre-hooks, also behind those registered after fully_shard (they
+      merge or rename the full values first): keep_load_pre_hooks_last."""
 
     def __init__(self, state, module, keys: List[Tuple[str, int]]):
         self.state = state
@@ -434,7 +435,8 @@ class ModuleStateDictHooks:
             handle = owner.register_state_dict_post_hook(
                 lambda m, sd, prefix, md, owned=owned: self._put_values(sd, prefix, owned))
             owner._state_dict_hooks.move_to_end(handle.id, last=False)
-            owner.register_load_state_dict_pre_hook(lambda *a, owned=owned: self._pre_load(owned, *a))
+            handle = owner.register_load_state_dict_pre_hook(lambda *a, owned=owned: self._pre_load(owned, *a))
+            state.own_load_pre_hooks.append((weakref.ref(owner), handle.id))
         module.register_state_dict_post_hook(lambda *a: self._drop_values())
 
     def _compute(self) -> None:
@@ -511,6 +513,22 @@ class ModuleStateDictHooks:
             state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
             written.append(i)
         state.note_loaded(written)
+
+
+def keep_load_pre_hooks_last(states) -> None:
+    """Move the units' load pre-hooks (ModuleStateDictHooks._pre_load) to the end of their
+    owners' hooks: torch runs them in insertion order, and a hook registered after
+    fully_shard must see the full values, as on a plain module. Called by the fully_shard
+    module's _load_from_state_dict, before load_state_dict (top-down) reaches the owners
+    (moving a hook while torch iterates the dict would raise)."""
+    for state in states:
+        for ref, hook_id in state.own_load_pre_hooks:
+            owner = ref()
+            if owner is None:
+                continue
+            hooks = owner._load_state_dict_pre_hooks
+            if hook_id in hooks:
+                hooks.move_to_end(hook_id)
 
 
 # ---------------------------------------------------------------- optimizer hooks
