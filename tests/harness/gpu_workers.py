@@ -464,14 +464,16 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
     assert normal_stats["fwd_compute_ms"] / n >= 2 * fwd_ag_ms, (
         f"a block computes for {normal_stats['fwd_compute_ms'] / n:.2f} ms, less than twice its all-gather "
         f"({fwd_ag_ms:.2f} ms): the model is too small for this GPU to show overlap")
-    # A reduce-scatter starts after its unit's gradient-flag all-reduce (one rank waiting
-    # for the other), so it meets the last backward gathers less: half of the gathers
-    # beside one is the bound (4 of 8 measured on 2x H200, 5 before the all-reduce).
+    # Backward gathers beside a reduce-scatter are reported, not bounded: each
+    # reduce-scatter now follows its unit's gradient-flag all-reduce on the same stream
+    # (Unit::agree_on_grads), and how many gathers meet one varies from run to run (1 and
+    # 4 of 8 on 2x H200; 5 before the all-reduce). The step did not get slower
+    # (benchmarks/RESULTS.md, table 23).
     minimums = {
         "normal": {"fwd_all_gathers_overlapped": n - 2, "bwd_all_gathers_overlapped": n - 2,
-                   "reduce_scatters_overlapped": n - 2, "bwd_all_gathers_beside_reduce_scatters": n // 2},
+                   "reduce_scatters_overlapped": n - 2},
         "paced": {"fwd_all_gathers_overlapped": n - 1, "bwd_all_gathers_overlapped": n - 2,
-                  "reduce_scatters_overlapped": n - 2, "bwd_all_gathers_beside_reduce_scatters": n // 2},
+                  "reduce_scatters_overlapped": n - 2},
     }
     for name, wanted in minimums.items():
         for key, least in wanted.items():
