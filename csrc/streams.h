@@ -77,6 +77,8 @@ class StreamEvent {
   void synchronize() const {
     if (event_) event_->synchronize();
   }
+  // Whether the last record() is done, without waiting.
+  bool query() const { return !event_ || event_->query(); }
 
  private:
   std::unique_ptr<c10::Event> event_;

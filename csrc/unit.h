@@ -385,6 +385,14 @@ class Unit {
   // reduce bucket; the first leads).
   static void agree_on_grads(const std::vector<Unit*>& units);
   bool lacks_some_grad() const;
+  // The same all-reduce carries h and -h, h a hash of the reduced units' labels: the sum
+  // of their maxima over the ranks (the agreement word) is 0 unless some rank reduced other
+  // units at this point (rank-dependent control flow that skips whole units: collectives
+  // paired across different units, silently wrong where their sizes match). A rank that
+  // waits for the flags checks it at once; the others read it from pinned host memory at
+  // their next agreement, without waiting.
+  void check_agreement_word(int32_t word, bool previous) const;
+  void check_previous_agreement();
   // The parameters whose sharded .grad this reduction landed and that carry
   // post-accumulate-grad hooks (Tensor.register_post_accumulate_grad_hook); read before
   // has_grad_ is reset.
@@ -460,6 +468,9 @@ class Unit {
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
   std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)
   std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
+  // The last agreement's word (agree_on_grads) on its way to the host, and its copy's event.
+  at::Tensor agreement_word_;
+  std::unique_ptr<StreamEvent> agreement_copied_;
   at::Tensor accumulated_;      // reduce dtype, unsharded: grads kept while sync is off
   // The factor the last packed flat buffer's values carry: the gradient scale (1/W, or the
   // divide factor's inverse) is applied as the gradients are packed, so the reduced shard

@@ -313,18 +313,27 @@ bool Unit::lacks_some_grad() const {
 void Unit::agree_on_grads(const std::vector<Unit*>& units) {
   Unit& lead = *units.front();
   if (lead.world_size() * lead.replicate_size() == 1) return;
+  lead.check_previous_agreement();
   std::vector<int32_t> flags;
   std::vector<int64_t> numels;
   bool lacking = false;
+  uint64_t which = 0;
   for (const Unit* u : units) {
     for (bool had : u->has_grad_) flags.push_back(had ? 1 : 0);
     numels.push_back(static_cast<int64_t>(u->has_grad_.size()));
     lacking = lacking || u->lacks_some_grad();
+    which = which * 1000003u + static_cast<uint64_t>(u->label_hash_);
   }
+  // h in [1, 2^30): h + (-h) and the maxima stay in int32.
+  const auto h = static_cast<int32_t>(1 + which % ((uint64_t{1} << 30) - 1));
+  const auto n = static_cast<int64_t>(flags.size());
+  flags.push_back(h);
+  flags.push_back(-h);
   // Pinned, so the copy is legal under CUDA graph capture; the host allocator keeps the
   // pinned block until the copy ran.
   at::Tensor host = at::tensor(flags, at::kInt);
-  if (lead.device_.is_cuda()) host = host.pin_memory();
+  const bool cuda = lead.device_.is_cuda();
+  if (cuda) host = host.pin_memory();
   at::Tensor mask;
   auto done = lead.on_reduce_stream([&]() {
     // Copied and allocated on the reduce-scatter stream, where the all-reduce writes it:
@@ -336,17 +345,50 @@ void Unit::agree_on_grads(const std::vector<Unit*>& units) {
       run_coalesced(CollectivePhase::kAllReduceGradMask, units, numels, lead.replicate_comm_,
                     [&] { lead.replicate_comm_.all_reduce(mask, c10d::ReduceOp::MAX); });
     }
+    const at::Tensor word = mask.narrow(0, n, 1) + mask.narrow(0, n + 1, 1);
+    if (!cuda) {
+      lead.agreement_word_ = word;  // the host waited for the all-reduce
+      return;
+    }
+    lead.agreement_word_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    lead.agreement_word_.copy_(word, /*non_blocking=*/true);
+    if (!lead.agreement_copied_) lead.agreement_copied_ = std::make_unique<StreamEvent>(lead.device_);
+    lead.agreement_copied_->record(current_stream(lead.device_));
   });
+  if (!cuda) lead.check_previous_agreement();  // the host waited for the all-reduce: checked now
   // A rank that got every gradient itself has nothing to learn: it does not wait.
   if (!lacking) return;
   done->synchronize();
   const at::Tensor agreed = mask.cpu();
   const int32_t* any = agreed.const_data_ptr<int32_t>();
+  lead.agreement_word_ = at::Tensor();
+  lead.check_agreement_word(any[n] + any[n + 1], /*previous=*/false);
   for (Unit* u : units) {
     for (size_t i = 0; i < u->has_grad_.size(); ++i, ++any) {
       if (*any != 0) u->has_grad_[i] = true;
     }
   }
+}
+
+void Unit::check_previous_agreement() {
+  if (!agreement_word_.defined()) return;
+  if (agreement_copied_ && !agreement_copied_->query()) return;  // not on the host yet: never wait for it
+  const int32_t word = agreement_word_.const_data_ptr<int32_t>()[0];
+  agreement_word_ = at::Tensor();
+  check_agreement_word(word, /*previous=*/agreement_copied_ != nullptr);
+}
+
+void Unit::check_agreement_word(int32_t word, bool previous) const {
+  if (word == 0) return;
+  C10_THROW_ERROR(DistBackendError,
+                  msg("megatron_fsdp_ext: ranks reduced different fully_shard units together: where rank ", rank(),
+                      " reduced the gradients of unit '", label_, "'", previous ? " in the previous backward" : "",
+                      ", another rank of its group reduced another unit's, so their collectives were paired across "
+                      "different units (their gathered parameters and reduced gradients are wrong). Every rank must "
+                      "run the same fully_shard units in the same order in forward and backward: control flow that "
+                      "skips a whole unit on some ranks only (LayerDrop, a rank-dependent branch) is not supported; "
+                      "keep such layers inside one unit (a parameter used on some ranks only is fine there) or skip "
+                      "them on every rank alike."));
 }
 
 std::vector<int64_t> Unit::hooked_landings() const {

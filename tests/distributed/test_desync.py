@@ -173,6 +173,45 @@ def test_desynchronized_rank_fails_in_bounded_time(case):
         assert TIMEOUT_S - 1 <= t < 2 * TIMEOUT_S, f"rank 0 failed after {t:.1f}s"
 
 
+class _LayerDrop(nn.Module):
+    """Each rank runs a different one of two blocks of the same size: their collectives
+    pair across units without any size mismatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = torch.tanh(self.blocks[0](x))
+        return self.head(x + self.blocks[1 + dist.get_rank() % 2](x))
+
+
+def _units_skipped_on_some_ranks(rank, world, buckets):
+    torch.manual_seed(0)
+    net = _LayerDrop()
+    for b in net.blocks:
+        mfsdp.fully_shard(b, timeout=TIMEOUT_S)
+    mfsdp.fully_shard(net, timeout=TIMEOUT_S, gather_bucket_bytes=0, reduce_bucket_bytes=buckets)
+    try:
+        net(torch.randn(4, 8)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("buckets", [0, 1 << 30], ids=["units", "bucket"])
+def test_units_skipped_on_some_ranks_fail_instead_of_pairing_across_units(buckets):
+    """Without the opt-in collective check: the agreement on which parameters got
+    gradients carries which units each rank reduces, so ranks that ran different units
+    of one size fail in the backward that paired them, naming their unit, on every rank
+    (on the GPU one reduction later: the word is read without waiting)."""
+    errors = run_distributed(_units_skipped_on_some_ranks, 2, buckets, timeout=90)
+    for rank, message in enumerate(errors):
+        assert message is not None and "ranks reduced different fully_shard units together" in message, errors
+        assert f"where rank {rank} reduced the gradients of unit" in message and "LayerDrop" in message, message
+
+
 def _bad_timeouts(rank, world):
     for bad in (0, -1, "5", True, datetime.timedelta(seconds=-2)):
         expect_error(lambda: mfsdp.fully_shard(nn.Linear(2, 2), timeout=bad), ValueError,

@@ -99,3 +99,33 @@ def test_state_dict_on_one_rank_fails_naming_the_others_gpu():
     timeout = 4
     check_one_rank_state_dicts(run_distributed(one_rank_state_dicts, WORLD, {"timeout": timeout}, **GPU,
                                                timeout=180), timeout)
+
+
+class _LayerDrop(_Net):
+    """Ranks alternate between the last two blocks (the same size): every collective pairs."""
+
+    def forward(self, x):
+        skipped = 1 + dist.get_rank() % 2
+        for i, b in enumerate(self.blocks):
+            if i != skipped:
+                x = torch.relu(b(x))
+        return self.head(x)
+
+
+def _units_skipped_on_some_ranks(rank, world):
+    torch.manual_seed(0)
+    net = _shard(_LayerDrop().to(_device()), timeout=60)
+    x = torch.randn(4, 16, device=_device())
+    # On the GPU the word is read without waiting, at the unit's next agreement: the
+    # second backward at the latest (the first where this rank lacked a gradient).
+    expect_error(lambda: [net(x).sum().backward() for _ in range(3)], RuntimeError,
+                 "ranks reduced different fully_shard units together")
+
+
+def test_units_skipped_on_some_ranks_fail_instead_of_pairing_across_units_gpu():
+    """Rank-dependent control flow that skips a whole unit of the same size on each rank
+    pairs NCCL collectives across units without a size mismatch; the gradient-flag
+    all-reduce carries which units each rank reduced and the mismatch is named."""
+    if WORLD < 2:
+        pytest.skip("needs two ranks")
+    run_distributed(_units_skipped_on_some_ranks, WORLD, **GPU, timeout=180)
