@@ -15,7 +15,26 @@
 #include <algorithm>
 #include <cmath>
 
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
 namespace mfsdp {
+
+namespace {
+
+// Under CUDA graph capture nothing may wait for or query the work being captured: the
+// agreement word is then neither copied out nor checked (its all-reduce still runs).
+bool capturing(const c10::Device& device) {
+#ifdef WITH_CUDA
+  return device.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+}  // namespace
 
 void Unit::set_gradient_divide_factor(double factor) {
   MFSDP_CHECK(factor >= 0 && std::isfinite(factor), "gradient divide factor must be finite and > 0 (0 restores the "
@@ -313,7 +332,8 @@ bool Unit::lacks_some_grad() const {
 void Unit::agree_on_grads(const std::vector<Unit*>& units) {
   Unit& lead = *units.front();
   if (lead.world_size() * lead.replicate_size() == 1) return;
-  lead.check_previous_agreement();
+  const bool captured = capturing(lead.device_);
+  if (!captured) lead.check_previous_agreement();
   std::vector<int32_t> flags;
   std::vector<int64_t> numels;
   bool lacking = false;
@@ -350,6 +370,7 @@ void Unit::agree_on_grads(const std::vector<Unit*>& units) {
       lead.agreement_word_ = word;  // the host waited for the all-reduce
       return;
     }
+    if (captured) return;
     lead.agreement_word_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     lead.agreement_word_.copy_(word, /*non_blocking=*/true);
     if (!lead.agreement_copied_) lead.agreement_copied_ = std::make_unique<StreamEvent>(lead.device_);

@@ -17,9 +17,9 @@ def _expected_step(result, per_unit_gathers=True):
     """Our counters for one steady ZeRO-3 step: every unit gathered in forward, every
     block again in backward (the root stays unsharded), one reduce-scatter per unit, each
     after the all-reduce of which parameters got gradients."""
-    g, r, m = result["gather_bytes"], result["reduce_bytes"], result["mask_bytes"]
+    g, r, f = result["gather_bytes"], result["reduce_bytes"], result["flag_bytes"]
     return {"all_gather": (2 * len(g) - 1, sum(g) + sum(g[1:])), "reduce_scatter": (len(r), sum(r)),
-            "all_reduce": (len(m), sum(m))}
+            "all_reduce": (len(f), sum(f) + 8 * len(f))}
 
 
 @pytest.mark.parametrize("rank", [0, 5])
@@ -46,13 +46,14 @@ def test_fake_backend_buckets_hsdp_and_mixed_precision():
     # One coalesced gather per pass, one coalesced reduce-scatter: bf16 gathers, fp32 reduction;
     # the bucket's gradient agreement is one all-reduce of every member's flags.
     assert out["steady_step"] == {"all_gather": (2, sum(g) + sum(g[1:])), "reduce_scatter": (1, sum(r)),
-                                  "all_reduce": (1, sum(out["mask_bytes"]))}, out
+                                  "all_reduce": (1, sum(out["flag_bytes"]) + 8)}, out
     assert g[0] * 2 == r[0], (g, r)
     hsdp = run_distributed(BW.simulated_training, 8, {"hsdp": (2, 4)}, backend="fake", simulate_rank=6,
                            timeout=180)[0]
     expected = _expected_step(hsdp)
     # The shards across replicas; the gradient flags over the shard group, then the replicas.
-    expected["all_reduce"] = (3 * hsdp["units"], sum(hsdp["shard_bytes"]) + 2 * sum(hsdp["mask_bytes"]))
+    flags = sum(hsdp["flag_bytes"]) + 8 * hsdp["units"]
+    expected["all_reduce"] = (3 * hsdp["units"], sum(hsdp["shard_bytes"]) + 2 * flags)
     assert hsdp["steady_step"] == expected, hsdp
 
 

@@ -84,8 +84,9 @@ def simulated_training(rank: int, world: int, opts: Dict) -> Dict:
         "shard_bytes": [s.unit.layout.segment_numels[s.unit.shard_index] * s.unit.reduce_dtype.itemsize
                         for s in states],
         "units": len(states),
-        # Unit::agree_on_grads: an int32 flag per parameter, all-reduced before each reduction.
-        "mask_bytes": [4 * s.unit.layout.num_params for s in states],
+        # Unit::agree_on_grads: an int32 flag per parameter, all-reduced before each reduction
+        # (with two more int32 per reduction: which units it reduces).
+        "flag_bytes": [4 * s.unit.layout.num_params for s in states],
         "warnings": [str(w.message) for w in caught if "moves no data" in str(w.message)],
     }
 
