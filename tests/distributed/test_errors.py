@@ -170,6 +170,12 @@ def _conversions_after_fully_shard(rank, world):
     full = gather_full_grads(net, replicated=False)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(full[name], p.grad.reshape(-1), rtol=1e-5, atol=1e-6)
+    # A device move of a plain module inside a unit replaces its parameters (nn.Module._apply
+    # cannot swap .data across devices): refused when the unit finds them, at the next use,
+    # instead of copying the values back into the unit as if nothing had moved.
+    net[2].to("meta")
+    expect_error(lambda: net(x), RuntimeError, "cannot change its sharded parameters", "on meta",
+                 "before fully_shard")
 
 
 def test_dtype_and_device_conversions_after_fully_shard_are_refused():
@@ -200,6 +206,13 @@ def _replacements_refused_alike(rank, world):
     assert first_piece.item() != m[1].weight.detach().numel() or rank == 0 or world == 1
     m[1].weight = nn.Parameter(torch.zeros(first_piece.item()))
     expect_error(lambda: m(torch.ones(1, 2)), ValueError, "replaced by one of shape", "the parameter's shape is (3, 8)")
+    # A replacement of another dtype: in plain PyTorch the parameter would change dtype;
+    # the unit's flat buffer cannot, and casting the value in would hide it.
+    m = nn.Sequential(nn.Linear(2, 8), nn.Linear(8, 3))
+    mfsdp.fully_shard(m)
+    m[1].weight = nn.Parameter(torch.zeros(3, 8, dtype=torch.float64))
+    expect_error(lambda: m(torch.ones(1, 2)), RuntimeError, "cannot change its sharded parameters",
+                 "torch.float32 on cpu to torch.float64 on cpu")
 
     # An embedding that renormalizes its rows in place during forward (max_norm).
     for cls in (nn.Embedding, nn.EmbeddingBag):

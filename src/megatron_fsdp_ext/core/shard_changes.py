@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
+from .sharded_param import conversion_refused
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state, face_shape
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
@@ -190,6 +191,13 @@ def adopt_replaced_params(state, replaced_slots) -> None:
                 "parameters tied after fully_shard are not supported; tie them before fully_shard, "
                 "with the tied modules in one unit (e.g. fully_shard([embedding, lm_head]) or the root)")
         value = new.detach()
+        sharded = state.unit.sharded_param(index)
+        if value.dtype != sharded.dtype or value.device != sharded.device:
+            # A plain module inside the unit moved (.cpu(), .to("meta"): nn.Module._apply
+            # replaces a parameter it cannot convert in place, with the piece converted) or a
+            # value of another dtype: the unit would copy it into its flat buffer, silently
+            # undoing the change.
+            raise conversion_refused(state.unit.label, sharded, value.dtype, value.device)
         shape = tuple(face_shape(state, index))
         if tuple(value.shape) != shape:
             # Decided by the full shape, the same on every rank (a value the length of one
@@ -198,7 +206,6 @@ def adopt_replaced_params(state, replaced_slots) -> None:
                 f"{what} was replaced by one of shape {tuple(value.shape)}, but the parameter's shape is "
                 f"{shape}; a replacement must keep the shape (or build the model again before fully_shard)")
         set_full_value(state, index, value)
-        sharded = state.unit.sharded_param(index)
         # The replacement's requires_grad is the user's word on training it (the unsharded
         # parameter follows the sharded one at its next install).
         if sharded.requires_grad != new.requires_grad:
