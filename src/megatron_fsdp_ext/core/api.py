@@ -23,8 +23,7 @@ from .hook_support import load_dynamo
 from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
-from .param_index import iter_states
-from .sharded_param import conversion_refused
+from .param_index import conversion_refused, iter_states
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 

@@ -2,12 +2,15 @@
 
 Full state dicts, sharded checkpoints and torch's state-dict protocol all translate
 between parameter names (a tied parameter has several) and the (unit, index) that holds
-its shard; they share this one lookup so that they agree on it.
+its shard; they share this one lookup so that they agree on it. The checks that refuse
+work on a unit in the wrong state (parameters unsharded, not yet materialized, a dtype or
+device change) live here too, below every module that raises them.
 """
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, NamedTuple, Tuple
 
+import torch
 import torch.nn as nn
 
 from .states import ParamInit, SlotsHold
@@ -70,6 +73,20 @@ def reshard_for_state_dict(state, what: str, advice: str = _ADVICE) -> None:
     if state.slots_hold is SlotsHold.UNSHARDED and ctx is not None and not ctx.in_backward:
         state.release()
     check_resharded(state, what, advice)
+
+
+def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device) -> RuntimeError:
+    """The error for a dtype or device change of a unit's shards (module.double(), .half(),
+    .to(), .cuda(), .cpu(), .to_empty() after fully_shard, on the unit's module or any
+    module inside it): the unit's flat buffers keep one dtype and device, and would copy
+    the converted values back and train as before."""
+    return RuntimeError(
+        f"megatron_fsdp_ext: fully_shard unit '{unit_label}' cannot change its sharded parameters from "
+        f"{shard.dtype} on {shard.device} to {to_dtype} on {to_device} (module.double(), .half(), .float(), "
+        ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it): "
+        "the unit's flat buffers keep one dtype and device. Cast or move the model (or that module) before "
+        "fully_shard; for a compute dtype use MixedPrecisionPolicy(param_dtype=...); for a model built on the "
+        "meta device use megatron_fsdp_ext.materialize(model)")
 
 
 def check_materialized(states, what: str) -> None:

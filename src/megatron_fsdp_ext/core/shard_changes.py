@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
-from .sharded_param import conversion_refused
+from .param_index import conversion_refused
 from .state_dict import attach_optimizer, convert_loaded_optimizer_state, face_shape
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)

@@ -30,24 +30,10 @@ from torch.utils import _foreach_utils
 
 from . import state_dict
 from .dtensor_face import DTensorFace, LogicalShape, local_shape
-from .param_index import owner_of
+from .param_index import conversion_refused, owner_of
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
-
-
-def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device) -> RuntimeError:
-    """The error for a dtype or device change of a unit's shards (module.double(), .half(),
-    .to(), .cuda(), .cpu(), .to_empty() after fully_shard, on the unit's module or any
-    module inside it): the unit's flat buffers keep one dtype and device, and would copy
-    the converted values back and train as before."""
-    return RuntimeError(
-        f"megatron_fsdp_ext: fully_shard unit '{unit_label}' cannot change its sharded parameters from "
-        f"{shard.dtype} on {shard.device} to {to_dtype} on {to_device} (module.double(), .half(), .float(), "
-        ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it): "
-        "the unit's flat buffers keep one dtype and device. Cast or move the model (or that module) before "
-        "fully_shard; for a compute dtype use MixedPrecisionPolicy(param_dtype=...); for a model built on the "
-        "meta device use megatron_fsdp_ext.materialize(model)")
 
 
 class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
