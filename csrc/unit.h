@@ -389,8 +389,8 @@ class Unit {
   // of their maxima over the ranks (the agreement word) is 0 unless some rank reduced other
   // units at this point (rank-dependent control flow that skips whole units: collectives
   // paired across different units, silently wrong where their sizes match). A rank that
-  // waits for the flags checks it at once; the others read it from pinned host memory at
-  // their next agreement, without waiting.
+  // waits for the flags (every rank on the CPU) checks it at once; the others read it
+  // from pinned host memory at their next agreement, without waiting.
   void check_agreement_word(int32_t word, bool previous) const;
   void check_previous_agreement();
   // The parameters whose sharded .grad this reduction landed and that carry

@@ -365,25 +365,22 @@ void Unit::agree_on_grads(const std::vector<Unit*>& units) {
       run_coalesced(CollectivePhase::kAllReduceGradMask, units, numels, lead.replicate_comm_,
                     [&] { lead.replicate_comm_.all_reduce(mask, c10d::ReduceOp::MAX); });
     }
+    if (!cuda || captured) return;  // on the CPU the host waited for the all-reduce: read below
     const at::Tensor word = mask.narrow(0, n, 1) + mask.narrow(0, n + 1, 1);
-    if (!cuda) {
-      lead.agreement_word_ = word;  // the host waited for the all-reduce
-      return;
-    }
-    if (captured) return;
     lead.agreement_word_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
     lead.agreement_word_.copy_(word, /*non_blocking=*/true);
     if (!lead.agreement_copied_) lead.agreement_copied_ = std::make_unique<StreamEvent>(lead.device_);
     lead.agreement_copied_->record(current_stream(lead.device_));
   });
-  if (!cuda) lead.check_previous_agreement();  // the host waited for the all-reduce: checked now
-  // A rank that got every gradient itself has nothing to learn: it does not wait.
-  if (!lacking) return;
+  // On the GPU a rank that got every gradient itself has nothing to learn: it does not
+  // wait, and reads the word at its next agreement.
+  if (cuda && !lacking) return;
   done->synchronize();
   const at::Tensor agreed = mask.cpu();
   const int32_t* any = agreed.const_data_ptr<int32_t>();
   lead.agreement_word_ = at::Tensor();
   lead.check_agreement_word(any[n] + any[n + 1], /*previous=*/false);
+  if (!lacking) return;
   for (Unit* u : units) {
     for (size_t i = 0; i < u->has_grad_.size(); ++i, ++any) {
       if (*any != 0) u->has_grad_[i] = true;
@@ -392,11 +389,11 @@ void Unit::agree_on_grads(const std::vector<Unit*>& units) {
 }
 
 void Unit::check_previous_agreement() {
-  if (!agreement_word_.defined()) return;
-  if (agreement_copied_ && !agreement_copied_->query()) return;  // not on the host yet: never wait for it
+  // Set on the GPU only, with its copy's event; not on the host yet: never wait for it.
+  if (!agreement_word_.defined() || !agreement_copied_->query()) return;
   const int32_t word = agreement_word_.const_data_ptr<int32_t>()[0];
   agreement_word_ = at::Tensor();
-  check_agreement_word(word, /*previous=*/agreement_copied_ != nullptr);
+  check_agreement_word(word, /*previous=*/true);
 }
 
 void Unit::check_agreement_word(int32_t word, bool previous) const {
