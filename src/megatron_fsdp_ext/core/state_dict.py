@@ -597,8 +597,7 @@ def _optimizer_pre_load(optimizer, state_dict):
     # DTensors are cut, as for the parameters.
     keep_local = _local_mode()
     units = _units_in(optimizer, state_dict["param_groups"])
-    if not keep_local:
-        callers_arrived([state for state, _ in units], "optimizer.load_state_dict()")
+    callers_arrived([state for state, _ in units], "optimizer.load_state_dict()")
     state_dict = dict(state_dict)
     states = dict(state_dict["state"])
     for state, index_to_key in units:
