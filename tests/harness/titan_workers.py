@@ -334,18 +334,22 @@ def _debugmodel_spec(fuse_qkv: bool):
 
 
 def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accum: int, batch_degree: int,
-                loss: str = "chunked", ac: bool = True, fuse_qkv: bool = True, dump_folder: str = "/tmp"):
+                loss: str = "chunked", ac: bool = True, fuse_qkv: bool = True, dump_folder: str = "/tmp",
+                model: str = "llama3"):
     """torchtitan's llama3 debugmodel job (config_registry.llama3_debugmodel: its model,
     loss, optimizer, LR schedule, activation checkpointing), shrunk for CPU: SDPA instead of
     flex attention, SEQ-token sequences, fp32, `steps` steps, the given parallelism.
     loss: "chunked" (the job's ChunkedLossWrapper of CrossEntropyLoss) or "ce"
-    (CrossEntropyLoss on the whole output: the same normalization)."""
+    (CrossEntropyLoss on the whole output: the same normalization).
+    model: "llama3", or "dsv3" for the DeepSeek-V3 debugmodel job (config_registry.
+    deepseek_v3_debugmodel: 8 routed experts top-3 with auxiliary-loss-free load balancing,
+    whose model spec registers the expert-bias hook on the optimizers)."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import TrainingConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    cfg = llama3_debugmodel()
+    cfg = llama3_debugmodel() if model == "llama3" else _moe_job(model)
     if not fuse_qkv:
         cfg.model_spec = _debugmodel_spec(fuse_qkv=False)
     for layer in cfg.model_spec.model.layers:  # flex attention has no CPU backward
@@ -360,6 +364,13 @@ def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accu
     cfg.parallelism = parallelism
     cfg.dump_folder = dump_folder
     return cfg
+
+
+def _moe_job(model: str):
+    assert model == "dsv3", f"MoE job {model!r}: only 'dsv3' (DeepSeek-V3 debugmodel) here"
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    return deepseek_v3_debugmodel()
 
 
 def _parallel_dims(parallelism, world: int):
@@ -420,6 +431,8 @@ def _titan_trainer(cfg, dims, impl: str, checkpoint=None):
     t.gradient_accumulation_steps = cfg.training.global_batch_size // (cfg.training.local_batch_size * batch_degree)
     t.num_pipeline_parallel_microbatches = 1
     t.optimizers = cfg.optimizer.build(model_parts=t.model_parts)
+    if spec.post_optimizer_build_fn is not None:  # MoE models: the expert-bias load-balancing hook
+        spec.post_optimizer_build_fn(t.optimizers, t.model_parts, dims)
     t.lr_schedulers = cfg.lr_scheduler.build(optimizers=t.optimizers, training_steps=cfg.training.steps)
     t.metrics_processor = _StepLog()
     t.step, t.ntokens_seen = 0, 0
@@ -797,6 +810,8 @@ def _titan_pp_trainer(cfg, dims, impl: str):
     t.gradient_accumulation_steps = cfg.training.global_batch_size // (cfg.training.local_batch_size * batch_degree)
     t.num_pipeline_parallel_microbatches = cfg.training.local_batch_size // micro
     t.optimizers = cfg.optimizer.build(model_parts=t.model_parts)
+    if spec.post_optimizer_build_fn is not None:  # MoE models: the expert-bias load-balancing hook
+        spec.post_optimizer_build_fn(t.optimizers, t.model_parts, dims)
     t.lr_schedulers = cfg.lr_scheduler.build(optimizers=t.optimizers, training_steps=cfg.training.steps)
     t.metrics_processor = _StepLog()
     t.step, t.ntokens_seen = 0, 0
