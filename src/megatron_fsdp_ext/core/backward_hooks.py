@@ -24,6 +24,8 @@ class BackwardHooks:
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
         targets, bucketed = self.ctx.schedule.backward_gathers(self)
+        for s in [self] + targets:
+            s.take_state_dict_writes("backward")
         if self.options.unshard_in_backward:
             self._adopt_replaced(self.slots.use(hook_support.units_to_gather([self] + targets), bucketed), unsharded=True)
         else:

@@ -65,6 +65,8 @@ class ForwardHooks:
             _refuse_compiled_autograd()
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
+            for s in self.ctx.states:  # before any gather of this forward, prefetches included
+                s.take_state_dict_writes("forward")
             self.ctx.refresh_fp8_scales()  # after a load or a step without the optimizer hook
         if self._group_starts(module):
             self.ctx.schedule.record_forward(self)
@@ -72,6 +74,8 @@ class ForwardHooks:
             # all-gather stream while this unit computes. Not in a forward re-run inside
             # backward (activation checkpointing): the next units are done there.
             gathers, bucketed = ([self], False) if self.ctx.in_backward else self.ctx.schedule.forward_gathers(self)
+            for s in gathers:  # a forward of a module below the root
+                s.take_state_dict_writes("forward")
             self._adopt_replaced(self.slots.use(hook_support.units_to_gather(gathers), bucketed), unsharded=True)
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE

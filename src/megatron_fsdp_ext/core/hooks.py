@@ -115,6 +115,10 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # registered: moved last at every load (FSDPModule._load_from_state_dict), so the
         # owner's hooks registered after fully_shard still see full values.
         self.own_load_pre_hooks: List[Tuple[weakref.ref, int]] = []
+        # Values state_dict() handed out since the unit was last used: (parameter index,
+        # weakref to the value). Writes into them in place reach the shards at the next
+        # use (state_dict.apply_state_dict_writes).
+        self.handed_out: List[Tuple[int, weakref.ref]] = []
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 

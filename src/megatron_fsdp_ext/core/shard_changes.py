@@ -53,6 +53,7 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
             state = owner()
             if state is not None:
                 state.untag_grads()
+                state.take_state_dict_writes(f"{type(optimizer).__name__}.step()")
         # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
         check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")
 

@@ -452,6 +452,7 @@ class ModuleStateDictHooks:
     def _current_values(self) -> list:
         state = self.state
         check_materialized([state], "state_dict()")
+        apply_state_dict_writes(state, "state_dict()", keep_held=True)
         reshard_for_state_dict(state, "state_dict()")
         shard = state.unit.sharded_param(0)
         return _row_values(state, [], shard.dtype, shard.device)
@@ -470,6 +471,7 @@ class ModuleStateDictHooks:
         values = self._values if self._values is not None else self._current_values()
         for key, i in present:
             state_dict[key] = values[i]
+            record_handed_out(state, i, values[i])
 
     def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
                   missing_keys, unexpected_keys, error_msgs) -> None:
@@ -496,6 +498,7 @@ class ModuleStateDictHooks:
             state.note_loaded(i for key, i in owned if isinstance(state_dict.get(prefix + key), _LoadedPiece))
             return
         callers_arrived(state.with_companions, "load_state_dict()", error_msgs)
+        apply_state_dict_writes(state, "load_state_dict()")  # earlier writes, then the load over them
         if local_metadata.get("assign_to_params_buffers", False):
             raise NotImplementedError(
                 f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
@@ -513,6 +516,123 @@ class ModuleStateDictHooks:
             state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
             written.append(i)
         state.note_loaded(written)
+
+
+# ---------------------------------------------------------------- writes into handed-out values
+
+def record_handed_out(state, index: int, value: torch.Tensor) -> None:
+    """state_dict() handed `value` out for parameter `index`: a copy (our shards are not
+    FSDP2's rows), where on a plain module and under FSDP2 a state-dict value is the
+    parameter's storage and code writes through it in place (torch.distributed.checkpoint
+    loading into `model.state_dict()` with no load_state_dict() after; an EMA lerping into
+    `ema.state_dict().values()`). Kept weakly until the unit's next use
+    (apply_state_dict_writes)."""
+    state.handed_out.append((index, weakref.ref(value)))
+
+
+def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of `flags` over every rank the unit's state-dict DTensors span: an
+    all-reduce over each dim of each distinct mesh of its parameters, in parameter order
+    (the same order on every rank)."""
+    shard = state.unit.sharded_param(0)
+    device_type = _mesh_device_type(state, shard)
+    device = torch.device(state.unit.device) if device_type != "cpu" else torch.device("cpu")
+    out = flags.to(device)
+    seen = set()
+    for i in range(len(state.names)):
+        mesh = _layout(state, i, device_type)[0]
+        for dim in range(mesh.ndim):
+            key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim)
+            if key in seen:
+                continue
+            seen.add(key)
+            group = mesh.get_group(dim)
+            if dist.get_world_size(group) > 1 and backends.moves_data(group, device):
+                dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.cpu()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape != b.shape or not torch.equal(a.to(device=b.device, dtype=b.dtype), b)
+
+
+def apply_state_dict_writes(state, where: str, keep_held: bool = False) -> None:
+    """Before the unit's next use of its shards (a forward's gathers, unshard(), an
+    optimizer step, the next state_dict()): what was written in place into the values
+    state_dict() handed out becomes the parameters' values, as it would be on a plain
+    module or under FSDP2. Values no rank holds any more cost one small all-reduce. Held
+    values come back to this rank's pieces as load_state_dict() brings them (the rows'
+    exchange) and are compared there, element for element (a version counter would miss
+    torch._foreach_* ops on DTensors, which bump none); a parameter any rank finds
+    written is written on every rank. Refused, on every rank, where it cannot be made
+    right: a value written on some ranks and dropped on others, two values of one
+    parameter both written, a write between a forward and its backward (torch's autograd
+    refuses that of a plain parameter). `keep_held` (the next state_dict(), which is not a
+    use of the values): values some rank still holds stay watched, so writes into an
+    earlier state dict made after a later state_dict() call still arrive. The watch list
+    changes by agreed outcomes only, so it stays the same on every rank."""
+    records, state.handed_out = state.handed_out, []
+    if not records or state.unit is None or _local_mode():
+        return
+    n = len(records)
+    values = [ref() for _, ref in records]
+    flags = torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
+    agreed = _agree_max(state, flags)
+    held = [r for r in range(n) if agreed[r]]
+    if not held:
+        return
+    if keep_held:
+        state.handed_out = [records[r] for r in held] + state.handed_out
+    with torch.no_grad():
+        state.unit.wait_host_update()
+        partly = [r for r in held if agreed[n + r]]
+        if partly:  # dropped on some ranks: compare with the rows the shards hold now
+            changed = torch.zeros(n, dtype=torch.int32)
+            current = _row_values(state, [], state.unit.sharded_param(0).dtype, state.unit.sharded_param(0).device)
+            for r in partly:
+                if values[r] is not None:
+                    changed[r] = int(_differs(_local(values[r]), _local(current[records[r][0]])))
+            lost = [r for r in partly if _agree_max(state, changed)[r]]
+            if lost:
+                raise RuntimeError(
+                    f"megatron_fsdp_ext: {state}: state_dict() values of {sorted({state.names[records[r][0]] for r in lost})} "
+                    "were written in place, but some ranks no longer hold theirs, so the rows cannot be put back "
+                    "together. Keep the state dict on every rank until the model is used again, or load it with "
+                    "model.load_state_dict()")
+        whole = [r for r in held if not agreed[n + r]]
+        if not whole:
+            return
+        pieces, changed = {}, torch.zeros(n, dtype=torch.int32)
+        for r in whole:  # the rows' exchange, as load_state_dict() makes it
+            i = records[r][0]
+            shard = state.unit.sharded_param(i)
+            pieces[r] = _piece_of(state, i, values[r], local_numel(shard), f"state_dict() value of '{state.names[i]}'")
+            changed[r] = int(_differs(pieces[r].reshape(-1), shard.detach().as_subclass(torch.Tensor).reshape(-1)))
+        agreed_changed = _agree_max(state, changed)
+        written = [r for r in whole if agreed_changed[r]]
+        if not written:
+            return
+        indices = [records[r][0] for r in written]
+        twice = sorted({state.names[i] for i in indices if indices.count(i) > 1})
+        if twice:
+            raise RuntimeError(
+                f"megatron_fsdp_ext: {state}: the values of {twice} in two state_dict() results were both written "
+                "in place: under fully_shard each state_dict() value is a copy, not the parameter, so both writes "
+                "cannot apply. Write into one, or load the one you want with model.load_state_dict()")
+        ctx = state.ctx
+        if ctx is not None and ctx.in_backward:
+            raise RuntimeError(
+                f"megatron_fsdp_ext: {state}: state_dict() values of {sorted({state.names[i] for i in indices})} "
+                f"were written in place between a forward and its backward ({where}); the backward would use "
+                "the old values. Write them before the forward or after the backward")
+        reshard_for_state_dict(state, f"writing state_dict() values back ({where})")
+        for r in written:  # on every rank (each its piece): every shard's version moves alike
+            i = records[r][0]
+            state.unit.sharded_param(i).copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)))
 
 
 def keep_load_pre_hooks_last(states) -> None:

@@ -1,0 +1,233 @@
+"""Writes into `model.state_dict()` values reach the model, as on a plain module and under
+FSDP2, whose state-dict values are the parameters' storage. Ours are copies (our flat
+shards are not FSDP2's rows), so the unit applies what was written into them at its next
+use: a forward, an optimizer step, unshard() or the next state_dict().
+
+What users write that way, each run on FSDP2 and on ours side by side from the same
+weights and data and compared (losses, gradients between backward and the step, full
+values):
+- torch.distributed.checkpoint loading in place into `{"model": model.state_dict()}` with
+  no load_state_dict() after (DCP loads in place);
+- an EMA model updated through its state dict, as timm's ModelEmaV2/V3 do
+  (`ema_v.lerp_(model_v)`, or `torch._foreach_lerp_` over the values);
+- a write on one rank only, then an optimizer step before any forward (HSDP 2 x 2 too).
+And what cannot be made right is refused on every rank, naming the parameters."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from harness import run_distributed
+
+VOCAB, DIM, ROWS = 11, 20, 8
+
+
+class Net(nn.Module):
+    """Rows that do not split evenly at worlds 2 and 4 (flat pieces cross row boundaries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 13), nn.Tanh(), nn.Linear(13, DIM))
+                                    for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h) * self.scale
+
+
+def _sharded(impl: str, mesh=None, seed: int = 0) -> Net:
+    if impl == "ours":
+        from megatron_fsdp_ext import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(seed)
+    model = Net()
+    kwargs = {} if mesh is None else {"mesh": mesh}
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (ROWS, 5), generator=g), torch.randint(0, VOCAB, (ROWS, 5), generator=g)
+
+
+def _rows():
+    per = ROWS // dist.get_world_size()
+    return slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    x, y = (t[_rows()] for t in _batch(step))
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _global(value: torch.Tensor) -> float:
+    t = value.detach().double().reshape(1).clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
+
+
+def _full_grads(model) -> dict:
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+def _full_values(model) -> dict:
+    """Full values, read through state_dict() (which applies pending writes itself: read
+    after a forward, whose loss is what tells whether the forward saw them)."""
+    return {k: _full(v) for k, v in model.state_dict().items()}
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    assert sorted(a) == sorted(b), (what, sorted(a), sorted(b))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=f"{what} '{k}'")
+
+
+def _train_step(model, opt, step: int) -> float:
+    loss = _loss(model, step)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return _global(loss)
+
+
+def _dcp_in_place(impl: str, folder: str) -> dict:
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    saved = {k: _full(v) for k, v in model.state_dict().items()}
+    dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(folder, impl))
+    _train_step(model, opt, 1)
+    _train_step(model, opt, 2)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(folder, impl))  # in place; no load_state_dict() after
+    loss = _loss(model, 3)
+    loss.backward()
+    return {"loss": _global(loss), "grads": _full_grads(model), "saved": saved}
+
+
+def _ema(impl: str, foreach: bool) -> dict:
+    model, ema = _sharded(impl), _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(3):
+        _train_step(model, opt, step)
+        with torch.no_grad():  # timm's ModelEmaV3.apply_update_: the values of both state dicts
+            pairs = [(e, m) for e, m in zip(ema.state_dict().values(), model.state_dict().values())
+                     if e.is_floating_point()]
+            if foreach:
+                torch._foreach_lerp_([e for e, _ in pairs], [m for _, m in pairs], weight=0.25)
+            else:
+                for e, m in pairs:
+                    e.lerp_(m, 0.25)
+    loss = _global(_loss(ema, 7))
+    return {"loss": loss, "values": _full_values(ema), "model": _full_values(model)}
+
+
+def _write_then_step(impl: str, mesh_shape) -> dict:
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    model = _sharded(impl, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    _loss(model, 1).backward()
+    state = model.state_dict()
+    if dist.get_rank() == 0:  # one rank's rows only
+        with torch.no_grad():
+            state["head.weight"].fill_(0.5)
+            state["blocks.0.0.bias"].mul_(-3.0)
+    opt.step()  # before any forward: the step must start from the written values
+    opt.zero_grad()
+    loss = _loss(model, 2)
+    loss.backward()
+    return {"loss": _global(loss), "grads": _full_grads(model)}
+
+
+def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_shape=None) -> bool:
+    out = {}
+    for impl in ("fsdp2", "ours"):
+        if case == "dcp":
+            out[impl] = _dcp_in_place(impl, folder)
+        elif case in ("ema", "ema_foreach"):
+            out[impl] = _ema(impl, foreach=case == "ema_foreach")
+        else:
+            out[impl] = _write_then_step(impl, mesh_shape)
+    ref, got = out["fsdp2"], out["ours"]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"]), (case, got["loss"], ref["loss"])
+    for key in ("grads", "values", "saved", "model"):
+        if key in ref:
+            _close(got[key], ref[key], f"{case}: {key}")
+    if case.startswith("ema"):  # the EMA moved off the initial weights, toward the model
+        assert any(not torch.equal(ref["values"][k], ref["model"][k]) for k in ref["values"] if k != "scale")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_load_in_place_reaches_the_model_as_under_fsdp2(world, tmp_path):
+    assert run_distributed(_writes_vs_fsdp2, world, "dcp", str(tmp_path), timeout=180) == [True] * world
+
+
+@pytest.mark.parametrize("case", ["ema", "ema_foreach"])
+def test_ema_through_state_dict_values_as_under_fsdp2(case):
+    assert run_distributed(_writes_vs_fsdp2, 2, case, timeout=180) == [True, True]
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, None), (4, (2, 2))], ids=["fsdp_w2", "hsdp_2x2"])
+def test_a_write_on_one_rank_then_a_step_as_under_fsdp2(world, mesh_shape):
+    assert run_distributed(_writes_vs_fsdp2, world, "step", mesh_shape=mesh_shape, timeout=180) == [True] * world
+
+
+def _refused(rank: int, world: int, case: str) -> str:
+    model = _sharded("ours")
+    _loss(model, 0).backward()
+    model.zero_grad()
+    if case == "between":
+        loss = _loss(model, 1)
+        state = model.state_dict()
+        with torch.no_grad():
+            state["head.bias"].add_(1.0)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+    state = model.state_dict()
+    if case == "twice":
+        other = model.state_dict()
+        with torch.no_grad():
+            state["head.weight"].mul_(2.0)
+            other["head.weight"].add_(1.0)
+    else:  # "lost": rank 0 writes, rank 1 dropped its state dict
+        if rank == 0:
+            with torch.no_grad():
+                state["head.weight"].mul_(2.0)
+        else:
+            del state
+    try:
+        _loss(model, 1)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,words", [("twice", "two state_dict() results"), ("lost", "no longer hold"),
+                                        ("between", "between a forward and its backward")])
+def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
+    for message in run_distributed(_refused, 2, case, timeout=120):
+        assert words in message and "head." in message, message
