@@ -3,11 +3,11 @@ FSDP2, whose state-dict values are the parameters' storage. Ours are copies (our
 shards are not FSDP2's rows), so the unit applies what was written into them at its next
 use: a forward, an optimizer step, unshard() or the next state_dict().
 
-What users write that way, each run on FSDP2 and on ours side by side from the same
+The same for the optimizer's state dict. What users write that way, each run on FSDP2 and on ours side by side from the same
 weights and data and compared (losses, gradients between backward and the step, full
 values):
-- torch.distributed.checkpoint loading in place into `{"model": model.state_dict()}` with
-  no load_state_dict() after (DCP loads in place);
+- torch.distributed.checkpoint loading in place into `{"model": model.state_dict()}` or
+  `{"optim": optimizer.state_dict()}` with no load_state_dict() after (DCP loads in place);
 - an EMA model updated through its state dict, as timm's ModelEmaV2/V3 do
   (`ema_v.lerp_(model_v)`, or `torch._foreach_lerp_` over the values);
 - a write on one rank only, then an optimizer step before any forward (HSDP 2 x 2 too).
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from harness import run_distributed
+from harness import gpu_launch, gpu_world, run_distributed
 
 VOCAB, DIM, ROWS = 11, 20, 8
 
@@ -46,13 +46,20 @@ class Net(nn.Module):
         return self.head(h) * self.scale
 
 
+def _dev() -> torch.device:
+    """This rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _sharded(impl: str, mesh=None, seed: int = 0) -> Net:
     if impl == "ours":
         from megatron_fsdp_ext import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     torch.manual_seed(seed)
-    model = Net()
+    model = Net().to(_dev())
     kwargs = {} if mesh is None else {"mesh": mesh}
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -71,18 +78,18 @@ def _rows():
 
 
 def _loss(model, step: int) -> torch.Tensor:
-    x, y = (t[_rows()] for t in _batch(step))
+    x, y = (t[_rows()].to(_dev()) for t in _batch(step))
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def _global(value: torch.Tensor) -> float:
     t = value.detach().double().reshape(1).clone()
     dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return float(t.cpu()) / dist.get_world_size()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().cpu()
 
 
 def _full_grads(model) -> dict:
@@ -95,10 +102,10 @@ def _full_values(model) -> dict:
     return {k: _full(v) for k, v in model.state_dict().items()}
 
 
-def _close(a: dict, b: dict, what: str) -> None:
+def _close(a: dict, b: dict, what: str, tol: float) -> None:
     assert sorted(a) == sorted(b), (what, sorted(a), sorted(b))
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=f"{what} '{k}'")
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol / 10, msg=f"{what} '{k}'")
 
 
 def _train_step(model, opt, step: int) -> float:
@@ -124,6 +131,20 @@ def _dcp_in_place(impl: str, folder: str) -> dict:
     return {"loss": _global(loss), "grads": _full_grads(model), "saved": saved}
 
 
+def _optimizer_dcp_in_place(impl: str, folder: str) -> dict:
+    """The optimizer's state loaded in place into `{"optim": optimizer.state_dict()}`, no
+    optimizer.load_state_dict() after: the next step uses the loaded moments."""
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(folder, "optim_" + impl))
+    _train_step(model, opt, 1)
+    state = {"optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(folder, "optim_" + impl))
+    loss = _train_step(model, opt, 2)  # its step reads the loaded moments
+    return {"loss": loss, "values": _full_values(model)}
+
+
 def _ema(impl: str, foreach: bool) -> dict:
     model, ema = _sharded(impl), _sharded(impl)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -142,7 +163,8 @@ def _ema(impl: str, foreach: bool) -> dict:
 
 
 def _write_then_step(impl: str, mesh_shape) -> dict:
-    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh = None if mesh_shape is None else init_device_mesh(_dev().type, mesh_shape,
+                                                            mesh_dim_names=("replicate", "shard"))
     model = _sharded(impl, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     _train_step(model, opt, 0)
@@ -164,15 +186,20 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
     for impl in ("fsdp2", "ours"):
         if case == "dcp":
             out[impl] = _dcp_in_place(impl, folder)
+        elif case == "optim_dcp":
+            out[impl] = _optimizer_dcp_in_place(impl, folder)
         elif case in ("ema", "ema_foreach"):
             out[impl] = _ema(impl, foreach=case == "ema_foreach")
         else:
             out[impl] = _write_then_step(impl, mesh_shape)
     ref, got = out["fsdp2"], out["ours"]
-    assert abs(got["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"]), (case, got["loss"], ref["loss"])
+    # On GPUs each system's kernels may differ in the last bits (FSDP2 computes on its own
+    # unsharded tensors): the tolerance then allows for that, far below what a missed write moves.
+    tol = 1e-6 if _dev().type == "cpu" else 1e-4
+    assert abs(got["loss"] - ref["loss"]) <= tol * abs(ref["loss"]), (case, got["loss"], ref["loss"])
     for key in ("grads", "values", "saved", "model"):
         if key in ref:
-            _close(got[key], ref[key], f"{case}: {key}")
+            _close(got[key], ref[key], f"{case}: {key}", tol)
     if case.startswith("ema"):  # the EMA moved off the initial weights, toward the model
         assert any(not torch.equal(ref["values"][k], ref["model"][k]) for k in ref["values"] if k != "scale")
     return True
@@ -181,6 +208,10 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
 @pytest.mark.parametrize("world", [2, 4])
 def test_dcp_load_in_place_reaches_the_model_as_under_fsdp2(world, tmp_path):
     assert run_distributed(_writes_vs_fsdp2, world, "dcp", str(tmp_path), timeout=180) == [True] * world
+
+
+def test_optimizer_dcp_load_in_place_reaches_the_optimizer_as_under_fsdp2(tmp_path):
+    assert run_distributed(_writes_vs_fsdp2, 2, "optim_dcp", str(tmp_path), timeout=180) == [True, True]
 
 
 @pytest.mark.parametrize("case", ["ema", "ema_foreach"])
@@ -226,8 +257,24 @@ def _refused(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case,words", [("twice", "two state_dict() results"), ("lost", "no longer hold"),
+@pytest.mark.parametrize("case,words", [("twice", "in two state dicts were both written"), ("lost", "no longer hold"),
                                         ("between", "between a forward and its backward")])
 def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
     for message in run_distributed(_refused, 2, case, timeout=120):
         assert words in message and "head." in message, message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dcp", "optim_dcp", "ema_foreach", "step"])
+def test_state_dict_writes_on_nccl(case, tmp_path):
+    """The same comparisons with NCCL and CUDA tensors: the flags' all-reduce and the rows'
+    exchange on the GPU."""
+    world = gpu_world()
+    assert run_distributed(_writes_vs_fsdp2, world, case, str(tmp_path), timeout=300, **gpu_launch()) == [True] * world
+
+
+@pytest.mark.gpu
+def test_writes_that_cannot_apply_are_refused_on_nccl():
+    world = gpu_world()
+    for message in run_distributed(_refused, world, "lost", timeout=300, **gpu_launch()):
+        assert "no longer hold" in message, message

@@ -24,7 +24,7 @@ from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
 from .param_index import conversion_refused
-from .state_dict import attach_optimizer, convert_loaded_optimizer_state, face_shape
+from .state_dict import apply_optimizer_state_dict_writes, attach_optimizer, convert_loaded_optimizer_state, face_shape
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
 _ADOPTED = "_mfsdp_adopted"
@@ -54,6 +54,7 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
             if state is not None:
                 state.untag_grads()
                 state.take_state_dict_writes(f"{type(optimizer).__name__}.step()")
+        apply_optimizer_state_dict_writes(optimizer, f"{type(optimizer).__name__}.step()")
         # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
         check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")
 

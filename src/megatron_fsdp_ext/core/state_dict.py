@@ -562,77 +562,98 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def apply_state_dict_writes(state, where: str, keep_held: bool = False) -> None:
     """Before the unit's next use of its shards (a forward's gathers, unshard(), an
-    optimizer step, the next state_dict()): what was written in place into the values
-    state_dict() handed out becomes the parameters' values, as it would be on a plain
-    module or under FSDP2. Values no rank holds any more cost one small all-reduce. Held
-    values come back to this rank's pieces as load_state_dict() brings them (the rows'
-    exchange) and are compared there, element for element (a version counter would miss
-    torch._foreach_* ops on DTensors, which bump none); a parameter any rank finds
-    written is written on every rank. Refused, on every rank, where it cannot be made
-    right: a value written on some ranks and dropped on others, two values of one
-    parameter both written, a write between a forward and its backward (torch's autograd
-    refuses that of a plain parameter). `keep_held` (the next state_dict(), which is not a
-    use of the values): values some rank still holds stay watched, so writes into an
-    earlier state dict made after a later state_dict() call still arrive. The watch list
-    changes by agreed outcomes only, so it stays the same on every rank."""
+    optimizer step, a load, the next state_dict()): what was written in place into the
+    values state_dict() handed out becomes the parameters' values, as it would be on a
+    plain module or under FSDP2 (_write_back). `keep_held` (the next state_dict(), which is
+    not a use of the values): values some rank still holds stay watched, so writes into an
+    earlier state dict made after a later state_dict() call still arrive."""
     records, state.handed_out = state.handed_out, []
     if not records or state.unit is None or _local_mode():
         return
+    shard0 = state.unit.sharded_param(0)
+
+    def current(partly):
+        rows = _row_values(state, [], shard0.dtype, shard0.device)
+        return {r: rows[records[r][0]] for r in partly}
+
+    kept = _write_back(state, [(i, ref, None) for i, ref in records], where, "model.load_state_dict()",
+                       live_of=lambda i, _: state.unit.sharded_param(i), current_of=current, reshard=True)
+    if keep_held:
+        state.handed_out = [(i, ref) for i, ref, _ in kept] + state.handed_out
+
+
+def _write_back(state, records, where: str, load_call: str, *, live_of, current_of, reshard: bool) -> list:
+    """The write-back of handed-out state-dict values of one unit. `records`: (parameter
+    index, weakref to the value, tag); `live_of(index, tag)`: the live 1-D piece the value
+    is a copy of (a shard, an optimizer state); `current_of(records)`: the values those
+    pieces give now, as state dicts give them. Returns the records some rank still holds.
+
+    Values no rank holds any more cost one small all-reduce of flags. Held values come
+    back to this rank's pieces as a load brings them (the rows' exchange) and are compared
+    there, element for element (a version counter would miss torch._foreach_* ops on
+    DTensors, which bump none); a piece any rank finds written is written on every rank.
+    Refused, on every rank, where it cannot be made right: a value written on some ranks
+    and dropped on others, two values of one piece both written, a write between a
+    forward and its backward (torch's autograd refuses that of a plain parameter). Every
+    decision is an agreed one, so the watch lists stay the same on every rank."""
     n = len(records)
-    values = [ref() for _, ref in records]
+    values = [ref() for _, ref, _ in records]
     flags = torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
     agreed = _agree_max(state, flags)
     held = [r for r in range(n) if agreed[r]]
     if not held:
-        return
-    if keep_held:
-        state.handed_out = [records[r] for r in held] + state.handed_out
+        return []
+
+    def names(rs):
+        return sorted({state.names[records[r][0]] + ("" if records[r][2] is None else f" '{records[r][2]}'")
+                       for r in rs})
+
     with torch.no_grad():
         state.unit.wait_host_update()
         partly = [r for r in held if agreed[n + r]]
-        if partly:  # dropped on some ranks: compare with the rows the shards hold now
+        if partly:  # dropped on some ranks: compare with what the pieces give now
             changed = torch.zeros(n, dtype=torch.int32)
-            current = _row_values(state, [], state.unit.sharded_param(0).dtype, state.unit.sharded_param(0).device)
+            now = current_of(partly)
             for r in partly:
                 if values[r] is not None:
-                    changed[r] = int(_differs(_local(values[r]), _local(current[records[r][0]])))
+                    changed[r] = int(_differs(_local(values[r]), _local(now[r])))
             lost = [r for r in partly if _agree_max(state, changed)[r]]
             if lost:
                 raise RuntimeError(
-                    f"megatron_fsdp_ext: {state}: state_dict() values of {sorted({state.names[records[r][0]] for r in lost})} "
-                    "were written in place, but some ranks no longer hold theirs, so the rows cannot be put back "
-                    "together. Keep the state dict on every rank until the model is used again, or load it with "
-                    "model.load_state_dict()")
+                    f"megatron_fsdp_ext: {state}: state-dict values of {names(lost)} were written in place, but "
+                    "some ranks no longer hold theirs, so the rows cannot be put back together. Keep the state "
+                    f"dict on every rank until it is used again, or load it with {load_call}")
         whole = [r for r in held if not agreed[n + r]]
-        if not whole:
-            return
         pieces, changed = {}, torch.zeros(n, dtype=torch.int32)
-        for r in whole:  # the rows' exchange, as load_state_dict() makes it
-            i = records[r][0]
-            shard = state.unit.sharded_param(i)
-            pieces[r] = _piece_of(state, i, values[r], local_numel(shard), f"state_dict() value of '{state.names[i]}'")
-            changed[r] = int(_differs(pieces[r].reshape(-1), shard.detach().as_subclass(torch.Tensor).reshape(-1)))
-        agreed_changed = _agree_max(state, changed)
+        for r in whole:  # the rows' exchange, as a load makes it
+            i, _, tag = records[r]
+            live = live_of(i, tag).detach().as_subclass(torch.Tensor)
+            pieces[r] = _piece_of(state, i, values[r], live.numel(), f"state-dict value of {names([r])[0]}")
+            changed[r] = int(_differs(pieces[r].reshape(-1), live.reshape(-1)))
+        agreed_changed = _agree_max(state, changed) if whole else changed
         written = [r for r in whole if agreed_changed[r]]
         if not written:
-            return
-        indices = [records[r][0] for r in written]
-        twice = sorted({state.names[i] for i in indices if indices.count(i) > 1})
+            return [records[r] for r in held]
+        keys = [(records[r][0], records[r][2]) for r in written]
+        twice = [r for r in written if keys.count((records[r][0], records[r][2])) > 1]
         if twice:
             raise RuntimeError(
-                f"megatron_fsdp_ext: {state}: the values of {twice} in two state_dict() results were both written "
-                "in place: under fully_shard each state_dict() value is a copy, not the parameter, so both writes "
-                "cannot apply. Write into one, or load the one you want with model.load_state_dict()")
+                f"megatron_fsdp_ext: {state}: the values of {names(twice)} in two state dicts were both written in "
+                "place: under fully_shard each state-dict value is a copy, so both writes cannot apply. Write into "
+                f"one, or load the one you want with {load_call}")
         ctx = state.ctx
         if ctx is not None and ctx.in_backward:
             raise RuntimeError(
-                f"megatron_fsdp_ext: {state}: state_dict() values of {sorted({state.names[i] for i in indices})} "
-                f"were written in place between a forward and its backward ({where}); the backward would use "
-                "the old values. Write them before the forward or after the backward")
-        reshard_for_state_dict(state, f"writing state_dict() values back ({where})")
+                f"megatron_fsdp_ext: {state}: state-dict values of {names(written)} were written in place between "
+                f"a forward and its backward ({where}); the backward would use the old values. Write them before "
+                "the forward or after the backward")
+        if reshard:
+            reshard_for_state_dict(state, f"writing state_dict() values back ({where})")
         for r in written:  # on every rank (each its piece): every shard's version moves alike
-            i = records[r][0]
-            state.unit.sharded_param(i).copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)))
+            i, _, tag = records[r]
+            live_of(i, tag).copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)) if reshard else
+                                  pieces[r].reshape(live_of(i, tag).shape))
+    return [records[r] for r in held]
 
 
 def keep_load_pre_hooks_last(states) -> None:
@@ -689,6 +710,7 @@ def _optimizer_post_state_dict(optimizer, state_dict):
     states = state_dict["state"]
     units = _units_in(optimizer, state_dict["param_groups"])
     callers_arrived([state for state, _ in units], "optimizer.state_dict()")
+    apply_optimizer_state_dict_writes(optimizer, "optimizer.state_dict()", keep_held=True)
     for state, index_to_key in units:
         keys = _shard_shaped_keys(state, index_to_key, states)
         if getattr(_mode, "unread", None) is None:  # unread values need no collective to agree on
@@ -709,7 +731,50 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             for i, key in index_to_key.items():
                 if key in states and name in states[key]:
                     states[key][name] = values[i]
+                    optimizer.__dict__.setdefault(_OPTIM_HANDED_OUT, []).append(
+                        (weakref.ref(state), i, name, weakref.ref(values[i])))
     return state_dict
+
+
+# optimizer.__dict__ key: the optimizer state-dict values handed out, as
+# (weakref to the unit's state, parameter index, state name, weakref to the value).
+_OPTIM_HANDED_OUT = "_mfsdp_handed_out"
+
+
+def apply_optimizer_state_dict_writes(optimizer, where: str, keep_held: bool = False) -> None:
+    """The optimizer's counterpart of apply_state_dict_writes: before its next step, load
+    or state_dict(), what was written in place into the values optimizer.state_dict()
+    handed out (Adam's moments, as FSDP2-placed DTensors: copies of our pieces) becomes
+    the optimizer's state, as it would on a plain module or under FSDP2 (DCP loading in
+    place into `optimizer.state_dict()`). Unit by unit, in the order they were handed out."""
+    records = optimizer.__dict__.pop(_OPTIM_HANDED_OUT, None)
+    if not records or _local_mode():
+        return
+    by_state: Dict[int, Tuple[object, list]] = {}
+    for state_ref, i, name, ref in records:
+        state = state_ref()
+        if state is not None and state.unit is not None:
+            by_state.setdefault(id(state), (state, []))[1].append((i, ref, name))
+    kept = []
+    for state, recs in by_state.values():
+        def live_of(i, name, state=state):
+            return optimizer.state[state.unit.sharded_param(i)][name]
+
+        def current_of(partly, state=state, recs=recs):
+            out = {}
+            for name in sorted({recs[r][2] for r in partly}):
+                pieces = [optimizer.state.get(state.unit.sharded_param(i), {}).get(name)
+                          for i in range(len(state.names))]
+                some = next(p for p in pieces if p is not None)
+                rows = _row_values(state, pieces, some.dtype, some.device)
+                out.update({r: rows[recs[r][0]] for r in partly if recs[r][2] == name})
+            return out
+
+        held = _write_back(state, recs, where, "optimizer.load_state_dict()", live_of=live_of,
+                           current_of=current_of, reshard=False)
+        kept += [(weakref.ref(state), i, name, ref) for i, ref, name in held]
+    if keep_held and kept:
+        optimizer.__dict__[_OPTIM_HANDED_OUT] = kept + optimizer.__dict__.get(_OPTIM_HANDED_OUT, [])
 
 
 def _optimizer_pre_load(optimizer, state_dict):
@@ -718,6 +783,7 @@ def _optimizer_pre_load(optimizer, state_dict):
     keep_local = _local_mode()
     units = _units_in(optimizer, state_dict["param_groups"])
     callers_arrived([state for state, _ in units], "optimizer.load_state_dict()")
+    apply_optimizer_state_dict_writes(optimizer, "optimizer.load_state_dict()")  # earlier writes, then the load
     state_dict = dict(state_dict)
     states = dict(state_dict["state"])
     for state, index_to_key in units:
