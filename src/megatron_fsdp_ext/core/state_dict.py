@@ -526,8 +526,17 @@ def record_handed_out(state, index: int, value: torch.Tensor) -> None:
     parameter's storage and code writes through it in place (torch.distributed.checkpoint
     loading into `model.state_dict()` with no load_state_dict() after; an EMA lerping into
     `ema.state_dict().values()`). Kept weakly until the unit's next use
-    (apply_state_dict_writes)."""
-    state.handed_out.append((index, weakref.ref(value)))
+    (apply_state_dict_writes). Not a load's own targets (unread_values: scratch space its
+    reader verifies before anything loads), and once per value (a tied parameter gives
+    the same value under two keys)."""
+    if _handing_out(value, [(i, ref) for i, ref in state.handed_out if i == index]):
+        state.handed_out.append((index, weakref.ref(value)))
+
+
+def _handing_out(value, same_index) -> bool:
+    """Whether `value` is a state-dict value to watch: not under unread_values(), and not
+    already watched among `same_index` ((index, weakref) of the same piece)."""
+    return getattr(_mode, "unread", None) is None and not any(ref() is value for _, ref in same_index)
 
 
 def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
@@ -731,8 +740,10 @@ def _optimizer_post_state_dict(optimizer, state_dict):
             for i, key in index_to_key.items():
                 if key in states and name in states[key]:
                     states[key][name] = values[i]
-                    optimizer.__dict__.setdefault(_OPTIM_HANDED_OUT, []).append(
-                        (weakref.ref(state), i, name, weakref.ref(values[i])))
+                    watched = optimizer.__dict__.setdefault(_OPTIM_HANDED_OUT, [])
+                    if _handing_out(values[i], [(j, ref) for sref, j, n, ref in watched
+                                                if sref() is state and j == i and n == name]):
+                        watched.append((weakref.ref(state), i, name, weakref.ref(values[i])))
     return state_dict
 
 
