@@ -18,6 +18,10 @@ be (a backend without all-to-all, a 0-dim parameter, a DTensor placed otherwise)
 is gathered whole and cut. The parameters the optimizer updates stay plain 1-D tensors.
 `local_state_dict()` turns the conversion off and gives this rank's 1-D shards as they are
 (no collective).
+
+The values are copies where a plain module's and FSDP2's are the parameters' storage, so
+what is written into them in place (DCP loading into `model.state_dict()`, an EMA through
+its state dict) is taken at the unit's next use of its shards (apply_state_dict_writes).
 """
 from __future__ import annotations
 
