@@ -17,6 +17,8 @@ intercepts only the norm path:
   its groups and returns a plain tensor: the global norm, the same on every rank;
 - any other use of a `PartialNorm` first reduces it to its global value (as DTensor
   redistributes Partial to Replicate).
+- `torch._amp_foreach_non_finite_check_and_unscale_` (torch.amp.GradScaler) reduces its
+  found_inf over the gradients' domains, so every rank skips a step alike.
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
 outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`.
 
@@ -454,7 +456,29 @@ def _tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None, out=None):
     return _plain_call(torch.norm, args, kwargs)
 
 
+def _amp_unscale(grads, found_inf, inv_scale):
+    """torch.amp.GradScaler's check: unscale this rank's pieces, then take found_inf's max
+    over every reduction domain of the gradients (as DTensor does for FSDP2's Partial
+    found_inf). Each rank sees infs in its own pieces only: without it a rank whose piece
+    holds the inf skips the step and halves its scale while the others step (the shards
+    drift apart, silently)."""
+    grads = list(grads)
+    with DisableTorchFunctionSubclass():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    domains = []
+    for g in grads:
+        domain = type(g).domain if isinstance(g, ShardedGrad) else None
+        if domain is not None and all(d is not domain for d in domains):
+            domains.append(domain)
+    for domain in sorted(domains, key=lambda d: d.sort_key):  # stable: parameter order within a shape
+        flag = found_inf.to(domain.device)
+        for group in domain.groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        found_inf.copy_(flag)
+
+
 _HANDLERS = {
+    torch._amp_foreach_non_finite_check_and_unscale_: _amp_unscale,
     torch.Tensor.norm: _tensor_norm,
     torch.norm: _tensor_norm,
     torch._foreach_norm: _foreach_norm,
