@@ -630,7 +630,8 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, current_
             for r in partly:
                 if values[r] is not None:
                     changed[r] = int(_differs(_local(values[r]), _local(now[r])))
-            lost = [r for r in partly if _agree_max(state, changed)[r]]
+            changed = _agree_max(state, changed)
+            lost = [r for r in partly if changed[r]]
             if lost:
                 raise RuntimeError(
                     f"megatron_fsdp_ext: {state}: state-dict values of {names(lost)} were written in place, but "
