@@ -18,32 +18,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from harness import gpu_launch, gpu_world, run_distributed
+from harness.workers import ResidualTokenNet
 
 VOCAB, DIM, ROWS = 11, 20, 8
 
 
-class Net(nn.Module):
+def Net():
     """Rows that do not split evenly at worlds 2 and 4 (flat pieces cross row boundaries)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 13), nn.Tanh(), nn.Linear(13, DIM))
-                                    for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h) * self.scale
+    return ResidualTokenNet(VOCAB, DIM, 13)
 
 
 def _dev() -> torch.device:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import megatron_fsdp_ext as mfsdp
 from harness import gpu_world, run_distributed
-from harness.workers import shard_blocks_and_root
+from harness.workers import ResidualTokenNet, shard_blocks_and_root
 
 STRATEGIES = ["optim_grads_params", "optim_grads", "optim", "no_shard"]
 VOCAB, DIM, ROWS = 13, 24, 4
@@ -37,23 +37,9 @@ def _tol():
     return dict(rtol=1e-4, atol=1e-5) if _dev().type == "cuda" else dict(rtol=1e-5, atol=1e-6)
 
 
-class Net(nn.Module):
+def Net():
     """Shapes whose flat pieces cross row boundaries at worlds 2 and 4, a norm, a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM, bias=False)) for _ in range(2))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, tokens):
-        h = self.emb(tokens)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(self.norm(h) * self.scale)
+    return ResidualTokenNet(VOCAB, DIM, DIM, inner_bias=False)
 
 
 def _dev():

@@ -48,6 +48,28 @@ class TinyStack(nn.Module):
         return self.head(x)
 
 
+class ResidualTokenNet(nn.Module):
+    """Token embedding, residual Linear-Tanh-Linear blocks (`hidden` wide), a LayerNorm, a
+    head and a scalar buffer: small shapes whose flat pieces cross row boundaries at worlds
+    2 and 4 (the state-dict tests)."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, inner_bias: bool = True, depth: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim, bias=inner_bias))
+            for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h) * self.scale)
+
+
 def device_for_backend() -> torch.device:
     """Where this rank's tensors live: as run_distributed(device=...) said, else cuda
     under NCCL and the CPU otherwise."""
