@@ -218,6 +218,8 @@ def _replacements_refused_alike(rank, world):
     for cls in (nn.Embedding, nn.EmbeddingBag):
         emb = nn.Sequential(cls(8, 4, max_norm=1.0))
         expect_error(lambda: mfsdp.fully_shard(emb), NotImplementedError, "max_norm=1.0", "in place")
+        sparse = nn.Sequential(cls(8, 4, sparse=True))
+        expect_error(lambda: mfsdp.fully_shard(sparse), NotImplementedError, "sparse=True", "sparse=False")
 
     # A deep copy of a sharded model (torch's AveragedModel makes one): once a TypeError from
     # the module's constructor, called without its arguments.

@@ -303,7 +303,8 @@ def check_target(module) -> list:
 
 def _refuse_writes_in_forward(module: nn.Module) -> None:
     """Modules that write their own weight during forward: the write would land in the
-    gathered copy, which is freed after the unit's forward, so the shard never sees it."""
+    gathered copy, which is freed after the unit's forward, so the shard never sees it;
+    and embeddings whose gradient is sparse, which no unit can reduce."""
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.max_norm is not None:
             raise NotImplementedError(
@@ -311,6 +312,11 @@ def _refuse_writes_in_forward(module: nn.Module) -> None:
                 "which renormalizes the rows it looks up in its weight, in place, during forward; under "
                 "fully_shard that write lands in the gathered copy and is lost (FSDP2 loses it too), and ranks "
                 "looking up different rows would write different values. Build it without max_norm")
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise NotImplementedError(
+                f"fully_shard: {name or 'the module'} is an {type(sub).__name__} with sparse=True, whose weight "
+                "gets a sparse gradient; a unit reduce-scatters dense gradient buffers (FSDP2 cannot reduce a "
+                "sparse one either). Build it with sparse=False")
 
 
 class CommGroups:
