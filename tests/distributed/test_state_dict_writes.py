@@ -211,6 +211,37 @@ def test_a_write_on_one_rank_then_a_step_as_under_fsdp2(world, mesh_shape):
     assert run_distributed(_writes_vs_fsdp2, world, "step", mesh_shape=mesh_shape, timeout=180) == [True] * world
 
 
+def _tp_dcp_in_place(rank: int, world: int, folder: str) -> bool:
+    """Tensor parallel 2 x FSDP 2 (the TP DTensors' mesh spans both dims): the model and the
+    optimizer loaded in place by DCP with no load after, then one more step; the loss and
+    every value equal FSDP2's on the same script."""
+    from harness import tp_workers as tw
+
+    mesh = tw.make_mesh((2, 2))
+    dp_index, dp_world = tw.dp_rank_of(mesh)
+    out = {}
+    for impl in ("fsdp2", "ours"):
+        model = tw.parallelize(tw.build(_dev()), mesh["tp"], sp=False)
+        model = tw.shard_ours(model, tw.dp_mesh_of(mesh), {}) if impl == "ours" else \
+            tw.shard_fsdp2(model, tw.dp_mesh_of(mesh))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        tw._step(model, opt, dp_index, dp_world, seed=1)
+        where = os.path.join(folder, "tp_" + impl)
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=where)
+        tw._step(model, opt, dp_index, dp_world, seed=2)
+        tw._step(model, opt, dp_index, dp_world, seed=3)
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=where)
+        tw._step(model, opt, dp_index, dp_world, seed=4)  # from the loaded values and moments
+        out[impl] = {k: _full(v) for k, v in model.state_dict().items()}
+    _close(out["ours"], out["fsdp2"], "tp 2 x dp 2 after the in-place load and a step", 1e-5)
+    return True
+
+
+def test_dcp_load_in_place_with_tensor_parallel_as_under_fsdp2(tmp_path):
+    assert run_distributed(_tp_dcp_in_place, 4, str(tmp_path), timeout=180) == [True] * 4
+
+
 def _refused(rank: int, world: int, case: str) -> str:
     model = _sharded("ours")
     _loss(model, 0).backward()
