@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from harness import gpu_launch, gpu_world, run_distributed
+from harness.moe_unit_workers import HAS_FSDP2_PLACEMENTS
 from harness.workers import ResidualTokenNet
 
 VOCAB, DIM, ROWS = 11, 20, 8
@@ -240,6 +241,43 @@ def _tp_dcp_in_place(rank: int, world: int, folder: str) -> bool:
 
 def test_dcp_load_in_place_with_tensor_parallel_as_under_fsdp2(tmp_path):
     assert run_distributed(_tp_dcp_in_place, 4, str(tmp_path), timeout=180) == [True] * 4
+
+
+def _moe_dcp_in_place(rank: int, world: int, folder: str) -> bool:
+    """Experts on their own mesh (efsdp 2 x ep 2, companion units) and dense units on the
+    dp mesh: the model loaded in place by DCP with no load after; the next loss and every
+    value equal FSDP2's with the same placement."""
+    from harness import moe_unit_workers as mw
+
+    out = {}
+    for impl in ("fsdp2", "ours"):
+        model, first, local = mw.build(impl, world, ep=2, replicate=1, factor=1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        gen = torch.Generator().manual_seed(100 + rank)
+
+        def step():
+            loss = model(torch.randn(mw.TOKENS, mw.DIM, generator=gen).to(_dev()), first, local).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return _global(loss)
+
+        step()
+        where = os.path.join(folder, "moe_" + impl)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=where)
+        step()
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=where)
+        out[impl] = {"loss": step(), "values": {k: _full(v) for k, v in model.state_dict().items()}}
+    assert abs(out["ours"]["loss"] - out["fsdp2"]["loss"]) <= 1e-6 * abs(out["fsdp2"]["loss"]), \
+        f"loss after the in-place load: ours {out['ours']['loss']!r} vs FSDP2 {out['fsdp2']['loss']!r}"
+    _close(out["ours"]["values"], out["fsdp2"]["values"], "experts on efsdp x ep after the in-place load", 1e-5)
+    return True
+
+
+@pytest.mark.skipif(not HAS_FSDP2_PLACEMENTS, reason="this torch has no ShardPlacementResult (FSDP2's expert mesh)")
+def test_dcp_load_in_place_with_expert_parallelism_as_under_fsdp2(tmp_path):
+    assert run_distributed(_moe_dcp_in_place, 4, str(tmp_path), timeout=180) == [True] * 4
 
 
 def _refused(rank: int, world: int, case: str) -> str:
