@@ -1,13 +1,15 @@
 """Writes into `model.state_dict()` values reach the model, as on a plain module and under
 FSDP2, whose state-dict values are the parameters' storage. Ours are copies (our flat
 shards are not FSDP2's rows), so the unit applies what was written into them at its next
-use: a forward, an optimizer step, unshard() or the next state_dict().
+use: a forward, an optimizer step, unshard(), a load or the next state_dict(). The same
+for the optimizer's state dict.
 
-The same for the optimizer's state dict. What users write that way, each run on FSDP2 and on ours side by side from the same
+What users write that way, each run on FSDP2 and on ours side by side from the same
 weights and data and compared (losses, gradients between backward and the step, full
 values):
 - torch.distributed.checkpoint loading in place into `{"model": model.state_dict()}` or
-  `{"optim": optimizer.state_dict()}` with no load_state_dict() after (DCP loads in place);
+  `{"optim": optimizer.state_dict()}` with no load_state_dict() after (DCP loads in place),
+  also under tensor parallelism (tp 2 x dp 2) and with experts on their own mesh;
 - an EMA model updated through its state dict, as timm's ModelEmaV2/V3 do
   (`ema_v.lerp_(model_v)`, or `torch._foreach_lerp_` over the values);
 - a write on one rank only, then an optimizer step before any forward (HSDP 2 x 2 too).
@@ -188,7 +190,7 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
     for key in ("grads", "values", "saved", "model"):
         if key in ref:
             _close(got[key], ref[key], f"{case}: {key}", tol)
-    if case.startswith("ema"):  # the EMA moved off the initial weights, toward the model
+    if case.startswith("ema"):  # the EMA lags the model: its values are its own, not a copy of the model's
         assert any(not torch.equal(ref["values"][k], ref["model"][k]) for k in ref["values"] if k != "scale")
     return True
 
