@@ -83,7 +83,8 @@ def _train(impl: str) -> dict:
             moved = (moved, moved)
         log.append({"moved": moved, "scale": scaler.get_scale()})
     m.out.spike = False
-    x, y = torch.randn(ROWS, 6, generator=torch.Generator().manual_seed(99)), torch.randint(0, 5, (ROWS,))
+    g = torch.Generator().manual_seed(99)
+    x, y = torch.randn(ROWS, 6, generator=g), torch.randint(0, 5, (ROWS,), generator=g)
     final = m(x[rows].to(_dev()), y[rows].to(_dev())).detach().double().reshape(1).cpu()
     if impl != "plain":
         final = final.to(_dev())
