@@ -282,6 +282,39 @@ def test_dcp_load_in_place_with_expert_parallelism_as_under_fsdp2(tmp_path):
     assert run_distributed(_moe_dcp_in_place, 4, str(tmp_path), timeout=180) == [True] * 4
 
 
+def _one_agreement_per_forward(rank: int, world: int) -> list:
+    """state_dict() taken and dropped (a job logging norms every step): the next forward
+    settles every unit's handed-out values with one all-reduce of flags, not one per unit.
+    Counted at torch.distributed.all_reduce (the units' own collectives go through C++)."""
+    model = _sharded("ours")
+    counts = []
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for step in range(2):
+        norms = {k: float(v.full_tensor().norm()) for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+        assert len(norms) >= 3
+        calls.clear()
+        dist.all_reduce = counting
+        try:
+            loss = _loss(model, step)
+        finally:
+            dist.all_reduce = real
+        counts.append(len(calls))
+        loss.backward()
+        model.zero_grad()
+    return counts
+
+
+def test_the_next_forward_settles_every_unit_in_one_collective():
+    for counts in run_distributed(_one_agreement_per_forward, 2, timeout=120):
+        assert counts == [1, 1], f"all-reduces in the forward after state_dict(): {counts} (3 units)"
+
+
 def _refused(rank: int, world: int, case: str) -> str:
     model = _sharded("ours")
     _loss(model, 0).backward()

@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import _C
 from . import hook_support
 from .hook_support import cast_call_inputs, cast_floating, is_flat_call, profiled, same_type, tensors_in
+from .state_dict import apply_state_dict_writes_of
 from .states import BackwardProgress
 
 
@@ -65,8 +66,8 @@ class ForwardHooks:
             _refuse_compiled_autograd()
             for s in self.ctx.group_states:  # a member that did not run last time must not block this one
                 s._group_pending.clear()
-            for s in self.ctx.states:  # before any gather of this forward, prefetches included
-                s.take_state_dict_writes("forward")
+            # Before any gather of this forward, prefetches included.
+            apply_state_dict_writes_of(self.ctx.states, "forward")
             self.ctx.refresh_fp8_scales()  # after a load or a step without the optimizer hook
         if self._group_starts(module):
             self.ctx.schedule.record_forward(self)

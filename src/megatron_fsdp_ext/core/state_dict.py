@@ -543,26 +543,58 @@ def _handing_out(value, same_index) -> bool:
     return getattr(_mode, "unread", None) is None and not any(ref() is value for _, ref in same_index)
 
 
-def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
-    """Element-wise max of `flags` over every rank the unit's state-dict DTensors span: an
-    all-reduce over each dim of each distinct mesh of its parameters, in parameter order
-    (the same order on every rank)."""
+def _agreement_groups(state) -> Tuple[tuple, list, torch.device]:
+    """(key, process groups, device) of the unit's agreement: every dim of each distinct
+    mesh its state-dict DTensors span, in parameter order (the same on every rank); the
+    key names them by their ranks, so units over the same ranks agree in one collective."""
     shard = state.unit.sharded_param(0)
     device_type = _mesh_device_type(state, shard)
     device = torch.device(state.unit.device) if device_type != "cpu" else torch.device("cpu")
-    out = flags.to(device)
-    seen = set()
+    keys, groups = [], []
     for i in range(len(state.names)):
         mesh = _layout(state, i, device_type)[0]
         for dim in range(mesh.ndim):
             key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim)
-            if key in seen:
-                continue
-            seen.add(key)
-            group = mesh.get_group(dim)
-            if dist.get_world_size(group) > 1 and backends.moves_data(group, device):
-                dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+            if key not in keys:
+                keys.append(key)
+                groups.append(mesh.get_group(dim))
+    return (tuple(keys), str(device)), groups, device
+
+
+def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of `flags` over every rank the unit's state-dict DTensors span."""
+    _, groups, device = _agreement_groups(state)
+    out = flags.to(device)
+    for group in groups:
+        if dist.get_world_size(group) > 1 and backends.moves_data(group, device):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out.cpu()
+
+
+def _held_flags(records) -> torch.Tensor:
+    """[held..., dropped...] of weakly kept values, this rank's view."""
+    values = [r[1]() for r in records]
+    return torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
+
+
+def apply_state_dict_writes_of(states, where: str) -> None:
+    """apply_state_dict_writes for several units at once (the root's pre-forward: every
+    unit before any gather): units whose agreement spans the same ranks share one
+    all-reduce of their held/dropped flags, so a job taking state_dict() every step pays
+    one small collective at the next forward, not one per unit."""
+    pending = [s for s in states if s.handed_out and s.unit is not None]
+    if not pending or _local_mode():
+        return
+    by_key: Dict[tuple, list] = {}
+    for s in pending:
+        by_key.setdefault(_agreement_groups(s)[0], []).append(s)
+    for group in by_key.values():
+        flags = [_held_flags(s.handed_out) for s in group]
+        agreed = _agree_max(group[0], torch.cat(flags))
+        offset = 0
+        for s, f in zip(group, flags):
+            apply_state_dict_writes(s, where, agreed=agreed[offset: offset + f.numel()])
+            offset += f.numel()
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -573,13 +605,14 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape != b.shape or not torch.equal(a.to(device=b.device, dtype=b.dtype), b)
 
 
-def apply_state_dict_writes(state, where: str, keep_held: bool = False) -> None:
+def apply_state_dict_writes(state, where: str, keep_held: bool = False, agreed: Optional[torch.Tensor] = None) -> None:
     """Before the unit's next use of its shards (a forward's gathers, unshard(), an
     optimizer step, a load, the next state_dict()): what was written in place into the
     values state_dict() handed out becomes the parameters' values, as it would be on a
     plain module or under FSDP2 (_write_back). `keep_held` (the next state_dict(), which is
     not a use of the values): values some rank still holds stay watched, so writes into an
-    earlier state dict made after a later state_dict() call still arrive."""
+    earlier state dict made after a later state_dict() call still arrive. `agreed`: the
+    held/dropped flags already agreed on (apply_state_dict_writes_of)."""
     records, state.handed_out = state.handed_out, []
     if not records or state.unit is None or _local_mode():
         return
@@ -590,12 +623,14 @@ def apply_state_dict_writes(state, where: str, keep_held: bool = False) -> None:
         return {r: rows[records[r][0]] for r in partly}
 
     kept = _write_back(state, [(i, ref, None) for i, ref in records], where, "model.load_state_dict()",
-                       live_of=lambda i, _: state.unit.sharded_param(i), current_of=current, reshard=True)
+                       live_of=lambda i, _: state.unit.sharded_param(i), current_of=current, reshard=True,
+                       agreed=agreed)
     if keep_held:
         state.handed_out = [(i, ref) for i, ref, _ in kept] + state.handed_out
 
 
-def _write_back(state, records, where: str, load_call: str, *, live_of, current_of, reshard: bool) -> list:
+def _write_back(state, records, where: str, load_call: str, *, live_of, current_of, reshard: bool,
+                agreed: Optional[torch.Tensor] = None) -> list:
     """The write-back of handed-out state-dict values of one unit. `records`: (parameter
     index, weakref to the value, tag); `live_of(index, tag)`: the live 1-D piece the value
     is a copy of (a shard, an optimizer state); `current_of(records)`: the values those
@@ -611,8 +646,8 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, current_
     decision is an agreed one, so the watch lists stay the same on every rank."""
     n = len(records)
     values = [ref() for _, ref, _ in records]
-    flags = torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
-    agreed = _agree_max(state, flags)
+    if agreed is None:
+        agreed = _agree_max(state, _held_flags(records))
     held = [r for r in range(n) if agreed[r]]
     if not held:
         return []
