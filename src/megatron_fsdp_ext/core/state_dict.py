@@ -589,12 +589,16 @@ def apply_state_dict_writes_of(states, where: str) -> None:
     for s in pending:
         by_key.setdefault(_agreement_groups(s)[0], []).append(s)
     for group in by_key.values():
+        # Held strongly until each unit is settled: a value the flags counted as held must
+        # not be collected while an earlier unit of the group writes back.
+        alive = [[r[1]() for r in s.handed_out] for s in group]
         flags = [_held_flags(s.handed_out) for s in group]
         agreed = _agree_max(group[0], torch.cat(flags))
         offset = 0
         for s, f in zip(group, flags):
             apply_state_dict_writes(s, where, agreed=agreed[offset: offset + f.numel()])
             offset += f.numel()
+        del alive
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
