@@ -6,6 +6,7 @@ from __future__ import annotations
 from .. import _C
 from . import hook_support
 from .hook_support import profiled
+from .state_dict import apply_state_dict_writes_of
 from .states import BackwardProgress, GraphHold
 
 
@@ -24,8 +25,7 @@ class BackwardHooks:
         self.backward_progress = BackwardProgress.GATHERED
         self.ctx.queue_final_callback()
         targets, bucketed = self.ctx.schedule.backward_gathers(self)
-        for s in [self] + targets:
-            s.take_state_dict_writes("backward")
+        apply_state_dict_writes_of([self] + targets, "backward")
         if self.options.unshard_in_backward:
             self._adopt_replaced(self.slots.use(hook_support.units_to_gather([self] + targets), bucketed), unsharded=True)
         else:

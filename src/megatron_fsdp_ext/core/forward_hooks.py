@@ -75,8 +75,7 @@ class ForwardHooks:
             # all-gather stream while this unit computes. Not in a forward re-run inside
             # backward (activation checkpointing): the next units are done there.
             gathers, bucketed = ([self], False) if self.ctx.in_backward else self.ctx.schedule.forward_gathers(self)
-            for s in gathers:  # a forward of a module below the root
-                s.take_state_dict_writes("forward")
+            apply_state_dict_writes_of(gathers, "forward")  # a forward of a module below the root
             self._adopt_replaced(self.slots.use(hook_support.units_to_gather(gathers), bucketed), unsharded=True)
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE

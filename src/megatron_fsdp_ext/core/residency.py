@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from . import shard_changes
-from .state_dict import apply_state_dict_writes
+from .state_dict import apply_state_dict_writes_of
 from .states import GraphHold
 
 
@@ -18,15 +18,9 @@ def _lent(value) -> bool:
 
 
 class UnitResidency:
-    def take_state_dict_writes(self, where: str) -> None:
-        """Before a use of the shards: values state_dict() handed out and written in place
-        since become the parameters' values (state_dict.apply_state_dict_writes)."""
-        if self.handed_out:
-            apply_state_dict_writes(self, where)
-
     def unshard(self) -> None:
         if self.unit is not None:
-            self.take_state_dict_writes("unshard()")
+            apply_state_dict_writes_of([self], "unshard()")
             if self.unit.fp8_scales_stale:
                 self.ctx.refresh_fp8_scales()
             self.unit.unshard()

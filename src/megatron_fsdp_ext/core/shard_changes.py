@@ -24,7 +24,8 @@ from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
 from .param_index import conversion_refused
-from .state_dict import apply_optimizer_state_dict_writes, attach_optimizer, convert_loaded_optimizer_state, face_shape
+from .state_dict import (apply_optimizer_state_dict_writes, apply_state_dict_writes_of, attach_optimizer,
+                         convert_loaded_optimizer_state, face_shape)
 
 # optimizer.__dict__ key: (holds sharded parameters, number of param groups when checked)
 _ADOPTED = "_mfsdp_adopted"
@@ -49,11 +50,10 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
         seen = (adopt(optimizer),)
     if seen[0]:
         units = _units_of(optimizer)
-        for owner, _ in units:
-            state = owner()
-            if state is not None:
-                state.untag_grads()
-                state.take_state_dict_writes(f"{type(optimizer).__name__}.step()")
+        states = [s for s in (owner() for owner, _ in units) if s is not None]
+        for state in states:
+            state.untag_grads()
+        apply_state_dict_writes_of(states, f"{type(optimizer).__name__}.step()")
         apply_optimizer_state_dict_writes(optimizer, f"{type(optimizer).__name__}.step()")
         # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
         check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")

@@ -571,17 +571,18 @@ def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
     return out.cpu()
 
 
-def _held_flags(records) -> torch.Tensor:
-    """[held..., dropped...] of weakly kept values, this rank's view."""
-    values = [r[1]() for r in records]
+def _held_flags(values: list) -> torch.Tensor:
+    """[held..., dropped...] of weakly kept values (dereferenced: None where dropped), this
+    rank's view."""
     return torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
 
 
 def apply_state_dict_writes_of(states, where: str) -> None:
-    """apply_state_dict_writes for several units at once (the root's pre-forward: every
-    unit before any gather): units whose agreement spans the same ranks share one
-    all-reduce of their held/dropped flags, so a job taking state_dict() every step pays
-    one small collective at the next forward, not one per unit."""
+    """apply_state_dict_writes before a use of `states`' shards (the root's pre-forward:
+    every unit before any gather; a unit's gathers, pre-backward, unshard(), an optimizer
+    step): units whose agreement spans the same ranks share one all-reduce of their
+    held/dropped flags, so a job taking state_dict() every step pays one small collective
+    at the next forward, not one per unit. Nothing when no value is watched."""
     pending = [s for s in states if s.handed_out and s.unit is not None]
     if not pending or _local_mode():
         return
@@ -592,7 +593,7 @@ def apply_state_dict_writes_of(states, where: str) -> None:
         # Held strongly until each unit is settled: a value the flags counted as held must
         # not be collected while an earlier unit of the group writes back.
         alive = [[r[1]() for r in s.handed_out] for s in group]
-        flags = [_held_flags(s.handed_out) for s in group]
+        flags = [_held_flags(values) for values in alive]
         agreed = _agree_max(group[0], torch.cat(flags))
         offset = 0
         for s, f in zip(group, flags):
@@ -651,7 +652,7 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, current_
     n = len(records)
     values = [ref() for _, ref, _ in records]
     if agreed is None:
-        agreed = _agree_max(state, _held_flags(records))
+        agreed = _agree_max(state, _held_flags(values))
     held = [r for r in range(n) if agreed[r]]
     if not held:
         return []
@@ -704,8 +705,8 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, current_
             reshard_for_state_dict(state, f"writing state_dict() values back ({where})")
         for r in written:  # on every rank (each its piece): every shard's version moves alike
             i, _, tag = records[r]
-            live_of(i, tag).copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)) if reshard else
-                                  pieces[r].reshape(live_of(i, tag).shape))
+            live = live_of(i, tag)
+            live.copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)) if reshard else pieces[r].reshape(live.shape))
     return [records[r] for r in held]
 
 
