@@ -147,13 +147,13 @@ def _conversions_after_fully_shard(rank, world):
     for block in net[:2]:
         mfsdp.fully_shard(block)
     mfsdp.fully_shard(net)
-    # A dtype or device change of the shards: the flat buffers cannot follow (FSDP2 would
-    # re-create its parameters; we refuse before anything is converted).
+    # A device change of the shards, and a dtype change of plain modules inside units
+    # (model.norm.float() to keep a norm in fp32: nn.Module._apply swaps .data, which the
+    # unit would undo silently): the flat buffers cannot follow, refused before anything
+    # is converted. (A whole unit's dtype change works: test_convert_and_assign.py.)
     for convert, to in ((lambda m: m.double(), "torch.float64"), (lambda m: m.half(), "torch.float16"),
                         (lambda m: m.to(torch.bfloat16), "torch.bfloat16"), (lambda m: m.to("meta"), "meta")):
-        # The unit's modules, and plain modules inside units (model.norm.float() to keep a
-        # norm in fp32: nn.Module._apply swaps .data, which the unit would undo silently).
-        for target in (net, net[1]) + ((net[1].lin, net[1].norm, net[2]) if to != "meta" else ()):
+        for target in (net, net[1]) if to == "meta" else (net[1].lin, net[1].norm, net[2]):
             expect_error(lambda: convert(target), RuntimeError, "cannot change its sharded parameters", to,
                          "before fully_shard")
     assert all(b.dtype in (torch.float32, torch.int64) for b in net.buffers()), \
@@ -178,7 +178,7 @@ def _conversions_after_fully_shard(rank, world):
                  "before fully_shard")
 
 
-def test_dtype_and_device_conversions_after_fully_shard_are_refused():
+def test_device_and_partial_dtype_conversions_after_fully_shard_are_refused():
     run_distributed(_conversions_after_fully_shard, 2, timeout=120)
 
 

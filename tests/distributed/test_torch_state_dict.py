@@ -310,8 +310,16 @@ def _plain_load_and_refusals(rank, world):
     local = {k: v for k, v in model.named_parameters()}  # this rank's 1-D shards
     with pytest.raises(ValueError, match=r"expected the full shape \(13, 24\).*shard size"):
         model.load_state_dict({**model.state_dict(), "emb.weight": local["emb.weight"].detach().clone()})
-    with pytest.raises(NotImplementedError, match="assign=True"):
-        model.load_state_dict(model.state_dict(), assign=True)
+    # assign=True writes the values into the unit's parameters (the objects stay): the
+    # model holds the loaded values, and a value of another dtype is refused.
+    params_before = list(model.parameters())
+    zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(zeros, assign=True)
+    assert all(a is b for a, b in zip(params_before, model.parameters()))
+    assert all(not p.detach().any() for p in model.parameters())
+    with pytest.raises(RuntimeError, match="assign=True.*torch.float64 and the parameter torch.float32"):
+        model.load_state_dict({k: v.double() for k, v in model.state_dict().items()}, assign=True)
+    model.load_state_dict(_net().state_dict())
     # local_state_dict(): this rank's shards as they are, loadable back in that mode only
     with mfsdp.local_state_dict():
         raw = model.state_dict()

@@ -60,3 +60,19 @@ def test_compiled_optimizer_step_with_inductor_gpu():
     """torch.compile (inductor, CUDA) of AdamW's step over sharded parameters trains as
     plain PyTorch and does not recompile every step."""
     assert run_distributed(w.compiled_optimizer_step, WORLD, "inductor", **GPU, timeout=480) == [True] * WORLD
+
+
+@pytest.mark.parametrize("case", ["bf16_model_upcast", "fp32_model_half"])
+@pytest.mark.dtensor_collectives
+def test_dtype_change_after_fully_shard_trains_like_fsdp2_gpu(case):
+    from harness import convert_workers
+
+    run_distributed(convert_workers.dtype_change_after_fully_shard, WORLD, case, **GPU, timeout=240)
+
+
+@pytest.mark.dtensor_collectives
+def test_meta_state_dict_and_assign_load_like_fsdp2_gpu():
+    from harness import convert_workers
+
+    run_distributed(convert_workers.meta_state_dict_and_assign, WORLD, **GPU, timeout=240)
+    run_distributed(convert_workers.dtype_changes_refused, WORLD, **GPU, timeout=240)

@@ -68,7 +68,8 @@ def deferred_init_parity(rank: int, world: int, opts: Dict) -> Dict:
         assert p.detach().numel() == 0 or bool(torch.isnan(p).all()), "a deferred shard must hold NaN until materialized"
     expect_error(lambda: model(tokens), RuntimeError, "meta device", "materialize")
     expect_error(lambda: mfsdp.full_state_dict(model), RuntimeError, "meta device", "materialize")
-    expect_error(lambda: model.state_dict(), RuntimeError, "meta device", "materialize")
+    # FSDP2's meta DTensors: the layout of the values to come, none of them yet.
+    assert all(v.is_meta for v in model.state_dict().values())
 
     torch.manual_seed(SEED)
     assert mfsdp.materialize(model) is model

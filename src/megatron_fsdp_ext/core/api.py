@@ -23,7 +23,8 @@ from .hook_support import load_dynamo
 from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
-from .param_index import conversion_refused, iter_states
+from .param_index import iter_states
+from .retype import UnitRecipe, retype_units
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 
@@ -44,23 +45,6 @@ class UnshardHandle(torch_fsdp.UnshardHandle):
 
 # Set while an outermost FSDPModule._apply runs, whose check covered the modules below it.
 _APPLY_CHECKED = False
-
-
-def _refuse_shard_conversion(states, fn) -> None:
-    """Refuse module.double() / .half() / .to(dtype or device) / .cuda() / .cpu() /
-    .to_empty(device=) when it would change a unit's shards: nn.Module._apply would swap
-    each sharded parameter's .data, and the unit, whose flat buffers have one dtype and one
-    device, would copy the values back into them and train as before (FSDP2 re-creates
-    its sharded parameters instead). `fn` is tried on an empty tensor like the first shard
-    of each unit (a unit holds one dtype on one device)."""
-    for state in states:
-        unit = state.unit
-        if unit is None or not unit.sharded_params:
-            continue
-        shard = unit.sharded_params[0]
-        probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
-        if isinstance(probe, torch.Tensor) and (probe.dtype != shard.dtype or probe.device != shard.device):
-            raise conversion_refused(unit.label, shard, probe.dtype, probe.device)
 
 
 def _original_class(cls: type) -> type:
@@ -133,12 +117,13 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def _apply(self, fn, recurse: bool = True):
         # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's
-        # own, once no shard would change dtype or device (checked once, at the outermost
-        # call: nn.Module._apply calls this again for every fully_shard module below).
+        # own, once the units below have taken a new dtype (retype.py) or refused the
+        # change (done once, at the outermost call: nn.Module._apply calls this again for
+        # every fully_shard module below).
         global _APPLY_CHECKED
         if _APPLY_CHECKED:
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
-        _refuse_shard_conversion(self._states(recurse), fn)
+        retype_units(self._states(recurse), fn)
         _APPLY_CHECKED = True
         try:
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
@@ -520,6 +505,8 @@ def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, o
     for p in group_params:  # a tied copy of an original elsewhere must not be claimed again
         p._mfsdp_owner = owner
         p._mfsdp_replaced = True  # an optimizer still holding it is refused at its first step
+    if unit is not None:
+        state.recipe = UnitRecipe(comm.pg, alignment, mp_policy, strategy, check_for_nan_in_grad, comm, group.dims)
     state.fsdp2_view = fsdp2_view.Fsdp2StateView(state)
     for m, module_keys in zip(modules, group_keys):
         ModuleStateDictHooks(state, m, module_keys)

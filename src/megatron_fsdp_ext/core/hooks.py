@@ -119,6 +119,9 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # weakref to the value). Writes into them in place reach the shards at the next
         # use (state_dict.apply_state_dict_writes).
         self.handed_out: List[Tuple[int, weakref.ref]] = []
+        # What the unit was built from besides its parameters (retype.UnitRecipe): set by
+        # fully_shard, read to build the unit again in another dtype.
+        self.recipe = None
         self.key = next(_next_key)
         _STATES_BY_KEY[self.key] = self
 

@@ -75,18 +75,21 @@ def reshard_for_state_dict(state, what: str, advice: str = _ADVICE) -> None:
     check_resharded(state, what, advice)
 
 
-def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device) -> RuntimeError:
-    """The error for a dtype or device change of a unit's shards (module.double(), .half(),
-    .to(), .cuda(), .cpu(), .to_empty() after fully_shard, on the unit's module or any
-    module inside it): the unit's flat buffers keep one dtype and device, and would copy
-    the converted values back and train as before."""
+def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device, what: str = "") -> RuntimeError:
+    """The error for a dtype or device change a unit's shards cannot take (`what`: the
+    change, when only some are refused): a device change, or a dtype change of a module
+    inside a unit (model.norm.float()) rather than of the unit's module, or of a unit
+    retype.py does not rebuild. The unit's flat buffers keep one dtype and device, and
+    would copy the converted values back and train as before."""
+    which = (f"{what}: " if what else "") + "the unit's flat buffers keep one dtype and device"
     return RuntimeError(
         f"megatron_fsdp_ext: fully_shard unit '{unit_label}' cannot change its sharded parameters from "
         f"{shard.dtype} on {shard.device} to {to_dtype} on {to_device} (module.double(), .half(), .float(), "
-        ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it): "
-        "the unit's flat buffers keep one dtype and device. Cast or move the model (or that module) before "
-        "fully_shard; for a compute dtype use MixedPrecisionPolicy(param_dtype=...); for a model built on the "
-        "meta device use megatron_fsdp_ext.materialize(model)")
+        ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it), "
+        f"{which}. A whole unit's dtype changes on its own module (or an ancestor's) before its first forward; "
+        "move the model (or cast that module) before fully_shard; for a compute dtype use "
+        "MixedPrecisionPolicy(param_dtype=...); for a model built on the meta device use "
+        "megatron_fsdp_ext.materialize(model)")
 
 
 def check_materialized(states, what: str) -> None:

@@ -36,6 +36,12 @@ from .param_index import conversion_refused, owner_of
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
+def set_data_unchecked(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param.data = value` past ShardedParameter's setter, which refuses dtype changes:
+    for retype.py, which gives a whole unit the new dtype."""
+    _TENSOR_DATA.__set__(param, value)
+
+
 class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     """A sharded parameter of a fully_shard unit (see the module docstring)."""
 

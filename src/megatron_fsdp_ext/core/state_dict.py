@@ -44,6 +44,7 @@ from . import arrival, backends
 from .agree import digest_differs
 from .dtensor_face import FlatShard, LogicalShape, is_dtensor, local_numel, local_shape
 from .param_index import by_unit, check_materialized, check_resharded, owner_of, reshard_for_state_dict
+from .states import ParamInit
 
 _mode = threading.local()
 
@@ -455,7 +456,14 @@ class ModuleStateDictHooks:
 
     def _current_values(self) -> list:
         state = self.state
-        check_materialized([state], "state_dict()")
+        if state.param_init is ParamInit.DEFERRED:
+            # Built on the meta device, no values yet: FSDP2's meta DTensors (their mesh,
+            # placements and shapes are what a loader such as Accelerate's builds the
+            # values from, to load them with assign=True).
+            return [_as_dtensor(state, i, torch.empty((), dtype=state.unit.sharded_param(i).dtype,
+                                                      device="meta").expand(state.unit.param_spec(i).shape),
+                                values=False)
+                    for i in range(len(state.names))]
         apply_state_dict_writes(state, "state_dict()", keep_held=True)
         reshard_for_state_dict(state, "state_dict()")
         shard = state.unit.sharded_param(0)
@@ -475,7 +483,8 @@ class ModuleStateDictHooks:
         values = self._values if self._values is not None else self._current_values()
         for key, i in present:
             state_dict[key] = values[i]
-            record_handed_out(state, i, values[i])
+            if not values[i].is_meta:
+                record_handed_out(state, i, values[i])
 
     def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
                   missing_keys, unexpected_keys, error_msgs) -> None:
@@ -503,10 +512,9 @@ class ModuleStateDictHooks:
             return
         callers_arrived(state.with_companions, "load_state_dict()", error_msgs)
         apply_state_dict_writes(state, "load_state_dict()")  # earlier writes, then the load over them
-        if local_metadata.get("assign_to_params_buffers", False):
-            raise NotImplementedError(
-                f"load_state_dict(assign=True) on {state}: its parameters are shards the unit owns and "
-                "cannot be replaced; load without assign=True")
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        if assign:
+            _check_assignable(state, owned, state_dict, prefix)
         reshard_for_state_dict(state, "load_state_dict()")
         written = []
         for key, i in owned:
@@ -516,10 +524,42 @@ class ModuleStateDictHooks:
             if _is_the_shard(value, shard):
                 continue  # the parameter itself (torch's helpers fill keys they were not given so)
             piece = _piece_of(state, i, value, local_numel(shard), f"load_state_dict '{prefix + key}'")
-            # torch compares the value's shape with the parameter's (its full shape).
-            state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
+            if assign:
+                # assign=True (Accelerate's load into a model sharded on meta): the unit owns
+                # the parameter objects, so the values are written into them, and torch then
+                # assigns the parameter itself back: the values are the state dict's and
+                # requires_grad the parameter's, as assign gives a plain module.
+                with torch.no_grad():
+                    shard.copy_(piece)
+                state_dict[prefix + key] = shard
+            else:
+                # torch compares the value's shape with the parameter's (its full shape).
+                state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
             written.append(i)
         state.note_loaded(written)
+
+
+def _check_assignable(state, owned: List[Tuple[str, int]], state_dict, prefix: str) -> None:
+    """load_state_dict(assign=True) gives a plain module the values' dtype and device; a
+    unit's shards keep theirs, so a value that would change them (or a meta value, which
+    holds none) is refused before anything is written."""
+    for key, i in owned:
+        value = state_dict.get(prefix + key)
+        shard = state.unit.sharded_param(i)
+        if not isinstance(value, torch.Tensor) or _is_the_shard(value, shard):
+            continue
+        why = None
+        if value.is_meta:
+            why = "a meta value holds no values to load"
+        elif value.dtype != shard.dtype:
+            why = f"it is {value.dtype} and the parameter {shard.dtype}"
+        elif value.device.type != shard.device.type and not is_dtensor(value):
+            why = f"it is on {value.device} and the parameter on {shard.device}"
+        if why is not None:
+            raise RuntimeError(
+                f"load_state_dict(assign=True) of '{prefix + key}' into {state}: {why}. assign=True would make "
+                "the parameter the value itself, and a unit's parameters keep their flat buffer's dtype and "
+                "device; cast or move the value to the parameter's, or load without assign=True")
 
 
 # ---------------------------------------------------------------- writes into handed-out values

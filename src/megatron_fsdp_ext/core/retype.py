@@ -1,0 +1,113 @@
+"""module.to(dtype) / .half() / .float() / .double() after fully_shard: the units' shards
+take the new dtype, as FSDP2's sharded parameters do (Hugging Face Accelerate's FSDP2
+path upcasts a low-precision model to fp32 after sharding it).
+
+A unit keeps one dtype in C++ (its flat shard, its gather and gradient buffers, its
+cast strategy), so it is built again over the same parameters in the new dtype, with
+the same layout (alignment counts elements, so every rank's slice of every parameter
+stays where it was): each rank casts its own piece, no collective. The sharded
+parameter objects stay the same (their .data moves to the new unit's views), so an
+optimizer built before still holds them, as under FSDP2.
+
+Supported before a unit's first forward or unshard (lazy init builds the buffers,
+buckets and gradient types around the unit's dtype). FP8/MX-gathered, tensor-parallel
+and CPU-offloaded units are not rebuilt; nor is a device change: both are refused by
+name (param_index.conversion_refused).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .. import _C
+from .construct import make_unit
+from .extension_points import user_attributes
+from .param_index import conversion_refused
+from .sharded_param import set_data_unchecked
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitRecipe:
+    """What fully_shard built a unit from, besides its parameters: enough to build it again
+    in another dtype."""
+
+    pg: object
+    alignment: int
+    mp_policy: object
+    strategy: object
+    check_for_nan_in_grad: bool
+    comm: object  # construct.CommGroups
+    dims: Optional[List[int]]
+
+
+def _target(state, fn: Callable) -> Optional[torch.dtype]:
+    """The dtype `fn` gives the unit's shards, or None when it changes neither dtype nor
+    device; raises for a device change, or a dtype change this unit cannot take."""
+    unit = state.unit
+    if unit is None or not unit.sharded_params:
+        return None
+    shard = unit.sharded_params[0]
+    probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+    if not isinstance(probe, torch.Tensor) or (probe.dtype == shard.dtype and probe.device == shard.device):
+        return None
+    why = None
+    if probe.device != shard.device:
+        why = "its device"
+    elif not probe.dtype.is_floating_point or probe.dtype.itemsize < 2:
+        why = f"a {probe.dtype} shard"
+    elif state.ctx is not None:
+        why = "its dtype after the unit's first forward or unshard (its buffers are built by then)"
+    elif unit.gathers_bytes or unit.mx_block:
+        why = "the dtype of an FP8/MX-gathered unit"
+    elif unit.offloaded:
+        why = "the dtype of a CPU-offloaded unit"
+    elif state.tp is not None and state.tp.specs:
+        why = "the dtype of a tensor-parallel unit"
+    elif getattr(state, "recipe", None) is None:
+        why = "the dtype of this unit"
+    if why is not None:
+        raise conversion_refused(unit.label, shard, probe.dtype, probe.device, why)
+    return probe.dtype
+
+
+def retype_units(states, fn: Callable) -> None:
+    """Give every unit in `states` the dtype `fn` casts its shards to (see the module
+    docstring), checking them all before changing any."""
+    targets = [(s, d) for s in states for d in (_target(s, fn),) if d is not None]
+    for state, dtype in targets:
+        _retype(state, dtype)
+
+
+def _retype(state, dtype: torch.dtype) -> None:
+    old, recipe = state.unit, state.recipe
+    sharded = old.sharded_params
+    blanks = []
+    for i, p in enumerate(sharded):
+        blank = nn.Parameter(torch.empty(old.param_spec(i).shape, dtype=dtype, device="meta"),
+                             requires_grad=p.requires_grad)
+        for k, v in user_attributes(p).items():
+            setattr(blank, k, v)
+        blanks.append(blank)
+    unit = make_unit(blanks, list(state.names), recipe.pg, recipe.alignment, recipe.mp_policy, recipe.strategy,
+                     old.device, recipe.check_for_nan_in_grad, label=old.label)
+    if recipe.dims is not None:
+        unit.set_state_dict_dims(recipe.dims)
+    recipe.comm.connect(unit, recipe.strategy)
+    for setting in ("gradient_divide_factor", "requires_all_reduce", "check_collectives", "check_nonfinite"):
+        setattr(unit, setting, getattr(old, setting))
+    if old.comm_buffer_source != unit.comm_buffer_source:
+        unit.set_comm_buffer_source(old.comm_buffer_source)
+    with torch.no_grad():
+        for new_view, old_view, param in zip(unit.sharded_views(), old.sharded_views(), sharded):
+            new_view.copy_(old_view)  # this rank's piece, cast (a deferred unit's is unwritten either way)
+            set_data_unchecked(param, new_view)
+    # The same sharded objects, now over the new unit's shard: optimizers keep them.
+    unit.bind_params(sharded, unit.unsharded_params)
+    slots = _C.ParamSlots(unit)
+    for k in range(len(state.slots)):
+        slots.add(state.slots.params_dict(k), state.slots.name(k), state.slots.param_index(k))
+    state.unit, state.slots = unit, slots
+    state.__dict__.pop("_dtensor_mesh", None)
