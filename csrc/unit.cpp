@@ -263,7 +263,7 @@ bool Unit::views_its_slot(size_t i) const {
 bool Unit::adopt_data_writes() {
   // Optimizers update shards in place through the views; `param.data = x` breaks the
   // link, found here by a pointer compare per parameter.
-  bool found = false;
+  std::vector<size_t> replaced;
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
     if (views_its_slot(i)) continue;
     const auto& p = sharded_params_[i];
@@ -274,10 +274,33 @@ bool Unit::adopt_data_writes() {
                 "] (full shape ", specs_[i].shape,
                 "). Update sharded parameters in place (e.g. `with torch.no_grad(): p.copy_(x)`) "
                 "or use load_full_state_dict()");
-    shard_changed(static_cast<int64_t>(i), p.detach());
-    found = true;
+    replaced.push_back(i);
   }
-  return found;
+  if (replaced.empty()) return false;
+  // The value `p.data` handed out before the replacement views the slot the new value
+  // would be written into: an EMA swap (`p.data, e.data = e.data, p.data`, swapped back
+  // after evaluation) would find its saved weights overwritten. On a plain module that
+  // value keeps its storage; here the shard moves instead. (An offloaded shard is the
+  // host optimizer's: it stays.)
+  if (!offloaded_) move_shard_to_fresh_storage();
+  for (size_t i : replaced) shard_changed(static_cast<int64_t>(i), sharded_params_[i].detach());
+  return true;
+}
+
+void Unit::move_shard_to_fresh_storage() {
+  at::Tensor fresh = sharded_flat_.clone(at::MemoryFormat::Contiguous);
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    if (!views_its_slot(i)) continue;
+    const auto& s = specs_[i].slice;
+    sharded_params_[i].set_data(fresh.narrow(0, s.shard_offset, s.numel));
+  }
+  sharded_flat_ = std::move(fresh);
+  if (aliases_shard() && !unsharded_locals_.empty()) {
+    // The unsharded parameters view the shard itself (nothing is gathered): they move too.
+    unsharded_flat_ = sharded_flat_;
+    auto views = unsharded_views();
+    for (size_t i = 0; i < unsharded_locals_.size(); ++i) unsharded_locals_[i].set_data(views[i]);
+  }
 }
 
 void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::Tensor>& value) {

@@ -339,8 +339,12 @@ class Unit {
     return !aliases_shard() && (stale_ || sharded_flat_._version() != gathered_version_);
   }
   // Finds sharded parameters whose `.data` was replaced and hands each to
-  // shard_changed(); true if there was one.
+  // shard_changed(), on fresh shard storage (move_shard_to_fresh_storage); true if
+  // there was one.
   bool adopt_data_writes();
+  // The flat shard copied to new storage, every parameter still viewing its slot moved
+  // with it: tensors handed out before (`old = p.data`) keep the values they had.
+  void move_shard_to_fresh_storage();
   // Whether sharded parameter i still views its slot of the flat shard.
   bool views_its_slot(size_t i) const;
   bool full_grads() const { return traits(strategy_).full_grads; }

@@ -73,3 +73,16 @@ def test_parameters_used_on_some_ranks_only_get_their_gradient(layout, world):
     had not used it, and the parameter did not train there (FSDP2 hangs or fails here)."""
     worst = run_distributed(w.partly_used_parameters, world, layout, timeout=180)[0]
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
+def test_gradient_idioms_of_training_scripts_give_one_process_results():
+    assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, 2, timeout=180))
+
+
+def test_optimizers_known_to_need_whole_parameters_are_refused_by_name():
+    run_distributed(w.trust_ratio_optimizers_refused, 2, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_ema_swap_through_data_restores_the_training_weights(strategy):
+    assert run_distributed(w.ema_swap_through_data, 2, strategy, timeout=120) == [True, True]

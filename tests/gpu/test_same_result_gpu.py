@@ -2,7 +2,8 @@
 `p.data` after the step are seen on every strategy, under offload and the overlapped CPU
 step (against FSDP2 with the same mixed precision), and units called on inputs that need
 no gradient, tied embeddings in a unit of several modules and dataclass outputs train
-like one plain process."""
+like one plain process, and so do training scripts' gradient idioms and an EMA swap
+through `.data`."""
 import pytest
 import torch
 
@@ -44,3 +45,13 @@ def test_parameters_used_on_some_ranks_only_get_their_gradient_gpu(layout):
         pytest.skip("HSDP over (2, world / 2) needs an even world")
     worst = run_distributed(w.partly_used_parameters, WORLD, layout, **GPU, timeout=240)[0]
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
+@pytest.mark.dtensor_collectives
+def test_gradient_idioms_and_ema_swap_through_data_gpu():
+    """Gradients replaced out of place before the clip, MAE's total norm of detached
+    gradients, `p.ndimension()` groups, and an EMA swap through `.data` (the shard moves
+    to fresh storage), on CUDA tensors against one plain process."""
+    assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, WORLD, **GPU, timeout=240))
+    for strategy in ("optim_grads_params", "no_shard"):
+        assert all(run_distributed(w.ema_swap_through_data, WORLD, strategy, **GPU, timeout=240))

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
+from megatron_fsdp_ext.core.dtensor_face import local_numel
 from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.optim import CPUAdamW
 from megatron_fsdp_ext.core.param_index import iter_states
@@ -36,7 +37,7 @@ def offloaded_model(param_dtype=None, pin_memory=True, meta=False):
 def _grad_base(state) -> int:
     """Where the host buffer behind a unit's .grad views starts."""
     ptrs = {p.grad.data_ptr() - 4 * spec.slice.shard_offset
-            for p, spec in zip(state.sharded_params, state.unit.param_specs) if p.grad is not None and p.grad.detach().numel() > 0}
+            for p, spec in zip(state.sharded_params, state.unit.param_specs) if p.grad is not None and local_numel(p.grad) > 0}
     assert len(ptrs) == 1, ptrs
     return ptrs.pop()
 

@@ -383,3 +383,119 @@ def partly_used_parameters(rank, world, layout: str):
                 for r in range(world)] for step in range(4)]
     assert any(len(set(s)) > 1 for s in skipped), skipped  # some step is used on some ranks only
     return train_against_plain(PartlyUsed, shard, lambda m, b: m(b).pow(2).mean())
+
+
+def _three_blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+
+
+def _shard_blocks(model, **kwargs):
+    for m in (model[0], model[2], model):
+        mfsdp.fully_shard(m, **kwargs)
+    return model
+
+
+def gradient_idioms(rank, world):
+    """What training scripts write around the gradients, on ours as on one plain process
+    (FSDP2's DTensors give the plain results): optimizer groups chosen by
+    `p.ndimension() < 2`; a gradient replaced out of place (`p.grad = p.grad / 2`, L2 added
+    to it) before torch's clip; the total norm MAE and BEiT log,
+    `torch.norm(torch.stack([torch.norm(p.grad.detach(), 2) for p in ...]), 2)`, and
+    `p.grad.data.norm()`. Each once gave each rank's own value, silently. Returns the
+    worst relative error of the norms."""
+    device = device_for_backend()
+    plain = _three_blocks().to(device)
+    model = _shard_blocks(copy.deepcopy(plain))
+
+    def groups(m):
+        decay = [p for p in m.parameters() if p.ndimension() >= 2]
+        rest = [p for p in m.parameters() if p.ndimension() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+    assert [len(g["params"]) for g in groups(model)] == [len(g["params"]) for g in groups(plain)] == [3, 3]
+    opt = torch.optim.AdamW(groups(model), lr=1e-2)
+    ref_opt = torch.optim.AdamW(groups(plain), lr=1e-2)
+    worst = 0.0
+    for step in range(3):
+        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step)).to(device)
+        (sum(plain(batch[r]).pow(2).mean() for r in range(world)) / world).backward()
+        model(batch[rank]).pow(2).mean().backward()
+        norms = []
+        for m in (model, plain):
+            for p in m.parameters():
+                p.grad = p.grad / 2 + 1e-3 * p.detach()
+            mae = torch.norm(torch.stack([torch.norm(p.grad.detach(), 2) for p in m.parameters()]), 2)
+            by_data = [p.grad.data.norm() for p in m.parameters()]
+            clipped = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
+            norms.append([mae.item(), clipped.item()] + [n.item() for n in by_data])
+        for got, want in zip(*norms):
+            err = abs(got - want) / abs(want)
+            assert err < 1e-5, f"step {step}: norms {norms[0]} against one process's {norms[1]}"
+            worst = max(worst, err)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            g = _full_grad(p)
+            assert torch.allclose(g, q.grad.reshape(g.shape), rtol=1e-5, atol=1e-7), f"step {step}: clipped gradient"
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, q in plain.named_parameters():
+        full = model.state_dict()[name].full_tensor()
+        assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"'{name}' after the steps"
+    return worst
+
+
+class Lamb(torch.optim.SGD):
+    """Stands for timm's / apex's LAMB (known by class name; its step is never reached)."""
+
+
+def trust_ratio_optimizers_refused(rank, world):
+    """An optimizer known by name to compute on whole parameters (LAMB's trust ratio) is
+    refused at its first step on every rank, not run on the pieces."""
+    from .workers import expect_error
+
+    model = _shard_blocks(_three_blocks().to(device_for_backend()))
+    opt = Lamb(model.parameters(), lr=0.1)
+    model(torch.randn(2, D, device=device_for_backend())).sum().backward()
+    expect_error(opt.step, NotImplementedError, "Lamb", "trust ratio", "1-D piece")
+
+
+def ema_swap_through_data(rank, world, strategy: str = "optim_grads_params"):
+    """An EMA swap through `.data` (`p.data, e.data = e.data, p.data` to evaluate with the
+    averaged weights, the same again to go back) on ours as on one plain process: the
+    evaluation sees the averaged weights, and the training weights come back unchanged.
+    The value `p.data` handed out viewed the unit's flat shard, so writing the swapped-in
+    weights there once overwrote the saved ones: training went on from the EMA's.
+    (no_shard: the unsharded parameters view the shard and move with it.)"""
+    device = device_for_backend()
+    plain = _three_blocks().to(device)
+    model = _shard_blocks(copy.deepcopy(plain), sharding_strategy=strategy)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(3)).to(device)
+    for m, opt in zip((model, plain), opts):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    emas = [[p.detach().clone() * 0.5 for p in m.parameters()] for m in (model, plain)]
+    trained = [[p.detach().clone() for p in m.parameters()] for m in (model, plain)]
+    outs = []
+    for m, ema in zip((model, plain), emas):
+        with torch.no_grad():
+            for p, e in zip(m.parameters(), ema):
+                p.data, e.data = e.data, p.data
+            outs.append(m(x))
+            for p, e in zip(m.parameters(), ema):
+                p.data, e.data = e.data, p.data
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6), "the forward with the EMA weights swapped in"
+    for m, before in zip((model, plain), trained):
+        for p, b in zip(m.parameters(), before):
+            assert torch.equal(p.detach(), b), "the training weights after the swap back"
+    for m, opt in zip((model, plain), opts):
+        m(x).pow(2).mean().backward()
+        opt.step()
+    for name, q in plain.named_parameters():
+        full = model.state_dict()[name]
+        full = full.full_tensor() if hasattr(full, "full_tensor") else full
+        assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"'{name}' after a step past the swaps"
+    return True

@@ -3,6 +3,8 @@ unit's backward, reduce-scatter after it (alone or in a reduce bucket), gradient
 accumulation without sync, and the per-backward state reset."""
 from __future__ import annotations
 
+import torch
+
 from .. import _C
 from . import hook_support
 from .hook_support import profiled
@@ -138,6 +140,14 @@ class BackwardHooks:
         self.grads_stepped = stepped
         if self.grad_types:
             self.unit.retype_grads(self.plain_types, self.grad_types)
+            self.grads_tagged = True
+
+    def retag_grad(self, index: int) -> None:
+        """Parameter `index`'s gradient, assigned as a plain tensor while the unit's
+        gradients carry their ShardedGrad types, takes its type too."""
+        none = [None] * len(self.grad_types)
+        self.unit.retype_grads(none[:index] + [torch.Tensor] + none[index + 1:],
+                               none[:index] + [self.grad_types[index]] + none[index + 1:])
 
     def untag_grads(self) -> None:
         """Plain gradients again for the optimizer step (shard_changes' step pre-hook): an
@@ -145,6 +155,7 @@ class BackwardHooks:
         read; torch's and torchtitan's clip run before the step."""
         if self.grad_types:
             self.unit.retype_grads(self.grad_types, self.plain_types)
+        self.grads_tagged = False
 
     def end_backward(self) -> None:
         self.backward_progress = BackwardProgress.NONE

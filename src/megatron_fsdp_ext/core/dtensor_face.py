@@ -25,6 +25,7 @@ retyped in place). They carry this face instead:
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch._guards
@@ -67,7 +68,7 @@ def local_numel(t: torch.Tensor) -> int:
 class LogicalShape:
     """Shape queries answered with the parameter's shape, as FSDP2's DTensor parameters
     and gradients answer them: `shape`, `size()`, `dim()`, `ndim`, `numel()` /
-    `nelement()`, and so `len()` (`ndimension()` answers the piece's: below). Code that decides by shape sees the
+    `nelement()`, `ndimension()` (but to torch.nn.init: below), and so `len()`. Code that decides by shape sees the
     parameter, not this rank's 1-D piece: weight decay for `p.dim() >= 2` (nanoGPT),
     Megatron's `len(p.shape) == 1` no-decay rule, nn.init's fan-in, parameter counts.
 
@@ -106,12 +107,15 @@ class LogicalShape:
         return len(self._reported_shape())
 
     def ndimension(self) -> int:
-        # The piece's dims (1), unlike dim(): torch's structural initializers (nn.init.eye_,
-        # orthogonal_, dirac_, sparse_) test ndimension() before writing a whole matrix
-        # into the tensor (eye_ through out=, which would resize the piece over its
-        # neighbours in the flat buffer); so they refuse on every rank, while the fan-in
-        # of the other initializers (dim()) is the parameter's.
-        return len(local_shape(self))
+        # The parameter's dims, as dim() (code that groups parameters by
+        # `p.ndimension() < 2` sees the parameter), except to torch.nn.init: its structural
+        # initializers (eye_, orthogonal_, dirac_, sparse_) test ndimension() before
+        # writing a whole matrix into the tensor (eye_ through out=, which would resize the
+        # piece over its neighbours in the flat buffer), so they get the piece's 1 dim and
+        # refuse on every rank; the fan-in of the other initializers (dim()) is the parameter's.
+        if sys._getframe(1).f_globals.get("__name__") == "torch.nn.init":
+            return len(local_shape(self))
+        return len(self._reported_shape())
 
     @property
     def ndim(self) -> int:

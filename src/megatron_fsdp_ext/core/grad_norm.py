@@ -19,8 +19,12 @@ intercepts only the norm path:
   redistributes Partial to Replicate).
 - `torch._amp_foreach_non_finite_check_and_unscale_` (torch.amp.GradScaler) reduces its
   found_inf over the gradients' domains, so every rank skips a step alike.
+- `g.detach()` and `g.data` are the same piece and keep its type (a DTensor's stay
+  DTensors), so norms of them are global too.
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
-outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`.
+outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`. A plain tensor of the
+piece's shape assigned as a parameter's gradient (`p.grad = p.grad / 2`) takes the
+ShardedGrad type (ShardedParameter's grad setter), so a clip after it is still global.
 
 Replicated gradients (no_shard) carry a ShardedGrad type without a domain: every rank
 holds the whole value, so their local norm is already global.
@@ -118,6 +122,11 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        if func in _KEEPS_GRAD and isinstance(args[0], ShardedGrad):
+            # g.detach(), g.data: the same piece, still a sharded gradient to the norms
+            # (FSDP2's DTensor stays a DTensor), so norms of it stay global (MAE's and
+            # BEiT's `torch.norm(torch.stack([torch.norm(p.grad.detach()) ...]))`).
+            return torch.Tensor.as_subclass(_plain_call(func, args, kwargs), type(args[0]))
         _refuse_full_shape_meeting_piece(func, args)
         return _plain_call(func, args, kwargs)
 
@@ -495,6 +504,8 @@ _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tens
 _SHOWN = {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__}
 _KEEPS_NORM = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.detach,
                torch.Tensor.cpu, torch.Tensor.cuda}
+# Views of a gradient that are the gradient's piece itself: they keep its ShardedGrad type.
+_KEEPS_GRAD = {torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__}
 
 
 def unit_grad_types(state) -> list:

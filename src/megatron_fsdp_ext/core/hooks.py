@@ -92,6 +92,9 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.
         self.grad_types: list = []
         self.plain_types: list = []
+        # Whether the gradients carry their grad_types now (from the end of backward to the
+        # optimizer step's pre-hook, and after the step).
+        self.grads_tagged = False
         # An optimizer step consumed the gradients since the last backward (their face stays,
         # the parameters' goes: sharded_param.py).
         self.grads_stepped = False

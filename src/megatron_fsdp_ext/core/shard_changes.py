@@ -93,17 +93,45 @@ _WHOLE_PARAMETER = {
 }
 
 
+# The same kinds from other libraries, known by class name (their modules are not
+# dependencies): each computes a norm, an RMS or a factoring of the whole parameter (a
+# trust ratio ||p|| / ||update||: timm's and apex's LAMB and LARS; Hugging Face's and
+# timm's Adafactor; Shampoo and SOAP's matrix preconditioners). On a piece those are each
+# rank's own, silently (FSDP2's DTensors make them global, with a collective per op).
+_WHOLE_PARAMETER_NAMES = {
+    "Lamb": "its trust ratio divides the norm of the whole parameter by that of its update",
+    "LAMB": "its trust ratio divides the norm of the whole parameter by that of its update",
+    "FusedLAMB": "its trust ratio divides the norm of the whole parameter by that of its update",
+    "Lars": "its trust ratio divides the norm of the whole parameter by that of its gradient",
+    "LARS": "its trust ratio divides the norm of the whole parameter by that of its gradient",
+    "FusedLARS": "its trust ratio divides the norm of the whole parameter by that of its gradient",
+    "Adafactor": "its row/column factoring of the second moment and its scaling by the parameter's RMS "
+                 "would see the piece, not the parameter",
+    "AdafactorBigVision": "its row/column factoring of the second moment would see the piece, not the parameter",
+    "Shampoo": "its preconditioners are built from each whole gradient matrix",
+    "DistributedShampoo": "its preconditioners are built from each whole gradient matrix",
+    "SOAP": "its preconditioners are built from each whole gradient matrix",
+}
+
+
 def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer that computes on a whole parameter (its shape, its RMS, its matrix) or
     on all parameters together would step each rank's piece as a different parameter:
     refused on every rank at its first step (FSDP2's DTensors fail on them too, or run
-    them with a collective per op)."""
+    them with a collective per op). torch's by class, other libraries' by class name."""
     for cls, why in _WHOLE_PARAMETER.items():
         if isinstance(optimizer, cls):
             raise NotImplementedError(
                 f"megatron_fsdp_ext: {type(optimizer).__name__} holds fully_shard parameters, whose values are "
                 f"each rank's 1-D piece of a parameter: {why}, and train differently. Use an elementwise "
                 "optimizer (AdamW, SGD, ...) with fully_shard")
+    named = next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _WHOLE_PARAMETER_NAMES), None)
+    if named is not None:
+        raise NotImplementedError(
+            f"megatron_fsdp_ext: {type(optimizer).__name__} ({type(optimizer).__module__}) holds fully_shard "
+            f"parameters, whose values are each rank's 1-D piece of a parameter: as a {named} optimizer, "
+            f"{_WHOLE_PARAMETER_NAMES[named]}, so each rank would compute it on its piece and train differently. "
+            "Use an elementwise optimizer (AdamW, SGD, ...) with fully_shard")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the

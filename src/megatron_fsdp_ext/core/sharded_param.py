@@ -125,6 +125,18 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 raise conversion_refused(state.unit.label, self, value.dtype, value.device)
         _TENSOR_DATA.__set__(self, value)
 
+    def __setattr__(self, name: str, value) -> None:
+        # A gradient computed from the reduced one (`p.grad = p.grad / 2`, `p.grad + wd * p`)
+        # is a plain tensor of the piece's shape: it takes the piece's ShardedGrad type while
+        # the unit's gradients carry theirs, so torch's clip after it stays global (FSDP2's
+        # arithmetic on a DTensor gradient gives a DTensor). Only sets pay for this: reads
+        # of p.grad (every optimizer step, every parameter) stay torch's own.
+        super().__setattr__(name, value)
+        if name == "grad" and type(value) is torch.Tensor:
+            state, index = owner_of(self)
+            if state is not None and state.grads_tagged and local_shape(value) == local_shape(self):
+                state.retag_grad(index)
+
 
 # torch's optimizers take their foreach and fused paths, and clip_grad_norm_ its foreach
 # path, only for tensor types listed here (DTensor lists itself the same way); unlisted,
