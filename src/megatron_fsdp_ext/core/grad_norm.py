@@ -24,7 +24,7 @@ intercepts only the norm path:
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
 outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`. A plain tensor of the
 piece's shape assigned as a parameter's gradient (`p.grad = p.grad / 2`) takes the
-ShardedGrad type (ShardedParameter's grad setter), so a clip after it is still global.
+ShardedGrad type (ShardedParameter.__setattr__), so a clip after it is still global.
 
 Replicated gradients (no_shard) carry a ShardedGrad type without a domain: every rank
 holds the whole value, so their local norm is already global.

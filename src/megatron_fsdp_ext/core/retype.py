@@ -66,7 +66,7 @@ def _target(state, fn: Callable) -> Optional[torch.dtype]:
         why = "the dtype of a CPU-offloaded unit"
     elif state.tp is not None and state.tp.specs:
         why = "the dtype of a tensor-parallel unit"
-    elif getattr(state, "recipe", None) is None:
+    elif state.recipe is None:
         why = "the dtype of this unit"
     if why is not None:
         raise conversion_refused(unit.label, shard, probe.dtype, probe.device, why)
