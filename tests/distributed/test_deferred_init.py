@@ -7,7 +7,8 @@ import pytest
 from harness import run_distributed
 from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
                                    load_state_dict_into_meta_model,
-                                   load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model)
+                                   load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model,
+                                   to_empty_then_reset_parameters)
 
 CASES = {
     "world1": (1, {}),
@@ -82,3 +83,8 @@ def test_safetensors_directory_loads_into_a_model_built_on_meta(case, tmp_path):
 @pytest.mark.parametrize("world,strategy", [(2, "optim_grads_params"), (3, "optim_grads"), (2, "no_shard")])
 def test_torch_loads_into_a_model_built_on_meta(world, strategy):
     run_distributed(load_state_dict_into_meta_model, world, {"strategy": strategy}, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_to_empty_then_initializers_give_one_process_values(world):
+    assert run_distributed(to_empty_then_reset_parameters, world, timeout=180) == [True] * world

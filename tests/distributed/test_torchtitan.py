@@ -46,6 +46,13 @@ def test_torchtitan_apply_fsdp_to_decoder():
     assert worst["param"] <= 1e-4
 
 
+def test_torchtitan_to_empty_and_init_weights_give_one_process_values():
+    """Trainer.__init__'s meta build, to_empty and init_weights, on ours: one plain
+    process's values, bit for bit, then its training."""
+    results = run_distributed(w.titan_to_empty_init_weights, 2, timeout=240)
+    assert results[0]["param"] <= 1e-4 and results[0]["loss"] <= 1e-5, results[0]
+
+
 def test_torchtitan_parallelize_llama_with_tp():
     worst = run_distributed(w.titan_parallelize_llama, 4, 2, timeout=300)[0]
     assert worst["param"] <= 1e-4

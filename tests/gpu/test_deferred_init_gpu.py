@@ -32,3 +32,9 @@ def test_nccl_loads_into_meta_model(tmp_path):
 def test_nccl_deferred_init_and_loading_memory_bounds():
     out = run_distributed(IW.deferred_init_memory, WORLD, **GPU, timeout=300)[0]
     print({k: round(v, 1) for k, v in out.items()})
+
+
+def test_to_empty_then_initializers_give_one_process_values_gpu():
+    """to_empty + torch's initializers on CUDA: the pieces are one plain process's values
+    under CUDA's generator (whole-parameter draws), and a step matches it."""
+    assert all(run_distributed(IW.to_empty_then_reset_parameters, WORLD, **GPU, timeout=240))

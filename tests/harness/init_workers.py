@@ -453,3 +453,45 @@ def load_state_dict_into_meta_model(rank: int, world: int, opts: Dict) -> Dict:
     with torch.no_grad():
         assert rel_err(model(tokens), source(tokens)) <= 1e-5
     return errs
+
+
+def to_empty_then_reset_parameters(rank: int, world: int) -> bool:
+    """FSDP2's way in from the meta device with torch's own initializers: fully_shard on
+    meta, `to_empty(device=...)`, then each module's reset_parameters() (kaiming_uniform_,
+    uniform_), nn.init.trunc_normal_ and normal_ on the parameters, and a copy_ of a whole
+    value. Every rank's pieces are one plain process's values for the same seed (the
+    random draws are whole parameters), the RNG ends where that process's does, and a
+    training step matches it."""
+    device = device_for_backend()
+
+    def build():
+        return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+
+    def init(m):
+        for layer in (m[0], m[2], m[4]):
+            layer.reset_parameters()
+        nn.init.trunc_normal_(m[2].weight, std=0.5, a=-0.6, b=0.6)  # rejection redraws
+        m[4].bias.normal_(0.0, 0.1)
+        m[0].bias.copy_(torch.arange(24, dtype=torch.float32, device=device))
+
+    with torch.device(device):
+        ref = build()
+    torch.manual_seed(11)
+    with torch.no_grad():
+        init(ref)
+    ref_rng = torch.get_rng_state()
+    with torch.device("meta"):
+        model = build()
+    for m in (model[0], model[2], model):
+        mfsdp.fully_shard(m)
+    assert model.to_empty(device=device) is model
+    torch.manual_seed(11)
+    with torch.no_grad():
+        init(model)
+    assert torch.equal(torch.get_rng_state(), ref_rng), "the initializers drew another amount of random numbers"
+    check_local_shards(model, ref)
+    x = torch.randn(world, 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    model(x[rank]).pow(2).mean().backward()
+    (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()
+    check_grads(0, model, ref, replicated=False, tol=1e-5)
+    return True

@@ -908,3 +908,44 @@ def titan_pp_vs_fsdp2(rank: int, world: int, pp: int = 2, schedule: str = "1F1B"
             "schedule": type(runs["ours"].pp_schedule).__name__, "step_shim": runs["ours"].pp_step_shimmed,
             "stage_names": {p: ns for p, _, ns in every}, "moved": moved,
             "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
+
+
+def titan_to_empty_init_weights(rank: int, world: int) -> Dict:
+    """torchtitan's Trainer.__init__ way from the meta device, ours swapped in: the
+    debugmodel built on meta, sharded by apply_fsdp_to_decoder, then `to_empty(device)`
+    and its own `init_weights(buffer_device=...)` under no_grad, as the Trainer calls them.
+    Every parameter and buffer equals the same model built on the device and initialized
+    by init_weights with the same seed in one plain process (bit for bit), the RNG is
+    where that process's is, and training then matches it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    install_triton_stub()
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    tt_fsdp = _ours_in_torchtitan()
+    device = device_for_backend()
+    cfg = model_registry("debugmodel").model
+    for layer in cfg.layers:  # flex attention has no CPU backward
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device(device):
+        ref = cfg.build()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        ref.init_weights(buffer_device=device)
+    ref_rng = torch.get_rng_state()
+    with torch.device("meta"):
+        model = cfg.build()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    tt_fsdp.apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                  pp_enabled=False)
+    model.to_empty(device=device)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    assert torch.equal(torch.get_rng_state(), ref_rng), "init_weights drew another amount of random numbers"
+    want = ref.state_dict()
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert torch.equal(full, want[key]), f"'{key}' after to_empty + init_weights differs from one process's"
+    return _train_against_plain(model, ref, placements_of(model), None, rank, world)

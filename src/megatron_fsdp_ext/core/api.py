@@ -14,7 +14,7 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 from .. import _C
-from . import fsdp2_view, shard_changes
+from . import fsdp2_view, in_place_init, shard_changes
 from .comm_buffers import apply_comm_buffer_source
 from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
                         groups_from_mesh, make_unit, placement_groups)
@@ -129,6 +129,16 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         finally:
             _APPLY_CHECKED = False
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module's, FSDP2's way in from the meta device (build on meta, fully_shard,
+        to_empty, then initialize in place, as torchtitan's Trainer does): the units'
+        parameters then hold uninitialized memory and count as materialized, and random
+        fills of them until their first forward draw whole parameters, as one plain
+        process does, each rank keeping its slice (in_place_init.py)."""
+        out = super().to_empty(device=device, recurse=recurse)
+        in_place_init.begin(self._states(recurse))
+        return out
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters; with async_op, return a handle to wait on."""

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from .. import _C
-from . import grad_norm, link
+from . import grad_norm, in_place_init, link
 from .extension_points import gather_transform
 from .comm_buffers import apply_comm_buffer_source
 from .consistency import check_units_agree
@@ -176,6 +176,7 @@ def make_root(root) -> None:
             named += [(f"{name or root.module_kind}[{c.mesh_tag}]", c) for c in s.companions]
     states = [s for _, s in named]
     check_materialized(states, "forward (or unshard())")
+    in_place_init.end(states)
     for name, s in named:
         if s is not root and s.root_setters_called:
             raise ValueError(f"{sorted(s.root_setters_called)[0]} was called on {name or s.module_kind}, which is "

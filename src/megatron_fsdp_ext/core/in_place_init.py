@@ -1,0 +1,112 @@
+"""model.to_empty(device=...) then in-place initialization, FSDP2's way in from the meta
+device (torchtitan's Trainer: build on meta, parallelize, `to_empty`, `init_weights()`).
+
+After `to_empty` a unit's parameters hold uninitialized memory, as on a plain module, and
+count as materialized. Until the units' first forward, writes into their sharded
+parameters are watched: a random fill (`nn.init.normal_` / `trunc_normal_` / `uniform_`
+/ `kaiming_*` / `xavier_*`, `Tensor.normal_`, `uniform_`, ...; trunc_normal_'s rejection
+loop too) runs on a full tensor of
+the parameter's shape, drawing exactly what one plain process draws for it, and this
+rank keeps its slice. So the values equal a plain module's given the same seed (FSDP2's
+DTensors draw by offset on CUDA only), every rank's RNG stays in step, and no two
+pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
+`clamp_`) act on the piece as they are; a `copy_` of a value of the parameter's shape
+keeps this rank's slice of it (torchtitan's fused-qkv init builds its value whole). At
+most one parameter is whole at a time.
+
+Watching puts a Python call on every op of every sharded parameter
+(`ShardedParameter.__torch_function__`, otherwise disabled), so it ends when the last of
+these units is made part of a root (its first forward or unshard()).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
+
+from .dtensor_face import local_shape
+from .param_index import owner_of
+from .sharded_param import ShardedParameter
+
+# Tensor methods and nn.init functions that fill a tensor with random values.
+_RANDOM_FILLS = {
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+    nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
+}
+
+_watched: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def begin(states) -> None:
+    """`to_empty` ran over `states`: their parameters hold uninitialized memory, and random
+    fills of them draw whole parameters until their first use."""
+    for state in states:
+        if state.unit is None or (state.tp is not None and state.tp.specs):
+            continue  # tensor-parallel units keep needing materialize() (their pieces are TP shards' pieces)
+        state.mark_loaded()
+        _watched.add(state)
+    if _watched:
+        ShardedParameter.__torch_function__ = classmethod(_torch_function)
+        if _TRUNC_NORMAL is not None:
+            nn.init._no_grad_trunc_normal_ = _trunc_normal
+
+
+def end(states) -> None:
+    """These units are used now: no more watching them (none left: none at all)."""
+    for state in states:
+        _watched.discard(state)
+    if not _watched and ShardedParameter.__torch_function__ is not torch._C._disabled_torch_function_impl:
+        ShardedParameter.__torch_function__ = torch._C._disabled_torch_function_impl
+        if _TRUNC_NORMAL is not None:
+            nn.init._no_grad_trunc_normal_ = _TRUNC_NORMAL
+
+
+# nn.init.trunc_normal_ draws by rejection, redrawing the elements out of bounds: on a
+# piece those would be this rank's (its RNG no longer in step with the others'). Its body,
+# looked up at each call (also through functools.partial(nn.init.trunc_normal_) made
+# before), runs on the whole parameter while units are watched.
+_TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
+
+
+def _trunc_normal(tensor, *args, **kwargs):
+    if isinstance(tensor, ShardedParameter):
+        state, index = owner_of(tensor)
+        if state is not None and state in _watched:
+            return _fill_whole(_TRUNC_NORMAL, state, index, tensor, (tensor, *args), kwargs)
+    return _TRUNC_NORMAL(tensor, *args, **kwargs)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    target = args[0] if args else kwargs.get("tensor")
+    if isinstance(target, ShardedParameter) and (func in _RANDOM_FILLS or func is torch.Tensor.copy_):
+        state, index = owner_of(target)
+        if state is not None and state in _watched:
+            if func is not torch.Tensor.copy_:
+                return _fill_whole(func, state, index, target, args, kwargs)
+            source = args[1] if len(args) > 1 else kwargs["src"]
+            if isinstance(source, torch.Tensor) and tuple(source.shape) == tuple(state.unit.param_spec(index).shape) \
+                    and local_shape(source) != local_shape(target):
+                # A whole value built for the parameter (torchtitan's fused-qkv init copies one
+                # in; FSDP2's DTensor scatters it): this rank's slice of it.
+                with DisableTorchFunctionSubclass(), torch.no_grad():
+                    return target.copy_(state.unit.local_piece(index, source))
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
+    """`func` on a full tensor of the parameter's shape; this rank keeps its slice."""
+    whole = torch.empty(state.unit.param_spec(index).shape, dtype=param.dtype, device=param.device)
+    if args:
+        args = (whole,) + tuple(args[1:])
+    else:
+        kwargs = {**kwargs, "tensor": whole}
+    with DisableTorchFunctionSubclass():
+        func(*args, **kwargs)
+        with torch.no_grad():
+            param.copy_(state.unit.local_piece(index, whole))
+    return param
