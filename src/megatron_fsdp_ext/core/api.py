@@ -136,9 +136,14 @@ class FSDPModule(torch_fsdp.FSDPModule):
         parameters then hold uninitialized memory and count as materialized, and random
         fills of them until their first forward draw whole parameters, as one plain
         process does, each rank keeping its slice (in_place_init.py)."""
-        out = super().to_empty(device=device, recurse=recurse)
-        in_place_init.begin(self._states(recurse))
-        return out
+        states = self._states(recurse)
+        retype_units(states, lambda t: torch.empty_like(t, device=device))  # a unit's device change is refused
+        # The shards already live on the device: fresh storage for them would be a second
+        # copy of every shard until the first forward adopted it. Buffers and other
+        # parameters get theirs, as nn.Module.to_empty gives them.
+        self._apply(lambda t: t if in_place_init.is_sharded(t) else torch.empty_like(t, device=device), recurse)
+        in_place_init.begin(states)
+        return self
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters; with async_op, return a handle to wait on."""

@@ -37,15 +37,28 @@ _RANDOM_FILLS = {
     nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
 }
 
+# nn.init.trunc_normal_ draws by rejection, redrawing the elements out of bounds: on a
+# piece those would be this rank's (its RNG no longer in step with the others'). Its body,
+# looked up at each call (also through functools.partial(nn.init.trunc_normal_) made
+# before), runs on the whole parameter while units are watched.
+_TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
+
 _watched: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a unit's sharded parameter (to_empty leaves those where they are)."""
+    return isinstance(t, ShardedParameter)
 
 
 def begin(states) -> None:
     """`to_empty` ran over `states`: their parameters hold uninitialized memory, and random
     fills of them draw whole parameters until their first use."""
     for state in states:
-        if state.unit is None or (state.tp is not None and state.tp.specs):
-            continue  # tensor-parallel units keep needing materialize() (their pieces are TP shards' pieces)
+        if state.unit is None or state.ctx is not None or (state.tp is not None and state.tp.specs):
+            # Used already (no first forward left to end the watch), or tensor-parallel
+            # (still materialize(): their pieces are pieces of TP shards).
+            continue
         state.mark_loaded()
         _watched.add(state)
     if _watched:
@@ -62,13 +75,6 @@ def end(states) -> None:
         ShardedParameter.__torch_function__ = torch._C._disabled_torch_function_impl
         if _TRUNC_NORMAL is not None:
             nn.init._no_grad_trunc_normal_ = _TRUNC_NORMAL
-
-
-# nn.init.trunc_normal_ draws by rejection, redrawing the elements out of bounds: on a
-# piece those would be this rank's (its RNG no longer in step with the others'). Its body,
-# looked up at each call (also through functools.partial(nn.init.trunc_normal_) made
-# before), runs on the whole parameter while units are watched.
-_TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
 
 
 def _trunc_normal(tensor, *args, **kwargs):
