@@ -25,6 +25,7 @@ from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
 from .retype import UnitRecipe, retype_units
+from .sharded_param import ShardedParameter
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 
@@ -136,13 +137,12 @@ class FSDPModule(torch_fsdp.FSDPModule):
         parameters then hold uninitialized memory and count as materialized, and random
         fills of them until their first forward draw whole parameters, as one plain
         process does, each rank keeping its slice (in_place_init.py)."""
-        states = self._states(recurse)
-        retype_units(states, lambda t: torch.empty_like(t, device=device))  # a unit's device change is refused
         # The shards already live on the device: fresh storage for them would be a second
         # copy of every shard until the first forward adopted it. Buffers and other
-        # parameters get theirs, as nn.Module.to_empty gives them.
-        self._apply(lambda t: t if in_place_init.is_sharded(t) else torch.empty_like(t, device=device), recurse)
-        in_place_init.begin(states)
+        # parameters get theirs, as nn.Module.to_empty gives them; a unit's device change
+        # is refused by _apply first (its probe is a plain tensor).
+        self._apply(lambda t: t if isinstance(t, ShardedParameter) else torch.empty_like(t, device=device), recurse)
+        in_place_init.begin(self._states(recurse))
         return self
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:

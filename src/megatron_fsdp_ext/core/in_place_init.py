@@ -46,11 +46,6 @@ _TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
 _watched: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def is_sharded(t: torch.Tensor) -> bool:
-    """Whether `t` is a unit's sharded parameter (to_empty leaves those where they are)."""
-    return isinstance(t, ShardedParameter)
-
-
 def begin(states) -> None:
     """`to_empty` ran over `states`: their parameters hold uninitialized memory, and random
     fills of them draw whole parameters until their first use."""
@@ -98,8 +93,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                     and local_shape(source) != local_shape(target):
                 # A whole value built for the parameter (torchtitan's fused-qkv init copies one
                 # in; FSDP2's DTensor scatters it): this rank's slice of it.
-                with DisableTorchFunctionSubclass(), torch.no_grad():
-                    return target.copy_(state.unit.local_piece(index, source))
+                return _keep_slice(state, index, target, source)
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
@@ -113,6 +107,11 @@ def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
         kwargs = {**kwargs, "tensor": whole}
     with DisableTorchFunctionSubclass():
         func(*args, **kwargs)
-        with torch.no_grad():
-            param.copy_(state.unit.local_piece(index, whole))
+    return _keep_slice(state, index, param, whole)
+
+
+def _keep_slice(state, index: int, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of `whole` (the parameter's shape) into the parameter's piece."""
+    with DisableTorchFunctionSubclass(), torch.no_grad():
+        param.copy_(state.unit.local_piece(index, whole))
     return param

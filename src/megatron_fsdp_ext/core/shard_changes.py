@@ -81,10 +81,11 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
 
 # Optimizers whose update needs a whole parameter, or every parameter's values at once,
 # and would take each rank's piece for it (those this torch has), each with why.
+_FACTORED = ("its row/column factoring of the second moment and its scaling by the parameter's RMS would see "
+             "the piece, not the parameter")
 _WHOLE_PARAMETER = {
     getattr(torch.optim, name): why for name, why in (
-        ("Adafactor", "its row/column factoring of the second moment and its scaling by the parameter's RMS "
-                      "would see the piece, not the parameter"),
+        ("Adafactor", _FACTORED),
         ("Muon", "its Newton-Schulz orthogonalization needs each matrix's whole gradient; for Muon use "
                  "megatron_fsdp_ext.layerwise.LayerwiseDistributedOptimizer on a replicated model"),
         ("LBFGS", "its dot products and convergence tests over all parameters would be each rank's own, so "
@@ -98,19 +99,14 @@ _WHOLE_PARAMETER = {
 # trust ratio ||p|| / ||update||: timm's and apex's LAMB and LARS; Hugging Face's and
 # timm's Adafactor; Shampoo and SOAP's matrix preconditioners). On a piece those are each
 # rank's own, silently (FSDP2's DTensors make them global, with a collective per op).
+_TRUST_RATIO = "its trust ratio divides the norm of the whole parameter by that of its {}"
 _WHOLE_PARAMETER_NAMES = {
-    "Lamb": "its trust ratio divides the norm of the whole parameter by that of its update",
-    "LAMB": "its trust ratio divides the norm of the whole parameter by that of its update",
-    "FusedLAMB": "its trust ratio divides the norm of the whole parameter by that of its update",
-    "Lars": "its trust ratio divides the norm of the whole parameter by that of its gradient",
-    "LARS": "its trust ratio divides the norm of the whole parameter by that of its gradient",
-    "FusedLARS": "its trust ratio divides the norm of the whole parameter by that of its gradient",
-    "Adafactor": "its row/column factoring of the second moment and its scaling by the parameter's RMS "
-                 "would see the piece, not the parameter",
+    **dict.fromkeys(("Lamb", "LAMB", "FusedLAMB"), _TRUST_RATIO.format("update")),
+    **dict.fromkeys(("Lars", "LARS", "FusedLARS"), _TRUST_RATIO.format("gradient")),
+    "Adafactor": _FACTORED,
     "AdafactorBigVision": "its row/column factoring of the second moment would see the piece, not the parameter",
-    "Shampoo": "its preconditioners are built from each whole gradient matrix",
-    "DistributedShampoo": "its preconditioners are built from each whole gradient matrix",
-    "SOAP": "its preconditioners are built from each whole gradient matrix",
+    **dict.fromkeys(("Shampoo", "DistributedShampoo", "SOAP"),
+                    "its preconditioners are built from each whole gradient matrix"),
 }
 
 

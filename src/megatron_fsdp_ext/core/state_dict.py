@@ -257,11 +257,9 @@ def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -
     unit = state.unit
     made = getattr(_mode, "unread", None)
     if made is not None:  # a load's targets: the layout without the values
-        values = []
-        for i in range(len(state.names)):
-            layout_only = torch.empty((), dtype=dtype, device=device).expand(unit.param_spec(i).shape)
-            values.append(_as_dtensor(state, i, layout_only, values=False))
-            made[id(values[-1])] = (values[-1], state, i)
+        values = _layout_values(state, dtype, device)
+        for i, value in enumerate(values):
+            made[id(value)] = (value, state, i)
         return values
     if not _replicated(state) and unit.exchanges_rows:
         rows = unit.to_row_chunks(pieces, dtype)
@@ -269,6 +267,14 @@ def _row_values(state, pieces: list, dtype: torch.dtype, device: torch.device) -
     full = unit.gather_full_params() if not pieces else unit.gather_full(pieces, dtype)
     full = [f.to(device=device, dtype=dtype) for f in full]
     return [_as_dtensor(state, i, f) for i, f in enumerate(full)]
+
+
+def _layout_values(state, dtype: torch.dtype, device) -> list:
+    """Every parameter's value as _row_values gives it, uninitialized: the layout (mesh,
+    placements, shape) without the values. No collective."""
+    return [_as_dtensor(state, i, torch.empty((), dtype=dtype, device=device).expand(state.unit.param_spec(i).shape),
+                        values=False)
+            for i in range(len(state.names))]
 
 
 def _exchangeable(state, value: DTensor, index: int) -> bool:
@@ -460,10 +466,7 @@ class ModuleStateDictHooks:
             # Built on the meta device, no values yet: FSDP2's meta DTensors (their mesh,
             # placements and shapes are what a loader such as Accelerate's builds the
             # values from, to load them with assign=True).
-            return [_as_dtensor(state, i, torch.empty((), dtype=state.unit.sharded_param(i).dtype,
-                                                      device="meta").expand(state.unit.param_spec(i).shape),
-                                values=False)
-                    for i in range(len(state.names))]
+            return _layout_values(state, state.unit.sharded_param(0).dtype, "meta")
         apply_state_dict_writes(state, "state_dict()", keep_held=True)
         reshard_for_state_dict(state, "state_dict()")
         shard = state.unit.sharded_param(0)
