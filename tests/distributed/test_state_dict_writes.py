@@ -12,7 +12,14 @@ values):
   also under tensor parallelism (tp 2 x dp 2) and with experts on their own mesh;
 - an EMA model updated through its state dict, as timm's ModelEmaV2/V3 do
   (`ema_v.lerp_(model_v)`, or `torch._foreach_lerp_` over the values);
-- a write on one rank only, then an optimizer step before any forward (HSDP 2 x 2 too).
+- a write on one rank only, then an optimizer step before any forward (HSDP 2 x 2 too);
+- state dicts written and then dropped before the next use: timm's ModelEmaV2 loop over
+  a temporary `zip(ema.state_dict().values(), model.state_dict().values())`, dcp.load
+  inside a helper that returns, one rank writing while the others drop theirs;
+- a resume into a fresh model and optimizer through `{"model": model.state_dict(),
+  "optim": get_optimizer_state_dict(model, opt)}` (torch takes a zero-lr optimizer step
+  in between to create the state), then set_optimizer_state_dict only; and our
+  full_state_dict() after an in-place load.
 And what cannot be made right is refused on every rank, naming the parameters."""
 import os
 
@@ -152,6 +159,112 @@ def _ema(impl: str, foreach: bool) -> dict:
     return {"loss": loss, "values": _full_values(ema), "model": _full_values(model)}
 
 
+def _ema_of_a_temporary_dict(impl: str) -> dict:
+    """timm's ModelEmaV2._update: the state dicts are temporaries, dropped as the loop ends,
+    before the EMA's next use."""
+    model, ema = _sharded(impl), _sharded(impl, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(3):
+        _train_step(model, opt, step)
+        with torch.no_grad():
+            for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
+                ema_v.copy_(ema_v * 0.75 + 0.25 * model_v)
+    loss = _global(_loss(ema, 7))
+    return {"loss": loss, "values": _full_values(ema), "model": _full_values(model)}
+
+
+def _restore(model, path: str) -> None:
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)  # in place, and the dict goes when this returns
+
+
+def _dcp_in_a_helper(impl: str, folder: str) -> dict:
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    path = os.path.join(folder, "helper_" + impl)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    saved = {k: _full(v) for k, v in model.state_dict().items()}
+    _train_step(model, opt, 1)
+    _restore(model, path)
+    loss = _loss(model, 3)
+    loss.backward()
+    return {"loss": _global(loss), "grads": _full_grads(model), "saved": saved}
+
+
+def _resume_into_fresh(impl: str, folder: str) -> dict:
+    """A fresh model (other weights) and a fresh optimizer: torch's get_optimizer_state_dict
+    steps the optimizer at lr 0 to create its state before the load writes the model's
+    values; only the optimizer's state is set after it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    path = os.path.join(folder, "fresh_" + impl)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    saved = {k: _full(v) for k, v in model.state_dict().items()}
+    model = _sharded(impl, seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    out = {"saved": saved}
+    if impl == "ours":  # before any use: the full state dict must read the loaded values
+        from megatron_fsdp_ext import full_state_dict
+        out["full"] = {k: v.double() for k, v in full_state_dict(model, rank0_only=False).items()}
+    del state
+    loss = _train_step(model, opt, 1)
+    out.update(loss=loss, values=_full_values(model))
+    return out
+
+
+def _one_rank_writes_the_others_drop(impl: str) -> dict:
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    state = model.state_dict()
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            state["head.weight"].mul_(2.0)
+    del state  # rank 0's write is in its rows only, as in FSDP2's aliased values
+    loss = _loss(model, 1)
+    loss.backward()
+    return {"loss": _global(loss), "grads": _full_grads(model)}
+
+
+class _SignStepIgnoringLr(torch.optim.Optimizer):
+    """Keeps no state and moves each parameter by a fixed step against its gradient's sign,
+    whatever its lr says (as Rprop's first step moves by its minimum step size at lr 0)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-0.25)
+
+
+def _write_then_a_zero_lr_step_that_moves(impl: str) -> dict:
+    """A step at lr 0 with no optimizer state changes nothing only on zero gradients. The
+    dict is still held across the step and the next forward, so a watch kept past the
+    step would carry its stale rows back."""
+    model = _sharded(impl)
+    _loss(model, 0).backward()
+    state = model.state_dict()
+    with torch.no_grad():
+        state["head.weight"].mul_(2.0)
+    opt = _SignStepIgnoringLr(model.parameters())
+    opt.step()
+    opt.zero_grad()
+    loss = _loss(model, 1)
+    loss.backward()
+    del state
+    return {"loss": _global(loss), "grads": _full_grads(model), "values": _full_values(model)}
+
+
 def _write_then_step(impl: str, mesh_shape) -> dict:
     mesh = None if mesh_shape is None else init_device_mesh(_dev().type, mesh_shape,
                                                             mesh_dim_names=("replicate", "shard"))
@@ -180,6 +293,16 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
             out[impl] = _optimizer_dcp_in_place(impl, folder)
         elif case in ("ema", "ema_foreach"):
             out[impl] = _ema(impl, foreach=case == "ema_foreach")
+        elif case == "ema_temporary":
+            out[impl] = _ema_of_a_temporary_dict(impl)
+        elif case == "dcp_helper":
+            out[impl] = _dcp_in_a_helper(impl, folder)
+        elif case == "resume_fresh":
+            out[impl] = _resume_into_fresh(impl, folder)
+        elif case == "one_rank_writes":
+            out[impl] = _one_rank_writes_the_others_drop(impl)
+        elif case == "zero_lr_step":
+            out[impl] = _write_then_a_zero_lr_step_that_moves(impl)
         else:
             out[impl] = _write_then_step(impl, mesh_shape)
     ref, got = out["fsdp2"], out["ours"]
@@ -192,6 +315,8 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
             _close(got[key], ref[key], f"{case}: {key}", tol)
     if case.startswith("ema"):  # the EMA lags the model: its values are its own, not a copy of the model's
         assert any(not torch.equal(ref["values"][k], ref["model"][k]) for k in ref["values"] if k != "scale")
+    if case == "resume_fresh":  # the loaded values, read before any use
+        _close(got["full"], ref["saved"], "full_state_dict() after the load", tol)
     return True
 
 
@@ -207,6 +332,20 @@ def test_optimizer_dcp_load_in_place_reaches_the_optimizer_as_under_fsdp2(tmp_pa
 @pytest.mark.parametrize("case", ["ema", "ema_foreach"])
 def test_ema_through_state_dict_values_as_under_fsdp2(case):
     assert run_distributed(_writes_vs_fsdp2, 2, case, timeout=180) == [True, True]
+
+
+@pytest.mark.parametrize("case", ["ema_temporary", "dcp_helper", "one_rank_writes"])
+def test_state_dicts_written_then_dropped_as_under_fsdp2(case, tmp_path):
+    assert run_distributed(_writes_vs_fsdp2, 2, case, str(tmp_path), timeout=180) == [True, True]
+
+
+def test_a_zero_lr_step_on_nonzero_gradients_is_a_use_as_under_fsdp2():
+    assert run_distributed(_writes_vs_fsdp2, 2, "zero_lr_step", timeout=180) == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_into_a_fresh_model_through_get_optimizer_state_dict_as_under_fsdp2(world, tmp_path):
+    assert run_distributed(_writes_vs_fsdp2, world, "resume_fresh", str(tmp_path), timeout=180) == [True] * world
 
 
 @pytest.mark.parametrize("world,mesh_shape", [(2, None), (4, (2, 2))], ids=["fsdp_w2", "hsdp_2x2"])
@@ -335,12 +474,6 @@ def _refused(rank: int, world: int, case: str) -> str:
         with torch.no_grad():
             state["head.weight"].mul_(2.0)
             other["head.weight"].add_(1.0)
-    else:  # "lost": rank 0 writes, rank 1 dropped its state dict
-        if rank == 0:
-            with torch.no_grad():
-                state["head.weight"].mul_(2.0)
-        else:
-            del state
     try:
         _loss(model, 1)
     except RuntimeError as e:
@@ -348,7 +481,7 @@ def _refused(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case,words", [("twice", "in two state dicts were both written"), ("lost", "no longer hold"),
+@pytest.mark.parametrize("case,words", [("twice", "in two state dicts were both written"),
                                         ("between", "between a forward and its backward")])
 def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
     for message in run_distributed(_refused, 2, case, timeout=120):
@@ -356,7 +489,8 @@ def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dcp", "optim_dcp", "ema_foreach", "step"])
+@pytest.mark.parametrize("case", ["dcp", "optim_dcp", "ema_foreach", "step", "ema_temporary", "dcp_helper", "zero_lr_step",
+                                  "resume_fresh", "one_rank_writes"])
 def test_state_dict_writes_on_nccl(case, tmp_path):
     """The same comparisons with NCCL and CUDA tensors: the flags' all-reduce and the rows'
     exchange on the GPU."""
@@ -367,5 +501,5 @@ def test_state_dict_writes_on_nccl(case, tmp_path):
 @pytest.mark.gpu
 def test_writes_that_cannot_apply_are_refused_on_nccl():
     world = gpu_world()
-    for message in run_distributed(_refused, world, "lost", timeout=300, **gpu_launch()):
-        assert "no longer hold" in message, message
+    for message in run_distributed(_refused, world, "twice", timeout=300, **gpu_launch()):
+        assert "in two state dicts were both written" in message, message

@@ -12,7 +12,7 @@ from ..core.agree import Agreement, digest, gather_objects, rank_world
 from ..core.param_index import iter_states
 from ..core.param_index import ParamIndex
 from ..core.shard_changes import set_full_value
-from ..core.state_dict import local_state_dict
+from ..core.state_dict import apply_state_dict_writes_of, local_state_dict
 from ..core.states import ParamInit
 
 
@@ -29,6 +29,9 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: 
     other ranks get {}.
     """
     index = _param_index(module)
+    # Writes into values an earlier state_dict() handed out are the parameters' values
+    # (as they are on a plain module) before they are gathered; the values stay watched.
+    apply_state_dict_writes_of(index.states, "full_state_dict()", may_change=lambda state: False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = (not rank0_only) or rank == 0
     with local_state_dict():  # sharded entries are replaced by the gathered values below

@@ -119,9 +119,9 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # owner's hooks registered after fully_shard still see full values.
         self.own_load_pre_hooks: List[Tuple[weakref.ref, int]] = []
         # Values state_dict() handed out since the unit was last used: (parameter index,
-        # weakref to the value). Writes into them in place reach the shards at the next
-        # use (state_dict.apply_state_dict_writes).
-        self.handed_out: List[Tuple[int, weakref.ref]] = []
+        # its handed_out.HandedOutValue watch). Writes into them in place reach the shards
+        # at the next use (state_dict.apply_state_dict_writes).
+        self.handed_out: List[Tuple[int, object]] = []
         # What the unit was built from besides its parameters (retype.UnitRecipe): set by
         # fully_shard, read to build the unit again in another dtype.
         self.recipe = None

@@ -53,10 +53,35 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
         states = [s for s in (owner() for owner, _ in units) if s is not None]
         for state in states:
             state.untag_grads()
-        apply_state_dict_writes_of(states, f"{type(optimizer).__name__}.step()")
+        apply_state_dict_writes_of(states, f"{type(optimizer).__name__}.step()",
+                                   may_change=None if _may_move_parameters(optimizer) else _has_nonzero_grad)
         apply_optimizer_state_dict_writes(optimizer, f"{type(optimizer).__name__}.step()")
         # units with check_for_nan_in_grad refuse the step on NaN/Inf gradients
         check_nonfinite_grads((owner() for owner, _ in units), f"{type(optimizer).__name__}.step()")
+
+
+def _may_move_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """False where a step can change no parameter whatever the gradients hold: the
+    optimizer has no state yet and every group's learning rate is 0 (torch's
+    _init_optim_state, which get_optimizer_state_dict and set_optimizer_state_dict call;
+    torch's optimizers scale every update by lr). The gradients are checked per unit
+    (_has_nonzero_grad): Rprop's first step moves by its minimum step size otherwise."""
+    if optimizer.state:
+        return True
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        if lr is None or (float(lr) if isinstance(lr, torch.Tensor) else lr) != 0:
+            return True
+    return False
+
+
+def _has_nonzero_grad(state) -> bool:
+    """Whether this rank's pieces of the unit's gradients hold anything but zeros."""
+    for p in state.sharded_params:
+        g = p.grad
+        if g is not None and g.numel() and bool(g.detach().as_subclass(torch.Tensor).any()):
+            return True
+    return False
 
 
 def adopt(optimizer: torch.optim.Optimizer) -> bool:

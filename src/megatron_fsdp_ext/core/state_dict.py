@@ -30,7 +30,7 @@ import itertools
 import math
 import threading
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import _C
 from . import arrival, backends
 from .agree import digest_differs
+from .handed_out import HandedOutValue
 from .dtensor_face import FlatShard, LogicalShape, is_dtensor, local_numel, local_shape
 from .param_index import by_unit, check_materialized, check_resharded, owner_of, reshard_for_state_dict
 from .states import ParamInit
@@ -572,18 +573,19 @@ def record_handed_out(state, index: int, value: torch.Tensor) -> None:
     FSDP2's rows), where on a plain module and under FSDP2 a state-dict value is the
     parameter's storage and code writes through it in place (torch.distributed.checkpoint
     loading into `model.state_dict()` with no load_state_dict() after; an EMA lerping into
-    `ema.state_dict().values()`). Kept weakly until the unit's next use
-    (apply_state_dict_writes). Not a load's own targets (unread_values: scratch space its
+    `ema.state_dict().values()`). Watched until the unit's next use
+    (apply_state_dict_writes), weakly, or by its storage once dropped (HandedOutValue: a
+    dict written and then dropped still counts). Not a load's own targets (unread_values: scratch space its
     reader verifies before anything loads), and once per value (a tied parameter gives
     the same value under two keys)."""
-    if _handing_out(value, [(i, ref) for i, ref in state.handed_out if i == index]):
-        state.handed_out.append((index, weakref.ref(value)))
+    if _handing_out(value, [(i, watch) for i, watch in state.handed_out if i == index]):
+        state.handed_out.append((index, HandedOutValue(value)))
 
 
 def _handing_out(value, same_index) -> bool:
     """Whether `value` is a state-dict value to watch: not under unread_values(), and not
-    already watched among `same_index` ((index, weakref) of the same piece)."""
-    return getattr(_mode, "unread", None) is None and not any(ref() is value for _, ref in same_index)
+    already watched among `same_index` ((index, HandedOutValue) of the same piece)."""
+    return getattr(_mode, "unread", None) is None and not any(watch.is_of(value) for _, watch in same_index)
 
 
 def _agreement_groups(state) -> Tuple[tuple, list, torch.device]:
@@ -614,18 +616,26 @@ def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
     return out.cpu()
 
 
-def _held_flags(values: list) -> torch.Tensor:
-    """[held..., dropped...] of weakly kept values (dereferenced: None where dropped), this
-    rank's view."""
-    return torch.tensor([v is not None for v in values] + [v is None for v in values], dtype=torch.int32)
+def _held_flags(watches: list) -> torch.Tensor:
+    """[held..., gone...] of handed-out values, this rank's view: held where the caller
+    holds the value or dropped it after writing into it (HandedOutValue), gone where no
+    value is left to read."""
+    return torch.tensor(HandedOutValue.counts_as_held(watches) + [w() is None for w in watches], dtype=torch.int32)
 
 
-def apply_state_dict_writes_of(states, where: str) -> None:
+def apply_state_dict_writes_of(states, where: str, may_change: Optional[Callable[[object], bool]] = None) -> None:
     """apply_state_dict_writes before a use of `states`' shards (the root's pre-forward:
     every unit before any gather; a unit's gathers, pre-backward, unshard(), an optimizer
-    step): units whose agreement spans the same ranks share one all-reduce of their
-    held/dropped flags, so a job taking state_dict() every step pays one small collective
-    at the next forward, not one per unit. Nothing when no value is watched."""
+    step, full_state_dict()): units whose agreement spans the same ranks share one
+    all-reduce of their held/dropped flags, so a job taking state_dict() every step pays
+    one small collective at the next forward, not one per unit. Nothing when no value is
+    watched.
+
+    `may_change(state)`: whether, as this rank sees it, the use may change the unit's
+    parameters (default: it may). A use no rank thinks may change them leaves the values
+    still held in step with the parameters, so they stay watched (keep_held): torch's
+    get_optimizer_state_dict takes an optimizer step at lr 0 on zero gradients to create
+    the state, between the model's state_dict() and a load into its values."""
     pending = [s for s in states if s.handed_out and s.unit is not None]
     if not pending or _local_mode():
         return
@@ -636,11 +646,14 @@ def apply_state_dict_writes_of(states, where: str) -> None:
         # Held strongly until each unit is settled: a value the flags counted as held must
         # not be collected while an earlier unit of the group writes back.
         alive = [[r[1]() for r in s.handed_out] for s in group]
-        flags = [_held_flags(values) for values in alive]
-        agreed = _agree_max(group[0], torch.cat(flags))
+        flags = [_held_flags([r[1] for r in s.handed_out]) for s in group]
+        # One more flag per unit, agreed in the same all-reduce: may the use change it.
+        changes = torch.tensor([int(may_change is None or may_change(s)) for s in group], dtype=torch.int32)
+        agreed = _agree_max(group[0], torch.cat(flags + [changes]))
         offset = 0
-        for s, f in zip(group, flags):
-            apply_state_dict_writes(s, where, agreed=agreed[offset: offset + f.numel()])
+        for k, (s, f) in enumerate(zip(group, flags)):
+            keep_held = not bool(agreed[-len(group) + k])
+            apply_state_dict_writes(s, where, keep_held=keep_held, agreed=agreed[offset: offset + f.numel()])
             offset += f.numel()
         del alive
 
@@ -664,38 +677,31 @@ def apply_state_dict_writes(state, where: str, keep_held: bool = False, agreed: 
     records, state.handed_out = state.handed_out, []
     if not records or state.unit is None or _local_mode():
         return
-    shard0 = state.unit.sharded_param(0)
-
-    def current(partly):
-        rows = _row_values(state, [], shard0.dtype, shard0.device)
-        return {r: rows[records[r][0]] for r in partly}
-
     kept = _write_back(state, [(i, ref, None) for i, ref in records], where, "model.load_state_dict()",
-                       live_of=lambda i, _: state.unit.sharded_param(i), current_of=current, reshard=True,
-                       agreed=agreed)
-    if keep_held:
-        state.handed_out = [(i, ref) for i, ref, _ in kept] + state.handed_out
+                       live_of=lambda i, _: state.unit.sharded_param(i), reshard=True, agreed=agreed)
+    if keep_held:  # only values the caller still holds can be written again
+        state.handed_out = [(i, w) for i, w, _ in kept if w.held_by_caller()] + state.handed_out
 
 
-def _write_back(state, records, where: str, load_call: str, *, live_of, current_of, reshard: bool,
+def _write_back(state, records, where: str, load_call: str, *, live_of, reshard: bool,
                 agreed: Optional[torch.Tensor] = None) -> list:
     """The write-back of handed-out state-dict values of one unit. `records`: (parameter
-    index, weakref to the value, tag); `live_of(index, tag)`: the live 1-D piece the value
-    is a copy of (a shard, an optimizer state); `current_of(records)`: the values those
-    pieces give now, as state dicts give them. Returns the records some rank still holds.
+    index, HandedOutValue, tag); `live_of(index, tag)`: the live 1-D piece the value
+    is a copy of (a shard, an optimizer state). Returns the records some rank holds.
 
-    Values no rank holds any more cost one small all-reduce of flags. Held values come
-    back to this rank's pieces as a load brings them (the rows' exchange) and are compared
-    there, element for element (a version counter would miss torch._foreach_* ops on
-    DTensors, which bump none); a piece any rank finds written is written on every rank.
-    Refused, on every rank, where it cannot be made right: a value written on some ranks
-    and dropped on others, two values of one piece both written, a write between a
-    forward and its backward (torch's autograd refuses that of a plain parameter). Every
-    decision is an agreed one, so the watch lists stay the same on every rank."""
+    Values no rank holds, or dropped unwritten on every rank, cost one small all-reduce of
+    flags. The others come back to this rank's pieces as a load brings them (the rows'
+    exchange; a rank that dropped its value unwritten gives the rows it was handed) and
+    are compared there, element for element (a version counter would miss
+    torch._foreach_* ops on DTensors, which bump none); a piece any rank finds written is
+    written on every rank. Refused, on every rank, where it cannot be made right: two
+    values of one piece both written, a write between a forward and its backward (torch's
+    autograd refuses that of a plain parameter). Every decision is an agreed one, so the
+    watch lists stay the same on every rank."""
     n = len(records)
-    values = [ref() for _, ref, _ in records]
+    values = [watch() for _, watch, _ in records]
     if agreed is None:
-        agreed = _agree_max(state, _held_flags(values))
+        agreed = _agree_max(state, _held_flags([watch for _, watch, _ in records]))
     held = [r for r in range(n) if agreed[r]]
     if not held:
         return []
@@ -706,29 +712,18 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, current_
 
     with torch.no_grad():
         state.unit.wait_host_update()
-        partly = [r for r in held if agreed[n + r]]
-        if partly:  # dropped on some ranks: compare with what the pieces give now
-            changed = torch.zeros(n, dtype=torch.int32)
-            now = current_of(partly)
-            for r in partly:
-                if values[r] is not None:
-                    changed[r] = int(_differs(_local(values[r]), _local(now[r])))
-            changed = _agree_max(state, changed)
-            lost = [r for r in partly if changed[r]]
-            if lost:
-                raise RuntimeError(
-                    f"megatron_fsdp_ext: {state}: state-dict values of {names(lost)} were written in place, but "
-                    "some ranks no longer hold theirs, so the rows cannot be put back together. Keep the state "
-                    f"dict on every rank until it is used again, or load it with {load_call}")
-        whole = [r for r in held if not agreed[n + r]]
+        gone = [r for r in held if agreed[n + r]]
+        if gone:  # a watch keeps a dropped value's storage: none should be missing
+            raise RuntimeError(
+                f"megatron_fsdp_ext: {state}: state-dict values of {names(gone)} are held on some ranks and gone on "
+                f"others, so their rows cannot be put back together; load the state dict with {load_call}")
         pieces, changed = {}, torch.zeros(n, dtype=torch.int32)
-        for r in whole:  # the rows' exchange, as a load makes it
+        for r in held:  # the rows' exchange, as a load makes it
             i, _, tag = records[r]
             live = live_of(i, tag).detach().as_subclass(torch.Tensor)
             pieces[r] = _piece_of(state, i, values[r], live.numel(), f"state-dict value of {names([r])[0]}")
             changed[r] = int(_differs(pieces[r].reshape(-1), live.reshape(-1)))
-        agreed_changed = _agree_max(state, changed) if whole else changed
-        written = [r for r in whole if agreed_changed[r]]
+        written = [r for r, c in zip(held, _agree_max(state, changed[held]).tolist()) if c]
         if not written:
             return [records[r] for r in held]
         keys = [(records[r][0], records[r][2]) for r in written]
@@ -831,12 +826,12 @@ def _optimizer_post_state_dict(optimizer, state_dict):
                     watched = optimizer.__dict__.setdefault(_OPTIM_HANDED_OUT, [])
                     if _handing_out(values[i], [(j, ref) for sref, j, n, ref in watched
                                                 if sref() is state and j == i and n == name]):
-                        watched.append((weakref.ref(state), i, name, weakref.ref(values[i])))
+                        watched.append((weakref.ref(state), i, name, HandedOutValue(values[i])))
     return state_dict
 
 
 # optimizer.__dict__ key: the optimizer state-dict values handed out, as
-# (weakref to the unit's state, parameter index, state name, weakref to the value).
+# (weakref to the unit's state, parameter index, state name, HandedOutValue).
 _OPTIM_HANDED_OUT = "_mfsdp_handed_out"
 
 
@@ -858,20 +853,8 @@ def apply_optimizer_state_dict_writes(optimizer, where: str, keep_held: bool = F
     for state, recs in by_state.values():
         def live_of(i, name, state=state):
             return optimizer.state[state.unit.sharded_param(i)][name]
-
-        def current_of(partly, state=state, recs=recs):
-            out = {}
-            for name in sorted({recs[r][2] for r in partly}):
-                pieces = [optimizer.state.get(state.unit.sharded_param(i), {}).get(name)
-                          for i in range(len(state.names))]
-                some = next(p for p in pieces if p is not None)
-                rows = _row_values(state, pieces, some.dtype, some.device)
-                out.update({r: rows[recs[r][0]] for r in partly if recs[r][2] == name})
-            return out
-
-        held = _write_back(state, recs, where, "optimizer.load_state_dict()", live_of=live_of,
-                           current_of=current_of, reshard=False)
-        kept += [(weakref.ref(state), i, name, ref) for i, ref, name in held]
+        held = _write_back(state, recs, where, "optimizer.load_state_dict()", live_of=live_of, reshard=False)
+        kept += [(weakref.ref(state), i, name, w) for i, w, name in held if w.held_by_caller()]
     if keep_held and kept:
         optimizer.__dict__[_OPTIM_HANDED_OUT] = kept + optimizer.__dict__.get(_OPTIM_HANDED_OUT, [])
 

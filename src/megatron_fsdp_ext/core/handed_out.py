@@ -1,0 +1,119 @@
+"""A value state_dict() handed out, watched until the unit's next use.
+
+On a plain module and under FSDP2 a state-dict value is the parameter's storage, so a
+write into it is a write into the parameter, whenever it happens and whether or not the
+caller keeps the dict. Ours is a copy (our shards are not FSDP2's rows), and the writes
+are carried back at the unit's next use (state_dict.apply_state_dict_writes). The watch
+keeps the value weakly, so a state dict nobody keeps costs no memory. But a dict written
+and then dropped before that use must still count: timm's EMA writes into
+`ema.state_dict().values()` of a temporary dict, and a helper may `dcp.load` into
+`{"model": model.state_dict()}` and return. So when the caller drops the value, the watch
+keeps its storage (an alias, no copy) until the next use, and a fingerprint taken when it
+was handed out tells there, without a collective, whether it was written at all: one not
+written is let go; one written counts as held, as if the caller still had it.
+
+The fingerprint is two sums over the value, neither needing a temporary as large as the
+value: its bits as integers of the element's size, wrapping (exact: any single changed
+element changes it), and its floating sum. Writes that only permute elements are not
+seen; on a dtype without both sums every dropped value counts as written and takes the
+element-for-element comparison instead.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+_BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLOAT_SUM = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+              torch.float64: torch.float64}
+
+Fingerprint = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def fingerprint(local: torch.Tensor) -> Fingerprint:
+    """(bit sum, float sum) of `local`, on its device (no host sync), or None where the
+    dtype or layout has no cheap exact fingerprint."""
+    sum_dtype = _FLOAT_SUM.get(local.dtype)
+    if sum_dtype is None or not local.is_contiguous():
+        return None
+    with torch.no_grad():
+        flat = local.detach().reshape(-1)
+        bits = _BITS_OF_SIZE[flat.element_size()]
+        return flat.view(bits).sum(dtype=bits), flat.sum(dtype=sum_dtype)
+
+
+def _differs(before: Fingerprint, after: Fingerprint) -> torch.Tensor:
+    """A 0-d bool tensor: whether the fingerprints differ (NaN sums equal each other)."""
+    (bits0, sum0), (bits1, sum1) = before, after
+    return (bits0 != bits1) | ((sum0 != sum1) & ~(sum0.isnan() & sum1.isnan()))
+
+
+class HandedOutValue:
+    """The watch on one handed-out value. Called, it gives the value while the caller
+    holds it, else the kept alias of a dropped one, else None (dropped while nobody
+    watched it)."""
+    __slots__ = ("_ref", "_kept", "_print", "_settled", "_written", "__weakref__")
+
+    def __init__(self, value: torch.Tensor):
+        self._ref = weakref.ref(value)
+        self._kept: Optional[Tuple[torch.Tensor, object]] = None  # (local, DTensor spec or None)
+        self._settled = False
+        self._written = False
+        local = _local(value)
+        self._print = fingerprint(local)
+        # The finalizer keeps only the local storage (and the spec to rebuild the DTensor
+        # around it) and this watch weakly: the value's own lifetime is the caller's.
+        spec = value._spec if isinstance(value, DTensor) else None
+        finalizer = weakref.finalize(value, HandedOutValue._dropped, weakref.ref(self), local.detach(), spec)
+        finalizer.atexit = False
+
+    @staticmethod
+    def _dropped(watch_ref, local: torch.Tensor, spec) -> None:
+        # Finalizers run wherever a collection happens (inside another op, under tracing):
+        # keep the pieces only; the DTensor is built when it is read.
+        watch = watch_ref()
+        if watch is not None:
+            watch._kept = (local, spec)
+
+    def is_of(self, value: torch.Tensor) -> bool:
+        return self._ref() is value
+
+    def held_by_caller(self) -> bool:
+        return self._ref() is not None
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        value = self._ref()
+        if value is not None or self._kept is None:
+            return value
+        local, spec = self._kept
+        return local if spec is None else DTensor(local, spec, requires_grad=False)
+
+    @staticmethod
+    def counts_as_held(watches: Sequence["HandedOutValue"]) -> List[bool]:
+        """For each watch: whether it counts as held, as this rank sees it: the caller
+        holds the value, or dropped it after writing into it. A dropped value's alias stays
+        callable either way until the watch itself goes (the rows of a value written on
+        one rank only are rebuilt from every rank's). One host sync per device for the
+        fingerprints, none when nothing was dropped."""
+        checks: dict = {}
+        for w in watches:
+            if w._ref() is None and w._kept is not None and not w._settled:
+                if w._print is None:
+                    w._written = True
+                else:
+                    checks.setdefault(w._kept[0].device, []).append(w)
+        for group in checks.values():
+            changed = torch.stack([_differs(w._print, fingerprint(w._kept[0])) for w in group]).tolist()
+            for w, c in zip(group, changed):
+                w._written = bool(c)
+        for w in watches:
+            if w._ref() is None and w._kept is not None:
+                w._settled = True
+        return [w._ref() is not None or (w._kept is not None and w._written) for w in watches]
