@@ -26,14 +26,28 @@ std::vector<int64_t> ParamSlots::install(bool unsharded) {
   unit_->check_bound("ParamSlots.install");
   const auto& sharded = unit_->sharded_params();
   const auto& gathered = unit_->unsharded_params();
+  if (holds_unsharded_ && given_requires_grad_.size() == sharded.size()) {
+    // While the slots held the unsharded objects (a unit that keeps them after forward,
+    // the root), those are the parameters the user saw: one frozen or unfrozen then
+    // (between forward and backward) is frozen or unfrozen for good, as on a plain module.
+    for (size_t i = 0; i < sharded.size(); ++i) {
+      const bool now = gathered[i].requires_grad();
+      if (now != static_cast<bool>(given_requires_grad_[i])) {
+        at::Tensor s = sharded[i];
+        s.set_requires_grad(now);
+      }
+    }
+  }
   if (unsharded) {
     // The user freezes and unfreezes the parameters they see (the sharded ones); the
     // unsharded ones autograd sees follow at every install, so a frozen parameter gets no
     // gradient and an unfrozen one gets one again.
+    given_requires_grad_.assign(sharded.size(), 0);
     for (size_t i = 0; i < sharded.size(); ++i) {
       const bool wanted = sharded[i].requires_grad();
       at::Tensor u = gathered[i];
       if (u.requires_grad() != wanted) u.set_requires_grad(wanted);
+      given_requires_grad_[i] = wanted;
     }
   }
   holds_unsharded_ = unsharded;

@@ -24,7 +24,9 @@ class ParamSlots {
   void add(py::dict params_dict, py::str name, int64_t param_index);
   // Put the unsharded (or sharded) objects into every slot. A slot holding neither
   // object was re-assigned by the user: it is left alone and its index returned.
-  // Installing the unsharded objects first gives each the sharded one's requires_grad.
+  // Installing the unsharded objects first gives each the sharded one's requires_grad;
+  // a requires_grad the user changed on an installed unsharded object goes to the
+  // sharded one first.
   std::vector<int64_t> install(bool unsharded);
   // Before a use of the unit: all-gather `gathers` (itself and prefetch targets;
   // Unit::unshard_all), wait for this unit's gather and install the unsharded objects.
@@ -50,6 +52,9 @@ class ParamSlots {
   std::shared_ptr<Unit> unit_;
   std::vector<Slot> slots_;
   bool holds_unsharded_ = false;
+  // requires_grad each unsharded object was given at the last install of them: a change
+  // since is the user's, made while the slots held them.
+  std::vector<char> given_requires_grad_;
 };
 
 }  // namespace mfsdp

@@ -86,3 +86,8 @@ def test_optimizers_known_to_need_whole_parameters_are_refused_by_name():
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 def test_ema_swap_through_data_restores_the_training_weights(strategy):
     assert run_distributed(w.ema_swap_through_data, 2, strategy, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_a_freeze_between_forward_and_backward_holds_like_one_process(strategy):
+    assert run_distributed(w.freeze_between_forward_and_backward, 2, strategy, timeout=120) == [True, True]

@@ -499,3 +499,39 @@ def ema_swap_through_data(rank, world, strategy: str = "optim_grads_params"):
         full = full.full_tensor() if hasattr(full, "full_tensor") else full
         assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"'{name}' after a step past the swaps"
     return True
+
+
+def freeze_between_forward_and_backward(rank, world, strategy: str = "optim_grads_params"):
+    """`requires_grad_(False)` on a parameter between forward and backward, on ours as on
+    one plain process: its gradient is None and the step leaves it alone, and it stays
+    frozen until unfrozen. Between forward and backward the root (and units that keep
+    their unsharded parameters) hold the unsharded objects in the modules, so the freeze
+    lands on those; the next install once gave them the sharded parameter's
+    requires_grad back and the parameter trained. (FSDP2 honours the freeze for that
+    backward and trains the parameter again from the next step.)"""
+    device = device_for_backend()
+    plain = _three_blocks().to(device)
+    model = _shard_blocks(copy.deepcopy(plain), sharding_strategy=strategy)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, plain)]
+    x = torch.randn(world * 4, D, generator=torch.Generator().manual_seed(5)).to(device)
+    rows = slice(rank * 4, (rank + 1) * 4)
+    for step in range(4):
+        for m, batch in ((model, x[rows]), (plain, x)):
+            if step == 2:  # unfrozen before the forward: the sharded parameter the user sees
+                m[2].weight.requires_grad_(True)
+            loss = m(batch).pow(2).mean()
+            if step == 0:  # the root's head (unsharded now) and a block's weight
+                m[4].weight.requires_grad_(False)
+                m[2].weight.requires_grad_(False)
+            loss.backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert p.requires_grad == q.requires_grad, (step, name)
+            assert (p.grad is None) == (q.grad is None), (step, name, p.grad is None, q.grad is None)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for name, q in plain.named_parameters():
+            full = model.state_dict()[name]
+            full = full.full_tensor() if hasattr(full, "full_tensor") else full
+            assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"step {step}: '{name}'"
+    return True
