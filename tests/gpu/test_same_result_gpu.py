@@ -55,3 +55,8 @@ def test_gradient_idioms_and_ema_swap_through_data_gpu():
     assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, WORLD, **GPU, timeout=240))
     for strategy in ("optim_grads_params", "no_shard"):
         assert all(run_distributed(w.ema_swap_through_data, WORLD, strategy, **GPU, timeout=240))
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_a_freeze_between_forward_and_backward_holds_gpu(strategy):
+    assert run_distributed(w.freeze_between_forward_and_backward, WORLD, strategy, **GPU, timeout=240) == [True] * WORLD

@@ -533,5 +533,6 @@ def freeze_between_forward_and_backward(rank, world, strategy: str = "optim_grad
         for name, q in plain.named_parameters():
             full = model.state_dict()[name]
             full = full.full_tensor() if hasattr(full, "full_tensor") else full
-            assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"step {step}: '{name}'"
+            tol = 1e-5 if device.type == "cpu" else 1e-4  # CUDA kernels may sum in another order
+            assert torch.allclose(full, q.detach(), rtol=tol, atol=tol / 10), f"step {step}: '{name}'"
     return True
