@@ -247,6 +247,27 @@ class _SignStepIgnoringLr(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-0.25)
 
 
+def _one_rank_holds_the_other_drops(impl: str) -> dict:
+    """Rank 0 keeps a state dict, the others drop theirs unwritten; state_dict() is taken
+    twice more (each settles the earlier values and keeps watching what some rank holds),
+    then rank 0 writes and training goes on: the watch lists must stay the same on every
+    rank, or the next agreement pairs different collectives."""
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    state = model.state_dict()
+    if dist.get_rank() != 0:
+        del state
+    for _ in range(2):
+        model.state_dict()
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            state["head.bias"].add_(0.5)
+    loss = _loss(model, 1)
+    loss.backward()
+    return {"loss": _global(loss), "grads": _full_grads(model)}
+
+
 def _write_then_a_zero_lr_step_that_moves(impl: str) -> dict:
     """A step at lr 0 with no optimizer state changes nothing only on zero gradients. The
     dict is still held across the step and the next forward, so a watch kept past the
@@ -301,6 +322,8 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
             out[impl] = _resume_into_fresh(impl, folder)
         elif case == "one_rank_writes":
             out[impl] = _one_rank_writes_the_others_drop(impl)
+        elif case == "one_rank_holds":
+            out[impl] = _one_rank_holds_the_other_drops(impl)
         elif case == "zero_lr_step":
             out[impl] = _write_then_a_zero_lr_step_that_moves(impl)
         else:
@@ -334,7 +357,7 @@ def test_ema_through_state_dict_values_as_under_fsdp2(case):
     assert run_distributed(_writes_vs_fsdp2, 2, case, timeout=180) == [True, True]
 
 
-@pytest.mark.parametrize("case", ["ema_temporary", "dcp_helper", "one_rank_writes"])
+@pytest.mark.parametrize("case", ["ema_temporary", "dcp_helper", "one_rank_writes", "one_rank_holds"])
 def test_state_dicts_written_then_dropped_as_under_fsdp2(case, tmp_path):
     assert run_distributed(_writes_vs_fsdp2, 2, case, str(tmp_path), timeout=180) == [True, True]
 

@@ -85,7 +85,7 @@ class HandedOutValue:
     def is_of(self, value: torch.Tensor) -> bool:
         return self._ref() is value
 
-    def held_by_caller(self) -> bool:
+    def caller_holds(self) -> bool:
         return self._ref() is not None
 
     def __call__(self) -> Optional[torch.Tensor]:

@@ -617,10 +617,13 @@ def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
 
 
 def _held_flags(watches: list) -> torch.Tensor:
-    """[held..., gone...] of handed-out values, this rank's view: held where the caller
-    holds the value or dropped it after writing into it (HandedOutValue), gone where no
-    value is left to read."""
-    return torch.tensor(HandedOutValue.counts_as_held(watches) + [w() is None for w in watches], dtype=torch.int32)
+    """[held..., gone..., kept by the caller...] of handed-out values, this rank's view:
+    held where the caller holds the value or dropped it after writing into it
+    (HandedOutValue), gone where no value is left to read, kept where the caller still
+    holds it (only those can be written again: they stay watched after a use that keeps
+    watching)."""
+    return torch.tensor(HandedOutValue.counts_as_held(watches) + [w() is None for w in watches] +
+                        [w.caller_holds() for w in watches], dtype=torch.int32)
 
 
 def apply_state_dict_writes_of(states, where: str, may_change: Optional[Callable[[object], bool]] = None) -> None:
@@ -679,15 +682,16 @@ def apply_state_dict_writes(state, where: str, keep_held: bool = False, agreed: 
         return
     kept = _write_back(state, [(i, ref, None) for i, ref in records], where, "model.load_state_dict()",
                        live_of=lambda i, _: state.unit.sharded_param(i), reshard=True, agreed=agreed)
-    if keep_held:  # only values the caller still holds can be written again
-        state.handed_out = [(i, w) for i, w, _ in kept if w.held_by_caller()] + state.handed_out
+    if keep_held:  # what some rank's caller holds: the same records on every rank
+        state.handed_out = [(i, w) for i, w, _ in kept] + state.handed_out
 
 
 def _write_back(state, records, where: str, load_call: str, *, live_of, reshard: bool,
                 agreed: Optional[torch.Tensor] = None) -> list:
     """The write-back of handed-out state-dict values of one unit. `records`: (parameter
     index, HandedOutValue, tag); `live_of(index, tag)`: the live 1-D piece the value
-    is a copy of (a shard, an optimizer state). Returns the records some rank holds.
+    is a copy of (a shard, an optimizer state). Returns the records some rank's caller
+    still holds (the same on every rank).
 
     Values no rank holds, or dropped unwritten on every rank, cost one small all-reduce of
     flags. The others come back to this rank's pieces as a load brings them (the rows'
@@ -725,7 +729,7 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
             changed[r] = int(_differs(pieces[r].reshape(-1), live.reshape(-1)))
         written = [r for r, c in zip(held, _agree_max(state, changed[held]).tolist()) if c]
         if not written:
-            return [records[r] for r in held]
+            return [records[r] for r in range(n) if agreed[2 * n + r]]
         keys = [(records[r][0], records[r][2]) for r in written]
         twice = [r for r in written if keys.count((records[r][0], records[r][2])) > 1]
         if twice:
@@ -745,7 +749,7 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
             i, _, tag = records[r]
             live = live_of(i, tag)
             live.copy_(_LoadedPiece.of(pieces[r], face_shape(state, i)) if reshard else pieces[r].reshape(live.shape))
-    return [records[r] for r in held]
+    return [records[r] for r in range(n) if agreed[2 * n + r]]
 
 
 def keep_load_pre_hooks_last(states) -> None:
@@ -854,7 +858,7 @@ def apply_optimizer_state_dict_writes(optimizer, where: str, keep_held: bool = F
         def live_of(i, name, state=state):
             return optimizer.state[state.unit.sharded_param(i)][name]
         held = _write_back(state, recs, where, "optimizer.load_state_dict()", live_of=live_of, reshard=False)
-        kept += [(weakref.ref(state), i, name, w) for i, w, name in held if w.held_by_caller()]
+        kept += [(weakref.ref(state), i, name, w) for i, w, name in held]
     if keep_held and kept:
         optimizer.__dict__[_OPTIM_HANDED_OUT] = kept + optimizer.__dict__.get(_OPTIM_HANDED_OUT, [])
 
