@@ -88,3 +88,11 @@ def test_torch_loads_into_a_model_built_on_meta(world, strategy):
 @pytest.mark.parametrize("world", [2, 3])
 def test_to_empty_then_initializers_give_one_process_values(world):
     assert run_distributed(to_empty_then_reset_parameters, world, timeout=180) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_initializers_after_fully_shard_give_one_process_values(world):
+    """model.apply(init_fn) on a model built whole and sharded: whole-parameter draws too,
+    where each rank once drew its piece from the same stream (repeated values across ranks,
+    RNG out of step)."""
+    assert run_distributed(to_empty_then_reset_parameters, world, "built", timeout=180) == [True] * world

@@ -38,3 +38,9 @@ def test_to_empty_then_initializers_give_one_process_values_gpu():
     """to_empty + torch's initializers on CUDA: the pieces are one plain process's values
     under CUDA's generator (whole-parameter draws), and a step matches it."""
     assert all(run_distributed(IW.to_empty_then_reset_parameters, WORLD, **GPU, timeout=240))
+
+
+def test_initializers_after_fully_shard_give_one_process_values_gpu():
+    """A model built on the GPU, sharded, then initialized (model.apply(init_fn)): the same
+    whole-parameter draws under CUDA's generator; the first optimizer step ends the watch."""
+    assert all(run_distributed(IW.to_empty_then_reset_parameters, WORLD, "built", **GPU, timeout=240))

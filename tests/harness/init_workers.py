@@ -455,13 +455,17 @@ def load_state_dict_into_meta_model(rank: int, world: int, opts: Dict) -> Dict:
     return errs
 
 
-def to_empty_then_reset_parameters(rank: int, world: int) -> bool:
+def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty") -> bool:
     """FSDP2's way in from the meta device with torch's own initializers: fully_shard on
     meta, `to_empty(device=...)`, then each module's reset_parameters() (kaiming_uniform_,
     uniform_), nn.init.trunc_normal_ and normal_ on the parameters, and a copy_ of a whole
     value. Every rank's pieces are one plain process's values for the same seed (the
     random draws are whole parameters), the RNG ends where that process's does, and a
-    training step matches it."""
+    training step matches it. way="built": the model built on the device and sharded,
+    then initialized the same way (model.apply(init_fn) after fully_shard); an optimizer
+    step then ends the watch, as training does."""
+    from megatron_fsdp_ext.core.sharded_param import ShardedParameter
+
     device = device_for_backend()
 
     def build():
@@ -480,16 +484,21 @@ def to_empty_then_reset_parameters(rank: int, world: int) -> bool:
     with torch.no_grad():
         init(ref)
     ref_rng = torch.get_rng_state()
-    with torch.device("meta"):
+    with torch.device("meta" if way == "to_empty" else device):
         model = build()
     for m in (model[0], model[2], model):
         mfsdp.fully_shard(m)
-    assert model.to_empty(device=device) is model
+    if way == "to_empty":
+        assert model.to_empty(device=device) is model
     torch.manual_seed(11)
     with torch.no_grad():
         init(model)
     assert torch.equal(torch.get_rng_state(), ref_rng), "the initializers drew another amount of random numbers"
     check_local_shards(model, ref)
+    if way == "built":
+        torch.optim.SGD(model.parameters(), lr=0.1).step()  # no gradients yet: changes nothing
+        assert ShardedParameter.__torch_function__ is torch._C._disabled_torch_function_impl, \
+            "the watch outlived the first optimizer step"
     x = torch.randn(world, 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
     model(x[rank]).pow(2).mean().backward()
     (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()

@@ -142,7 +142,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         # parameters get theirs, as nn.Module.to_empty gives them; a unit's device change
         # is refused by _apply first (its probe is a plain tensor).
         self._apply(lambda t: t if isinstance(t, ShardedParameter) else torch.empty_like(t, device=device), recurse)
-        in_place_init.begin(self._states(recurse))
+        in_place_init.begin(self._states(recurse), uninitialized=True)
         return self
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
@@ -725,4 +725,7 @@ def fully_shard(
         fsdp2_view.install(m, state.fsdp2_view)
         m.__class__ = _fsdp_class(type(m))
     shard_changes.ensure_step_hook_registered()
+    # Initializers run after fully_shard (model.apply(init_fn)) draw whole parameters, as
+    # one plain process does, until training starts.
+    in_place_init.begin(states, uninitialized=False)
     return module

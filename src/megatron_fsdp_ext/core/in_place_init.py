@@ -2,8 +2,9 @@
 device (torchtitan's Trainer: build on meta, parallelize, `to_empty`, `init_weights()`).
 
 After `to_empty` a unit's parameters hold uninitialized memory, as on a plain module, and
-count as materialized. Until the units' first forward, writes into their sharded
-parameters are watched: a random fill (`nn.init.normal_` / `trunc_normal_` / `uniform_`
+count as materialized. From then (and from `fully_shard` itself, for a unit that holds its
+values: `model.apply(init_fn)` after sharding) until training starts (any root's first
+forward or any optimizer step), writes into the sharded parameters are watched: a random fill (`nn.init.normal_` / `trunc_normal_` / `uniform_`
 / `kaiming_*` / `xavier_*`, `Tensor.normal_`, `uniform_`, ...; trunc_normal_'s rejection
 loop too) runs on a full tensor of
 the parameter's shape, drawing exactly what one plain process draws for it, and this
@@ -15,8 +16,9 @@ keeps this rank's slice of it (torchtitan's fused-qkv init builds its value whol
 most one parameter is whole at a time.
 
 Watching puts a Python call on every op of every sharded parameter
-(`ShardedParameter.__torch_function__`, otherwise disabled), so it ends when the last of
-these units is made part of a root (its first forward or unshard()).
+(`ShardedParameter.__torch_function__`, otherwise disabled), so it ends for every unit at
+the first forward (or unshard()) of any root, or at any optimizer step; after that a
+re-initialization draws each rank's piece from its own stream.
 """
 from __future__ import annotations
 
@@ -25,10 +27,13 @@ import weakref
 import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .dtensor_face import local_shape
+from .hook_support import run_outside_dynamo
 from .param_index import owner_of
 from .sharded_param import ShardedParameter
+from .states import ParamInit
 
 # Tensor methods and nn.init functions that fill a tensor with random values.
 _RANDOM_FILLS = {
@@ -44,29 +49,41 @@ _RANDOM_FILLS = {
 _TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
 
 _watched: "weakref.WeakSet" = weakref.WeakSet()
+_step_hook_registered = False
 
 
-def begin(states) -> None:
-    """`to_empty` ran over `states`: their parameters hold uninitialized memory, and random
-    fills of them draw whole parameters until their first use."""
+def begin(states, uninitialized: bool) -> None:
+    """Watch `states` until the next forward or optimizer step: random fills of their
+    parameters draw whole parameters. `uninitialized` (to_empty): the parameters hold
+    uninitialized memory and count as materialized from now on; otherwise (fully_shard)
+    only units that hold their values are watched (a unit built on meta waits for
+    materialize())."""
     for state in states:
         if state.unit is None or state.ctx is not None or (state.tp is not None and state.tp.specs):
             # Used already (no first forward left to end the watch), or tensor-parallel
             # (still materialize(): their pieces are pieces of TP shards).
             continue
-        state.mark_loaded()
+        if uninitialized:
+            state.mark_loaded()
+        elif state.param_init is not ParamInit.MATERIALIZED:
+            continue
         _watched.add(state)
     if _watched:
         ShardedParameter.__torch_function__ = classmethod(_torch_function)
         if _TRUNC_NORMAL is not None:
             nn.init._no_grad_trunc_normal_ = _trunc_normal
+        global _step_hook_registered
+        if not _step_hook_registered:  # kept: torch iterates its hooks while a step runs them
+            register_optimizer_step_pre_hook(run_outside_dynamo(lambda optimizer, args, kwargs: end()))
+            _step_hook_registered = True
 
 
-def end(states) -> None:
-    """These units are used now: no more watching them (none left: none at all)."""
-    for state in states:
-        _watched.discard(state)
-    if not _watched and ShardedParameter.__torch_function__ is not torch._C._disabled_torch_function_impl:
+def end() -> None:
+    """Training started (a root's first forward, or an optimizer step): no unit is watched
+    any more, so no op on a sharded parameter pays for the watch. Ending them all, not
+    only the root's units, leaves no watch on for a model that is never run."""
+    _watched.clear()
+    if ShardedParameter.__torch_function__ is not torch._C._disabled_torch_function_impl:
         ShardedParameter.__torch_function__ = torch._C._disabled_torch_function_impl
         if _TRUNC_NORMAL is not None:
             nn.init._no_grad_trunc_normal_ = _TRUNC_NORMAL

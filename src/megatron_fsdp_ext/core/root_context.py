@@ -176,7 +176,7 @@ def make_root(root) -> None:
             named += [(f"{name or root.module_kind}[{c.mesh_tag}]", c) for c in s.companions]
     states = [s for _, s in named]
     check_materialized(states, "forward (or unshard())")
-    in_place_init.end(states)
+    in_place_init.end()
     for name, s in named:
         if s is not root and s.root_setters_called:
             raise ValueError(f"{sorted(s.root_setters_called)[0]} was called on {name or s.module_kind}, which is "
