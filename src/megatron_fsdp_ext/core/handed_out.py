@@ -59,13 +59,13 @@ class HandedOutValue:
     """The watch on one handed-out value. Called, it gives the value while the caller
     holds it, else the kept alias of a dropped one, else None (dropped while nobody
     watched it)."""
-    __slots__ = ("_ref", "_kept", "_print", "_settled", "_written", "__weakref__")
+    __slots__ = ("_ref", "_kept", "_print", "_written", "__weakref__")
 
     def __init__(self, value: torch.Tensor):
         self._ref = weakref.ref(value)
         self._kept: Optional[Tuple[torch.Tensor, object]] = None  # (local, DTensor spec or None)
-        self._settled = False
-        self._written = False
+        # Whether a dropped value was written since it was handed out: None until settled.
+        self._written: Optional[bool] = None
         local = _local(value)
         self._print = fingerprint(local)
         # The finalizer keeps only the local storage (and the spec to rebuild the DTensor
@@ -85,8 +85,15 @@ class HandedOutValue:
     def is_of(self, value: torch.Tensor) -> bool:
         return self._ref() is value
 
+    def caller_value(self) -> Optional[torch.Tensor]:
+        return self._ref()
+
     def caller_holds(self) -> bool:
         return self._ref() is not None
+
+    def has_value(self) -> bool:
+        """Whether there is a value to read (held by the caller, or a kept alias)."""
+        return self._ref() is not None or self._kept is not None
 
     def __call__(self) -> Optional[torch.Tensor]:
         value = self._ref()
@@ -104,7 +111,7 @@ class HandedOutValue:
         fingerprints, none when nothing was dropped."""
         checks: dict = {}
         for w in watches:
-            if w._ref() is None and w._kept is not None and not w._settled:
+            if w._ref() is None and w._kept is not None and w._written is None:
                 if w._print is None:
                     w._written = True
                 else:
@@ -113,7 +120,4 @@ class HandedOutValue:
             changed = torch.stack([_differs(w._print, fingerprint(w._kept[0])) for w in group]).tolist()
             for w, c in zip(group, changed):
                 w._written = bool(c)
-        for w in watches:
-            if w._ref() is None and w._kept is not None:
-                w._settled = True
-        return [w._ref() is not None or (w._kept is not None and w._written) for w in watches]
+        return [w._ref() is not None or (w._kept is not None and bool(w._written)) for w in watches]

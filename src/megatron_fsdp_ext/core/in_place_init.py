@@ -4,11 +4,11 @@ device (torchtitan's Trainer: build on meta, parallelize, `to_empty`, `init_weig
 After `to_empty` a unit's parameters hold uninitialized memory, as on a plain module, and
 count as materialized. From then (and from `fully_shard` itself, for a unit that holds its
 values: `model.apply(init_fn)` after sharding) until training starts (any root's first
-forward or any optimizer step), writes into the sharded parameters are watched: a random fill (`nn.init.normal_` / `trunc_normal_` / `uniform_`
-/ `kaiming_*` / `xavier_*`, `Tensor.normal_`, `uniform_`, ...; trunc_normal_'s rejection
-loop too) runs on a full tensor of
-the parameter's shape, drawing exactly what one plain process draws for it, and this
-rank keeps its slice. So the values equal a plain module's given the same seed (FSDP2's
+forward or any optimizer step), writes into the sharded parameters are watched: a random
+fill (`nn.init.normal_` / `trunc_normal_` / `uniform_` / `kaiming_*` / `xavier_*`,
+`Tensor.normal_`, `uniform_`, ...; trunc_normal_'s rejection loop too) runs on a full
+tensor of the parameter's shape, drawing exactly what one plain process draws for it, and
+this rank keeps its slice. So the values equal a plain module's given the same seed (FSDP2's
 DTensors draw by offset on CUDA only), every rank's RNG stays in step, and no two
 pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
 `clamp_`) act on the piece as they are; a `copy_` of a value of the parameter's shape

@@ -622,7 +622,7 @@ def _held_flags(watches: list) -> torch.Tensor:
     (HandedOutValue), gone where no value is left to read, kept where the caller still
     holds it (only those can be written again: they stay watched after a use that keeps
     watching)."""
-    return torch.tensor(HandedOutValue.counts_as_held(watches) + [w() is None for w in watches] +
+    return torch.tensor(HandedOutValue.counts_as_held(watches) + [not w.has_value() for w in watches] +
                         [w.caller_holds() for w in watches], dtype=torch.int32)
 
 
@@ -646,9 +646,10 @@ def apply_state_dict_writes_of(states, where: str, may_change: Optional[Callable
     for s in pending:
         by_key.setdefault(_agreement_groups(s)[0], []).append(s)
     for group in by_key.values():
-        # Held strongly until each unit is settled: a value the flags counted as held must
-        # not be collected while an earlier unit of the group writes back.
-        alive = [[r[1]() for r in s.handed_out] for s in group]
+        # The callers' values, held strongly until each unit is settled: a value the flags
+        # counted as held must not be collected while an earlier unit of the group writes
+        # back (a dropped value's alias is kept by its watch).
+        alive = [[r[1].caller_value() for r in s.handed_out] for s in group]
         flags = [_held_flags([r[1] for r in s.handed_out]) for s in group]
         # One more flag per unit, agreed in the same all-reduce: may the use change it.
         changes = torch.tensor([int(may_change is None or may_change(s)) for s in group], dtype=torch.int32)
@@ -659,10 +660,6 @@ def apply_state_dict_writes_of(states, where: str, may_change: Optional[Callable
             apply_state_dict_writes(s, where, keep_held=keep_held, agreed=agreed[offset: offset + f.numel()])
             offset += f.numel()
         del alive
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
