@@ -38,3 +38,11 @@ def test_layerwise_checkpoint_across_world_sizes(tmp_path):
     for world in (4, 1, 2):
         errs = run_distributed(layerwise_checkpoint, world, "resume", path, timeout=240)
         assert max(errs) <= 1e-5
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layerwise_parameter_used_on_one_rank_trains_as_one_process(world):
+    from harness.workers import layerwise_partly_used
+
+    results = run_distributed(layerwise_partly_used, world, timeout=180)
+    assert results[0]["b_owner"] != results[0]["user"]

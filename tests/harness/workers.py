@@ -970,6 +970,48 @@ def layerwise_parity(rank: int, world: int, opts: Dict) -> Dict:
             "max_frac_of_update": max(errs[n] / moved[n] for n in errs if moved[n] > 0)}
 
 
+def layerwise_partly_used(rank: int, world: int) -> Dict:
+    """A parameter used on one rank only (a rank-dependent branch) whose owner is another
+    rank: it trains as in one process over the whole batch, where it gets the gradient
+    of that rank's slice. A parameter used nowhere keeps no gradient, on every rank."""
+    from megatron_fsdp_ext.layerwise import LayerwiseDistributedOptimizer
+
+    device = device_for_backend()
+    torch.manual_seed(7)
+    model = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8), "never": nn.Linear(8, 8)}).to(device)
+    ref = copy.deepcopy(model)
+    sgd = lambda ps: [torch.optim.SGD(list(ps), lr=0.1, momentum=0.9)] if list(ps) else None
+    lopt = LayerwiseDistributedOptimizer(model, sgd, bucket_size=80, overlap_param_gather=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    bucket, index = lopt._owner_of[id(model["b"].weight)]
+    b_owner = bucket.layout.owner(index)
+    user = (b_owner + 1) % world  # the one rank whose slice takes the branch
+
+    def loss(m, x, use_b):
+        y = m["a"](x)
+        if use_b:
+            y = y + m["b"](x).sin()
+        return y.pow(2).mean()
+
+    for step in range(3):
+        x = torch.randn(world, 4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        ref_opt.zero_grad()
+        lopt.zero_grad()
+        (sum(loss(ref, x[r], r == user) for r in range(world)) / world).backward()
+        loss(model, x[rank], rank == user).backward()
+        ref_opt.step()
+        lopt.step()
+        lopt.finish_all()
+        for name, p in model.named_parameters():
+            if name.startswith("never"):
+                assert p.grad is None, f"step {step}: '{name}' is used on no rank but has a gradient"
+        errs = {n: rel_err(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= 1e-6, f"step {step}: '{worst}' rel err {errs[worst]:.3e} (b owned by rank {b_owner}, " \
+                                    f"used on rank {user})"
+    return {"b_owner": b_owner, "user": user}
+
+
 def sgd_and_adamw(params):
     params = list(params)
     two_d = [p for p in params if p.dim() == 2]

@@ -247,9 +247,25 @@ class LayerwiseDistributedOptimizer:
 
     # ------------------------------------------------------------ gradient reduction + step
 
+    def _used_anywhere(self) -> List[List[bool]]:
+        """Per bucket and parameter, whether some rank has its gradient: one all-reduce of
+        a flag per parameter. A parameter used on some ranks only (a rank-dependent branch)
+        gets its gradient on its owner as in one process over the whole batch, also where
+        the owner itself did not use it."""
+        counts = [len(b.params) for b in self.buckets]
+        flags = torch.tensor([p.grad is not None for b in self.buckets for p in b.params], dtype=torch.int32,
+                             device=self.buckets[0].flat.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        flat = (flags > 0).tolist()
+        out, start = [], 0
+        for n in counts:
+            out.append(flat[start:start + n])
+            start += n
+        return out
+
     def _reduce_grads(self) -> None:
         scale = 1.0 / self.world
-        for b in self.buckets:
+        for b, used in zip(self.buckets, self._used_anywhere()):
             lay = b.layout
             grads = [p.grad for p in b.params]
             flat_grad = torch.empty(lay.total_numel, dtype=b.flat.dtype, device=b.flat.device)
@@ -266,7 +282,7 @@ class LayerwiseDistributedOptimizer:
             reduced.mul_(scale)
             for i in b.owned(self.rank):
                 p = b.params[i]
-                if grads[i] is None:  # unused (on every rank, as for DDP): stays None
+                if not used[i]:  # used on no rank: stays None, as in one process
                     continue
                 off = lay.offsets[i] - mine_start
                 p.grad = reduced[off: off + p.numel()].view_as(p)
