@@ -20,3 +20,9 @@ def test_nccl_layerwise_muon_parity(overlap):
 @pytest.mark.nccl_only  # reads NCCL kernels from a trace
 def test_nccl_layerwise_gather_overlaps_forward():
     run_distributed(W.layerwise_gather_overlap, WORLD, **GPU, timeout=300)
+
+
+def test_nccl_layerwise_parameter_used_on_one_rank():
+    # The flag all-reduce runs on the GPU (NCCL needs device tensors).
+    results = run_distributed(W.layerwise_partly_used, WORLD, **GPU, timeout=300)
+    assert results[0]["b_owner"] != results[0]["user"]
