@@ -91,3 +91,14 @@ def test_ema_swap_through_data_restores_the_training_weights(strategy):
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_a_freeze_between_forward_and_backward_holds_like_one_process(strategy):
     assert run_distributed(w.freeze_between_forward_and_backward, 2, strategy, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("strategy,world", [("optim_grads_params", 2), ("optim_grads_params", 3), ("optim", 2),
+                                            ("no_shard", 2)])
+def test_row_writes_to_parameters_and_gradients_land_in_the_rows(strategy, world):
+    run_distributed(w.row_writes, world, strategy, timeout=180)
+
+
+def test_hugging_face_init_weights_after_fully_shard_zeroes_the_padding_row():
+    pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (test extra)")
+    run_distributed(w.hf_init_weights_after_fully_shard, 2, timeout=180)

@@ -4,6 +4,7 @@ probe findings), each compared step by step with one plain process on the whole 
 import copy
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -535,4 +536,94 @@ def freeze_between_forward_and_backward(rank, world, strategy: str = "optim_grad
             full = full.full_tensor() if hasattr(full, "full_tensor") else full
             tol = 1e-5 if device.type == "cpu" else 1e-4  # CUDA kernels may sum in another order
             assert torch.allclose(full, q.detach(), rtol=tol, atol=tol / 10), f"step {step}: '{name}'"
+    return True
+
+
+def _full_value(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def row_writes(rank, world, strategy: str = "optim_grads_params"):
+    """Writes to whole rows of a parameter or gradient outside the forward, on ours as on
+    one plain process: Hugging Face's `init.zeros_(emb.weight[padding_idx])`, the older
+    `emb.weight.data[pad].zero_()`, slices and assignments of rows, and on gradients
+    `emb.weight.grad[:n_old] = 0` (train only new token rows) and `g[torch.isnan(g)] = 0`.
+    On the 1-D piece each once wrote element i of every rank's piece instead of row i
+    (or raised on a rank whose piece is short). Writes to parts of rows, scattered
+    indices and pieces as values are refused by name on every rank."""
+    from torch.nn import init
+
+    device = device_for_backend()
+    torch.manual_seed(3)
+    plain = nn.Sequential(nn.Embedding(13, D), nn.Linear(D, D), nn.Linear(D, 5)).to(device)
+    model = copy.deepcopy(plain)
+    for m in model[:2]:
+        mfsdp.fully_shard(m, sharding_strategy=strategy)
+    mfsdp.fully_shard(model, sharding_strategy=strategy)
+    row = torch.arange(D, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for m in (model, plain):
+            emb, lin = m[0].weight, m[1].weight
+            init.zeros_(emb[3])
+            emb.data[5].zero_()
+            emb[7:9] = 1.5
+            emb.data[-1] = row
+            emb[1].copy_(row * 2)
+            emb.data[2, :].mul_(0)
+            emb[10:] += 1  # read, add, write back: rows 10-12
+            lin[0] = row.flip(0)
+            lin.data[...] *= 0.5
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(_full_value(model.state_dict()[name]), q.detach()), f"'{name}' after the row writes"
+    if strategy != "no_shard" and world > 1:
+        w = model[0].weight
+        for bad in (lambda: w[:, 0], lambda: w[::2], lambda: w[torch.tensor([1, 2])],
+                    lambda: w.data.__setitem__((slice(None), 0), 0.0), lambda: w[0, 1],
+                    lambda: model[1].weight.data.__setitem__(0, model[0].weight[0]),
+                    lambda: model[1].weight.__setitem__(slice(0, 2), model[1].weight[0:2] * 2)):
+            with pytest.raises(RuntimeError, match="fully_shard parameter or gradient"):
+                with torch.no_grad():
+                    bad()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    ids = torch.randint(0, 13, (world, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    for step in range(2):
+        (sum(plain(ids[r]).pow(2).mean() for r in range(world)) / world).backward()
+        model(ids[rank]).pow(2).mean().backward()
+        for m in (model, plain):
+            g = m[0].weight.grad
+            g[:4] = 0  # old token rows stay as they are
+            g[torch.isnan(g)] = 0
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(_full_value(p.grad), q.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda msg: f"step {step}: gradient of '{name}': {msg}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(_full_value(model.state_dict()[name]), q.detach(), rtol=1e-5, atol=1e-6)
+    return True
+
+
+def hf_init_weights_after_fully_shard(rank, world):
+    """Hugging Face's own `_init_weights` applied after fully_shard (a Llama with a pad
+    token: `init.zeros_(embed_tokens.weight[padding_idx])`) gives one plain process's
+    values for the seed, the padding row zero."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(cfg)
+    model = copy.deepcopy(plain)
+    for layer in model.model.layers:
+        mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(model)
+    for m in (model, plain):
+        for p in m.parameters():
+            p.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(11)
+        m.apply(m._init_weights)
+    assert plain.model.embed_tokens.weight[5].abs().sum() == 0
+    for name, q in plain.named_parameters():
+        assert torch.equal(_full_value(model.state_dict()[name]), q.detach()), f"'{name}' after _init_weights"
     return True

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Tuple
 
 import torch
 import torch._guards
 from torch._C import DisableTorchFunctionSubclass
 from torch.distributed.tensor import DTensor, Shard
+
+from . import piece_rows
 
 
 class FlatShard(Shard):
@@ -133,6 +136,25 @@ class LogicalShape:
             f"iterating over a fully_shard {type(self).__name__}: its values are this rank's 1-D piece of a "
             f"parameter of shape {tuple(self._logical_shape())}; iterate over full_tensor() (a collective) "
             "or over the piece itself (.detach())")
+
+    def _piece_rows(self) -> Tuple[int, Tuple[int, ...], bool]:
+        """(first element of the piece in the parameter flattened row-major, the shape
+        that flattening is of, whether the piece is all of it on every rank), for
+        indexing by rows (piece_rows.py)."""
+        raise NotImplementedError
+
+    def __getitem__(self, index):
+        # By the parameter's rows: on the piece, p[i] would be element i of every rank's piece.
+        if _tracing_context() is not None:
+            with DisableTorchFunctionSubclass():
+                return torch.Tensor.__getitem__(self, index)
+        return piece_rows.get_rows(self, *self._piece_rows(), index)
+
+    def __setitem__(self, index, value) -> None:
+        if _tracing_context() is not None:
+            with DisableTorchFunctionSubclass():
+                return torch.Tensor.__setitem__(self, index, value)
+        piece_rows.set_rows(self, *self._piece_rows(), index, value)
 
     def _refuse_matmul(self, *args, **kwargs):
         # On the 1-D piece a product is of pieces: two pieces give a dot product (PEFT's

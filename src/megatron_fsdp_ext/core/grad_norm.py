@@ -108,6 +108,23 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
     def _face_kind(self) -> str:
         return "gradient"
 
+    def _piece_rows(self):
+        # The parameter whose gradient this piece is (itself, or its .data / .detach()).
+        from .sharded_param import piece_rows_of
+
+        with DisableTorchFunctionSubclass():
+            ptr, n = torch.Tensor.data_ptr(self), torch.Tensor.numel(self)
+            for ref in type(self).owners:
+                state = ref()
+                if state is None or state.unit is None:
+                    continue
+                for i, p in enumerate(state.unit.sharded_params):
+                    g = p.grad
+                    if g is self or (g is not None and torch.Tensor.data_ptr(g) == ptr and torch.Tensor.numel(g) == n):
+                        return piece_rows_of(state, i)
+        raise RuntimeError("indexing a gradient piece no sharded parameter holds any more (after the optimizer "
+                           "step a gradient is a plain tensor again): its rows cannot be told")
+
     def __deepcopy__(self, memo):
         # A copy of this rank's piece that still reduces its norm across ranks (torch's
         # default goes through new_empty, which is plain here, and refuses).

@@ -19,6 +19,9 @@ It reports the parameter's shape (`shape`, `size()`, `dim()`, `numel()`: Logical
 dtensor_face.py), as FSDP2's DTensor parameters do, so code that groups or initializes by
 shape sees the parameter; its values are this rank's 1-D piece.
 
+Indexing it, or its `.data`, selects the parameter's rows (`p[i]`, `p.data[a:b]`), of
+which this rank writes its part (piece_rows.py).
+
 Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data = x`
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
@@ -28,12 +31,28 @@ import torch.nn as nn
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
-from . import state_dict
+from . import piece_rows, state_dict
 from .dtensor_face import DTensorFace, LogicalShape, local_shape
 from .param_index import conversion_refused, owner_of
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def piece_rows_of(state, index: int):
+    """(first element of parameter `index`'s piece in the parameter flattened row-major,
+    the parameter's shape there, whether the piece is all of it on every rank) for
+    indexing by rows (piece_rows.py); refused for a tensor-parallel
+    sharded parameter, whose piece is of this rank's TP shard, not of the parameter."""
+    tp = state.tp
+    spec = state.unit.param_spec(index)
+    if tp is not None and tp.specs.get(index) is not None and tp.specs[index].sharded:
+        raise RuntimeError(
+            f"indexing tensor-parallel parameter '{spec.name}' of fully_shard unit '{state.unit.label}' by rows: "
+            "its piece is of this rank's tensor-parallel shard, whose rows are not the parameter's. Write "
+            "rows before parallelizing, or through full_tensor() / the state dict")
+    unit = state.unit
+    return spec.slice.param_offset, tuple(spec.shape), unit.strategy.replicated or unit.world_size == 1
 
 
 def set_data_unchecked(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -54,6 +73,12 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 return local_shape(self)
             shape = self.__dict__["_mfsdp_face_shape"] = state_dict.face_shape(state, index)
         return shape
+
+    def _piece_rows(self):
+        state, index = owner_of(self)
+        if state is None:
+            return 0, tuple(local_shape(self)), True  # a copy, or its unit is gone: the piece is all it is
+        return piece_rows_of(state, index)
 
     def _owner(self):
         state, index = owner_of(self)
@@ -97,11 +122,17 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         owner = self.__dict__.get("_mfsdp_owner")
         state = owner() if owner is not None else None
         unit = getattr(state, "unit", None)
-        if unit is not None:
-            # An overlapped CPU optimizer step may still be writing this shard.
-            unit.wait_host_update()
-            unit.shard_changed()
-        return _TENSOR_DATA.__get__(self, type(self))
+        data = _TENSOR_DATA.__get__(self, type(self))
+        if unit is None:
+            return data
+        # An overlapped CPU optimizer step may still be writing this shard.
+        unit.wait_host_update()
+        unit.shard_changed()
+        # Indexed by the parameter's rows (`p.data[padding_idx].zero_()`), as the parameter is.
+        state, index = owner_of(self)
+        if state is None:
+            return data
+        return piece_rows.piece_data(data, *piece_rows_of(state, index))
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
