@@ -60,3 +60,8 @@ def test_gradient_idioms_and_ema_swap_through_data_gpu():
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_a_freeze_between_forward_and_backward_holds_gpu(strategy):
     assert run_distributed(w.freeze_between_forward_and_backward, WORLD, strategy, **GPU, timeout=240) == [True] * WORLD
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_row_writes_land_in_the_rows_gpu(strategy):
+    run_distributed(w.row_writes, WORLD, strategy, **GPU, timeout=240)

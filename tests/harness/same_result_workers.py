@@ -585,6 +585,7 @@ def row_writes(rank, world, strategy: str = "optim_grads_params"):
                 with torch.no_grad():
                     bad()
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    tol = 1e-5 if device.type == "cpu" else 1e-4  # CUDA kernels may sum in another order
     ids = torch.randint(0, 13, (world, 6), generator=torch.Generator().manual_seed(1)).to(device)
     for step in range(2):
         (sum(plain(ids[r]).pow(2).mean() for r in range(world)) / world).backward()
@@ -594,13 +595,13 @@ def row_writes(rank, world, strategy: str = "optim_grads_params"):
             g[:4] = 0  # old token rows stay as they are
             g[torch.isnan(g)] = 0
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(_full_value(p.grad), q.grad, rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(_full_value(p.grad), q.grad, rtol=tol, atol=tol / 100,
                                        msg=lambda msg: f"step {step}: gradient of '{name}': {msg}")
         for opt in opts:
             opt.step()
             opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(_full_value(model.state_dict()[name]), q.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_full_value(model.state_dict()[name]), q.detach(), rtol=tol, atol=tol / 10)
     return True
 
 
