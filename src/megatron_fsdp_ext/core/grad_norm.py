@@ -109,7 +109,9 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
         return "gradient"
 
     def _piece_rows(self):
-        # The parameter whose gradient this piece is (itself, or its .data / .detach()).
+        # The parameter whose gradient this piece is: itself, or its .data / .detach()
+        # (the same memory and class, so the same shape: empty pieces that share an
+        # address are of one shape, and every rank decides by that shape alike).
         from .sharded_param import piece_rows_of
 
         with DisableTorchFunctionSubclass():
@@ -120,7 +122,8 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
                     continue
                 for i, p in enumerate(state.unit.sharded_params):
                     g = p.grad
-                    if g is self or (g is not None and torch.Tensor.data_ptr(g) == ptr and torch.Tensor.numel(g) == n):
+                    if g is self or (type(g) is type(self) and torch.Tensor.data_ptr(g) == ptr
+                                     and torch.Tensor.numel(g) == n):
                         return piece_rows_of(state, i)
         raise RuntimeError("indexing a gradient piece no sharded parameter holds any more (after the optimizer "
                            "step a gradient is a plain tensor again): its rows cannot be told")
