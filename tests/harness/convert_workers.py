@@ -3,6 +3,8 @@ FSDP2 path does to a sharded model, in torch's own calls, against FSDP2 doing th
 a dtype change after fully_shard (its upcast of a low-precision model), state_dict() of a
 model sharded on the meta device and load_state_dict(assign=True) of DTensors built from
 its placements (its cpu_ram_efficient_loading)."""
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -168,6 +170,9 @@ def accelerate_fsdp2_prepare(rank: int, world: int, system: str, case: str, tie:
     fsdp2_fully_shard = torch_fsdp.fully_shard
     if system == "ours":
         torch_fsdp.fully_shard = mfsdp.fully_shard
+    # Accelerate reads the job from torchrun's environment: without it each rank would
+    # take itself for the only (main) process.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
         upcast = case == "upcast"
         plugin = FullyShardedDataParallelPlugin(
