@@ -55,6 +55,14 @@ _tracing_context = torch._guards.TracingContext.try_get
 _TENSOR_SHAPE = torch._C.TensorBase.__dict__["shape"]
 
 
+def torch_internal_or_tracing(frame) -> bool:
+    """Whether the code at `frame` is torch's own (AOT autograd's dispatch modes, Dynamo,
+    nn.Module) or runs under tracing: it reads a piece's storage as it is, not by the
+    parameter's rows."""
+    return _tracing_context() is not None or frame.f_globals.get("__name__", "").startswith("torch.")
+
+
+
 def local_shape(t: torch.Tensor) -> torch.Size:
     """The shape of `t` itself: for a sharded parameter or gradient (LogicalShape), this
     rank's 1-D piece, not the parameter's shape it reports."""
@@ -144,14 +152,15 @@ class LogicalShape:
         raise NotImplementedError
 
     def __getitem__(self, index):
-        # By the parameter's rows: on the piece, p[i] would be element i of every rank's piece.
-        if _tracing_context() is not None:
+        # By the parameter's rows: on the piece, p[i] would be element i of every rank's
+        # piece. torch's own code and tracing index the storage as it is.
+        if torch_internal_or_tracing(sys._getframe(1)):
             with DisableTorchFunctionSubclass():
                 return torch.Tensor.__getitem__(self, index)
         return piece_rows.get_rows(self, *self._piece_rows(), index)
 
     def __setitem__(self, index, value) -> None:
-        if _tracing_context() is not None:
+        if torch_internal_or_tracing(sys._getframe(1)):
             with DisableTorchFunctionSubclass():
                 return torch.Tensor.__setitem__(self, index, value)
         piece_rows.set_rows(self, *self._piece_rows(), index, value)

@@ -26,13 +26,15 @@ Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data =
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
 from . import piece_rows, state_dict
-from .dtensor_face import DTensorFace, LogicalShape, local_shape
+from .dtensor_face import DTensorFace, LogicalShape, local_shape, torch_internal_or_tracing
 from .param_index import conversion_refused, owner_of
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
@@ -128,7 +130,12 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # An overlapped CPU optimizer step may still be writing this shard.
         unit.wait_host_update()
         unit.shard_changed()
-        # Indexed by the parameter's rows (`p.data[padding_idx].zero_()`), as the parameter is.
+        # Indexed by the parameter's rows (`p.data[padding_idx].zero_()`), as the parameter
+        # is, for scripts and libraries. torch's own code (AOT autograd's dispatch modes,
+        # Dynamo, nn.Module) and tracing get the plain tensor that `.data` always was:
+        # modes refuse tensor subclasses they do not know.
+        if torch_internal_or_tracing(sys._getframe(1)):
+            return data
         state, index = owner_of(self)
         if state is None:
             return data
