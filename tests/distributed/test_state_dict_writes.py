@@ -268,6 +268,26 @@ def _one_rank_holds_the_other_drops(impl: str) -> dict:
     return {"loss": _global(loss), "grads": _full_grads(model)}
 
 
+def _held_while_the_parameters_change(impl: str) -> dict:
+    """A state dict held (torchtitan's CheckpointManager keeps model.state_dict() from its
+    construction) while the parameters change in place on their own side, before the next
+    forward: the change stays, as under FSDP2 (where the held values are the parameters'
+    storage and see it). Ours once took the held values' difference from the parameters
+    for writes into them and put the old values back at that forward."""
+    model = _sharded(impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    state = model.state_dict()
+    with torch.no_grad():
+        for p in model.blocks[0].parameters():
+            p.mul_(0.5)
+        model.head.weight.data.add_(0.25)
+    loss = _loss(model, 1)
+    loss.backward()
+    assert len(state) > 0
+    return {"loss": _global(loss), "grads": _full_grads(model), "values": _full_values(model)}
+
+
 def _write_then_a_zero_lr_step_that_moves(impl: str) -> dict:
     """A step at lr 0 with no optimizer state changes nothing only on zero gradients. The
     dict is still held across the step and the next forward, so a watch kept past the
@@ -326,6 +346,8 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
             out[impl] = _one_rank_holds_the_other_drops(impl)
         elif case == "zero_lr_step":
             out[impl] = _write_then_a_zero_lr_step_that_moves(impl)
+        elif case == "param_side_change":
+            out[impl] = _held_while_the_parameters_change(impl)
         else:
             out[impl] = _write_then_step(impl, mesh_shape)
     ref, got = out["fsdp2"], out["ours"]
@@ -360,6 +382,11 @@ def test_ema_through_state_dict_values_as_under_fsdp2(case):
 @pytest.mark.parametrize("case", ["ema_temporary", "dcp_helper", "one_rank_writes", "one_rank_holds"])
 def test_state_dicts_written_then_dropped_as_under_fsdp2(case, tmp_path):
     assert run_distributed(_writes_vs_fsdp2, 2, case, str(tmp_path), timeout=180) == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_held_state_dict_keeps_changes_made_on_the_parameters_side_as_under_fsdp2(world):
+    assert run_distributed(_writes_vs_fsdp2, world, "param_side_change", timeout=180) == [True] * world
 
 
 def test_a_zero_lr_step_on_nonzero_gradients_is_a_use_as_under_fsdp2():
@@ -513,7 +540,7 @@ def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dcp", "optim_dcp", "ema_foreach", "step", "ema_temporary", "dcp_helper", "zero_lr_step",
-                                  "resume_fresh", "one_rank_writes"])
+                                  "resume_fresh", "one_rank_writes", "param_side_change"])
 def test_state_dict_writes_on_nccl(case, tmp_path):
     """The same comparisons with NCCL and CUDA tensors: the flags' all-reduce and the rows'
     exchange on the GPU."""

@@ -1,7 +1,7 @@
-"""core/handed_out.py: the watch on a handed-out state-dict value. A value the caller still
-holds counts as held; a dropped one counts only if it was written after it was handed out
-(its storage kept until then, the fingerprint telling); a watch that is gone keeps nothing
-alive. Single-process: the agreement and write-back around it are tested in
+"""core/handed_out.py: the watch on a handed-out state-dict value. A value counts as
+written only if it changed after it was handed out, whether the caller still holds it or
+dropped it (its storage kept until then, the fingerprint telling); a watch that is gone
+keeps nothing alive. Single-process: the agreement and write-back around it are tested in
 tests/distributed/test_state_dict_writes.py."""
 import gc
 import os
@@ -27,10 +27,10 @@ def _dropped_after(write, dtype=torch.float32, n=1000):
 def test_a_dropped_value_counts_only_if_written(dtype):
     unwritten = _dropped_after(lambda v: None, dtype)
     assert unwritten() is not None  # its storage is kept until it is settled
-    assert HandedOutValue.counts_as_held([unwritten]) == [False]
+    assert HandedOutValue.counts_as_written([unwritten]) == [False]
     one_element = _dropped_after(lambda v: v[7].add_(1), dtype)
     loaded = _dropped_after(lambda v: v.copy_(torch.randn(v.shape).to(dtype)), dtype)
-    assert HandedOutValue.counts_as_held([one_element, loaded]) == [True, True]
+    assert HandedOutValue.counts_as_written([one_element, loaded]) == [True, True]
     assert one_element() is not None and one_element()[7] != 0
 
 
@@ -43,14 +43,23 @@ def test_the_smallest_change_of_one_element_is_seen():
         value[123] = torch.nextafter(value[123], torch.tensor(2.0, dtype=dtype))
         del value
         gc.collect()
-        assert HandedOutValue.counts_as_held([watch]) == [True], dtype
+        assert HandedOutValue.counts_as_written([watch]) == [True], dtype
 
 
-def test_a_value_the_caller_holds_counts_whether_written_or_not():
+def test_a_value_the_caller_holds_counts_only_once_written():
+    """Held values count by their own fingerprint, not by a comparison with the
+    parameter (which may have changed on its side since); after a write-back they are in
+    step again, and only a new write counts."""
     value = torch.randn(16)
     watch = HandedOutValue(value)
-    assert HandedOutValue.counts_as_held([watch]) == [True]
+    assert HandedOutValue.counts_as_written([watch]) == [False]
     assert watch() is value and watch.is_of(value)
+    value[5] += 1
+    assert HandedOutValue.counts_as_written([watch]) == [True]
+    watch.resync()
+    assert HandedOutValue.counts_as_written([watch]) == [False]
+    value.mul_(3)
+    assert HandedOutValue.counts_as_written([watch]) == [True]
 
 
 def test_nan_values_left_alone_are_not_taken_for_a_write():
@@ -61,8 +70,8 @@ def test_nan_values_left_alone_are_not_taken_for_a_write():
     watch = HandedOutValue(value)
     del value
     gc.collect()
-    assert HandedOutValue.counts_as_held([watch]) == [False]
-    assert HandedOutValue.counts_as_held([_dropped_after(plant_nan)]) == [True]
+    assert HandedOutValue.counts_as_written([watch]) == [False]
+    assert HandedOutValue.counts_as_written([_dropped_after(plant_nan)]) == [True]
 
 
 def test_without_a_fingerprint_a_dropped_value_counts_as_written():
@@ -73,7 +82,7 @@ def test_without_a_fingerprint_a_dropped_value_counts_as_written():
     watch = HandedOutValue(value)
     del value
     gc.collect()
-    assert HandedOutValue.counts_as_held([watch]) == [True]
+    assert HandedOutValue.counts_as_written([watch]) == [True]
 
 
 def _storage_uses(t: torch.Tensor) -> int:
@@ -106,9 +115,9 @@ def test_the_storage_is_kept_only_while_the_watch_lives():
 
 def test_a_settled_value_is_not_fingerprinted_again():
     watch = _dropped_after(lambda v: v.mul_(2))
-    assert HandedOutValue.counts_as_held([watch]) == [True]
+    assert HandedOutValue.counts_as_written([watch]) == [True]
     watch._print = None  # a second settle must not read it
-    assert HandedOutValue.counts_as_held([watch]) == [True]
+    assert HandedOutValue.counts_as_written([watch]) == [True]
 
 
 def test_a_dtensor_is_rebuilt_around_the_kept_storage():
@@ -127,7 +136,7 @@ def test_a_dtensor_is_rebuilt_around_the_kept_storage():
         value.to_local().mul_(3)  # what dcp.load does: a copy into the local tensor
         del value
         gc.collect()
-        assert HandedOutValue.counts_as_held([watch]) == [True]
+        assert HandedOutValue.counts_as_written([watch]) == [True]
         again = watch()
         assert isinstance(again, DTensor) and again.placements == (Shard(0),) and tuple(again.shape) == (6, 3)
         assert again.to_local().data_ptr() == local_ptr

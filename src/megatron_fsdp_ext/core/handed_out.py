@@ -10,7 +10,14 @@ and then dropped before that use must still count: timm's EMA writes into
 `{"model": model.state_dict()}` and return. So when the caller drops the value, the watch
 keeps its storage (an alias, no copy) until the next use, and a fingerprint taken when it
 was handed out tells there, without a collective, whether it was written at all: one not
-written is let go; one written counts as held, as if the caller still had it.
+written is let go; one written counts, as if the caller still had it.
+
+The same fingerprint decides for a value the caller still holds: it counts as written
+only if it changed since it was handed out (or since its last write-back). Comparing it
+with the live parameter instead would take a change made on the parameter's side
+(`p.mul_(0.5)`, `init_weights()` again) for a write into a value held all along (torchtitan's
+CheckpointManager keeps `model.state_dict()` from its construction), and put the old
+values back.
 
 The fingerprint is two sums over the value, neither needing a temporary as large as the
 value: its bits as integers of the element's size, wrapping (exact: any single changed
@@ -102,22 +109,45 @@ class HandedOutValue:
         local, spec = self._kept
         return local if spec is None else DTensor(local, spec, requires_grad=False)
 
+    def _current_local(self) -> Optional[torch.Tensor]:
+        value = self._ref()
+        if value is not None:
+            return _local(value)
+        return self._kept[0] if self._kept is not None else None
+
     @staticmethod
-    def counts_as_held(watches: Sequence["HandedOutValue"]) -> List[bool]:
-        """For each watch: whether it counts as held, as this rank sees it: the caller
-        holds the value, or dropped it after writing into it. A dropped value's alias stays
-        callable either way until the watch itself goes (the rows of a value written on
-        one rank only are rebuilt from every rank's). One host sync per device for the
-        fingerprints, none when nothing was dropped."""
+    def counts_as_written(watches: Sequence["HandedOutValue"]) -> List[bool]:
+        """For each watch: whether its value was written since it was handed out (or
+        since its last write-back, `resync`), as this rank sees it, whether the caller
+        still holds it or dropped it. A value without a fingerprint counts as written
+        (the write-back then compares it element for element). A dropped value's alias
+        stays callable either way until the watch itself goes (the rows of a value written
+        on one rank only are rebuilt from every rank's). One host sync per device."""
         checks: dict = {}
+        written: dict = {}
         for w in watches:
-            if w._ref() is None and w._kept is not None and w._written is None:
-                if w._print is None:
-                    w._written = True
-                else:
-                    checks.setdefault(w._kept[0].device, []).append(w)
+            local = w._current_local()
+            if local is None:
+                written[id(w)] = False
+            elif w._ref() is None and w._written is not None:  # a dropped value, settled before
+                written[id(w)] = w._written
+            elif w._print is None:
+                written[id(w)] = True
+            else:
+                checks.setdefault(local.device, []).append((w, local))
         for group in checks.values():
-            changed = torch.stack([_differs(w._print, fingerprint(w._kept[0])) for w in group]).tolist()
-            for w, c in zip(group, changed):
-                w._written = bool(c)
-        return [w._ref() is not None or (w._kept is not None and bool(w._written)) for w in watches]
+            changed = torch.stack([_differs(w._print, fingerprint(local)) for w, local in group]).tolist()
+            for (w, _), c in zip(group, changed):
+                written[id(w)] = bool(c)
+        for w in watches:
+            if w._ref() is None:
+                w._written = written[id(w)]
+        return [written[id(w)] for w in watches]
+
+    def resync(self) -> None:
+        """The value was written back into its parameter: it is in step with it again, so
+        only writes from now on count."""
+        local = self._current_local()
+        if local is not None:
+            self._print = fingerprint(local)
+            self._written = None if self._ref() is not None else False

@@ -617,12 +617,12 @@ def _agree_max(state, flags: torch.Tensor) -> torch.Tensor:
 
 
 def _held_flags(watches: list) -> torch.Tensor:
-    """[held..., gone..., kept by the caller...] of handed-out values, this rank's view:
-    held where the caller holds the value or dropped it after writing into it
-    (HandedOutValue), gone where no value is left to read, kept where the caller still
-    holds it (only those can be written again: they stay watched after a use that keeps
-    watching)."""
-    return torch.tensor(HandedOutValue.counts_as_held(watches) + [not w.has_value() for w in watches] +
+    """[written..., gone..., kept by the caller...] of handed-out values, this rank's view:
+    written where the value changed since it was handed out, held by the caller or
+    dropped after (HandedOutValue), gone where no value is left to read, kept where the
+    caller still holds it (only those can be written again: they stay watched after a use
+    that keeps watching)."""
+    return torch.tensor(HandedOutValue.counts_as_written(watches) + [not w.has_value() for w in watches] +
                         [w.caller_holds() for w in watches], dtype=torch.int32)
 
 
@@ -690,12 +690,13 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
     is a copy of (a shard, an optimizer state). Returns the records some rank's caller
     still holds (the same on every rank).
 
-    Values no rank holds, or dropped unwritten on every rank, cost one small all-reduce of
-    flags. The others come back to this rank's pieces as a load brings them (the rows'
-    exchange; a rank that dropped its value unwritten gives the rows it was handed) and
-    are compared there, element for element (a version counter would miss
-    torch._foreach_* ops on DTensors, which bump none); a piece any rank finds written is
-    written on every rank. Refused, on every rank, where it cannot be made right: two
+    Values written on no rank (held or dropped: their fingerprints, HandedOutValue) cost
+    one small all-reduce of flags, and a change made on the parameter's side since stays.
+    The others come back to this rank's pieces as a load brings them (the rows' exchange;
+    a rank that did not write its value gives the rows it was handed) and are compared
+    there, element for element (a version counter would miss torch._foreach_* ops on
+    DTensors, which bump none); a piece any rank finds written is written on every rank,
+    and the values written back are in step with their parameters again (`resync`). Refused, on every rank, where it cannot be made right: two
     values of one piece both written, a write between a forward and its backward (torch's
     autograd refuses that of a plain parameter). Every decision is an agreed one, so the
     watch lists stay the same on every rank."""
@@ -703,9 +704,9 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
     values = [watch() for _, watch, _ in records]
     if agreed is None:
         agreed = _agree_max(state, _held_flags([watch for _, watch, _ in records]))
-    held = [r for r in range(n) if agreed[r]]
+    held = [r for r in range(n) if agreed[r]]  # written on some rank
     if not held:
-        return []
+        return [records[r] for r in range(n) if agreed[2 * n + r]]
 
     def names(rs):
         return sorted({state.names[records[r][0]] + ("" if records[r][2] is None else f" '{records[r][2]}'")
@@ -725,6 +726,8 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
             pieces[r] = _piece_of(state, i, values[r], live.numel(), f"state-dict value of {names([r])[0]}")
             changed[r] = int(_differs(pieces[r].reshape(-1), live.reshape(-1)))
         written = [r for r, c in zip(held, _agree_max(state, changed[held]).tolist()) if c]
+        for r in held:
+            records[r][1].resync()
         if not written:
             return [records[r] for r in range(n) if agreed[2 * n + r]]
         keys = [(records[r][0], records[r][2]) for r in written]
