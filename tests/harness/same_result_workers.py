@@ -573,17 +573,39 @@ def row_writes(rank, world, strategy: str = "optim_grads_params"):
             emb[10:] += 1  # read, add, write back: rows 10-12
             lin[0] = row.flip(0)
             lin.data[...] *= 0.5
+            emb.data[4][1] = 5.0  # indexing again selects within the row
+            emb.data[9][:] = row
+            emb.data[6].add_(torch.ones(D, device=device))  # an operand of the row's shape
+            emb[11:13].mul_(row)  # broadcast over the rows
+            emb[12] += emb[12] * 2
+            full_mask = torch.zeros(13, D, dtype=torch.bool, device=device)
+            full_mask[::3, 1::2] = True
+            emb[full_mask] = -1.0  # a mask of the parameter's shape
+            emb[full_mask.flip(0)] = torch.arange(int(full_mask.sum()), dtype=torch.float32, device=device)
+            bias = m[1].bias  # often whole on one rank: a mask of its shape decides alike everywhere
+            bias[torch.ones(bias.shape, dtype=torch.bool, device=device)] = 7.0
+    reset = [nn.Embedding(13, D, padding_idx=12).to(device) for _ in range(2)]
+    mfsdp.fully_shard(reset[0], sharding_strategy=strategy)
+    for e in reset:  # torch's own reset_parameters writes weight[padding_idx]
+        torch.manual_seed(9)
+        e.reset_parameters()
+    assert torch.equal(_full_value(reset[0].state_dict()["weight"]), reset[1].weight.detach())
+    assert torch.equal(copy.deepcopy(model[0].weight.data), model[0].weight.detach())
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(_full_value(model.state_dict()[name]), q.detach()), f"'{name}' after the row writes"
     if strategy != "no_shard" and world > 1:
         w = model[0].weight
         for bad in (lambda: w[:, 0], lambda: w[::2], lambda: w[torch.tensor([1, 2])],
-                    lambda: w.data.__setitem__((slice(None), 0), 0.0), lambda: w[0, 1],
+                    lambda: w.data.__setitem__((slice(None), 0), 0.0), lambda: w[0, 1], lambda: w[True],
+                    lambda: w[None], lambda: w[torch.ones(5, dtype=torch.bool)],
                     lambda: model[1].weight.data.__setitem__(0, model[0].weight[0]),
+                    lambda: w[0:2].add_(w[2:4]), lambda: w[0].add_(model[0].weight),
                     lambda: model[1].weight.__setitem__(slice(0, 2), model[1].weight[0:2] * 2)):
             with pytest.raises(RuntimeError, match="fully_shard parameter or gradient"):
                 with torch.no_grad():
                     bad()
+        with pytest.raises(IndexError, match="too many indices"):
+            w[0, :, :]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
     tol = 1e-5 if device.type == "cpu" else 1e-4  # CUDA kernels may sum in another order
     ids = torch.randint(0, 13, (world, 6), generator=torch.Generator().manual_seed(1)).to(device)

@@ -153,14 +153,15 @@ class LogicalShape:
 
     def __getitem__(self, index):
         # By the parameter's rows: on the piece, p[i] would be element i of every rank's
-        # piece. torch's own code and tracing index the storage as it is.
-        if torch_internal_or_tracing(sys._getframe(1)):
+        # piece (torch's own nn.Embedding.reset_parameters writes weight[padding_idx] too).
+        # Code being traced indexes the storage as it is.
+        if _tracing_context() is not None:
             with DisableTorchFunctionSubclass():
                 return torch.Tensor.__getitem__(self, index)
         return piece_rows.get_rows(self, *self._piece_rows(), index)
 
     def __setitem__(self, index, value) -> None:
-        if torch_internal_or_tracing(sys._getframe(1)):
+        if _tracing_context() is not None:
             with DisableTorchFunctionSubclass():
                 return torch.Tensor.__setitem__(self, index, value)
         piece_rows.set_rows(self, *self._piece_rows(), index, value)

@@ -57,7 +57,11 @@ def selected_rows(shape, index) -> Tuple[int, int, Tuple[int, ...]]:
         if not index or any(not (r is Ellipsis or (isinstance(r, slice) and r == slice(None))) for r in rest) \
                 or sum(r is Ellipsis for r in index) > 1:
             raise _refuse("indexing", shape, f"index {index!r} selects parts of rows")
+        if sum(r is not Ellipsis for r in index) > len(shape):
+            raise IndexError(f"too many indices for a parameter of shape {shape}: {index!r}")
         index = index[0]
+    if index is None or isinstance(index, bool) or (isinstance(index, torch.Tensor) and index.dtype == torch.bool):
+        raise _refuse("indexing", shape, f"index {index!r} adds a dimension or masks")
     rows = shape[0]
     row = math.prod(shape[1:])
     if index is Ellipsis:
@@ -76,15 +80,43 @@ def selected_rows(shape, index) -> Tuple[int, int, Tuple[int, ...]]:
 
 class RowPiece(torch.Tensor):
     """This rank's part of whole rows of a sharded parameter (see the module docstring).
-    Ops on it are plain tensor ops (no per-op Python); `copy_` takes a value of the rows'
-    full shape."""
+    A tensor operand of the rows' full shape, or broadcastable to it, takes its part of
+    this rank's window (`p[i].copy_(row)`, `p.data[i].add_(row)`); indexing it again
+    selects within the rows the same way. Ops return plain tensors."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with DisableTorchFunctionSubclass():
+            own = next((a for a in args if isinstance(a, RowPiece)), None)
+            if own is None or func in _READS_ONLY:
+                return func(*args, **kwargs)
+            first, end, shape = own._mfsdp_rows
+            start, count = own._mfsdp_start, torch.Tensor.numel(own)
+            if func is torch.Tensor.copy_:
+                src = args[1] if len(args) > 1 else kwargs["src"]
+                if not (isinstance(src, RowPiece) and src._mfsdp_rows[:2] == (first, end)):
+                    _part_of(src, first, end, shape, start, count, "copy_ into")  # refuses pieces by name
+            args = tuple(_operand_part(a, own) for a in args)
+            kwargs = {k: _operand_part(v, own) for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            # An elementwise result is of the same rows and window: it stays a RowPiece, so
+            # it can meet this one again (`p[i] += p[i] * 2`).
+            if type(out) is torch.Tensor and out.dim() == 1 and out.numel() == count:
+                out = out.as_subclass(RowPiece)
+                out._mfsdp_rows, out._mfsdp_start, out._mfsdp_source = own._mfsdp_rows, start, None
+            return out
 
-    def copy_(self, src, non_blocking: bool = False):
+    def __getitem__(self, index):
         first, end, shape = self._mfsdp_rows
-        part = _part_of(src, first, end, shape, self._mfsdp_start, torch.Tensor.numel(self), "copy_ into")
-        return torch.Tensor.copy_(self, part, non_blocking)
+        return get_rows(self, self._mfsdp_start - first, shape, False, index)
+
+    def __setitem__(self, index, value) -> None:
+        first, end, shape = self._mfsdp_rows
+        set_rows(self, self._mfsdp_start - first, shape, False, index, value)
+
+    def __deepcopy__(self, memo):
+        return _plain_copy(self, memo)
 
     def __reduce_ex__(self, protocol):
         return torch.Tensor.detach(self).as_subclass(torch.Tensor).__reduce_ex__(protocol)
@@ -93,6 +125,49 @@ class RowPiece(torch.Tensor):
         first, end, shape = self._mfsdp_rows
         plain = torch.Tensor.as_subclass(self, torch.Tensor)
         return f"RowPiece(rows of shape {shape}, this rank's part={plain!r})"
+
+
+# What a RowPiece is asked without its values being combined with anything.
+_READS_ONLY = {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
+               torch.Tensor.__deepcopy__, torch.Tensor.__reduce_ex__}
+
+
+def _plain_copy(t: torch.Tensor, memo) -> torch.Tensor:
+    """copy.deepcopy of a view of a piece: a plain copy of this rank's values (torch's
+    default goes through new_empty, which is plain here, and refuses)."""
+    with DisableTorchFunctionSubclass():
+        out = torch.Tensor.clone(t).as_subclass(torch.Tensor)
+    memo[id(t)] = out
+    return out
+
+
+def _operand_part(a, own: "RowPiece"):
+    """An operand of an op on the RowPiece `own`: a plain tensor of at least one dim that
+    broadcasts to the rows' full shape gives this rank's part of it; a RowPiece of the
+    same rows is in the same window already; scalars, 0-dim tensors and tensors that do
+    not broadcast are used as they are. A RowPiece of other rows, or a sharded parameter
+    or gradient, is refused by name (their elements differ between ranks)."""
+    first, end, shape = own._mfsdp_rows
+    if isinstance(a, RowPiece):
+        if a is own or a._mfsdp_rows[:2] == (first, end):
+            return a
+        raise _refuse("an op on rows", shape, f"another tensor of other rows of a sharded parameter meets them "
+                      f"(elements {a._mfsdp_rows[0]}-{a._mfsdp_rows[1]} against {first}-{end})")
+    if not isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, PieceData) or hasattr(type(a), "_logical_shape"):
+        raise _refuse("an op on rows", shape, "a whole piece of a sharded parameter or gradient meets them")
+    with DisableTorchFunctionSubclass():
+        if torch.Tensor.dim(a) == 0:
+            return a
+        try:
+            if torch.broadcast_shapes(tuple(torch.Tensor.size(a)), tuple(shape)) != tuple(shape):
+                return a
+        except RuntimeError:
+            return a
+    with DisableTorchFunctionSubclass():
+        count = torch.Tensor.numel(own)
+    return _part_of(a, first, end, shape, own._mfsdp_start, count, "an operand of")
 
 
 def _part_of(value, first: int, end: int, shape, start: int, count: int, what: str):
@@ -117,7 +192,8 @@ def _part_of(value, first: int, end: int, shape, start: int, count: int, what: s
 
 def _window(piece: torch.Tensor, offset: int, first: int, end: int) -> Tuple[int, int]:
     """(start element in the parameter, count) of this rank's part of [first, end)."""
-    n = torch._C.TensorBase.numel(piece)
+    with DisableTorchFunctionSubclass():
+        n = torch.Tensor.numel(piece)
     a, b = max(first, offset), min(end, offset + n)
     if b <= a:  # none of these rows here: an empty view at a valid place in the piece
         return min(max(first, offset), offset + n), 0
@@ -127,15 +203,32 @@ def _window(piece: torch.Tensor, offset: int, first: int, end: int) -> Tuple[int
 def _plain_index(piece: torch.Tensor, shape, whole: bool, index):
     """The tensor to index as torch would, or None for rows of a piece: the parameter
     itself where the piece is all of it on every rank (`whole`: a replicated unit, or a
-    group of one), or the piece where the index is a mask of the piece's own shape
-    (`g[torch.isnan(g)] = 0`: elementwise, the same on every rank)."""
-    with DisableTorchFunctionSubclass():
-        if isinstance(index, torch.Tensor) and index.dtype == torch.bool \
-                and tuple(torch.Tensor.size(index)) == tuple(torch.Tensor.size(piece)):
-            return torch.Tensor.view(piece, -1)
-        if whole:
+    group of one)."""
+    if whole:
+        with DisableTorchFunctionSubclass():
+            if isinstance(index, torch.Tensor) and index.dtype == torch.bool \
+                    and tuple(index.shape) == tuple(torch.Tensor.size(piece)) != tuple(shape):
+                return torch.Tensor.view(piece, -1)  # a mask built from the piece: elementwise
             return torch.Tensor.view(piece, shape)
     return None
+
+
+def _mask_on_piece(piece: torch.Tensor, offset: int, shape, mask: torch.Tensor):
+    """(this rank's 1-D piece, the mask over it, elements the mask selects before the
+    piece) for a boolean mask: one of the parameter's shape gives its window over the
+    piece (`p[p.abs() > t]` built from the full value); one of the piece's own shape
+    (`g[torch.isnan(g)] = 0`) is elementwise. The parameter's shape is asked first, so a
+    rank whose piece is a whole 1-D parameter decides as the others."""
+    with DisableTorchFunctionSubclass():
+        flat = torch.Tensor.view(piece, -1)
+        n = torch.Tensor.numel(flat)
+        if tuple(mask.shape) == tuple(shape):
+            whole_mask = mask.reshape(-1)
+            return flat, whole_mask.narrow(0, offset, n), whole_mask.narrow(0, 0, offset)
+        if tuple(mask.shape) == tuple(torch.Tensor.size(piece)):
+            return flat, mask.reshape(-1), None
+    raise _refuse("a boolean mask", shape, f"a mask of shape {tuple(mask.shape)} is neither the parameter's shape "
+                  "nor this rank's piece's")
 
 
 def get_rows(piece: torch.Tensor, offset: int, shape, whole: bool, index):
@@ -144,6 +237,10 @@ def get_rows(piece: torch.Tensor, offset: int, shape, whole: bool, index):
     if plain is not None:
         with DisableTorchFunctionSubclass():
             return torch.Tensor.__getitem__(plain, index)
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        flat, mask, _ = _mask_on_piece(piece, offset, shape, index)
+        with DisableTorchFunctionSubclass():
+            return torch.Tensor.__getitem__(flat, mask)  # this rank's selected elements
     first, end, rows_shape = selected_rows(shape, index)
     start, count = _window(piece, offset, first, end)
     with DisableTorchFunctionSubclass():
@@ -161,6 +258,17 @@ def set_rows(piece: torch.Tensor, offset: int, shape, whole: bool, index, value)
     if plain is not None:
         with DisableTorchFunctionSubclass():
             torch.Tensor.__setitem__(plain, index, value)
+        return
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        flat, mask, before = _mask_on_piece(piece, offset, shape, index)
+        with DisableTorchFunctionSubclass():
+            if before is not None and isinstance(value, torch.Tensor) and torch.Tensor.numel(value) > 1:
+                # One value per selected element of the whole mask: this rank's run of them.
+                if torch.Tensor.dim(value) != 1 or torch.Tensor.numel(value) != int(index.sum()):
+                    raise _refuse("assignment through a boolean mask", shape, f"a value of shape "
+                                  f"{tuple(value.shape)} is neither a scalar nor one value per selected element")
+                value = value.narrow(0, int(before.sum()), int(mask.sum()))
+            torch.Tensor.__setitem__(flat, mask, value)
         return
     first, end, rows_shape = selected_rows(shape, index)
     if isinstance(value, RowPiece) and value._mfsdp_source == id(piece) and value._mfsdp_rows == (first, end, rows_shape):
@@ -194,6 +302,9 @@ class PieceData(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         return torch.Tensor.detach(self).as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return _plain_copy(self, memo)
 
 
 def piece_data(data: torch.Tensor, offset: int, shape, whole: bool) -> PieceData:
