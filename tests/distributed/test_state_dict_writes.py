@@ -268,20 +268,27 @@ def _one_rank_holds_the_other_drops(impl: str) -> dict:
     return {"loss": _global(loss), "grads": _full_grads(model)}
 
 
-def _held_while_the_parameters_change(impl: str) -> dict:
+def _held_while_the_parameters_change(impl: str, restore: bool = False) -> dict:
     """A state dict held (torchtitan's CheckpointManager keeps model.state_dict() from its
     construction) while the parameters change in place on their own side, before the next
     forward: the change stays, as under FSDP2 (where the held values are the parameters'
     storage and see it). Ours once took the held values' difference from the parameters
-    for writes into them and put the old values back at that forward."""
+    for writes into them and put the old values back at that forward. `restore`: the held
+    values are then written with the values they were handed out with, which puts those
+    back (the fingerprint cannot see that write; the value's version counter does)."""
     model = _sharded(impl)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     _train_step(model, opt, 0)
     state = model.state_dict()
+    handed = {k: v.detach().clone() for k, v in state.items()}
     with torch.no_grad():
         for p in model.blocks[0].parameters():
             p.mul_(0.5)
         model.head.weight.data.add_(0.25)
+    if restore:  # then the held values written with what they were handed out with
+        with torch.no_grad():
+            for k, v in state.items():
+                v.copy_(handed[k])
     loss = _loss(model, 1)
     loss.backward()
     assert len(state) > 0
@@ -346,8 +353,8 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
             out[impl] = _one_rank_holds_the_other_drops(impl)
         elif case == "zero_lr_step":
             out[impl] = _write_then_a_zero_lr_step_that_moves(impl)
-        elif case == "param_side_change":
-            out[impl] = _held_while_the_parameters_change(impl)
+        elif case in ("param_side_change", "param_side_restored"):
+            out[impl] = _held_while_the_parameters_change(impl, restore=case == "param_side_restored")
         else:
             out[impl] = _write_then_step(impl, mesh_shape)
     ref, got = out["fsdp2"], out["ours"]
@@ -387,6 +394,10 @@ def test_state_dicts_written_then_dropped_as_under_fsdp2(case, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_held_state_dict_keeps_changes_made_on_the_parameters_side_as_under_fsdp2(world):
     assert run_distributed(_writes_vs_fsdp2, world, "param_side_change", timeout=180) == [True] * world
+
+
+def test_held_values_written_back_as_handed_out_restore_them_as_under_fsdp2():
+    assert run_distributed(_writes_vs_fsdp2, 2, "param_side_restored", timeout=180) == [True, True]
 
 
 def test_a_zero_lr_step_on_nonzero_gradients_is_a_use_as_under_fsdp2():

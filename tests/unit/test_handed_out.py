@@ -62,6 +62,21 @@ def test_a_value_the_caller_holds_counts_only_once_written():
     assert HandedOutValue.counts_as_written([watch]) == [True]
 
 
+def test_writes_the_fingerprint_cannot_see_count_by_the_version():
+    """Putting back the values handed out (after the parameter changed on its side) and
+    permuting them leave both sums as they were: the version counter tells."""
+    value = torch.randn(16)
+    watch = HandedOutValue(value)
+    value.copy_(value.clone())
+    assert HandedOutValue.counts_as_written([watch]) == [True]
+    value = torch.arange(16.0)
+    watch = HandedOutValue(value)
+    value.copy_(value.flip(0))
+    assert HandedOutValue.counts_as_written([watch]) == [True]
+    watch.resync()
+    assert HandedOutValue.counts_as_written([watch]) == [False]
+
+
 def test_nan_values_left_alone_are_not_taken_for_a_write():
     def plant_nan(v):
         v[3] = float("nan")

@@ -21,9 +21,11 @@ values back.
 
 The fingerprint is two sums over the value, neither needing a temporary as large as the
 value: its bits as integers of the element's size, wrapping (exact: any single changed
-element changes it), and its floating sum. Writes that only permute elements are not
-seen; on a dtype without both sums every dropped value counts as written and takes the
-element-for-element comparison instead.
+element changes it), and its floating sum. The value's version counter is kept beside
+it: a write that only permutes elements, or puts back the values handed out, moves the
+version; a torch._foreach_* op on a DTensor moves no version but the fingerprint. On a
+dtype without both sums every value counts as written and takes the element-for-element
+comparison instead.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class HandedOutValue:
     """The watch on one handed-out value. Called, it gives the value while the caller
     holds it, else the kept alias of a dropped one, else None (dropped while nobody
     watched it)."""
-    __slots__ = ("_ref", "_kept", "_print", "_written", "__weakref__")
+    __slots__ = ("_ref", "_kept", "_print", "_version", "_written", "__weakref__")
 
     def __init__(self, value: torch.Tensor):
         self._ref = weakref.ref(value)
@@ -75,6 +77,9 @@ class HandedOutValue:
         self._written: Optional[bool] = None
         local = _local(value)
         self._print = fingerprint(local)
+        # The value's own counter: an in-place op on a DTensor moves the wrapper's, not
+        # its local tensor's (a plain value's alias shares it).
+        self._version = value._version
         # The finalizer keeps only the local storage (and the spec to rebuild the DTensor
         # around it) and this watch weakly: the value's own lifetime is the caller's.
         spec = value._spec if isinstance(value, DTensor) else None
@@ -138,11 +143,25 @@ class HandedOutValue:
         for group in checks.values():
             changed = torch.stack([_differs(w._print, fingerprint(local)) for w, local in group]).tolist()
             for (w, _), c in zip(group, changed):
-                written[id(w)] = bool(c)
+                # Either tells: the version misses torch._foreach_* ops on DTensors (they
+                # bump none), the fingerprint a write that only permutes elements or puts
+                # back the values handed out.
+                written[id(w)] = bool(c) or w._moved()
         for w in watches:
             if w._ref() is None:
                 w._written = written[id(w)]
         return [written[id(w)] for w in watches]
+
+    def _moved(self) -> bool:
+        """Whether the value's version counter moved since hand-out (or resync): read on
+        the value while the caller holds it, on the kept alias of a dropped plain value
+        (which shares its counter); a dropped DTensor's wrapper is gone (False)."""
+        value = self._ref()
+        if value is not None:
+            return value._version != self._version
+        if self._kept is not None and self._kept[1] is None:
+            return self._kept[0]._version != self._version
+        return False
 
     def resync(self) -> None:
         """The value was written back into its parameter: it is in step with it again, so
@@ -150,4 +169,6 @@ class HandedOutValue:
         local = self._current_local()
         if local is not None:
             self._print = fingerprint(local)
-            self._written = None if self._ref() is not None else False
+            value = self._ref()
+            self._version = (value if value is not None else local)._version
+            self._written = None if value is not None else False
