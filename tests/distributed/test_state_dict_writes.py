@@ -551,7 +551,8 @@ def test_writes_that_cannot_apply_are_refused_on_every_rank(case, words):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dcp", "optim_dcp", "ema_foreach", "step", "ema_temporary", "dcp_helper", "zero_lr_step",
-                                  "resume_fresh", "one_rank_writes", "param_side_change"])
+                                  "resume_fresh", "one_rank_writes", "param_side_change",
+                                  "param_side_restored"])
 def test_state_dict_writes_on_nccl(case, tmp_path):
     """The same comparisons with NCCL and CUDA tensors: the flags' all-reduce and the rows'
     exchange on the GPU."""
