@@ -591,6 +591,8 @@ def row_writes(rank, world, strategy: str = "optim_grads_params"):
         e.reset_parameters()
     assert torch.equal(_full_value(reset[0].state_dict()["weight"]), reset[1].weight.detach())
     assert torch.equal(copy.deepcopy(model[0].weight.data), model[0].weight.detach())
+    shown = repr(model[0].weight.data)  # the piece as it is, not rows of it
+    assert "this rank's piece" in shown and f"({13}, {D})" in shown, shown
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(_full_value(model.state_dict()[name]), q.detach()), f"'{name}' after the row writes"
     if strategy != "no_shard" and world > 1:

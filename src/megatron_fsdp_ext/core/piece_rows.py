@@ -306,6 +306,11 @@ class PieceData(torch.Tensor):
     def __deepcopy__(self, memo):
         return _plain_copy(self, memo)
 
+    def __repr__(self, *, tensor_contents=None) -> str:
+        # torch's printer shortens long tensors by indexing them, which here means rows.
+        plain = torch.Tensor.as_subclass(self, torch.Tensor)
+        return f"PieceData(parameter shape {self._mfsdp_piece[1]}, this rank's piece={plain!r})"
+
 
 def piece_data(data: torch.Tensor, offset: int, shape, whole: bool) -> PieceData:
     out = data.as_subclass(PieceData)
