@@ -10,13 +10,14 @@ communication. This is what scripts do to parameters outside the forward:
 Indexing the 1-D piece itself would write element i of every rank's piece instead of row
 i, silently (FSDP2's DTensor writes nothing there).
 
-So indexing whole rows gives a `RowPiece`: a plain view of this rank's part of the rows (its
+So indexing whole rows gives a `RowPiece`: a view of this rank's part of the rows (its
 length differs between ranks). Writes through it (`zero_`, `fill_`, `mul_`, ...) land in
-the rows; its `copy_` and the parameter's `p[rows] = value` take a value of the rows' full
-shape (or one broadcastable to it) and keep this rank's part. Reads of it are this rank's
-part, as every op on a piece is. Anything else (columns, steps, index tensors, masks, a
-piece of another parameter as the value) is refused by name, on every rank alike: the
-decisions depend on the parameter's shape and the index, never on the piece.
+the rows; an operand of the rows' full shape (or one broadcastable to it), in its ops and
+in `p[rows] = value`, gives this rank's part. Reads of it are this rank's part, as every
+op on a piece is. A boolean mask of the parameter's shape selects its elements on every
+piece; one of the piece's own shape is elementwise. Anything else (columns, steps, index
+tensors, other rows or a whole piece as an operand) is refused by name, on every rank
+alike: the decisions depend on the parameter's shape and the index, never on the piece.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ class RowPiece(torch.Tensor):
     """This rank's part of whole rows of a sharded parameter (see the module docstring).
     A tensor operand of the rows' full shape, or broadcastable to it, takes its part of
     this rank's window (`p[i].copy_(row)`, `p.data[i].add_(row)`); indexing it again
-    selects within the rows the same way. Ops return plain tensors."""
+    selects within the rows the same way. Elementwise results stay RowPieces of the same
+    window; other results are plain tensors."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -690,16 +690,16 @@ def _write_back(state, records, where: str, load_call: str, *, live_of, reshard:
     is a copy of (a shard, an optimizer state). Returns the records some rank's caller
     still holds (the same on every rank).
 
-    Values written on no rank (held or dropped: their fingerprints, HandedOutValue) cost
-    one small all-reduce of flags, and a change made on the parameter's side since stays.
-    The others come back to this rank's pieces as a load brings them (the rows' exchange;
-    a rank that did not write its value gives the rows it was handed) and are compared
-    there, element for element (a version counter would miss torch._foreach_* ops on
-    DTensors, which bump none); a piece any rank finds written is written on every rank,
-    and the values written back are in step with their parameters again (`resync`). Refused, on every rank, where it cannot be made right: two
-    values of one piece both written, a write between a forward and its backward (torch's
-    autograd refuses that of a plain parameter). Every decision is an agreed one, so the
-    watch lists stay the same on every rank."""
+    Values written on no rank (held or dropped: their fingerprints and version counters,
+    HandedOutValue) cost one small all-reduce of flags, and a change made on the
+    parameter's side since stays. The others come back to this rank's pieces as a load
+    brings them (the rows' exchange; a rank that did not write its value gives the rows it
+    was handed) and are compared there, element for element; a piece any rank finds
+    written is written on every rank, and the values written back are in step with their
+    parameters again (`resync`). Refused, on every rank, where it cannot be made right:
+    two values of one piece both written, a write between a forward and its backward
+    (torch's autograd refuses that of a plain parameter). Every decision is an agreed one,
+    so the watch lists stay the same on every rank."""
     n = len(records)
     values = [watch() for _, watch, _ in records]
     if agreed is None:
