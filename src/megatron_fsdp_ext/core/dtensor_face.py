@@ -55,14 +55,6 @@ _tracing_context = torch._guards.TracingContext.try_get
 _TENSOR_SHAPE = torch._C.TensorBase.__dict__["shape"]
 
 
-def torch_internal_or_tracing(frame) -> bool:
-    """Whether the code at `frame` is torch's own (AOT autograd's dispatch modes, Dynamo,
-    nn.Module) or runs under tracing: it reads a piece's storage as it is, not by the
-    parameter's rows."""
-    return _tracing_context() is not None or frame.f_globals.get("__name__", "").startswith("torch.")
-
-
-
 def local_shape(t: torch.Tensor) -> torch.Size:
     """The shape of `t` itself: for a sharded parameter or gradient (LogicalShape), this
     rank's 1-D piece, not the parameter's shape it reports."""

@@ -94,26 +94,11 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
     def _face_layout(self):
         return type(self).layout
 
-    def _face_full_tensor(self) -> torch.Tensor:
-        for ref in type(self).owners:
-            state = ref()
-            if state is None or state.unit is None:
-                continue
-            for i, p in enumerate(state.unit.sharded_params):
-                if p.grad is self:
-                    return state_dict.full_grad(state, i)
-        raise RuntimeError("full_tensor() of a gradient no sharded parameter holds any more (after the optimizer "
-                           "step, a gradient is a plain tensor again)")
-
-    def _face_kind(self) -> str:
-        return "gradient"
-
-    def _piece_rows(self):
-        # The parameter whose gradient this piece is: itself, or its .data / .detach()
-        # (the same memory and class, so the same shape: empty pieces that share an
-        # address are of one shape, and every rank decides by that shape alike).
-        from .sharded_param import piece_rows_of
-
+    def _holder(self, same_memory: bool):
+        """(unit state, parameter index) of the parameter whose gradient this piece is, or
+        (None, -1). `same_memory`: also a view of it (its .data / .detach(): the same
+        memory and class, so the same shape: empty pieces that share an address are of one
+        shape, and every rank decides by that shape alike)."""
         with DisableTorchFunctionSubclass():
             ptr, n = torch.Tensor.data_ptr(self), torch.Tensor.numel(self)
             for ref in type(self).owners:
@@ -122,11 +107,29 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
                     continue
                 for i, p in enumerate(state.unit.sharded_params):
                     g = p.grad
-                    if g is self or (type(g) is type(self) and torch.Tensor.data_ptr(g) == ptr
+                    if g is self or (same_memory and type(g) is type(self) and torch.Tensor.data_ptr(g) == ptr
                                      and torch.Tensor.numel(g) == n):
-                        return piece_rows_of(state, i)
-        raise RuntimeError("indexing a gradient piece no sharded parameter holds any more (after the optimizer "
-                           "step a gradient is a plain tensor again): its rows cannot be told")
+                        return state, i
+        return None, -1
+
+    def _face_full_tensor(self) -> torch.Tensor:
+        state, i = self._holder(same_memory=False)
+        if state is None:
+            raise RuntimeError("full_tensor() of a gradient no sharded parameter holds any more (after the "
+                               "optimizer step, a gradient is a plain tensor again)")
+        return state_dict.full_grad(state, i)
+
+    def _face_kind(self) -> str:
+        return "gradient"
+
+    def _piece_rows(self):
+        from .sharded_param import piece_rows_of
+
+        state, i = self._holder(same_memory=True)
+        if state is None:
+            raise RuntimeError("indexing a gradient piece no sharded parameter holds any more (after the optimizer "
+                               "step a gradient is a plain tensor again): its rows cannot be told")
+        return piece_rows_of(state, i)
 
     def __deepcopy__(self, memo):
         # A copy of this rank's piece that still reduces its norm across ranks (torch's

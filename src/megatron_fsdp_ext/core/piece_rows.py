@@ -167,7 +167,6 @@ def _operand_part(a, own: "RowPiece"):
                 return a
         except RuntimeError:
             return a
-    with DisableTorchFunctionSubclass():
         count = torch.Tensor.numel(own)
     return _part_of(a, first, end, shape, own._mfsdp_start, count, "an operand of")
 

@@ -29,16 +29,24 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch._guards
 import torch.nn as nn
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
 from . import piece_rows, state_dict
-from .dtensor_face import DTensorFace, LogicalShape, local_shape, torch_internal_or_tracing
+from .dtensor_face import DTensorFace, LogicalShape, local_shape
 from .param_index import conversion_refused, owner_of
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _torch_internal_or_tracing(frame) -> bool:
+    """Whether the code at `frame` is torch's own (AOT autograd's dispatch modes, Dynamo,
+    nn.Module) or runs under tracing: it gets `.data` as the plain piece it always was."""
+    return torch._guards.TracingContext.try_get() is not None or \
+        frame.f_globals.get("__name__", "").startswith("torch.")
 
 
 def piece_rows_of(state, index: int):
@@ -134,7 +142,7 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # is, for scripts and libraries. torch's own code (AOT autograd's dispatch modes,
         # Dynamo, nn.Module) and tracing get the plain tensor that `.data` always was:
         # modes refuse tensor subclasses they do not know.
-        if torch_internal_or_tracing(sys._getframe(1)):
+        if _torch_internal_or_tracing(sys._getframe(1)):
             return data
         state, index = owner_of(self)
         if state is None:
