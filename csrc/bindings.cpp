@@ -582,7 +582,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("unshard_all", &Unit::unshard_all, py::arg("units"), py::arg("bucketed"),
                   py::call_guard<py::gil_scoped_release>(),
                   "unshard_together(units) when bucketed and several, else each unit's unshard()")
-      .def("reshard", &Unit::reshard, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &Unit::reshard, py::arg("keep_post_forward") = false, py::call_guard<py::gil_scoped_release>(),
+           "Free the unsharded storage; keep_post_forward keeps this rank's 1/N of it first when the unit has a "
+           "post-forward group (reshard_after_forward=int), which the next unshard() gathers from.")
+      .def("set_post_forward_group", &Unit::set_post_forward_group, py::arg("group"),
+           py::call_guard<py::gil_scoped_release>(),
+           "FSDP2's reshard_after_forward=int: N consecutive ranks of the shard group, this rank among them.")
+      .def_property_readonly("post_forward_size", &Unit::post_forward_size,
+                             "N of reshard_after_forward=int (0: no post-forward group)")
+      .def_property_readonly("post_forward_nbytes", &Unit::post_forward_nbytes,
+                             "Bytes of the copy kept after forward (0: none kept)")
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
@@ -605,9 +614,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("use", &ParamSlots::use, py::arg("gathers"), py::arg("bucketed"),
            "Gather `gathers` (one coalesced all-gather when bucketed), wait for this unit's gather and install "
            "the unsharded parameters; returns the slots the user re-assigned.")
-      .def("release", &ParamSlots::release, py::arg("keep_unsharded"),
-           "Reshard unless keep_unsharded and install the sharded parameters (kept: only if the slots hold the "
-           "unsharded ones); returns the slots the user re-assigned.")
+      .def("release", &ParamSlots::release, py::arg("keep_unsharded"), py::arg("keep_post_forward") = false,
+           "Reshard unless keep_unsharded (keeping the post-forward copy when asked, Unit::reshard) and install "
+           "the sharded parameters (kept: only if the slots hold the unsharded ones); returns the slots the user "
+           "re-assigned.")
       .def_property_readonly("holds_unsharded", &ParamSlots::holds_unsharded)
       .def("param_index", &ParamSlots::param_index)
       .def("params_dict", &ParamSlots::params_dict)

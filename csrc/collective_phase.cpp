@@ -12,6 +12,7 @@ const char* phase_name(CollectivePhase phase) {
     case CollectivePhase::kExchangeRows: return "exchange of state-dict rows";
     case CollectivePhase::kAllReduceFp8Amax: return "all-reduce(max) of FP8 weight amaxes";
     case CollectivePhase::kAllReduceGradMask: return "all-reduce(max) of which parameters got gradients";
+    case CollectivePhase::kAllGatherPostForward: return "all-gather of parameters kept after forward";
   }
   return "collective";
 }

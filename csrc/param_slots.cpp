@@ -81,13 +81,13 @@ std::vector<int64_t> ParamSlots::use(const std::vector<Unit*>& gathers, bool buc
   return install(/*unsharded=*/true);
 }
 
-std::vector<int64_t> ParamSlots::release(bool keep_unsharded) {
+std::vector<int64_t> ParamSlots::release(bool keep_unsharded, bool keep_post_forward) {
   if (!unit_) return {};
   if (keep_unsharded) {
     if (!holds_unsharded_) return {};
   } else {
     py::gil_scoped_release no_gil;
-    unit_->reshard();
+    unit_->reshard(keep_post_forward);
   }
   return install(/*unsharded=*/false);
 }

@@ -34,8 +34,9 @@ class ParamSlots {
   std::vector<int64_t> use(const std::vector<Unit*>& gathers, bool bucketed);
   // After a use: free the unsharded storage and install the sharded objects; with
   // `keep_unsharded` (the strategy keeps the copy, or backward keeps it) the storage
-  // stays and the slots change only if they hold the unsharded objects.
-  std::vector<int64_t> release(bool keep_unsharded);
+  // stays and the slots change only if they hold the unsharded objects; with
+  // `keep_post_forward` the unit keeps its post-forward copy (Unit::reshard).
+  std::vector<int64_t> release(bool keep_unsharded, bool keep_post_forward = false);
   // Which objects the slots were last given (the sharded ones until the first install).
   bool holds_unsharded() const { return holds_unsharded_; }
   int64_t size() const { return static_cast<int64_t>(slots_.size()); }

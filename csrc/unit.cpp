@@ -239,6 +239,34 @@ void Unit::set_replicate_group(ProcessGroupPtr pg) {
   replicate_comm_ = c.size() > 1 ? std::move(c) : Communicator();
 }
 
+void Unit::set_post_forward_group(ProcessGroupPtr pg) {
+  Communicator c(std::move(pg));
+  const int world = rs_comm_.size();
+  MFSDP_CHECK(!replicated() && layout_.kind() == SegmentKind::kEven, "reshard_after_forward=int: fully_shard unit '",
+              label_, "' does not shard its parameters evenly (sharding_strategy or layout); there is nothing to "
+              "reshard to a smaller group");
+  MFSDP_CHECK(!gathers_bytes(), "reshard_after_forward=int: fully_shard unit '", label_,
+              "' gathers FP8 bytes (torchao's FP8 all-gather), which keeps no post-forward copy; use "
+              "reshard_after_forward=True for it");
+  MFSDP_CHECK(c.size() > 1 && c.size() < world && world % c.size() == 0, "reshard_after_forward=int: the group has ",
+              c.size(), " ranks; fully_shard unit '", label_, "' needs a factor of its ", world,
+              " ranks other than 1 and ", world);
+  MFSDP_CHECK(c.rank() == rank() % c.size(), "reshard_after_forward=int: this rank is ", c.rank(), " of ", c.size(),
+              " in the post-forward group but ", rank(), " of ", world, " in unit '", label_,
+              "''s group; the post-forward group must hold consecutive ranks of the shard group, in order");
+  post_forward_flat_ = at::Tensor();
+  post_forward_comm_ = std::move(c);
+}
+
+int64_t Unit::post_forward_nbytes() const {
+  return post_forward_flat_.defined() ? post_forward_flat_.numel() * post_forward_flat_.element_size() : 0;
+}
+
+bool Unit::post_forward_copy_valid() const {
+  return !stale_ && post_forward_generation_ == shard_generation_ &&
+         post_forward_version_ == sharded_flat_._version();
+}
+
 void Unit::check_bound(const char* what) const {
   MFSDP_CHECK(static_cast<int64_t>(sharded_params_.size()) == layout_.num_params(), what,
               ": fully_shard unit '", label_, "' has no parameters bound yet (call bind_params first)");

@@ -225,8 +225,19 @@ class Unit {
   static void unshard_all(const std::vector<Unit*>& units, bool bucketed);
   // Make the current stream wait for the all-gather. No-op unless GATHERING.
   void wait_unshard();
-  // Free the unsharded storage (waiting first if an all-gather is in flight).
-  void reshard();
+  // Free the unsharded storage (waiting first if an all-gather is in flight). With
+  // `keep_post_forward` and a post-forward group (set_post_forward_group), this rank's
+  // 1/N of the gathered buffer is kept first: the next unshard() gathers from it over the
+  // N ranks of that group, unless the shard changed since. Without, any kept copy goes too.
+  void reshard(bool keep_post_forward = false);
+  // FSDP2's reshard_after_forward=int: `pg` holds N consecutive ranks of the shard group
+  // (1 < N < world, N divides world), this rank among them. Index j in it keeps segment
+  // range j of N of the gathered buffer, which covers ranks j*world/N .. (j+1)*world/N - 1.
+  void set_post_forward_group(ProcessGroupPtr pg);
+  // N, or 0 without a post-forward group.
+  int post_forward_size() const { return post_forward_comm_.defined() ? post_forward_comm_.size() : 0; }
+  // Bytes the kept post-forward copy holds now (0 when none).
+  int64_t post_forward_nbytes() const;
   // The one entry point for "the shard changed" other than by a collective:
   //  - no `index`: the shards were updated in place (an optimizer step). A kept
   //    unsharded copy must be gathered again before its next use; the shard's version
@@ -290,6 +301,8 @@ class Unit {
   // The all-gather input: the shard, cast into this rank's slot of the output when the
   // dtypes differ and `in_place` (side-stream path), else cast into a new tensor.
   at::Tensor gather_input(bool in_place);
+  // unshard()'s collective when it gathers from the post-forward copy `kept`.
+  void unshard_from_post_forward(const at::Tensor& kept);
   // Every rank's `segment` (this rank's, laid out like the shard) gathered into full
   // values shaped like the parameters. Before lazy init (no context yet: the layouts were
   // not compared across ranks) the ranks first check they gather the same sizes.
@@ -333,6 +346,11 @@ class Unit {
   void set_byte_gather(const std::vector<int64_t>& params, at::ScalarType fp8_dtype, GatherTransform transform);
   // MXFP8: where the gathered scales start in the unsharded buffer (after the data).
   int64_t mx_scales_offset() const { return gather_bytes_->total; }
+  // The kept post-forward copy still matches the shard (no write, load or step since).
+  bool post_forward_copy_valid() const;
+  // Whether unshard() would gather from the kept post-forward copy (then alone: its group
+  // differs from every bucket's).
+  bool gathers_post_forward() const { return post_forward_flat_.defined() && post_forward_copy_valid(); }
   // No-shard without a cast: the unsharded params are the shards themselves.
   bool aliases_shard() const { return replicated() && transform_ == GatherTransform::kNone; }
   bool unsharded_is_stale() const {
@@ -436,10 +454,10 @@ class Unit {
   int64_t label_hash_ = 0;
   // Profiler scope per CollectivePhase, "mfsdp::<collective>[<label>]": a trace shows
   // which unit every collective belongs to. Built in set_label, off the hot path.
-  std::array<std::string, 8> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
+  std::array<std::string, 9> profile_scopes_{"mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce",
                                              "mfsdp::all_gather_full", "mfsdp::all_reduce_replicas",
                                              "mfsdp::exchange_rows", "mfsdp::all_reduce_fp8_amax",
-                                             "mfsdp::all_reduce_grad_mask"};
+                                             "mfsdp::all_reduce_grad_mask", "mfsdp::all_gather_post_forward"};
   // "mfsdp::unshard[<label>]" / "mfsdp::reshard[<label>]": when a unit starts gathering
   // (or casting) its parameters and when it frees them; tests replay these from a trace.
   std::string unshard_scope_ = "mfsdp::unshard";
@@ -480,6 +498,16 @@ class Unit {
   // divide factor's inverse) is applied as the gradients are packed, so the reduced shard
   // needs no pass of its own; gradients accumulated without sync keep their first scale.
   double packed_scale_ = 1.0;
+
+  // reshard_after_forward=int (set_post_forward_group): the smaller group, this rank's
+  // 1/N of the gathered buffer kept by reshard(true), and the shard it was gathered from.
+  Communicator post_forward_comm_;
+  at::Tensor post_forward_flat_;
+  uint32_t post_forward_version_ = 0;
+  uint64_t post_forward_generation_ = 0;
+  // The kept copy an issued gather reads on the all-gather stream: held until the compute
+  // stream waited for that gather (wait_unshard), so its memory is not reused before.
+  at::Tensor post_forward_in_flight_;
 
   UnitState state_ = UnitState::kSharded;
   uint32_t gathered_version_ = 0;  // shard version the in-flight gather read

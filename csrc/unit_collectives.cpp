@@ -60,7 +60,7 @@ void Unit::set_label(std::string label) {
                        "sharded parameter / model.state_dict() instead.");
   static constexpr const char* kScopes[] = {"all_gather", "reduce_scatter", "all_reduce", "all_gather_full",
                                              "all_reduce_replicas", "exchange_rows", "all_reduce_fp8_amax",
-                                             "all_reduce_grad_mask"};
+                                             "all_reduce_grad_mask", "all_gather_post_forward"};
   static_assert(std::size(kScopes) == std::tuple_size_v<decltype(profile_scopes_)>);
   for (size_t i = 0; i < profile_scopes_.size(); ++i) profile_scopes_[i] = msg("mfsdp::", kScopes[i], "[", label_, "]");
   unshard_scope_ = msg("mfsdp::unshard[", label_, "]");

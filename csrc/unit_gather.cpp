@@ -61,7 +61,15 @@ void Unit::unshard() {
               "or a write since it was made); the root's forward, unshard() and start_param_sync() quantize it "
               "first (megatron_fsdp_ext.refresh_fp8_scales(model) does it by hand)");
   RECORD_USER_SCOPE(unshard_scope_.c_str());
+  // The copy kept after forward (reshard_after_forward=int) is read by this gather, over
+  // the smaller group, only while it matches the shard; else it goes and the shard is read.
+  at::Tensor post_forward = gathers_post_forward() ? post_forward_flat_ : at::Tensor();
+  post_forward_flat_ = at::Tensor();
   prepare_gather();
+  if (post_forward.defined()) {
+    unshard_from_post_forward(post_forward);
+    return;
+  }
   if (replicated()) {  // a cast, no communication
     if (gathers_bytes()) {
       gather_input(/*in_place=*/true);
@@ -103,11 +111,37 @@ void Unit::unshard() {
   state_ = UnitState::kUnsharded;
 }
 
+void Unit::unshard_from_post_forward(const at::Tensor& kept) {
+  at::Tensor input = kept;
+  auto all_gather = [&] {
+    run_collective(CollectivePhase::kAllGatherPostForward, post_forward_comm_, unsharded_flat_.numel(),
+                   [&] { post_forward_comm_.all_gather_flat(unsharded_flat_, input); });
+  };
+  const auto& streams = ctx().streams();
+  if (streams.enabled()) {
+    compute_ready_.record(current_stream(device_));
+    c10::StreamGuard guard(streams.all_gather());
+    compute_ready_.block(streams.all_gather());
+    all_gather();
+    ctx().delay_after_collective();
+    all_gather_done_->record(streams.all_gather());
+    gathered_ = all_gather_done_;
+    post_forward_in_flight_ = kept;  // freed once the compute stream waited (wait_unshard)
+    state_ = UnitState::kGathering;
+    return;
+  }
+  all_gather();
+  state_ = UnitState::kUnsharded;
+}
+
 void Unit::unshard_together(const std::vector<Unit*>& units) {
   auto [together, alone] = split_for_coalescing(
       units, "unshard_together", [](Unit& u) { return u.needs_gather(); },
       // An FP8 unit's uneven byte gather runs alone.
-      [](const Unit& u) { return !u.replicated() && u.ctx_ != nullptr && !u.gathers_bytes(); },
+      // So does one gathering from its post-forward copy, over a group of its own.
+      [](const Unit& u) {
+        return !u.replicated() && u.ctx_ != nullptr && !u.gathers_bytes() && !u.gathers_post_forward();
+      },
       [](const Unit& lead, const Unit& u) {
         return u.ag_comm_.group().get() == lead.ag_comm_.group().get() && u.param_dtype_ == lead.param_dtype_ &&
                u.ctx_ == lead.ctx_;
@@ -165,6 +199,7 @@ void Unit::wait_unshard() {
   if (state_ == UnitState::kSharded) return;
   if (state_ == UnitState::kGathering) {
     gathered_->block(current_stream(device_));
+    post_forward_in_flight_ = at::Tensor();
     state_ = UnitState::kUnsharded;
     // A `p.data = x` while the gather was in flight (e.g. an EMA swap after
     // start_param_sync) makes the gathered copy stale.
@@ -179,10 +214,18 @@ void Unit::wait_unshard() {
   }
 }
 
-void Unit::reshard() {
+void Unit::reshard(bool keep_post_forward) {
+  if (!keep_post_forward) post_forward_flat_ = at::Tensor();
   if (state_ == UnitState::kSharded || aliases_shard()) return;
   RECORD_USER_SCOPE(reshard_scope_.c_str());
   wait_unshard();  // never free memory a collective may still write
+  if (keep_post_forward && post_forward_comm_.defined() && !unsharded_is_stale()) {
+    // This rank's 1/N, copied on the compute stream (where the buffer is freed next).
+    const int64_t numel = layout_.total_numel() / post_forward_comm_.size();
+    post_forward_flat_ = unsharded_flat_.narrow(0, post_forward_comm_.rank() * numel, numel).clone();
+    post_forward_version_ = gathered_version_;
+    post_forward_generation_ = shard_generation_;
+  }
   free_unsharded();
   state_ = UnitState::kSharded;
 }

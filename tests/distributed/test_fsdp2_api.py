@@ -57,8 +57,8 @@ def _fsdp2_arguments(rank, world):
         mfsdp.fully_shard(m, mesh=mesh, process_group=dist.group.WORLD)
     with pytest.raises(TypeError, match="mesh must be a"):
         mfsdp.fully_shard(m, mesh=dist.group.WORLD)
-    with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool or None, got 2"):
-        mfsdp.fully_shard(m, reshard_after_forward=2)
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool, an int or None, got 2.0"):
+        mfsdp.fully_shard(m, reshard_after_forward=2.0)
     with pytest.raises(TypeError, match=r"offload_policy must be None, OffloadPolicy\(\) or CPUOffloadPolicy"):
         mfsdp.fully_shard(m, offload_policy="cpu")
     with pytest.raises(TypeError, match="pin_memory must be a bool"):

@@ -14,7 +14,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 _SCOPE = re.compile(r"^mfsdp::(unshard|reshard)\[(.*)\]$")
 _PHASE = re.compile(r"^test::phase\[(.*)\]$")
-_COLLECTIVE = re.compile(r"^mfsdp::(all_gather|reduce_scatter|all_reduce|all_gather_full|all_reduce_replicas)\[(.*)\]$")
+_COLLECTIVE = re.compile(r"^mfsdp::(all_gather|reduce_scatter|all_reduce|all_gather_full|all_reduce_replicas|"
+                         r"all_gather_post_forward)\[(.*)\]$")
 
 
 class UnitTrace:

@@ -36,6 +36,19 @@ def test_zero3_counts_segments_root_and_two_largest_units():
     assert "total, without activations" in str(est)
 
 
+def test_reshard_after_forward_counts_what_units_keep_until_backward():
+    # An int N keeps 1/N of every unit but the root from forward to backward.
+    est = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], reshard_after_forward=2)
+    assert est.gathered_params == 4 * (640 + 4096 + 4096) + 4 * (4096 + 4096) // 2
+    # False keeps them all; the group's size is True; other ints are refused as fully_shard refuses them.
+    kept = mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], prefetch_depth=0, reshard_after_forward=False)
+    assert kept.gathered_params == 4 * (640 + 4096 + 4096)  # not only the unit in use
+    assert mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], reshard_after_forward=4).gathered_params == \
+        mfsdp.estimate_memory(_model(), 4, unit_modules=[Block]).gathered_params
+    with pytest.raises(ValueError, match="reshard_after_forward=3: an int must be a factor"):
+        mfsdp.estimate_memory(_model(), 4, unit_modules=[Block], reshard_after_forward=3)
+
+
 def test_gather_buckets_count_whole_buckets():
     with torch.device("meta"):
         m = nn.Sequential(*[Block() for _ in range(5)], nn.Linear(64, 10, bias=False))

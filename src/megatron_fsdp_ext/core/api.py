@@ -16,7 +16,7 @@ import torch.nn as nn
 from .. import _C
 from . import fsdp2_view, in_place_init, shard_changes
 from .comm_buffers import apply_comm_buffer_source
-from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
+from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params, post_forward_size_of,
                         groups_from_mesh, make_unit, placement_groups)
 from .extension_points import class_overrides, outer_sharding
 from .hook_support import load_dynamo
@@ -180,9 +180,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
                     raise ValueError(
                         f"set_reshard_after_forward(True): {state} uses sharding_strategy="
                         f"{state.options.sharding_strategy!r}, which keeps parameters unsharded between uses")
-        for state in states:
+        for state in states:  # as FSDP2's setter: a bool replaces an int given to fully_shard
             if state.unit is not None or not reshard_after_forward:
-                state.set_options(reshard_after_forward=reshard_after_forward)
+                state.set_options(reshard_after_forward=reshard_after_forward, post_forward_shard_size=0)
 
     def start_param_sync(self) -> None:
         """With all_gather_in_start_param_sync=True (on this root): launch the first
@@ -505,7 +505,7 @@ def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, o
                          check_for_nan_in_grad, tp, offload_pin, label=unit_kind(modules))
         if group.dims is not None:
             unit.set_state_dict_dims(group.dims)
-        comm.connect(unit, strategy)
+        comm.connect(unit, strategy, options.post_forward_shard_size)
     mesh = comm.mesh
     state = FSDPState(modules, unit, group_names, group_slots, comm.pg, options,
                       check_group=comm.reduce_scatter_group,
@@ -533,7 +533,7 @@ def fully_shard(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     sharding_strategy: str = "optim_grads_params",
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     alignment: int = _C.DEFAULT_ALIGNMENT,
@@ -586,7 +586,13 @@ def fully_shard(
                      gather at all. Optimizer state is sharded except under no_shard.
     reshard_after_forward: free a unit's params after its forward and gather them
                      again for backward (default: True for optim_grads_params; the
-                     other strategies keep them, and True is an error there).
+                     other strategies keep them, and True is an error there). An int
+                     N (FSDP2's), a factor of the shard group's size: after forward
+                     each rank keeps 1/N of the gathered parameters, so that N
+                     consecutive ranks of the shard group (a node's GPUs) hold them
+                     whole, and backward gathers over those N ranks only: more memory
+                     between forward and backward than True, less traffic across
+                     nodes. 1 is False and the group's size is True, as in FSDP2.
     prefetch_depth:  units all-gathered ahead of use, in the forward order recorded in
                      the first iteration (0: off). The root's value governs its tree.
     gather_bucket_bytes: (root) consecutive units, in the recorded forward order, whose
@@ -681,21 +687,19 @@ def fully_shard(
     mp_policy = as_mp_policy(mp_policy)
     process_group, replicate_group = groups_from_mesh(mesh, process_group)
     offload_pin = offload_pinning(offload_policy)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r} "
-            "(FSDP2's int form, resharding to a smaller group after forward, is not supported)")
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     strategy = strategy_named(sharding_strategy)
+    reshard_after_forward, post_forward_shard_size = post_forward_size_of(
+        reshard_after_forward, dist.get_world_size(pg))
     if reshard_after_forward is None:  # free after forward only where the strategy gathers per use
         reshard_after_forward = not strategy.keeps_unsharded
     # Checked here, before any work: contradictions (reshard_after_forward=True with a
     # strategy that keeps parameters unsharded), depth, flags, groups.
     options = UnitOptions(
         sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-        prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
+        post_forward_shard_size=post_forward_shard_size, prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
         reduce_bucket_bytes=reduce_bucket_bytes,
         all_gather_in_start_param_sync=all_gather_in_start_param_sync,
         overlap_grad_reduce=overlap_grad_reduce, check_for_nan_in_grad=check_for_nan_in_grad,

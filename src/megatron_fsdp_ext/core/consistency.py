@@ -31,7 +31,8 @@ def unit_signature(name: str, state) -> str:
     options = (f"strategy={o.sharding_strategy} param_dtype={unit.param_dtype} "
                f"reduce_dtype={unit.reduce_dtype} alignment={unit.layout.alignment} "
                f"ranks={dist.get_process_group_ranks(state.process_group)} "
-               f"reshard_after_forward={o.reshard_after_forward} prefetch_depth={o.prefetch_depth} "
+               f"reshard_after_forward={o.post_forward_shard_size or o.reshard_after_forward} "
+               f"prefetch_depth={o.prefetch_depth} "
                f"gather_bucket_bytes={o.gather_bucket_bytes} reduce_bucket_bytes={o.reduce_bucket_bytes} "
                f"unshard_in_backward={o.unshard_in_backward} reshard_after_backward={o.reshard_after_backward} "
                f"all_gather_in_start_param_sync={o.all_gather_in_start_param_sync}")

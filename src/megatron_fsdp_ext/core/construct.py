@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -163,6 +164,41 @@ def group_for(pg, role: str, timeout: Optional[datetime.timedelta] = None, shard
         extra = {} if timeout is None else {"timeout": timeout}
         made = {row: dist.new_group(ranks=list(row), backend=key[0], **extra) for row in rows}
         _GROUPS[key] = made[ranks]
+    return _GROUPS[key]
+
+
+def post_forward_size_of(reshard_after_forward, shard_size: int):
+    """fully_shard's reshard_after_forward as (bool or None, N): FSDP2's int form N, a factor
+    of the shard group's size, is True keeping 1/N after forward; 1 reads as False, as in
+    FSDP2. N is 0 for the bool forms. N stays as given where it is the group's size (True
+    for that group): each unit on another mesh (shard_placement_fn) reads it by its own."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, 0
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+    n = reshard_after_forward
+    if n < 1 or n > shard_size or shard_size % n:
+        raise ValueError(f"reshard_after_forward={n}: an int must be a factor of the shard group's size "
+                         f"{shard_size} (how many consecutive ranks hold the parameters whole after forward)")
+    if n == 1:
+        warnings.warn("reshard_after_forward=1 (an int) keeps the gathered parameters whole after forward, as "
+                      "reshard_after_forward=False does; pass False", stacklevel=3)
+        return False, 0
+    return True, n
+
+
+def post_forward_group(pg, size: int, timeout: Optional[datetime.timedelta] = None):
+    """The cached group of the `size` consecutive ranks of pg that this rank's post-forward
+    copy is gathered over (reshard_after_forward=int). Created by its members only
+    (use_local_synchronization), so shard groups that are slices of a larger job (tensor or
+    pipeline parallel, expert meshes) need nothing from the other ranks."""
+    ranks = dist.get_process_group_ranks(pg)
+    start = ranks.index(dist.get_rank()) // size * size
+    chunk = tuple(ranks[start:start + size])
+    key = (dist.get_backend(pg), (chunk,), "post_forward", timeout)
+    if key not in _GROUPS:
+        extra = {} if timeout is None else {"timeout": timeout}
+        _GROUPS[key] = dist.new_group(ranks=list(chunk), backend=key[0], use_local_synchronization=True, **extra)
     return _GROUPS[key]
 
 
@@ -348,9 +384,10 @@ class CommGroups:
         self.all_gather_group, self.reduce_scatter_group = all_gather_group, reduce_scatter_group
         self.create_all_gather_group, self.timeout = create_all_gather_group, timeout
 
-    def connect(self, unit, strategy) -> None:
+    def connect(self, unit, strategy, post_forward_size: int = 0) -> None:
         """Give `unit` its communicators, creating (and caching) those it needs: groups
-        with the timeout, and an all-gather group of its own where collectives overlap."""
+        with the timeout, an all-gather group of its own where collectives overlap, and the
+        post-forward group of reshard_after_forward=int (`post_forward_size` ranks)."""
         pg, mesh, timeout = self.pg, self.mesh, self.timeout
         replicate_group = self.replicate_group
         # HSDP: the mesh's shard groups, one per replica, so that groups made for one
@@ -380,6 +417,14 @@ class CommGroups:
                         "all-gather group on every rank yourself and pass all_gather_group="
                     )
                 self.all_gather_group = group_for(pg, "all_gather", shard_groups=shard_groups)
+        if post_forward_size:
+            world = dist.get_world_size(pg)
+            if world % post_forward_size:
+                where = f"mesh {mesh.mesh_dim_names or tuple(mesh.shape)}" if mesh is not None else "process group"
+                raise ValueError(f"reshard_after_forward={post_forward_size}: parameters on the {where} are sharded "
+                                 f"over {world} ranks, of which {post_forward_size} is not a factor")
+            if world > post_forward_size:  # the whole group: plain resharding
+                unit.set_post_forward_group(post_forward_group(pg, post_forward_size, timeout))
         if replicate_group is not None:
             unit.set_replicate_group(replicate_group)
         if self.all_gather_group is not None:

@@ -113,7 +113,7 @@ class ForwardHooks:
         # gathered: its backward comes right after.
         if self._group_ends(module) and (self.reshard_after_forward or not grad_enabled) and \
                 not self.ctx.in_backward:
-            self.release()
+            self.release(after_forward=grad_enabled)
         if self.is_root and not grad_enabled:
             # No backward follows: a prefetched unit that did not run must not stay gathered.
             for s in self.ctx.states:

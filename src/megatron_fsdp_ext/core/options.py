@@ -45,6 +45,11 @@ class UnitOptions:
     # Free the gathered parameters after forward (the root never does: its backward
     # starts right after; FSDPState.reshard_after_forward is the effective value).
     reshard_after_forward: bool = True
+    # FSDP2's reshard_after_forward=int N: after forward each rank keeps its 1/N of the
+    # gathered parameters (N consecutive ranks of the shard group hold them whole), and
+    # backward gathers over those N ranks only; a unit whose group has N ranks frees all
+    # of it. 0: free all of it (plain True).
+    post_forward_shard_size: int = 0
     # Units all-gathered ahead of use; the root's value governs its tree.
     prefetch_depth: int = 1
     # (root) Consecutive units (recorded forward order) whose gathered bytes add up to at
@@ -76,6 +81,7 @@ class UnitOptions:
     def __post_init__(self):
         sharding_strategy(self.sharding_strategy)
         check_count("prefetch_depth", self.prefetch_depth)
+        check_count("post_forward_shard_size", self.post_forward_shard_size)
         for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):
             check_bucket_bytes(name, getattr(self, name))
         if self.link_model is not None and not isinstance(self.link_model, LinkModel):
@@ -89,6 +95,9 @@ class UnitOptions:
             raise ValueError(
                 f"reshard_after_forward=True contradicts sharding_strategy={self.sharding_strategy!r}, which keeps "
                 "parameters unsharded between uses; use 'optim_grads_params' to free them after forward")
+        if self.post_forward_shard_size and not self.reshard_after_forward:
+            raise ValueError(f"post_forward_shard_size={self.post_forward_shard_size} needs "
+                             "reshard_after_forward=True (it says what a reshard after forward keeps)")
 
     # Cached: read in the hooks every step (a frozen instance never changes; the setters
     # make a new one).

@@ -36,13 +36,16 @@ class UnitResidency:
         """Strategies other than optim_grads_params keep the unsharded copy between uses."""
         return self.unit is not None and self.options.keeps_params_unsharded
 
-    def release(self, keep_unsharded: bool = False) -> None:
+    def release(self, keep_unsharded: bool = False, after_forward: bool = False) -> None:
         """Done with the unsharded parameters for now: the module's slots get the sharded
         ones back; the memory is freed unless the strategy keeps it (or `keep_unsharded`;
         the next use then gathers again only if the shards changed). A higher-order graph
-        that reads the gathered parameters (GraphHold) keeps the memory too."""
+        that reads the gathered parameters (GraphHold) keeps the memory too.
+        `after_forward` (a backward follows): with reshard_after_forward=int the unit keeps
+        this rank's 1/N of the gathered parameters for that backward's gather."""
         keep = keep_unsharded or self.keeps_params_unsharded or self.graph_hold is GraphHold.HELD
-        self._adopt_replaced(self.slots.release(keep), unsharded=False)
+        keep_post_forward = after_forward and self.options.post_forward_shard_size > 0
+        self._adopt_replaced(self.slots.release(keep, keep_post_forward), unsharded=False)
 
     def _adopt_replaced(self, replaced: List[int], unsharded: bool) -> None:
         """After the slots got the unsharded (or sharded) parameters: slots the user

@@ -26,13 +26,14 @@ The accounting follows what the units allocate (unit.h, unit.cpp):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Type
+from typing import Callable, Iterable, List, Optional, Type, Union
 
 import torch
 import torch.nn as nn
 
 from .. import _C
 from ..precision import fp8
+from ..core.construct import post_forward_size_of
 from ..core.options import MixedPrecisionPolicy, as_mp_policy, check_count, offloaded_units
 from ..core.schedule import bucket_runs
 from ..core.strategy import sharding_strategy as strategy_named
@@ -145,6 +146,7 @@ def estimate_memory(
     pin_memory: bool = True,
     experts: Optional[Callable[[nn.Parameter], bool]] = None,
     expert_parallel: int = 1,
+    reshard_after_forward: Union[bool, int] = True,
 ) -> MemoryEstimate:
     """Per-rank bytes of training `model` sharded over `mesh_or_world` (an int: ranks
     per shard group; or the DeviceMesh; for HSDP its shard dimension counts), with a
@@ -171,9 +173,14 @@ def estimate_memory(
     `expert_parallel` ways (a parameter that is already an expert-parallel DTensor counts
     its local part) and sharded over shard_size / expert_parallel ranks (the "efsdp" mesh).
     Optimizer state then counts each group's largest rank (an upper bound where shards
-    are uneven)."""
+    are uneven).
+    `reshard_after_forward` as in fully_shard for the units other than the root: False
+    keeps every unit gathered from its forward to its backward; an int N keeps 1/N of each
+    unit's gathered parameters until its backward (counted whole, as at the end of forward,
+    beside the gathers of the largest window)."""
     shard = _shard_size(mesh_or_world)
     strategy = strategy_named(sharding_strategy)
+    reshard_after_forward, keep_one_in = post_forward_size_of(reshard_after_forward, shard)
     mp = as_mp_policy(mp_policy if mp_policy is not None else MixedPrecisionPolicy())
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got {optimizer!r}")
@@ -184,7 +191,7 @@ def estimate_memory(
     keeps_gathered = strategy.keeps_gathered
     params = grads = 0
     optim_by_rank = [0] * (1 if replicated else shard)  # optimizer state is per parameter: exact per rank
-    gathered_all, gathered_bytes = 0, []  # per unit
+    gathered_all, gathered_bytes, kept_after_forward = 0, [], []  # per unit
     grad_buffers, reduce_sizes = [], []  # per unit: bytes while reduced; packed bytes
     if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) or expert_parallel < 1:
         raise ValueError(f"estimate_memory: expert_parallel must be an int >= 1, got {expert_parallel!r}")
@@ -255,6 +262,8 @@ def estimate_memory(
             gathered = 0 if (replicated and b_param == b_orig) else total * b_param
         gathered_all += gathered
         gathered_bytes.append(gathered)
+        # reshard_after_forward=N: a group of another size keeps nothing where N covers it whole.
+        kept_after_forward.append(gathered // keep_one_in if keep_one_in and unit_shard > keep_one_in else 0)
         # One unit's unsharded gradients (compute dtype, trainable parameters only) and
         # two flat reduce-dtype buffers (the one being packed, the one in flight).
         trainable = sum(n for n, t in zip(numels, trains) if t)
@@ -265,7 +274,7 @@ def estimate_memory(
     # Forward order: the root first, then the other units in module order (_units lists
     # them innermost-last-first, the root last).
     forward = [len(units) - 1] + list(range(len(units) - 2, -1, -1)) if units else []
-    if keeps_gathered or replicated:
+    if keeps_gathered or replicated or not reshard_after_forward:
         gathered_params = gathered_all
     else:
         root = gathered_bytes[forward[0]] if units else 0
@@ -276,6 +285,7 @@ def estimate_memory(
             gathered_params = root + max((sum(buckets[i:i + window]) for i in range(len(buckets))), default=0)
         else:
             gathered_params = root + sum(sorted(blocks, reverse=True)[:1 + prefetch_depth])
+        gathered_params += sum(kept_after_forward[i] for i in forward[1:])
     shares_reductions = not (strategy.full_grads or _replicates(mesh_or_world))
     if reduce_bucket_bytes > 0 and shares_reductions and grad_buffers:
         runs = bucket_runs([reduce_sizes[i] for i in forward], reduce_bucket_bytes)
