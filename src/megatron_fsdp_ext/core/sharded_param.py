@@ -31,6 +31,7 @@ import sys
 import torch
 import torch._guards
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
@@ -63,6 +64,21 @@ def piece_rows_of(state, index: int):
             "rows before parallelizing, or through full_tensor() / the state dict")
     unit = state.unit
     return spec.slice.param_offset, tuple(spec.shape), unit.strategy.replicated or unit.world_size == 1
+
+
+# Code outside torch that asks whether a module is distributed by asking whether any of its
+# parameters is a DTensor, at any time (FSDP2's always are): outside the window such a
+# check alone sees ours as DTensors. Lightning's ModelParallelStrategy finds the model of a
+# checkpoint it saves or loads this way (`_has_dtensor_modules`'s generator, under either
+# package name; Python 3.10's code objects have no qualified name).
+_DISTRIBUTED_MODULE_CHECKS = frozenset({"lightning.fabric.strategies.model_parallel",
+                                        "lightning_fabric.strategies.model_parallel"})
+
+
+def _asks_if_distributed(frame) -> bool:
+    return frame.f_code.co_name == "<genexpr>" and \
+        frame.f_globals.get("__name__") in _DISTRIBUTED_MODULE_CHECKS and \
+        "_has_dtensor_modules" in getattr(frame.f_code, "co_qualname", "_has_dtensor_modules")
 
 
 def set_data_unchecked(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -104,6 +120,17 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         owner = self.__dict__.get("_mfsdp_owner")
         state = owner() if owner is not None else None
         return state is None or not state.grads_stepped
+
+    # isinstance(p, DTensor): in the window, and to the module checks above.
+    @property
+    def __class__(self):
+        if self._face_active():
+            return DTensor
+        return DTensor if _asks_if_distributed(sys._getframe(1)) else type(self)
+
+    @__class__.setter
+    def __class__(self, cls) -> None:
+        object.__dict__["__class__"].__set__(self, cls)
 
     def _face_layout(self):
         return state_dict.face_layout(*self._owner())

@@ -1,0 +1,14 @@
+"""Lightning Fabric's ModelParallelStrategy with our fully_shard in its parallelize function:
+fabric.save and fabric.load of a model and its optimizer, as a DCP checkpoint and as one
+full file, resume the run exactly. Lightning finds the model of a checkpoint by asking
+whether its parameters are DTensors (FSDP2's always are); before sharded_param's answer to
+that check, both raised "Could not find a distributed model"."""
+import pytest
+
+from harness import run_distributed
+from harness import lightning_workers as w
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["dcp", "full_file"])
+def test_lightning_fabric_saves_and_resumes_a_model_sharded_by_ours(tmp_path, distributed):
+    assert all(run_distributed(w.save_and_resume, 2, str(tmp_path), distributed, timeout=240))

@@ -1,0 +1,103 @@
+"""Workers of tests/distributed/test_lightning.py: Lightning Fabric's ModelParallelStrategy
+(the user calls fully_shard in its parallelize function) saving and resuming a model sharded
+by ours, as with FSDP2. Each rank runs inside run_distributed's process group; Lightning
+reads torchrun's environment, so it launches nothing and joins that group."""
+import os
+
+import torch
+import torch.nn as nn
+
+import megatron_fsdp_ext as mfsdp
+
+
+class Block(nn.Module):
+    def __init__(self, dim=8, hidden=13):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return h + self.down(nn.functional.gelu(self.up(self.norm(h))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _shard(model, device_mesh):
+    mesh = device_mesh["data_parallel"]
+    for b in model.blocks:
+        mfsdp.fully_shard(b, mesh=mesh)
+    return mfsdp.fully_shard(model, mesh=mesh)
+
+
+def _as_torchrun(rank, world):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599", TORCHELASTIC_RUN_ID="mfsdp")
+
+
+def _steps(fabric, model, opt, first, count):
+    losses = []
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(100 * step + fabric.global_rank)
+        x, y = torch.randint(0, 11, (4, 3), generator=g), torch.randint(0, 5, (4,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def save_and_resume(rank, world, folder, distributed):
+    """Train 2 steps, fabric.save, train 2 more; a fresh model and optimizer (another seed)
+    fabric.load the checkpoint and train the same 2 steps: every value and loss as in the
+    uninterrupted run. `distributed`: DCP's sharded checkpoint, else one full file."""
+    _as_torchrun(rank, world)
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(
+        _shard, data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=distributed))
+    fabric.launch()
+    path = os.path.join(folder, "ckpt" if distributed else "ckpt.pt")
+
+    torch.manual_seed(0)
+    model = fabric.setup(Net())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _steps(fabric, model, opt, 0, 2)
+    saved = _full(model)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2})
+    after = _steps(fabric, model, opt, 2, 2)
+    want = _full(model)
+
+    torch.manual_seed(1)
+    fresh = fabric.setup(Net())
+    fresh_opt = fabric.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    fabric.load(path, state)
+    assert state["step"] == 2
+    got = _full(fresh)
+    assert all(torch.equal(got[k], saved[k]) for k in saved), "the loaded model differs from the saved one"
+    resumed = _steps(fabric, fresh, fresh_opt, 2, 2)
+    assert resumed == after, (resumed, after)  # the optimizer state came back too
+    final = _full(fresh)
+    assert all(torch.equal(final[k], want[k]) for k in want)
+    return True
