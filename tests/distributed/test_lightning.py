@@ -12,3 +12,9 @@ from harness import lightning_workers as w
 @pytest.mark.parametrize("distributed", [True, False], ids=["dcp", "full_file"])
 def test_lightning_fabric_saves_and_resumes_a_model_sharded_by_ours(tmp_path, distributed):
     assert all(run_distributed(w.save_and_resume, 2, str(tmp_path), distributed, timeout=240))
+
+
+def test_lightning_empty_init_materializes_our_units_as_a_plain_init():
+    """Lightning materializes a module only if something in it is meta; our deferred shards
+    are allocated, so they answer is_meta as FSDP2's meta parameters do until materialized."""
+    assert all(run_distributed(w.empty_init_is_a_plain_init, 2, timeout=240))

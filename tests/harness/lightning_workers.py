@@ -101,3 +101,37 @@ def save_and_resume(rank, world, folder, distributed):
     final = _full(fresh)
     assert all(torch.equal(final[k], want[k]) for k in want)
     return True
+
+
+def empty_init_is_a_plain_init(rank, world):
+    """Lightning's empty_init: the model is built on the meta device, sharded by ours in the
+    parallelize function, then Lightning materializes what is meta (to_empty, then every
+    module's reset_parameters). The values are a plain Net()'s of the same seed, and training
+    from them is the run built without empty_init, step for step."""
+    _as_torchrun(rank, world)
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(
+        _shard, data_parallel_size=world, tensor_parallel_size=1))
+    fabric.launch()
+    runs = []
+    for empty_init in (True, False):
+        torch.manual_seed(0)
+        with fabric.init_module(empty_init=empty_init):
+            model = Net()
+        assert all(p.is_meta for p in model.parameters()) == empty_init
+        torch.manual_seed(0)  # reset_parameters draws from here, as Net() does
+        model = fabric.setup(model)
+        assert not any(p.is_meta for p in model.parameters())
+        if empty_init:
+            torch.manual_seed(0)
+            plain = Net().state_dict()
+            got = _full(model)
+            assert all(torch.equal(got[k], v) for k, v in plain.items()), "materialized values differ from Net()'s"
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        runs.append((_steps(fabric, model, opt, 0, 3), _full(model)))
+    (meta_losses, meta_params), (losses, params) = runs
+    assert meta_losses == losses, (meta_losses, losses)
+    assert all(torch.equal(meta_params[k], params[k]) for k in params)
+    return True

@@ -38,9 +38,12 @@ from torch.utils import _foreach_utils
 from . import piece_rows, state_dict
 from .dtensor_face import DTensorFace, LogicalShape, local_shape
 from .param_index import conversion_refused, owner_of
+from .states import ParamInit
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+# Tensor's own `is_meta`, which ShardedParameter.is_meta answers for torch and this package.
+_TENSOR_IS_META = torch._C.TensorBase.__dict__["is_meta"]
 
 
 def _torch_internal_or_tracing(frame) -> bool:
@@ -120,6 +123,22 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         owner = self.__dict__.get("_mfsdp_owner")
         state = owner() if owner is not None else None
         return state is None or not state.grads_stepped
+
+    @property
+    def is_meta(self) -> bool:
+        """True, to code outside torch and this package, while the unit waits for its values
+        (built on the meta device; no to_empty(), materialize() or load yet), as FSDP2's
+        parameters are meta DTensors until to_empty(). Code that materializes only what is
+        meta (Lightning's empty_init: to_empty(), then reset_parameters()) then takes FSDP2's
+        way in. The shard itself is allocated (NaN until written): torch and this package see
+        that."""
+        if _TENSOR_IS_META.__get__(self, type(self)):
+            return True
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith(("torch.", "megatron_fsdp_ext.")):
+            return False
+        state, _ = owner_of(self)
+        return state is not None and state.param_init is ParamInit.DEFERRED
 
     # isinstance(p, DTensor): in the window, and to the module checks above.
     @property
