@@ -536,6 +536,7 @@ def test_strided_dtensor_loads_its_values():
 
 
 @pytest.mark.gpu
+@pytest.mark.nccl_only  # NCCL itself: one GPU per rank
 def test_state_dict_helpers_and_dcp_on_nccl(tmp_path):
     """The same checks with NCCL and CUDA tensors (DeviceMesh on cuda, gathers on the GPU)."""
     world = gpu_world()

@@ -50,6 +50,7 @@ def test_every_norm_order_nan_and_norms_after_the_step_gpu():
     assert run_distributed(w.norm_orders, WORLD, **GPU, timeout=240) == [True] * WORLD
 
 
+@pytest.mark.dtensor_collectives
 def test_code_that_decides_by_shape_sees_the_parameters_shape_gpu():
     """nanoGPT's and Megatron's weight-decay rules against plain PyTorch, nn.init's fan-in,
     the refusal of a gradient-shaped tensor meeting the piece: with CUDA tensors."""

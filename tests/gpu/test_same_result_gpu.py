@@ -29,7 +29,9 @@ def test_writes_through_data_after_the_step_gpu(strategy, param_dtype, offload):
 
 
 @pytest.mark.parametrize("case", ["shared_on_raw_input", "tied_embedding", "dataclass_output",
-                                  "functional_call_leaves_the_model", "hook_reads_weight_after_fully_shard"])
+                                  pytest.param("functional_call_leaves_the_model",
+                                               marks=pytest.mark.dtensor_collectives),
+                                  "hook_reads_weight_after_fully_shard"])
 def test_units_called_again_and_dataclass_outputs_gpu(case):
     args = (1 << 20,) if case == "tied_embedding" else ()
     worst = run_distributed(getattr(w, case), WORLD, *args, **GPU, timeout=240)[0]
@@ -58,10 +60,12 @@ def test_gradient_idioms_and_ema_swap_through_data_gpu():
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+@pytest.mark.dtensor_collectives
 def test_a_freeze_between_forward_and_backward_holds_gpu(strategy):
     assert run_distributed(w.freeze_between_forward_and_backward, WORLD, strategy, **GPU, timeout=240) == [True] * WORLD
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+@pytest.mark.dtensor_collectives
 def test_row_writes_land_in_the_rows_gpu(strategy):
     run_distributed(w.row_writes, WORLD, strategy, **GPU, timeout=240)
