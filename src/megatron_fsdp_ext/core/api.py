@@ -16,8 +16,8 @@ import torch.nn as nn
 from .. import _C
 from . import fsdp2_view, in_place_init, shard_changes
 from .comm_buffers import apply_comm_buffer_source
-from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params, post_forward_size_of,
-                        groups_from_mesh, make_unit, placement_groups)
+from .construct import (CommGroups, check_devices, offload_pinning, check_target, collect_params,
+                        groups_from_mesh, make_unit, placement_groups, post_forward_size_of)
 from .extension_points import class_overrides, outer_sharding
 from .hook_support import load_dynamo
 from .hooks import FSDPState, unit_kind
@@ -699,8 +699,8 @@ def fully_shard(
     # strategy that keeps parameters unsharded), depth, flags, groups.
     options = UnitOptions(
         sharding_strategy=sharding_strategy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-        post_forward_shard_size=post_forward_shard_size, prefetch_depth=prefetch_depth, gather_bucket_bytes=gather_bucket_bytes,
-        reduce_bucket_bytes=reduce_bucket_bytes,
+        post_forward_shard_size=post_forward_shard_size, prefetch_depth=prefetch_depth,
+        gather_bucket_bytes=gather_bucket_bytes, reduce_bucket_bytes=reduce_bucket_bytes,
         all_gather_in_start_param_sync=all_gather_in_start_param_sync,
         overlap_grad_reduce=overlap_grad_reduce, check_for_nan_in_grad=check_for_nan_in_grad,
     )

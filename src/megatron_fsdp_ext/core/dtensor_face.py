@@ -206,10 +206,14 @@ class DTensorFace:
     def _face_full_tensor(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def _face_asked_by(self, frame) -> bool:
+        """Whether the code at `frame` sees a DTensor outside `_face_active()` too."""
+        return False
+
     # isinstance() falls back to __class__ when type() does not match.
     @property
     def __class__(self):
-        return DTensor if self._face_active() else type(self)
+        return DTensor if self._face_active() or self._face_asked_by(sys._getframe(1)) else type(self)
 
     @__class__.setter
     def __class__(self, cls) -> None:

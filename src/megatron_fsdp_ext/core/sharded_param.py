@@ -31,7 +31,6 @@ import sys
 import torch
 import torch._guards
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils import _foreach_utils
 
@@ -140,16 +139,8 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         state, _ = owner_of(self)
         return state is not None and state.param_init is ParamInit.DEFERRED
 
-    # isinstance(p, DTensor): in the window, and to the module checks above.
-    @property
-    def __class__(self):
-        if self._face_active():
-            return DTensor
-        return DTensor if _asks_if_distributed(sys._getframe(1)) else type(self)
-
-    @__class__.setter
-    def __class__(self, cls) -> None:
-        object.__dict__["__class__"].__set__(self, cls)
+    def _face_asked_by(self, frame) -> bool:
+        return _asks_if_distributed(frame)  # the module checks above
 
     def _face_layout(self):
         return state_dict.face_layout(*self._owner())
