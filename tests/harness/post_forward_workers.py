@@ -188,6 +188,10 @@ def arguments(rank, world):
         one = mfsdp.fully_shard(_net(device).blocks[0], reshard_after_forward=1)
     assert any("reshard_after_forward=1" in str(w.message) for w in caught)
     assert one._mfsdp_state.options.reshard_after_forward is False
+    # A whole-unit dtype change before the first forward (Accelerate's model.to(float32))
+    # builds the units again: they keep their post-forward groups.
+    converted = _shard(mfsdp.fully_shard, _net(device), reshard_after_forward=2).to(torch.float64)
+    assert all(u.post_forward_size == 2 and u.param_dtype == torch.float64 for u in _units(converted))
     whole = mfsdp.fully_shard(_net(device).blocks[0], reshard_after_forward=world)
     assert whole._mfsdp_state.unit.post_forward_size == 0  # the whole group: True
     # FSDP2's setter takes a bool, which replaces the int: nothing is kept after forward then.

@@ -73,6 +73,21 @@ def _target(state, fn: Callable) -> Optional[torch.dtype]:
     return probe.dtype
 
 
+def makes_new_tensors(states, fn: Callable) -> bool:
+    """Whether `fn` maps the units' shards to new tensors of the same dtype and device, as
+    nn.Module.to_empty's function does (conversions that change nothing return the tensor
+    itself): their values are to be replaced, not converted."""
+    for state in states:
+        unit = state.unit
+        if unit is not None and unit.sharded_params:
+            shard = unit.sharded_params[0]
+            probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
+            out = fn(probe)
+            return isinstance(out, torch.Tensor) and out is not probe and out.dtype == probe.dtype and \
+                out.device == probe.device
+    return False
+
+
 def retype_units(states, fn: Callable) -> None:
     """Give every unit in `states` the dtype `fn` casts its shards to (see the module
     docstring), checking them all before changing any."""
@@ -95,7 +110,7 @@ def _retype(state, dtype: torch.dtype) -> None:
                      old.device, recipe.check_for_nan_in_grad, label=old.label)
     if recipe.dims is not None:
         unit.set_state_dict_dims(recipe.dims)
-    recipe.comm.connect(unit, recipe.strategy)
+    recipe.comm.connect(unit, recipe.strategy, state.options.post_forward_shard_size)
     for setting in ("gradient_divide_factor", "requires_all_reduce", "check_collectives", "check_nonfinite"):
         setattr(unit, setting, getattr(old, setting))
     if old.comm_buffer_source != unit.comm_buffer_source:
