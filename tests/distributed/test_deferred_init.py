@@ -90,6 +90,13 @@ def test_to_empty_then_initializers_give_one_process_values(world):
     assert run_distributed(to_empty_then_reset_parameters, world, timeout=180) == [True] * world
 
 
+def test_to_empty_on_a_module_around_ours_gives_one_process_values():
+    """nn.Module.to_empty on a plain module holding the sharded one (Lightning's Trainer
+    calls it on its LightningModule) reaches our units through _apply: they are
+    materialized and watched as by their own to_empty, not left waiting for values."""
+    assert run_distributed(to_empty_then_reset_parameters, 2, "outer", timeout=180) == [True] * 2
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_initializers_after_fully_shard_give_one_process_values(world):
     """model.apply(init_fn) on a model built whole and sharded: whole-parameter draws too,

@@ -461,7 +461,8 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     uniform_), nn.init.trunc_normal_ and normal_ on the parameters, and a copy_ of a whole
     value. Every rank's pieces are one plain process's values for the same seed (the
     random draws are whole parameters), the RNG ends where that process's does, and a
-    training step matches it. way="built": the model built on the device and sharded,
+    training step matches it. way="outer": to_empty on a plain module holding the sharded
+    one. way="built": the model built on the device and sharded,
     then initialized the same way (model.apply(init_fn) after fully_shard); an optimizer
     step then ends the watch, as training does."""
     from megatron_fsdp_ext.core.sharded_param import ShardedParameter
@@ -484,12 +485,16 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     with torch.no_grad():
         init(ref)
     ref_rng = torch.get_rng_state()
-    with torch.device("meta" if way == "to_empty" else device):
+    with torch.device(device if way == "built" else "meta"):
         model = build()
     for m in (model[0], model[2], model):
         mfsdp.fully_shard(m)
     if way == "to_empty":
         assert model.to_empty(device=device) is model
+    elif way == "outer":  # to_empty on a module around ours (Lightning's Trainer: the LightningModule)
+        outer = nn.Module()
+        outer.net = model
+        assert outer.to_empty(device=device) is outer
     torch.manual_seed(11)
     with torch.no_grad():
         init(model)

@@ -24,7 +24,7 @@ from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
-from .retype import UnitRecipe, retype_units
+from .retype import UnitRecipe, makes_new_tensors, retype_units
 from .sharded_param import ShardedParameter
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
@@ -124,7 +124,12 @@ class FSDPModule(torch_fsdp.FSDPModule):
         global _APPLY_CHECKED
         if _APPLY_CHECKED:
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
-        retype_units(self._states(recurse), fn)
+        states = self._states(recurse)
+        retype_units(states, fn)
+        if makes_new_tensors(states, fn):
+            # nn.Module.to_empty on a module around this one (Lightning's Trainer runs it on
+            # the LightningModule): what this module's own to_empty does.
+            return self._to_empty(fn, recurse)
         _APPLY_CHECKED = True
         try:
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
@@ -136,12 +141,22 @@ class FSDPModule(torch_fsdp.FSDPModule):
         to_empty, then initialize in place, as torchtitan's Trainer does): the units'
         parameters then hold uninitialized memory and count as materialized, and random
         fills of them until their first forward draw whole parameters, as one plain
-        process does, each rank keeping its slice (in_place_init.py)."""
+        process does, each rank keeping its slice (in_place_init.py). The same when
+        to_empty runs on a module around this one."""
+        retype_units(self._states(recurse), lambda t: torch.empty_like(t, device=device))  # refuses a device change
+        return self._to_empty(lambda t: torch.empty_like(t, device=device), recurse)
+
+    def _to_empty(self, fn, recurse: bool):
         # The shards already live on the device: fresh storage for them would be a second
         # copy of every shard until the first forward adopted it. Buffers and other
-        # parameters get theirs, as nn.Module.to_empty gives them; a unit's device change
-        # is refused by _apply first (its probe is a plain tensor).
-        self._apply(lambda t: t if isinstance(t, ShardedParameter) else torch.empty_like(t, device=device), recurse)
+        # parameters get `fn`'s, as nn.Module.to_empty gives them.
+        global _APPLY_CHECKED
+        _APPLY_CHECKED = True
+        try:
+            super(torch_fsdp.FSDPModule, self)._apply(lambda t: t if isinstance(t, ShardedParameter) else fn(t),
+                                                      recurse)
+        finally:
+            _APPLY_CHECKED = False
         in_place_init.begin(self._states(recurse), uninitialized=True)
         return self
 
