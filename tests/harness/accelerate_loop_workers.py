@@ -38,6 +38,8 @@ from torch.distributed.fsdp import fully_shard as FSDP2_FULLY_SHARD
 
 import megatron_fsdp_ext as mfsdp
 
+from .workers import torchrun_environment
+
 VOCAB, SEQ, BATCH = 128, 16, 2
 N_TRAIN, N_EVAL = 24, 5  # 12 batches: 6 a rank, 3 optimizer steps an epoch; eval: 3 + 2 (uneven)
 ACCUM, EPOCHS = 2, 2
@@ -103,8 +105,7 @@ def _accelerator(state_dict_type: str, sync_each_batch: bool):
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
     world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    torchrun_environment(rank, world, OMP_NUM_THREADS="1")
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,

@@ -3,7 +3,6 @@ FSDP2 path does to a sharded model, in torch's own calls, against FSDP2 doing th
 a dtype change after fully_shard (its upcast of a low-precision model), state_dict() of a
 model sharded on the meta device and load_state_dict(assign=True) of DTensors built from
 its placements (its cpu_ram_efficient_loading)."""
-import os
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import device_for_backend, expect_error
+from .workers import device_for_backend, expect_error, torchrun_environment
 
 
 def _mlp(device, dtype=torch.float32):
@@ -172,7 +171,7 @@ def accelerate_fsdp2_prepare(rank: int, world: int, system: str, case: str, tie:
         torch_fsdp.fully_shard = mfsdp.fully_shard
     # Accelerate reads the job from torchrun's environment: without it each rank would
     # take itself for the only (main) process.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torchrun_environment(rank, world)
     try:
         upcast = case == "upcast"
         plugin = FullyShardedDataParallelPlugin(

@@ -9,6 +9,8 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
+from .workers import _full, torchrun_environment
+
 
 class Block(nn.Module):
     def __init__(self, dim=8, hidden=13):
@@ -43,8 +45,9 @@ def _shard(model, device_mesh):
 
 
 def _as_torchrun(rank, world):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599", TORCHELASTIC_RUN_ID="mfsdp")
+    # Lightning takes a job with TORCHELASTIC_RUN_ID and a master address for torchrun's.
+    torchrun_environment(rank, world, GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29599",
+                         TORCHELASTIC_RUN_ID="mfsdp")
 
 
 def _steps(fabric, model, opt, first, count):
@@ -61,9 +64,8 @@ def _steps(fabric, model, opt, first, count):
     return losses
 
 
-def _full(model):
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+def _values(model):
+    return {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
 
 
 def save_and_resume(rank, world, folder, distributed):
@@ -83,10 +85,10 @@ def save_and_resume(rank, world, folder, distributed):
     model = fabric.setup(Net())
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     _steps(fabric, model, opt, 0, 2)
-    saved = _full(model)
+    saved = _values(model)
     fabric.save(path, {"model": model, "optimizer": opt, "step": 2})
     after = _steps(fabric, model, opt, 2, 2)
-    want = _full(model)
+    want = _values(model)
 
     torch.manual_seed(1)
     fresh = fabric.setup(Net())
@@ -94,11 +96,11 @@ def save_and_resume(rank, world, folder, distributed):
     state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
     fabric.load(path, state)
     assert state["step"] == 2
-    got = _full(fresh)
+    got = _values(fresh)
     assert all(torch.equal(got[k], saved[k]) for k in saved), "the loaded model differs from the saved one"
     resumed = _steps(fabric, fresh, fresh_opt, 2, 2)
     assert resumed == after, (resumed, after)  # the optimizer state came back too
-    final = _full(fresh)
+    final = _values(fresh)
     assert all(torch.equal(final[k], want[k]) for k in want)
     return True
 
@@ -127,10 +129,10 @@ def empty_init_is_a_plain_init(rank, world):
         if empty_init:
             torch.manual_seed(0)
             plain = Net().state_dict()
-            got = _full(model)
+            got = _values(model)
             assert all(torch.equal(got[k], v) for k, v in plain.items()), "materialized values differ from Net()'s"
         opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        runs.append((_steps(fabric, model, opt, 0, 3), _full(model)))
+        runs.append((_steps(fabric, model, opt, 0, 3), _values(model)))
     (meta_losses, meta_params), (losses, params) = runs
     assert meta_losses == losses, (meta_losses, losses)
     assert all(torch.equal(meta_params[k], params[k]) for k in params)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp_ext as mfsdp
 
 from .observe import count_collectives
-from .workers import device_for_backend, expect_error
+from .workers import _full, device_for_backend, expect_error
 
 
 class Block(nn.Module):
@@ -58,10 +58,6 @@ def _shard(shard, model, **kwargs):
 def _batch(step, device):
     g = torch.Generator().manual_seed(100 * step + dist.get_rank())
     return torch.randn(6, 8, generator=g).to(device)
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _piece(t):

@@ -70,6 +70,15 @@ class ResidualTokenNet(nn.Module):
         return self.head(self.norm(h) * self.scale)
 
 
+def torchrun_environment(rank: int, world: int, **extra: str) -> None:
+    """torchrun's environment variables for this rank of run_distributed's job (and
+    `extra` ones): clients that read the job from the environment (Accelerate, Lightning)
+    then join the process group already set up instead of taking themselves for a single
+    process."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      **extra)
+
+
 def device_for_backend() -> torch.device:
     """Where this rank's tensors live: as run_distributed(device=...) said, else cuda
     under NCCL and the CPU otherwise."""
