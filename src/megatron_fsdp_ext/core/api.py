@@ -126,39 +126,24 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         states = self._states(recurse)
         retype_units(states, fn)
-        if makes_new_tensors(states, fn):
-            # nn.Module.to_empty on a module around this one (Lightning's Trainer runs it on
-            # the LightningModule): what this module's own to_empty does.
-            return self._to_empty(fn, recurse)
+        # nn.Module.to_empty, on this module or on one around it (Lightning's Trainer runs it
+        # on the LightningModule): FSDP2's way in from the meta device (build on meta,
+        # fully_shard, to_empty, then initialize in place, as torchtitan's Trainer does). The
+        # shards already live on the device and stay (fresh storage for them would be a
+        # second copy of every shard until the first forward adopted it); buffers and other
+        # parameters get fn's. The units then count as materialized with uninitialized
+        # memory, and random fills of their parameters until their first forward draw whole
+        # parameters, as one plain process does, each rank keeping its slice (in_place_init.py).
+        empty = makes_new_tensors(states, fn)
         _APPLY_CHECKED = True
         try:
-            return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
+            out = super(torch_fsdp.FSDPModule, self)._apply(
+                (lambda t: t if isinstance(t, ShardedParameter) else fn(t)) if empty else fn, recurse)
         finally:
             _APPLY_CHECKED = False
-
-    def to_empty(self, *, device, recurse: bool = True):
-        """nn.Module's, FSDP2's way in from the meta device (build on meta, fully_shard,
-        to_empty, then initialize in place, as torchtitan's Trainer does): the units'
-        parameters then hold uninitialized memory and count as materialized, and random
-        fills of them until their first forward draw whole parameters, as one plain
-        process does, each rank keeping its slice (in_place_init.py). The same when
-        to_empty runs on a module around this one."""
-        retype_units(self._states(recurse), lambda t: torch.empty_like(t, device=device))  # refuses a device change
-        return self._to_empty(lambda t: torch.empty_like(t, device=device), recurse)
-
-    def _to_empty(self, fn, recurse: bool):
-        # The shards already live on the device: fresh storage for them would be a second
-        # copy of every shard until the first forward adopted it. Buffers and other
-        # parameters get `fn`'s, as nn.Module.to_empty gives them.
-        global _APPLY_CHECKED
-        _APPLY_CHECKED = True
-        try:
-            super(torch_fsdp.FSDPModule, self)._apply(lambda t: t if isinstance(t, ShardedParameter) else fn(t),
-                                                      recurse)
-        finally:
-            _APPLY_CHECKED = False
-        in_place_init.begin(self._states(recurse), uninitialized=True)
-        return self
+        if empty:
+            in_place_init.begin(states, uninitialized=True)
+        return out
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters; with async_op, return a handle to wait on."""

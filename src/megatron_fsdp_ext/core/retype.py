@@ -43,16 +43,27 @@ class UnitRecipe:
     dims: Optional[List[int]]
 
 
-def _target(state, fn: Callable) -> Optional[torch.dtype]:
-    """The dtype `fn` gives the unit's shards, or None when it changes neither dtype nor
-    device; raises for a device change, or a dtype change this unit cannot take."""
+def _probe(state, fn: Callable):
+    """(the unit's first shard, fn of an empty tensor of its dtype and device, that empty
+    tensor), or None for a unit without parameters."""
     unit = state.unit
     if unit is None or not unit.sharded_params:
         return None
     shard = unit.sharded_params[0]
-    probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+    empty = torch.empty(0, dtype=shard.dtype, device=shard.device)
+    return shard, fn(empty), empty
+
+
+def _target(state, fn: Callable) -> Optional[torch.dtype]:
+    """The dtype `fn` gives the unit's shards, or None when it changes neither dtype nor
+    device; raises for a device change, or a dtype change this unit cannot take."""
+    probed = _probe(state, fn)
+    if probed is None:
+        return None
+    shard, probe, _ = probed
     if not isinstance(probe, torch.Tensor) or (probe.dtype == shard.dtype and probe.device == shard.device):
         return None
+    unit = state.unit
     why = None
     if probe.device != shard.device:
         why = "its device"
@@ -77,15 +88,12 @@ def makes_new_tensors(states, fn: Callable) -> bool:
     """Whether `fn` maps the units' shards to new tensors of the same dtype and device, as
     nn.Module.to_empty's function does (conversions that change nothing return the tensor
     itself): their values are to be replaced, not converted."""
-    for state in states:
-        unit = state.unit
-        if unit is not None and unit.sharded_params:
-            shard = unit.sharded_params[0]
-            probe = torch.empty(0, dtype=shard.dtype, device=shard.device)
-            out = fn(probe)
-            return isinstance(out, torch.Tensor) and out is not probe and out.dtype == probe.dtype and \
-                out.device == probe.device
-    return False
+    probed = next((p for p in (_probe(s, fn) for s in states) if p is not None), None)
+    if probed is None:
+        return False
+    _, out, empty = probed
+    return isinstance(out, torch.Tensor) and out is not empty and out.dtype == empty.dtype and \
+        out.device == empty.device
 
 
 def retype_units(states, fn: Callable) -> None:
