@@ -302,7 +302,12 @@ class Unit {
   // dtypes differ and `in_place` (side-stream path), else cast into a new tensor.
   at::Tensor gather_input(bool in_place);
   // unshard()'s collective when it gathers from the post-forward copy `kept`.
-  void unshard_from_post_forward(const at::Tensor& kept);
+  void unshard_from_post_forward(at::Tensor kept);
+  // Runs `issue(on_stream)` on the all-gather stream after the work queued on the current
+  // one (directly on the CPU: on_stream false), then marks the unit GATHERING (its event
+  // recorded after the collective) or UNSHARDED. Returns on_stream.
+  template <typename F>
+  bool on_gather_stream(F&& issue);
   // Every rank's `segment` (this rank's, laid out like the shard) gathered into full
   // values shaped like the parameters. Before lazy init (no context yet: the layouts were
   // not compared across ranks) the ranks first check they gather the same sizes.

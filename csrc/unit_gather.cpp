@@ -93,45 +93,37 @@ void Unit::unshard() {
       ag_comm_.all_gather_flat(unsharded_flat_, input);
     }
   };
-  const auto& streams = ctx().streams();
-  if (streams.enabled()) {
-    compute_ready_.record(current_stream(device_));
-    c10::StreamGuard guard(streams.all_gather());
-    compute_ready_.block(streams.all_gather());
-    at::Tensor input = gather_input(/*in_place=*/true);
+  on_gather_stream([&](bool on_stream) {
+    at::Tensor input = gather_input(/*in_place=*/on_stream);
     run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(), [&] { all_gather(input); });
-    ctx().delay_after_collective();
-    all_gather_done_->record(streams.all_gather());
-    gathered_ = all_gather_done_;
-    state_ = UnitState::kGathering;
-    return;
-  }
-  at::Tensor input = gather_input(/*in_place=*/false);
-  run_collective(CollectivePhase::kAllGatherParams, ag_comm_, unsharded_flat_.numel(), [&] { all_gather(input); });
-  state_ = UnitState::kUnsharded;
+  });
 }
 
-void Unit::unshard_from_post_forward(const at::Tensor& kept) {
-  at::Tensor input = kept;
-  auto all_gather = [&] {
-    run_collective(CollectivePhase::kAllGatherPostForward, post_forward_comm_, unsharded_flat_.numel(),
-                   [&] { post_forward_comm_.all_gather_flat(unsharded_flat_, input); });
-  };
+template <typename F>
+bool Unit::on_gather_stream(F&& issue) {
   const auto& streams = ctx().streams();
-  if (streams.enabled()) {
-    compute_ready_.record(current_stream(device_));
-    c10::StreamGuard guard(streams.all_gather());
-    compute_ready_.block(streams.all_gather());
-    all_gather();
-    ctx().delay_after_collective();
-    all_gather_done_->record(streams.all_gather());
-    gathered_ = all_gather_done_;
-    post_forward_in_flight_ = kept;  // freed once the compute stream waited (wait_unshard)
-    state_ = UnitState::kGathering;
-    return;
+  if (!streams.enabled()) {
+    issue(/*on_stream=*/false);
+    state_ = UnitState::kUnsharded;
+    return false;
   }
-  all_gather();
-  state_ = UnitState::kUnsharded;
+  compute_ready_.record(current_stream(device_));
+  c10::StreamGuard guard(streams.all_gather());
+  compute_ready_.block(streams.all_gather());
+  issue(/*on_stream=*/true);
+  ctx().delay_after_collective();
+  all_gather_done_->record(streams.all_gather());
+  gathered_ = all_gather_done_;
+  state_ = UnitState::kGathering;
+  return true;
+}
+
+void Unit::unshard_from_post_forward(at::Tensor kept) {
+  const bool on_stream = on_gather_stream([&](bool) {
+    run_collective(CollectivePhase::kAllGatherPostForward, post_forward_comm_, unsharded_flat_.numel(),
+                   [&] { post_forward_comm_.all_gather_flat(unsharded_flat_, kept); });
+  });
+  if (on_stream) post_forward_in_flight_ = std::move(kept);  // freed once the compute stream waited (wait_unshard)
 }
 
 void Unit::unshard_together(const std::vector<Unit*>& units) {
