@@ -25,7 +25,7 @@ def test_subgroup_process_group():
     run_distributed(OW.subgroup_process_group, 4, timeout=300)
 
 
-@pytest.mark.parametrize("when", ["before_root", "after_root"])
+@pytest.mark.parametrize("when", ["before_root", "after_root", "symm_mem"])
 def test_comm_buffers_from_the_process_group(when):
     # Gloo cannot allocate: the caching allocator stays, one warning names the backend,
     # training is unchanged. On NCCL (tests/gpu) the buffers must lie in the group's pool.
@@ -33,7 +33,7 @@ def test_comm_buffers_from_the_process_group(when):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("when", ["before_root", "after_root"])
+@pytest.mark.parametrize("when", ["before_root", "after_root", "symm_mem"])
 def test_nccl_comm_buffers_from_the_process_group(when):
     r = run_distributed(OW.comm_buffers_from_group, gpu_world(), when, backend="nccl", timeout=300)[0]
     # The lent H100/H200s support it: a GPU that does not would test only the fallback.

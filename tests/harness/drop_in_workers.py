@@ -66,8 +66,7 @@ def identity(rank, world):
     assert scorer[2].weight.detach().dim() == 1, "the root must be released after the registered method"
 
     for call, match in ((lambda: model.set_reduce_scatter_max_input_buffers(2), "max_input_buffers"),
-                        (lambda: model.set_separate_reduce_scatter_group(True), "create_all_gather_group"),
-                        (lambda: model.set_symm_mem_for_comm(), "set_symm_mem_for_comm")):
+                        (lambda: model.set_separate_reduce_scatter_group(True), "create_all_gather_group")):
         with pytest.raises(NotImplementedError, match=match):
             call()
     model.set_reduce_scatter_max_input_buffers(1)

@@ -820,7 +820,9 @@ def _comm_buffer_allocations(snapshot, device: torch.device, sizes, start: int =
 
 def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
     """set_allocate_memory_from_process_group_for_comm(True) on every unit, `when`
-    "before_root" (before the first forward) or "after_root" (after one step), then False
+    "before_root" (before the first forward) or "after_root" (after one step), or
+    torchtitan's enable_fsdp_symm_mem before the first forward ("symm_mem": force-sum
+    reductions and set_symm_mem_for_comm, which takes the same pool), then False
     again for a last step: gradients match the single-process reference at every step;
     where torch says the group's backend allocates (NCCL on a multicast-capable GPU),
     every all-gather output and reduce-scatter input of the third step lies in the
@@ -836,6 +838,20 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
     states = [s for s in iter_states(model) if s.unit is not None]
 
     def switch(on: bool):
+        if on and when == "symm_mem":
+            # torchtitan's own switch (parallelism.enable_fsdp_symm_mem): force-sum reductions
+            # and set_symm_mem_for_comm() on every FSDPModule. The GPU machines lack
+            # torchtitan: there the same two calls, as its function makes them.
+            try:
+                from torchtitan.distributed.fsdp import enable_fsdp_symm_mem
+            except ImportError:
+                for m in model.modules():
+                    if isinstance(m, torch.distributed.fsdp.FSDPModule):
+                        m.set_force_sum_reduction_for_comms(True)
+                        m.set_symm_mem_for_comm()
+            else:
+                enable_fsdp_symm_mem(model)
+            return
         for m in model.modules():
             if isinstance(m, mfsdp.FSDPModule):
                 m.set_allocate_memory_from_process_group_for_comm(on)
@@ -857,7 +873,7 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
     with warnings.catch_warnings(record=True) as recorded:
         warnings.simplefilter("always")
         for step, (tokens, targets) in enumerate(batches):
-            if step == 1 and when == "after_root":
+            if (step == 1 and when == "after_root") or (step == 0 and when == "symm_mem"):
                 switch(True)
             if step == 3:
                 switch(False)
@@ -890,6 +906,10 @@ def comm_buffers_from_group(rank: int, world: int, when: str) -> Dict:
         assert s.unit.comm_buffer_source == mfsdp._C.CommBufferSource.CACHING_ALLOCATOR
         assert not s.unit.gather_buffer_from_group and not s.unit.reduce_buffer_from_group
     warned = [m for m in messages if "does not allocate" in m]
+    substituted = [m for m in messages if "instead of symmetric-memory windows" in m]
+    assert len(substituted) == (len(states) if when == "symm_mem" else 0), messages
+    if when == "symm_mem":
+        expect_error(lambda: model.set_symm_mem_for_comm("NVSHMEM"), ValueError, "'NCCL' only")
     if expected:
         assert not warned, warned
         # fp32 throughout: a unit's gathered buffer and its packed gradients are both

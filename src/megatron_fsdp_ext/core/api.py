@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Iterable, List, Optional, Tuple, Union
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -384,8 +385,19 @@ class FSDPModule(torch_fsdp.FSDPModule):
                 apply_comm_buffer_source(s)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        _unsupported("set_symm_mem_for_comm", "NCCL symmetric-memory windows are not used; "
-                     "set_allocate_memory_from_process_group_for_comm(True) registers the buffers with NCCL")
+        """FSDP2's (torchtitan's `enable_fsdp_symm_mem`): collectives on memory NCCL can
+        reach in place. Ours takes the unit's all-gather output and reduce-scatter input
+        from the group's NCCL-registered pool, as
+        set_allocate_memory_from_process_group_for_comm(True) does, instead of
+        symmetric-memory windows: both are zero-copy for NCCL, and the values are the same
+        (benchmarks/RESULTS.md tables 16 and 22 measure both). Warns that it substitutes."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend 'NCCL' only (as FSDP2's), got {backend!r}")
+        warnings.warn(
+            "set_symm_mem_for_comm: megatron_fsdp_ext takes the all-gather output and reduce-scatter input "
+            "from the process group's NCCL-registered pool (set_allocate_memory_from_process_group_for_comm"
+            "(True)) instead of symmetric-memory windows; the values computed are the same", stacklevel=2)
+        self.set_allocate_memory_from_process_group_for_comm(True)
 
     def _set_unshard_async_op(self, async_op: bool):
         _unsupported("_set_unshard_async_op", "gathers always run on the all-gather stream")
