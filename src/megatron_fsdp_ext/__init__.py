@@ -13,6 +13,8 @@ except ImportError as _err:  # pragma: no cover - depends on how the package was
         f"({_err}). Build it with `pip install --no-build-isolation .` (or `-e .` for development, "
         "or `python setup.py build_ext --inplace` with src/ on PYTHONPATH)."
     ) from _err
+import atexit as _atexit
+import gc as _gc
 import sys as _sys
 
 from .core.api import (
@@ -42,6 +44,13 @@ from .tools.clip import clip_grad_norm_
 from .tools.config import FSDPConfig, fully_shard_model
 from .tools.estimate import MemoryEstimate, estimate_memory
 from .tools.materialize import materialize
+
+# Sharded modules sit in reference cycles (module <-> unit state) that hold process groups.
+# Left to the interpreter's shutdown, a Gloo group freed there joins worker threads that
+# may still need the GIL, which a finalizing interpreter no longer grants: the process
+# aborts ("terminate called without an active exception"), a failed job to torchrun.
+# Collected at exit, while the interpreter is whole, the groups close normally.
+_atexit.register(_gc.collect)
 
 # The public modules keep their flat paths (import megatron_fsdp_ext.dcp, from
 # megatron_fsdp_ext.link import LinkModel): each is the layer's module under a second name,

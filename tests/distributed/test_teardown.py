@@ -74,3 +74,47 @@ def _teardown_loops(rank, world):
 
 def test_group_destroyed_through_our_objects_does_not_hang():
     assert run_distributed(_teardown_loops, 2, timeout=120) == [True, True]
+
+
+_EXIT_SCRIPT = r"""
+import atexit, os, sys, weakref
+import torch, torch.distributed as dist, torch.nn as nn
+
+collected = {}
+
+def check():  # registered before the package's own handler, so it runs after it
+    alive = collected["model"]() is not None
+    print("sharded model alive at exit:", alive, flush=True)
+    sys.stdout.flush()
+    os._exit(3 if alive else 0)
+
+atexit.register(check)
+import megatron_fsdp_ext as mfsdp
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+group = dist.new_group([0], backend="gloo")
+model = mfsdp.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), process_group=group)
+model(torch.randn(2, 4)).sum().backward()
+model.cycle = [model]  # a cycle only the collector frees, as a real training script's
+collected["model"] = weakref.ref(model)
+del model
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_modules_are_collected_before_the_interpreter_shuts_down(tmp_path):
+    """The package collects reference cycles at exit (atexit), so a sharded module's
+    process groups are freed while the interpreter is whole: this script's own exit
+    handler, which runs after the package's, finds the cycle of a sharded model gone."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "exit_collect.py"
+    script.write_text(_EXIT_SCRIPT % port)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "alive at exit: False" in done.stdout, (done.returncode, done.stdout,
+                                                                           done.stderr[-2000:])
