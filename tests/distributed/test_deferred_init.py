@@ -8,7 +8,7 @@ from harness import run_distributed
 from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
                                    load_state_dict_into_meta_model,
                                    load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model,
-                                   to_empty_then_reset_parameters)
+                                   to_empty_inside_a_unit_then_load_the_rest, to_empty_then_reset_parameters)
 
 CASES = {
     "world1": (1, {}),
@@ -95,6 +95,14 @@ def test_to_empty_on_a_module_around_ours_gives_one_process_values():
     calls it on its LightningModule) reaches our units through _apply: they are
     materialized and watched as by their own to_empty, not left waiting for values."""
     assert run_distributed(to_empty_then_reset_parameters, 2, "outer", timeout=180) == [True] * 2
+
+
+@pytest.mark.parametrize("world,load", [(2, "assign_dtensors"), (3, "assign_dtensors"), (2, "full_values")])
+def test_to_empty_inside_a_unit_then_loading_the_rest_gives_one_process_values(world, load):
+    """torchtune's first LoRA run: to_empty() and initializers on the adapters inside a unit
+    built on meta, then the base weights loaded alone. Once, the emptied adapters stayed
+    waiting for values and the unit never counted as loaded (a forward refused it)."""
+    assert run_distributed(to_empty_inside_a_unit_then_load_the_rest, world, load, timeout=180) == [True] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])

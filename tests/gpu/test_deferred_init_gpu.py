@@ -44,3 +44,10 @@ def test_initializers_after_fully_shard_give_one_process_values_gpu():
     """A model built on the GPU, sharded, then initialized (model.apply(init_fn)): the same
     whole-parameter draws under CUDA's generator; the first optimizer step ends the watch."""
     assert all(run_distributed(IW.to_empty_then_reset_parameters, WORLD, "built", **GPU, timeout=240))
+
+
+@pytest.mark.parametrize("load", ["assign_dtensors", "full_values"])
+def test_to_empty_inside_a_unit_then_loading_the_rest_gpu(load):
+    """torchtune's first LoRA run on CUDA: to_empty() and initializers on the adapters
+    inside a unit built on meta, the base weights loaded alone; one process's values."""
+    assert all(run_distributed(IW.to_empty_inside_a_unit_then_load_the_rest, WORLD, load, **GPU, timeout=240))

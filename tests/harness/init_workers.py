@@ -509,3 +509,77 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()
     check_grads(0, model, ref, replicated=False, tol=1e-5)
     return True
+
+
+class _LoraBlock(nn.Module):
+    """A base projection and a low-rank adapter beside it (torchtune's LoRALinear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(16, 24)
+        self.lora_a = nn.Linear(16, 2, bias=False)
+        self.lora_b = nn.Linear(2, 24, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def to_empty_inside_a_unit_then_load_the_rest(rank: int, world: int, load: str) -> bool:
+    """torchtune's first LoRA run: the model built on meta and sharded, then to_empty() on
+    the adapters only (modules inside a unit) and their initializers, then a load of the
+    base weights alone (strict=False). `load` "assign_dtensors": torchtune's
+    load_from_full_model_state_dict (DTensors distributed as the meta state dict's, with
+    assign=True); "full_values": a plain state dict of full tensors. Each emptied
+    parameter counts as written, so the unit holds its values once the base load lands:
+    every piece is one plain process's value for the same seeds (the adapters' draws are
+    whole parameters; the RNG ends where that process's does), nothing reports is_meta,
+    and a training step's gradients match. Ranks whose pieces of the adapters are empty
+    (world 3) decide alike."""
+    from torch.distributed.tensor import distribute_tensor
+
+    device = device_for_backend()
+
+    def build():
+        return nn.Sequential(_LoraBlock(), nn.Tanh(), nn.Linear(24, 5))
+
+    def init_adapters(m):
+        nn.init.kaiming_uniform_(m[0].lora_a.weight, a=5 ** 0.5)
+        nn.init.normal_(m[0].lora_b.weight, std=0.2)
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        ref = build()
+    torch.manual_seed(11)
+    with torch.no_grad():
+        init_adapters(ref)
+    ref_rng = torch.get_rng_state()
+    base = {k: v.detach().clone() for k, v in ref.state_dict().items() if "lora" not in k}
+
+    with torch.device("meta"):
+        model = build()
+    mfsdp.fully_shard(model[0])
+    mfsdp.fully_shard(model)
+    for adapter in (model[0].lora_a, model[0].lora_b):
+        adapter.to_empty(device=device)
+    lora = [n for n, p in model.named_parameters() if "lora" in n]
+    meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    assert meta == sorted(set(n for n, _ in model.named_parameters()) - set(lora)), meta
+    torch.manual_seed(11)
+    with torch.no_grad():
+        init_adapters(model)
+    assert torch.equal(torch.get_rng_state(), ref_rng), "the adapters' initializers drew another amount"
+    if load == "assign_dtensors":
+        meta_sd = model.state_dict()
+        loaded = {k: nn.Parameter(distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements))
+                  for k, v in base.items()}
+        result = model.load_state_dict(loaded, strict=False, assign=True)
+    else:
+        result = model.load_state_dict(base, strict=False)
+    assert sorted(result.missing_keys) == sorted(lora) and not result.unexpected_keys, result
+    assert not [n for n, p in model.named_parameters() if p.is_meta]
+    check_local_shards(model, ref)
+    x = torch.randn(world, 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    model(x[rank]).pow(2).mean().backward()
+    (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()
+    check_grads(0, model, ref, replicated=False, tol=1e-5)
+    return True

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import sharded_param
 from .dtensor_face import local_shape
 from .hook_support import run_outside_dynamo
 from .param_index import owner_of
@@ -59,15 +60,40 @@ def begin(states, uninitialized: bool) -> None:
     only units that hold their values are watched (a unit built on meta waits for
     materialize())."""
     for state in states:
-        if state.unit is None or state.ctx is not None or (state.tp is not None and state.tp.specs):
-            # Used already (no first forward left to end the watch), or tensor-parallel
-            # (still materialize(): their pieces are pieces of TP shards).
+        if not _watchable(state):
             continue
         if uninitialized:
             state.mark_loaded()
         elif state.param_init is not ParamInit.MATERIALIZED:
             continue
         _watched.add(state)
+    _watch_on()
+
+
+def _watchable(state) -> bool:
+    # Not a unit used already (no first forward left to end the watch), nor a
+    # tensor-parallel one (still materialize(): their pieces are pieces of TP shards).
+    return state.unit is not None and state.ctx is None and not (state.tp is not None and state.tp.specs)
+
+
+def _emptied(state, index: int) -> None:
+    """to_empty() on a module inside a unit reached parameter `index` (sharded_param's data
+    setter): as on a plain module, it now holds uninitialized memory and counts as written;
+    a unit built on meta holds its values once every parameter was emptied or loaded
+    (torchtune's LoRA: the adapters emptied and initialized, the base weights loaded with
+    assign=True). Until training starts, random fills of the unit's parameters draw whole
+    parameters, as after to_empty() on the unit."""
+    if not _watchable(state):
+        return
+    state.note_loaded([index])
+    _watched.add(state)
+    _watch_on()
+
+
+sharded_param.emptied_in_unit = _emptied
+
+
+def _watch_on() -> None:
     if _watched:
         ShardedParameter.__torch_function__ = classmethod(_torch_function)
         if _TRUNC_NORMAL is not None:

@@ -43,6 +43,11 @@ from .states import ParamInit
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 # Tensor's own `is_meta`, which ShardedParameter.is_meta answers for torch and this package.
 _TENSOR_IS_META = torch._C.TensorBase.__dict__["is_meta"]
+# nn.Module._apply, whose `param.data = fn(param)` the data setter recognises.
+_MODULE_APPLY = nn.Module._apply.__code__
+# What `to_empty()` on a module inside a unit does to one of its parameters (unit state,
+# index): set by in_place_init, which imports this module.
+emptied_in_unit = None
 
 
 def _torch_internal_or_tracing(frame) -> bool:
@@ -50,6 +55,13 @@ def _torch_internal_or_tracing(frame) -> bool:
     nn.Module) or runs under tracing: it gets `.data` as the plain piece it always was."""
     return torch._guards.TracingContext.try_get() is not None or \
         frame.f_globals.get("__name__", "").startswith("torch.")
+
+
+def _setter_caller():
+    """The frame that assigned to a ShardedParameter's attribute (from inside a property
+    setter, past the class's own __setattr__)."""
+    frame = sys._getframe(2)
+    return frame.f_back if frame.f_code is ShardedParameter.__setattr__.__code__ else frame
 
 
 def piece_rows_of(state, index: int):
@@ -136,8 +148,9 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.startswith(("torch.", "megatron_fsdp_ext.")):
             return False
-        state, _ = owner_of(self)
-        return state is not None and state.param_init is ParamInit.DEFERRED
+        state, index = owner_of(self)
+        return state is not None and state.param_init is ParamInit.DEFERRED \
+            and index not in state.loaded_while_deferred
 
     def _face_asked_by(self, frame) -> bool:
         return _asks_if_distributed(frame)  # the module checks above
@@ -191,6 +204,19 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # A value of the parameter's shape (`p.data = torch.zeros(p.shape)`) is the full
         # value: every rank keeps its slice. Anything else replaces the piece as it is, and
         # the unit checks it at the next use.
+        if _setter_caller().f_code is _MODULE_APPLY and isinstance(value, torch.Tensor) \
+                and value.dtype == self.dtype and value.device == self.device \
+                and local_shape(value) == local_shape(self) and value is not self:
+            # nn.Module._apply with a function that makes new tensors of the same kind
+            # (conversions that change nothing return the parameter itself): to_empty() on a
+            # module inside a unit (torchtune's LoRA adapters, a block of a model built on
+            # meta). The piece stays in the unit's shard, which holds uninitialized memory as
+            # to_empty's would (in_place_init.py). Decided alike on every rank (empty pieces
+            # too): by identity, not by address.
+            state, index = owner_of(self)
+            if state is not None and state.unit is not None and emptied_in_unit is not None:
+                emptied_in_unit(state, index)
+                return
         if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._logical_shape()) \
                 and tuple(value.shape) != tuple(local_shape(self)):
             state, index = owner_of(self)
