@@ -70,6 +70,12 @@ def test_every_norm_order_nan_and_norms_after_the_step_match_plain_pytorch(world
     assert run_distributed(w.norm_orders, world, timeout=180) == [True] * world
 
 
+def test_norms_of_long_gradient_pieces_are_accurate():
+    """A unit's flat piece (here 1.6M elements a rank; CPU-offloaded units hold far longer
+    ones) is longer than torch's CPU norm kernel sums accurately."""
+    assert run_distributed(w.long_piece_norms, 2, timeout=180) == [True, True]
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_code_that_decides_by_shape_sees_the_parameters_shape(world):
     assert run_distributed(w.shape_choices, world, timeout=180) == [True] * world
