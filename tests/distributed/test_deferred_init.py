@@ -5,7 +5,7 @@ like it (gradients and parameters); one module is full size at a time; misuse is
 import pytest
 
 from harness import run_distributed
-from harness.init_workers import (deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
+from harness.init_workers import (apply_inside_a_unit_is_not_to_empty, deferred_init_errors, deferred_init_parity, init_one_module_at_a_time,
                                    load_state_dict_into_meta_model,
                                    load_into_meta_model, load_into_meta_model_errors, load_safetensors_into_meta_model,
                                    to_empty_inside_a_unit_then_load_the_rest, to_empty_then_reset_parameters)
@@ -103,6 +103,12 @@ def test_to_empty_inside_a_unit_then_loading_the_rest_gives_one_process_values(w
     built on meta, then the base weights loaded alone. Once, the emptied adapters stayed
     waiting for values and the unit never counted as loaded (a forward refused it)."""
     assert run_distributed(to_empty_inside_a_unit_then_load_the_rest, world, load, timeout=180) == [True] * world
+
+
+def test_other_functions_applied_inside_a_unit_keep_their_meaning_on_every_rank():
+    """A whole value applied to a 1-D bias that one rank holds whole and the other none of
+    was once taken for to_empty on the first rank only (decided by piece shape)."""
+    assert run_distributed(apply_inside_a_unit_is_not_to_empty, 2, timeout=180) == [True] * 2
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -583,3 +583,35 @@ def to_empty_inside_a_unit_then_load_the_rest(rank: int, world: int, load: str) 
     (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()
     check_grads(0, model, ref, replicated=False, tol=1e-5)
     return True
+
+
+def apply_inside_a_unit_is_not_to_empty(rank: int, world: int) -> bool:
+    """Only nn.Module.to_empty's function counts as emptying parameters inside a unit:
+    other functions through nn.Module._apply keep their meaning on every rank alike. A
+    whole value (`torch.full(t.shape, ...)`: the parameter's shape) is each rank's slice
+    of it, on the rank holding a 1-D bias whole as on one holding none of it; new tensors
+    of the piece's shape (clone, zeros_like) replace the pieces and leave a unit built on
+    meta waiting for its values."""
+    from megatron_fsdp_ext.core.param_index import owner_of
+
+    for meta in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 2))
+        mfsdp.fully_shard(model[0])
+        mfsdp.fully_shard(model)
+        first = model[0][0]
+        first._apply(lambda t: torch.full(t.shape, 0.5))
+        first._apply(torch.clone)
+        state, _ = owner_of(first.bias)
+        assert not state.loaded_while_deferred, f"meta={meta}: counted as loaded {state.loaded_while_deferred}"
+        assert all(p.is_meta == meta for p in first.parameters()), meta
+        if not meta:
+            values = mfsdp.full_state_dict(model, rank0_only=False)
+            assert all((values[k] == 0.5).all() for k in ("0.0.weight", "0.0.bias")), values["0.0.bias"]
+            model[0][1]._apply(torch.zeros_like)
+            values = mfsdp.full_state_dict(model, rank0_only=False)
+            assert all((values[k] == 0).all() for k in ("0.1.weight", "0.1.bias")), values["0.1.bias"]
+        else:
+            mfsdp.materialize(model)  # no load or to_empty wrote any of it: materialize runs
+    return True

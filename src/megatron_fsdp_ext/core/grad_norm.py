@@ -334,7 +334,7 @@ def _local_norms(pieces, ord, dtype):
     ord_f = float(ord)
     rowwise = ord_f > 0 and math.isfinite(ord_f)
     long = {i for i, p in enumerate(pieces)
-            if rowwise and p.device.type == "cpu" and p.numel() > _CPU_NORM_EXACT_UP_TO}
+            if rowwise and p.device.type == "cpu" and local_numel(p) > _CPU_NORM_EXACT_UP_TO}
     if not long:
         return list(torch._foreach_norm(pieces, ord, dtype=dtype))
     short = [i for i in range(len(pieces)) if i not in long]

@@ -76,18 +76,20 @@ def _watchable(state) -> bool:
     return state.unit is not None and state.ctx is None and not (state.tp is not None and state.tp.specs)
 
 
-def _emptied(state, index: int) -> None:
+def _emptied(state, index: int) -> bool:
     """to_empty() on a module inside a unit reached parameter `index` (sharded_param's data
     setter): as on a plain module, it now holds uninitialized memory and counts as written;
     a unit built on meta holds its values once every parameter was emptied or loaded
     (torchtune's LoRA: the adapters emptied and initialized, the base weights loaded with
     assign=True). Until training starts, random fills of the unit's parameters draw whole
-    parameters, as after to_empty() on the unit."""
+    parameters, as after to_empty() on the unit. False (not taken: the piece is replaced
+    as any assignment replaces it) for a unit used already or tensor-parallel."""
     if not _watchable(state):
-        return
+        return False
     state.note_loaded([index])
     _watched.add(state)
     _watch_on()
+    return True
 
 
 sharded_param.emptied_in_unit = _emptied

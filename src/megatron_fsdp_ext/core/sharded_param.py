@@ -27,6 +27,7 @@ still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 import torch._guards
@@ -43,8 +44,10 @@ from .states import ParamInit
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 # Tensor's own `is_meta`, which ShardedParameter.is_meta answers for torch and this package.
 _TENSOR_IS_META = torch._C.TensorBase.__dict__["is_meta"]
-# nn.Module._apply, whose `param.data = fn(param)` the data setter recognises.
+# nn.Module._apply, whose `param.data = fn(param)` the data setter recognises when `fn` is
+# nn.Module.to_empty's function (decided by the function, so alike on every rank).
 _MODULE_APPLY = nn.Module._apply.__code__
+_TO_EMPTY_FNS = frozenset(c for c in nn.Module.to_empty.__code__.co_consts if isinstance(c, types.CodeType))
 # What `to_empty()` on a module inside a unit does to one of its parameters (unit state,
 # index): set by in_place_init, which imports this module.
 emptied_in_unit = None
@@ -57,11 +60,16 @@ def _torch_internal_or_tracing(frame) -> bool:
         frame.f_globals.get("__name__", "").startswith("torch.")
 
 
-def _setter_caller():
-    """The frame that assigned to a ShardedParameter's attribute (from inside a property
-    setter, past the class's own __setattr__)."""
+def _emptied_by_to_empty() -> bool:
+    """Whether the assignment being made (from inside the data setter, past the class's own
+    __setattr__) is nn.Module._apply's with nn.Module.to_empty's function."""
     frame = sys._getframe(2)
-    return frame.f_back if frame.f_code is ShardedParameter.__setattr__.__code__ else frame
+    if frame.f_code is ShardedParameter.__setattr__.__code__:
+        frame = frame.f_back
+    if frame.f_code is not _MODULE_APPLY:
+        return False
+    fn = frame.f_locals.get("fn")
+    return getattr(fn, "__code__", None) in _TO_EMPTY_FNS
 
 
 def piece_rows_of(state, index: int):
@@ -204,18 +212,14 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # A value of the parameter's shape (`p.data = torch.zeros(p.shape)`) is the full
         # value: every rank keeps its slice. Anything else replaces the piece as it is, and
         # the unit checks it at the next use.
-        if _setter_caller().f_code is _MODULE_APPLY and isinstance(value, torch.Tensor) \
-                and value.dtype == self.dtype and value.device == self.device \
-                and local_shape(value) == local_shape(self) and value is not self:
-            # nn.Module._apply with a function that makes new tensors of the same kind
-            # (conversions that change nothing return the parameter itself): to_empty() on a
-            # module inside a unit (torchtune's LoRA adapters, a block of a model built on
-            # meta). The piece stays in the unit's shard, which holds uninitialized memory as
-            # to_empty's would (in_place_init.py). Decided alike on every rank (empty pieces
-            # too): by identity, not by address.
+        if isinstance(value, torch.Tensor) and value.dtype == self.dtype and value.device == self.device \
+                and _emptied_by_to_empty():
+            # to_empty() on a module inside a unit (torchtune's LoRA adapters, a block of a
+            # model built on meta): the piece stays in the unit's shard, which holds
+            # uninitialized memory as to_empty's would (in_place_init.py).
             state, index = owner_of(self)
-            if state is not None and state.unit is not None and emptied_in_unit is not None:
-                emptied_in_unit(state, index)
+            if state is not None and state.unit is not None and emptied_in_unit is not None \
+                    and emptied_in_unit(state, index):
                 return
         if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._logical_shape()) \
                 and tuple(value.shape) != tuple(local_shape(self)):

@@ -81,9 +81,10 @@ def materialize(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]
             # Its initializers would overwrite what load_state_dict() wrote (a load covering
             # the whole unit would have marked it loaded).
             raise RuntimeError(
-                f"materialize: load_state_dict() wrote {sorted(s.names[i] for i in loaded)[:5]} of {s} but not "
+                f"materialize: load_state_dict() (or to_empty() on a module inside the unit) wrote "
+                f"{sorted(s.names[i] for i in loaded)[:5]} of {s} but not "
                 f"{sorted(s.names[i] for i in range(len(s.names)) if i not in loaded)[:5]}; materialize would "
-                "overwrite the loaded values. Load every parameter of the unit (strict=True), or call "
+                "overwrite the loaded values. Load (or to_empty()) every parameter of the unit, or call "
                 "materialize(model) before loading")
 
     written = set()  # (id(state), index in the unit) whose shard holds its value
