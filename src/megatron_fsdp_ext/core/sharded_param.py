@@ -209,9 +209,6 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        # A value of the parameter's shape (`p.data = torch.zeros(p.shape)`) is the full
-        # value: every rank keeps its slice. Anything else replaces the piece as it is, and
-        # the unit checks it at the next use.
         if isinstance(value, torch.Tensor) and value.dtype == self.dtype and value.device == self.device \
                 and _emptied_by_to_empty():
             # to_empty() on a module inside a unit (torchtune's LoRA adapters, a block of a
@@ -221,6 +218,9 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             if state is not None and state.unit is not None and emptied_in_unit is not None \
                     and emptied_in_unit(state, index):
                 return
+        # A value of the parameter's shape (`p.data = torch.zeros(p.shape)`) is the full
+        # value: every rank keeps its slice. Anything else replaces the piece as it is, and
+        # the unit checks it at the next use.
         if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(self._logical_shape()) \
                 and tuple(value.shape) != tuple(local_shape(self)):
             state, index = owner_of(self)
