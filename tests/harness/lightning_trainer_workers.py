@@ -18,8 +18,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .lightning_workers import Net, _as_torchrun
-from .workers import _full
+from .lightning_workers import Net, _as_torchrun, _values
 
 PER_RANK_BATCH = 4
 STEPS_PER_EPOCH = 2
@@ -114,11 +113,6 @@ def _trainer(world, folder, epochs, distributed=True, callbacks=()):
         enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=folder)
-
-
-def _values(module):
-    """The full value of every entry of the state dict (a collective: every rank calls it)."""
-    return {k: _full(v).detach().clone() for k, v in module.state_dict().items()}
 
 
 def _losses(model):
