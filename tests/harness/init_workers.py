@@ -591,7 +591,8 @@ def apply_inside_a_unit_is_not_to_empty(rank: int, world: int) -> bool:
     whole value (`torch.full(t.shape, ...)`: the parameter's shape) is each rank's slice
     of it, on the rank holding a 1-D bias whole as on one holding none of it; new tensors
     of the piece's shape (clone, zeros_like) replace the pieces and leave a unit built on
-    meta waiting for its values."""
+    meta waiting for its values. The same holds on the units' own modules and on a
+    module around them."""
     from megatron_fsdp_ext.core.param_index import owner_of
 
     for meta in (False, True):
@@ -612,6 +613,14 @@ def apply_inside_a_unit_is_not_to_empty(rank: int, world: int) -> bool:
             model[0][1]._apply(torch.zeros_like)
             values = mfsdp.full_state_dict(model, rank0_only=False)
             assert all((values[k] == 0).all() for k in ("0.1.weight", "0.1.bias")), values["0.1.bias"]
+            # On the units' own modules and around them, as on a plain module: only
+            # to_empty's function keeps the shards as they are.
+            model._apply(lambda t: torch.full_like(t, 0.25))
+            values = mfsdp.full_state_dict(model, rank0_only=False)
+            assert all((v == 0.25).all() for v in values.values()), values
+            nn.Sequential(model)._apply(torch.zeros_like)
+            values = mfsdp.full_state_dict(model, rank0_only=False)
+            assert all((v == 0).all() for v in values.values()), values
         else:
             mfsdp.materialize(model)  # no load or to_empty wrote any of it: materialize runs
     return True

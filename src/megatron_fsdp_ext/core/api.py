@@ -25,8 +25,8 @@ from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
-from .retype import UnitRecipe, makes_new_tensors, retype_units
-from .sharded_param import ShardedParameter
+from .retype import UnitRecipe, retype_units
+from .sharded_param import ShardedParameter, is_to_empty_function
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 
@@ -135,7 +135,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         # parameters get fn's. The units then count as materialized with uninitialized
         # memory, and random fills of their parameters until their first forward draw whole
         # parameters, as one plain process does, each rank keeping its slice (in_place_init.py).
-        empty = makes_new_tensors(states, fn)
+        empty = is_to_empty_function(fn)
         _APPLY_CHECKED = True
         try:
             out = super(torch_fsdp.FSDPModule, self)._apply(

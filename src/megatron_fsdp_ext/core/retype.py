@@ -44,14 +44,13 @@ class UnitRecipe:
 
 
 def _probe(state, fn: Callable):
-    """(the unit's first shard, fn of an empty tensor of its dtype and device, that empty
-    tensor), or None for a unit without parameters."""
+    """(the unit's first shard, fn of an empty tensor of its dtype and device), or None for
+    a unit without parameters."""
     unit = state.unit
     if unit is None or not unit.sharded_params:
         return None
     shard = unit.sharded_params[0]
-    empty = torch.empty(0, dtype=shard.dtype, device=shard.device)
-    return shard, fn(empty), empty
+    return shard, fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
 
 
 def _target(state, fn: Callable) -> Optional[torch.dtype]:
@@ -60,7 +59,7 @@ def _target(state, fn: Callable) -> Optional[torch.dtype]:
     probed = _probe(state, fn)
     if probed is None:
         return None
-    shard, probe, _ = probed
+    shard, probe = probed
     if not isinstance(probe, torch.Tensor) or (probe.dtype == shard.dtype and probe.device == shard.device):
         return None
     unit = state.unit
@@ -82,18 +81,6 @@ def _target(state, fn: Callable) -> Optional[torch.dtype]:
     if why is not None:
         raise conversion_refused(unit.label, shard, probe.dtype, probe.device, why)
     return probe.dtype
-
-
-def makes_new_tensors(states, fn: Callable) -> bool:
-    """Whether `fn` maps the units' shards to new tensors of the same dtype and device, as
-    nn.Module.to_empty's function does (conversions that change nothing return the tensor
-    itself): their values are to be replaced, not converted."""
-    probed = next((p for p in (_probe(s, fn) for s in states) if p is not None), None)
-    if probed is None:
-        return False
-    _, out, empty = probed
-    return isinstance(out, torch.Tensor) and out is not empty and out.dtype == empty.dtype and \
-        out.device == empty.device
 
 
 def retype_units(states, fn: Callable) -> None:

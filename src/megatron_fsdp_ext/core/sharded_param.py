@@ -60,16 +60,21 @@ def _torch_internal_or_tracing(frame) -> bool:
         frame.f_globals.get("__name__", "").startswith("torch.")
 
 
+def is_to_empty_function(fn) -> bool:
+    """Whether `fn`, given to nn.Module._apply, is nn.Module.to_empty's function: its
+    parameters' values are to be left unwritten, not computed from the old ones. Decided
+    by the function, never by what it returns, so alike on every rank and for functions
+    that happen to make new tensors (`torch.zeros_like`)."""
+    return getattr(fn, "__code__", None) in _TO_EMPTY_FNS
+
+
 def _emptied_by_to_empty() -> bool:
     """Whether the assignment being made (from inside the data setter, past the class's own
     __setattr__) is nn.Module._apply's with nn.Module.to_empty's function."""
     frame = sys._getframe(2)
     if frame.f_code is ShardedParameter.__setattr__.__code__:
         frame = frame.f_back
-    if frame.f_code is not _MODULE_APPLY:
-        return False
-    fn = frame.f_locals.get("fn")
-    return getattr(fn, "__code__", None) in _TO_EMPTY_FNS
+    return frame.f_code is _MODULE_APPLY and is_to_empty_function(frame.f_locals.get("fn"))
 
 
 def piece_rows_of(state, index: int):
