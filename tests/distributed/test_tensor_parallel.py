@@ -47,6 +47,12 @@ def test_tp_deferred_init():
     run_distributed(w.tp_deferred_init, 4, (2, 2), timeout=300)
 
 
+def test_tp_to_empty_then_init_in_place():
+    """torchtitan's Trainer builds on meta, then to_empty and init_weights: with TP units
+    that was refused at the first forward ("hold no parameter values yet")."""
+    run_distributed(w.tp_to_empty_then_init, 4, (2, 2), timeout=300)
+
+
 def test_tp_full_state_dict_and_safetensors(tmp_path):
     run_distributed(w.tp_full_state_dict_roundtrip, 4, str(tmp_path), timeout=300)
 

@@ -58,6 +58,13 @@ def test_torchtitan_parallelize_llama_with_tp():
     assert worst["param"] <= 1e-4
 
 
+def test_torchtitan_tp_from_meta_as_its_trainer_builds():
+    """Built on meta, parallelize_llama with TP, to_empty and init_states: TP units were
+    refused at the first forward ("hold no parameter values yet")."""
+    worst = run_distributed(w.titan_tp_from_meta, 4, 2, timeout=300)[0]
+    assert worst["param"] <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def world4_training():
     """The three world-4 parallelisms in one launch (torchtitan imports once per rank)."""

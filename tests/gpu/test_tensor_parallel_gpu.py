@@ -47,3 +47,10 @@ def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path):
 def test_tp_deferred_init_gpu():
     _needs_even_world()
     run_distributed(w.tp_deferred_init, WORLD, HALF, **GPU, timeout=300)
+
+
+def test_tp_to_empty_then_init_in_place_gpu():
+    """torchtitan's Trainer way in with TP on CUDA: to_empty and reset_parameters give the
+    TP model's values alone (DTensor's offset-based draws), a whole value lands in place."""
+    _needs_even_world()
+    run_distributed(w.tp_to_empty_then_init, WORLD, HALF, **GPU, timeout=300)

@@ -109,7 +109,7 @@ def available() -> str:
     return ""
 
 
-def _debugmodel(parallelism=None):
+def _debugmodel_config(parallelism=None):
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
 
@@ -120,6 +120,11 @@ def _debugmodel(parallelism=None):
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
         set_llama3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel)
+    return cfg
+
+
+def _debugmodel(parallelism=None):
+    cfg = _debugmodel_config(parallelism)
     torch.manual_seed(0)
     model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
@@ -234,6 +239,59 @@ def titan_parallelize_llama(rank: int, world: int, tp: int) -> Dict:
     tp_mesh, fsdp_mesh = dims.get_mesh("tp"), dims.get_mesh("fsdp")
     dp_index = fsdp_mesh.get_local_rank()
     return _train_against_plain(model, ref, placements, tp_mesh, dp_index, world // tp)
+
+
+def titan_tp_from_meta(rank: int, world: int, tp: int) -> Dict:
+    """torchtitan's Trainer.__init__ way with tensor parallelism, ours swapped in: the
+    debugmodel built on meta, parallelize_llama (TP and FSDP), to_empty, then init_states
+    under no_grad. Every value equals torchtitan's TP model alone built the same way from
+    the same seed (its own `parallelize`, no FSDP); loaded then with one process's values,
+    it trains as that process does."""
+    install_triton_stub()
+    _ours_in_torchtitan()
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    device = device_for_backend()
+    tt_parallel_dims.device_type = device.type
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp,
+                                    data_parallel_shard_degree=world // tp)
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    cfg = _debugmodel_config(parallelism)
+    built = {}
+    for which in ("alone", "ours"):
+        with torch.device("meta"):
+            model = cfg.build()
+        if which == "alone":
+            model.parallelize(dims)
+            placements = placements_of(model)
+        else:
+            parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
+                              parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
+                              dump_folder="/tmp")
+        model.to_empty(device=device)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            model.init_states(buffer_device=device)
+        built[which] = model
+    model = built["ours"]
+    assert any(s.tp is not None for s in iter_states(model) if s.unit is not None), "no tensor-parallel unit"
+    tp_mesh, fsdp_mesh = dims.get_mesh("tp"), dims.get_mesh("fsdp")
+    got = full_of_ours(model, "value", placements, tp_mesh)
+    for name, p in built["alone"].named_parameters():
+        want = (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().cpu()
+        assert torch.equal(got[name].reshape(want.shape), want), \
+            f"'{name}' after to_empty + init_states differs from the TP model's alone"
+    # torch's helper, as torchtitan loads a full checkpoint: its fused-qkv hooks merge the
+    # file's wq/wk/wv into wqkv on the way in.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    ref = _debugmodel(parallelism)
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    return _train_against_plain(model, ref, placements, tp_mesh, fsdp_mesh.get_local_rank(), world // tp)
 
 
 # ------------------------------------------------------------------ torchtitan's training loop

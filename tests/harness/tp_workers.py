@@ -505,6 +505,62 @@ def tp_deferred_init(rank: int, world: int, shape: Tuple[int, ...]) -> None:
     F.mse_loss(plain_init(x[:2].to(device)), y[:2].to(device)).backward()
 
 
+def _reset_all(model: nn.Module) -> None:
+    for m in model.modules():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def tp_to_empty_then_init(rank: int, world: int, shape: Tuple[int, ...]) -> None:
+    """torchtitan's Trainer with TP: built on meta, parallelized, sharded, `to_empty`, then
+    initialized in place. The random initializers (nn.Linear's kaiming_uniform_ with the
+    global fan-in, LayerNorm's fills) give what the TP model alone gives from the same
+    seed, every element written; a whole value copied in (the position init) lands where
+    the model built on the device holds it; both then compute as those models do."""
+    device = device_for_backend()
+    mesh = make_mesh(shape)
+    tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
+    dp_index, dp_world = dp_rank_of(mesh)
+    x, _ = next(batches(1, 2, dp_world))
+    x = x[2 * dp_index: 2 * dp_index + 2].to(device)
+
+    with torch.device("meta"):
+        alone = parallelize(TPNet(), tp_mesh, False)
+    alone.to_empty(device=device)
+    torch.manual_seed(SEED)
+    _reset_all(alone)
+    want = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in alone.named_parameters()}
+    for sc in ({}, {"strategy": "optim_grads"}):
+        with torch.device("meta"):
+            model = parallelize(TPNet(), tp_mesh, False)
+        placements = placements_of(model)
+        shard_ours(model, dp_mesh, sc)
+        model.to_empty(device=device)
+        torch.manual_seed(SEED)
+        _reset_all(model)
+        got = full_of_ours(model, "value", placements, tp_mesh)
+        for n, v in want.items():
+            assert torch.equal(got[n], v.double().cpu()), f"{sc}: '{n}' after to_empty + reset_parameters differs " \
+                f"from the TP model's (max diff {(got[n] - v.double().cpu()).abs().max():.3e})"
+        assert torch.equal(model(x), alone(x)), f"{sc}: the initialized model computes differently"
+
+    direct = build(device)
+    direct.apply(_position_init)
+    direct = parallelize(direct, tp_mesh, True)
+    placements = placements_of(direct)
+    shard_ours(direct, dp_mesh, {})
+    with torch.device("meta"):
+        deferred = parallelize(TPNet(), tp_mesh, True)
+    shard_ours(deferred, dp_mesh, {})
+    deferred.to_empty(device=device)
+    deferred.apply(_position_init)  # plain tensors here: whole values copied into the sharded parameters
+    a, b = (full_of_ours(m, "value", placements, tp_mesh) for m in (direct, deferred))
+    for n in a:
+        assert torch.equal(a[n], b[n]), f"'{n}' after to_empty + a whole value copied in differs from the model built"
+    assert torch.equal(direct(x), deferred(x)), "the position-initialized model computes differently"
+
+
 def tp_full_state_dict_roundtrip(rank: int, world: int, path: str) -> None:
     """full_state_dict gives global tensors equal to the plain model's; load_full_state_dict
     and load_safetensors of plain full values load exactly into a TP model; a parameter

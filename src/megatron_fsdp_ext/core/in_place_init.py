@@ -34,6 +34,7 @@ from .dtensor_face import local_shape
 from .hook_support import run_outside_dynamo
 from .param_index import owner_of
 from .sharded_param import ShardedParameter
+from .state_dict import face_shape
 from .states import ParamInit
 
 # Tensor methods and nn.init functions that fill a tensor with random values.
@@ -71,9 +72,8 @@ def begin(states, uninitialized: bool) -> None:
 
 
 def _watchable(state) -> bool:
-    # Not a unit used already (no first forward left to end the watch), nor a
-    # tensor-parallel one (still materialize(): their pieces are pieces of TP shards).
-    return state.unit is not None and state.ctx is None and not (state.tp is not None and state.tp.specs)
+    # Not a unit used already: no first forward is left to end the watch.
+    return state.unit is not None and state.ctx is None
 
 
 def _emptied(state, index: int) -> bool:
@@ -83,7 +83,7 @@ def _emptied(state, index: int) -> bool:
     (torchtune's LoRA: the adapters emptied and initialized, the base weights loaded with
     assign=True). Until training starts, random fills of the unit's parameters draw whole
     parameters, as after to_empty() on the unit. False (not taken: the piece is replaced
-    as any assignment replaces it) for a unit used already or tensor-parallel."""
+    as any assignment replaces it) for a unit used already."""
     if not _watchable(state):
         return False
     state.note_loaded([index])
@@ -134,22 +134,32 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             if func is not torch.Tensor.copy_:
                 return _fill_whole(func, state, index, target, args, kwargs)
             source = args[1] if len(args) > 1 else kwargs["src"]
-            if isinstance(source, torch.Tensor) and tuple(source.shape) == tuple(state.unit.param_spec(index).shape) \
+            if isinstance(source, torch.Tensor) and tuple(source.shape) == tuple(face_shape(state, index)) \
                     and local_shape(source) != local_shape(target):
                 # A whole value built for the parameter (torchtitan's fused-qkv init copies one
-                # in; FSDP2's DTensor scatters it): this rank's slice of it.
+                # in; FSDP2's DTensor scatters it): this rank's slice of it, of its TP shard
+                # under tensor parallelism.
+                tp = state.tp
+                if tp is not None and index in tp.specs:
+                    source = tp.local_value(index, source)
                 return _keep_slice(state, index, target, source)
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
 
 def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
-    """`func` on a full tensor of the parameter's shape; this rank keeps its slice."""
+    """`func` on a full tensor of the parameter's shape; this rank keeps its slice. Under
+    tensor parallelism the full tensor is this rank's TP shard, filled as the DTensor TP
+    alone gives (its global shape for fan-in, DTensor's random streams), as materialize does."""
     whole = torch.empty(state.unit.param_spec(index).shape, dtype=param.dtype, device=param.device)
+    filled = whole
+    tp = state.tp
+    if tp is not None and index in tp.specs:
+        filled = tp.full_of_local(index, whole)
     if args:
-        args = (whole,) + tuple(args[1:])
+        args = (filled,) + tuple(args[1:])
     else:
-        kwargs = {**kwargs, "tensor": whole}
+        kwargs = {**kwargs, "tensor": filled}
     with DisableTorchFunctionSubclass():
         func(*args, **kwargs)
     return _keep_slice(state, index, param, whole)
