@@ -22,6 +22,10 @@ def test_load_full_state_dict_refuses_bad_values_on_every_rank_before_writing(br
     run_distributed(AW.full_state_dict_bad_values, 2, broadcast, timeout=120)
 
 
+def test_load_full_state_dict_refuses_models_whose_hooks_reshape_parameters():
+    run_distributed(AW.full_state_dict_with_reshaping_hooks, 2, timeout=120)
+
+
 @pytest.mark.parametrize("kind", ["gather_bucket_bytes", "reduce_bucket_bytes"])
 def test_ranks_that_bucket_differently_are_refused_at_the_first_forward(kind):
     run_distributed(AW.bucket_options_differ, 2, kind, timeout=120)

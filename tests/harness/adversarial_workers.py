@@ -104,6 +104,51 @@ def full_state_dict_bad_values(rank: int, world: int, broadcast: bool) -> None:
             assert torch.equal(p.detach(), before[n]), f"'{n}' was overwritten by a refused load"
 
 
+def full_state_dict_with_reshaping_hooks(rank: int, world: int) -> None:
+    """A model whose own state-dict hook reshapes a parameter (torchtitan's fused-qkv
+    split) cannot take load_full_state_dict, which runs the hooks on this rank's pieces:
+    refused on every rank naming the way that works, nothing written; that way
+    (set_model_state_dict with full values, the hooks run on whole tensors) loads it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = device_for_backend()
+
+    def split_on_save(module, state_dict, prefix, local_metadata):
+        w = state_dict.pop(f"{prefix}weight")
+        if hasattr(w, "full_tensor"):  # a DTensor, made whole as torchtitan's hook does
+            w = w.full_tensor()
+        rows = w.shape[0] // 2
+        state_dict[f"{prefix}top"], state_dict[f"{prefix}bottom"] = w.reshape(2, rows, w.shape[1]).unbind(0)
+
+    def merge_on_load(module, state_dict, prefix, *args):
+        if f"{prefix}top" in state_dict:
+            state_dict[f"{prefix}weight"] = torch.cat([state_dict.pop(f"{prefix}top"),
+                                                       state_dict.pop(f"{prefix}bottom")])
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Linear(8, 2)).to(device)
+        model[0]._register_state_dict_hook(split_on_save)
+        model[0]._register_load_state_dict_pre_hook(merge_on_load, with_module=True)
+        return model
+
+    plain = build()
+    values = {k: v + 1 for k, v in plain.state_dict().items()}
+    model = build()
+    mfsdp.fully_shard(model[0])
+    mfsdp.fully_shard(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expect_error(lambda: mfsdp.load_full_state_dict(model, values), RuntimeError,
+                 "state-dict hooks", "set_model_state_dict")
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"'{n}' was overwritten by a refused load"
+    set_model_state_dict(model, dict(values), options=StateDictOptions(full_state_dict=True))  # the hook pops keys
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    assert full.keys() == values.keys(), sorted(full)
+    for k, v in values.items():
+        assert torch.equal(full[k], v), f"'{k}' loaded through set_model_state_dict differs"
+
+
 def bucket_options_differ(rank: int, world: int, kind: str) -> None:
     """Ranks whose root buckets differently (gather_bucket_bytes or reduce_bucket_bytes)
     are refused at the first forward, naming the option, instead of pairing a coalesced

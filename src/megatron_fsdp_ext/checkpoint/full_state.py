@@ -200,7 +200,17 @@ def plan_full_load(module: nn.Module, state_dict: dict, strict: bool, placeholde
     for state in index.states:
         state.reshard()  # an early all-gather (start_param_sync) would now be stale
     with local_state_dict():
-        own = module.state_dict()  # the replicated entries below are copied into these
+        try:
+            own = module.state_dict()  # the replicated entries below are copied into these
+        except Exception as e:
+            # The model's own state-dict hooks (torchtitan's fused-qkv split) see this
+            # rank's 1-D pieces here, and may also rename keys away from parameter names.
+            raise RuntimeError(
+                f"load_full_state_dict: {type(module).__name__}.state_dict() failed on this rank's pieces "
+                f"({type(e).__name__}: {e}); a model whose state-dict hooks reshape or rename parameters loads "
+                "full values through its own load_state_dict: torch.distributed.checkpoint.state_dict."
+                "set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True)); nothing "
+                "was loaded") from e
     expected = set(own)
     # A tied parameter is loaded through any of its names (Hugging Face files keep one).
     covered = {n for param in index.params.values() if any(k in state_dict for k in param.names) for n in param.names}
