@@ -156,3 +156,24 @@ def _bucketed_worker(rank, world, arch):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_hf_model_bucketed_units(arch):
     assert run_distributed(_bucketed_worker, 2, arch, timeout=180) == [True, True]
+
+
+def _native_fsdp_worker(rank, world, pretrained_dir):
+    """transformers' own FSDP2 path, from_pretrained(distributed_config=...), with ours
+    swapped in where it looks fully_shard up: refused by name at the first call, on every
+    rank, where it once failed later with a shape mismatch (its loader cuts FSDP2's rows
+    and compares them with our parameters) or broadcast rank 0's pieces over the others'."""
+    import transformers.distributed.fsdp as hf_fsdp
+    from transformers.distributed import DistributedConfig
+    from harness.workers import expect_error
+
+    hf_fsdp.fully_shard = mfsdp.fully_shard
+    expect_error(lambda: transformers.LlamaForCausalLM.from_pretrained(
+        pretrained_dir, distributed_config=DistributedConfig(fsdp_size=world)),
+        NotImplementedError, "transformers.distributed.fsdp", "without distributed_config")
+    return True
+
+
+def test_transformers_native_fsdp_loading_is_refused_by_name(tmp_path):
+    _build("llama").save_pretrained(str(tmp_path))
+    assert run_distributed(_native_fsdp_worker, 2, str(tmp_path), timeout=240) == [True, True]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Iterable, List, Optional, Tuple, Union
@@ -540,6 +541,31 @@ def _group_state(modules, params, names, slots, keys, group, comm: CommGroups, o
     return state
 
 
+# Callers whose next steps read FSDP2's DTensor parameters themselves (their local rows, and
+# `isinstance(p.data, DTensor)` to find what FSDP left replicated), which our parameters,
+# one flat piece each, are not: refused by name before anything is sharded, rather than
+# failing later with a shape mismatch or, where pieces happen to be of one size on every
+# rank, broadcasting rank 0's piece over the others.
+_FSDP2_PARAMETER_READERS = {
+    "transformers.distributed.fsdp": (
+        "transformers' from_pretrained(distributed_config=...) loads each rank's rows of FSDP2's DTensor "
+        "parameters into the parameters themselves, and its Trainer then broadcasts every parameter whose .data "
+        "is not a DTensor. Load the model with from_pretrained() without distributed_config, then call "
+        "fully_shard on its decoder layers and on the model (README: Hugging Face); the Trainer's "
+        "fsdp='full_shard' (Accelerate's FSDP2 path) works with ours"),
+}
+
+
+def _refuse_fsdp2_parameter_readers() -> None:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("megatron_fsdp_ext"):
+        frame = frame.f_back
+    caller = frame.f_globals.get("__name__") if frame is not None else None
+    why = _FSDP2_PARAMETER_READERS.get(caller)
+    if why is not None:
+        raise NotImplementedError(f"fully_shard called from {caller}: {why}")
+
+
 def fully_shard(
     module: Union[nn.Module, List[nn.Module]],
     *,
@@ -694,6 +720,7 @@ def fully_shard(
             f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): parameters that are DTensors on every axis of one SPMD "
             "mesh are not supported; apply tensor parallelism on the 'tp' axis only (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor') and pass the data-parallel mesh as mesh=")
+    _refuse_fsdp2_parameter_readers()
     modules = check_target(module)
     load_dynamo()
     mp_policy = as_mp_policy(mp_policy)
