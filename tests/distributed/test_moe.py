@@ -185,3 +185,16 @@ def test_torchtitan_trainer_on_moe_matches_fsdp2(name):
         assert out["worst"][key] <= TOL_FULL, f"{key}: ours vs FSDP2 rel {out['worst'][key]:.2e}"
     assert out["moe_layers"] == 5 and out["expert_bias_moved"] > 0  # debugmodel: 6 layers, the first dense
     assert out["units"] >= 7
+
+
+def test_torchtitan_trainer_on_moe_from_meta_matches_fsdp2():
+    """The same with the model built on meta as torchtitan's Trainer builds it (to_empty,
+    init_states, then the same weights loaded): after init_states every unit of ours holds
+    its values, its expert units (DTensors on the "ep" mesh, once left waiting for a load)
+    too."""
+    out = run_distributed(tmw.titan_moe_trainer_vs_fsdp2, WORLD, TRAINER["fsdp4_ep2"], steps=2, from_meta=True,
+                          timeout=timeout_of(2))[0]
+    for key in ("loss", "max_loss", "grad_norm", "expert_bias"):
+        assert out["worst"][key] <= TOL_STEP, f"{key}: ours vs FSDP2 rel {out['worst'][key]:.2e}"
+    for key in ("grad", "param"):
+        assert out["worst"][key] <= TOL_FULL, f"{key}: ours vs FSDP2 rel {out['worst'][key]:.2e}"

@@ -52,7 +52,8 @@ def _same_on_every_rank(values: Dict[str, torch.Tensor], what: str) -> None:
 
 
 def titan_moe_trainer_vs_fsdp2(rank: int, world: int, parallelism: Dict, steps: int = 6, max_norm: float = 0.25,
-                               local_bs: int = 2, accum: int = 2, ac: bool = True, tol: float = 1e-5) -> Dict:
+                               local_bs: int = 2, accum: int = 2, ac: bool = True, tol: float = 1e-5,
+                               from_meta: bool = False) -> Dict:
     """torchtitan's train_step on its DeepSeek-V3 debugmodel job with `parallelism` (a
     ParallelismConfig's fields: dp shard / replicate, expert_parallel_degree), FSDP2 and
     ours step by step: the global loss, the max local loss, the grad norm of its EP clip
@@ -60,7 +61,9 @@ def titan_moe_trainer_vs_fsdp2(rank: int, world: int, parallelism: Dict, steps: 
     the last step every parameter's full (clipped) gradient and full value within 10 * tol,
     and the load-balancing buffers: every MoE layer's expert_bias_E equal between the two
     systems (to `tol`, relative to its largest entry), the same on every rank, moved from
-    zero by the hook, and tokens_per_expert_E zeroed by it.
+    zero by the hook, and tokens_per_expert_E zeroed by it. from_meta: both models built
+    on meta as torchtitan's Trainer builds them (to_empty, init_states), then loaded with
+    the same weights.
     Returns (the same on every rank) {"worst": {...}, "curves": {...}, "units", "moved",
     "expert_bias_moved", "moe_layers", "wall_s"}."""
     wall0 = time.perf_counter()
@@ -69,7 +72,7 @@ def titan_moe_trainer_vs_fsdp2(rank: int, world: int, parallelism: Dict, steps: 
     use_fp32_experts()
     assert dims.ep_enabled == (parallelism.get("expert_parallel_degree", 1) > 1)
     init = {plain_name(n): p.detach().double().cpu() for n, p in _built_model(cfg).named_parameters()}
-    runs = {impl: _titan_trainer(cfg, dims, impl) for impl in ("fsdp2", "ours")}
+    runs = {impl: _titan_trainer(cfg, dims, impl, from_meta=from_meta) for impl in ("fsdp2", "ours")}
     fsdp2_model, ours_model = runs["fsdp2"].model_parts[0], runs["ours"].model_parts[0]
     units = check_titan_reached_ours(ours_model, fsdp2_model)
     for impl, t in runs.items():  # the spec's post_optimizer_build_fn registered the load-balancing hook

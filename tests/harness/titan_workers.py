@@ -453,11 +453,14 @@ def _built_model(cfg):
     return model.to(device_for_backend())
 
 
-def _titan_trainer(cfg, dims, impl: str, checkpoint=None):
+def _titan_trainer(cfg, dims, impl: str, checkpoint=None, from_meta: bool = False):
     """A torchtitan Trainer for train_step, built as Trainer.__init__ builds its non-PP
     components: the model (built whole: _built_model), its parallelize_fn with `impl`'s
     fully_shard, its loss, optimizer and LR scheduler containers, and its checkpointer
-    (`checkpoint`: a CheckpointManager.Config; default disabled)."""
+    (`checkpoint`: a CheckpointManager.Config; default disabled). from_meta: the model
+    built on meta as Trainer.__init__ builds it, parallelized, then `to_empty` and
+    `init_states` under no_grad; then _built_model's values loaded through torch's
+    state-dict helper, so that both systems start from the same weights."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import utils as dist_utils
@@ -467,12 +470,28 @@ def _titan_trainer(cfg, dims, impl: str, checkpoint=None):
     t.config, t.parallel_dims, t.device = cfg, dims, device_for_backend()
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # as Trainer.__init__ does
     spec = cfg.model_spec
-    model = _built_model(cfg)
+    whole = _built_model(cfg)
+    if from_meta:
+        with torch.device("meta"):
+            model = spec.model.build()
+    else:
+        model = whole
     t.model_config = spec.model
     with _fully_shard_in_torchtitan(impl):
         model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
                                     compile_config=cfg.compile, ac_config=cfg.activation_checkpoint,
                                     dump_folder=cfg.dump_folder)
+    if from_meta:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=t.device)
+        with torch.no_grad():
+            model.init_states(buffer_device=t.device)
+        if impl == "ours":  # a fresh run trains on these values: no unit may wait for a load
+            from megatron_fsdp_ext.core.param_index import check_materialized
+
+            check_materialized(list(iter_states(model)), "after to_empty and init_states")
+        set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
     model.train()
     if impl == "fsdp2" and dist.get_backend() == "gloo":
         # torchtitan's divide factor 1.0 makes FSDP2 reduce with PREMUL_SUM(1.0), which Gloo
