@@ -460,6 +460,22 @@ def trust_ratio_optimizers_refused(rank, world):
     opt = Lamb(model.parameters(), lr=0.1)
     model(torch.randn(2, D, device=device_for_backend())).sum().backward()
     expect_error(opt.step, NotImplementedError, "Lamb", "trust ratio", "1-D piece")
+    # torchao's low-bit Adams (their quantized state is sized from the whole parameter:
+    # they once failed inside torchao with a broadcast error); its full-precision _AdamW
+    # steps, and a class of the same name from another library is not taken for them.
+    try:
+        import torchao.optim as ao
+    except ImportError:
+        return
+    for cls in (ao.AdamW8bit, ao.AdamW4bit, ao.AdamWFp8):
+        expect_error(cls(model.parameters(), lr=1e-3).step, NotImplementedError, cls.__name__, "torchao",
+                     "_AdamW")
+    for opt in (ao._AdamW(model.parameters(), lr=1e-3), AdamW8bit(model.parameters(), lr=1e-3)):
+        opt.step()
+
+
+class AdamW8bit(torch.optim.AdamW):
+    """Another library's class of a torchao low-bit optimizer's name (bitsandbytes has one)."""
 
 
 def ema_swap_through_data(rank, world, strategy: str = "optim_grads_params"):

@@ -135,6 +135,13 @@ _WHOLE_PARAMETER_NAMES = {
 }
 
 
+# torchao's low-bit Adams size their quantized state from the parameter's shape (blocks of
+# the whole parameter, or full precision under 4096 elements) and step it with the
+# gradient, here this rank's piece: they fail at their first step with a broadcast error
+# from inside torchao (their DTensor path quantizes each rank's local shard instead).
+_QUANTIZED_STATE_NAMES = frozenset(("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8"))
+
+
 def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer that computes on a whole parameter (its shape, its RMS, its matrix) or
     on all parameters together would step each rank's piece as a different parameter:
@@ -153,6 +160,15 @@ def _refuse_whole_parameter_optimizers(optimizer: torch.optim.Optimizer) -> None
             f"parameters, whose values are each rank's 1-D piece of a parameter: as a {named} optimizer, "
             f"{_WHOLE_PARAMETER_NAMES[named]}, so each rank would compute it on its piece and train differently. "
             "Use an elementwise optimizer (AdamW, SGD, ...) with fully_shard")
+    quantized = next((c.__name__ for c in type(optimizer).__mro__
+                      if c.__name__ in _QUANTIZED_STATE_NAMES and c.__module__.startswith("torchao.")), None)
+    if quantized is not None:
+        raise NotImplementedError(
+            f"megatron_fsdp_ext: {type(optimizer).__name__} ({type(optimizer).__module__}) holds fully_shard "
+            f"parameters, whose values and gradients are each rank's 1-D piece of a parameter: torchao's "
+            f"{quantized} sizes its quantized state from the whole parameter's shape and cannot step a piece. "
+            "Use torch.optim.AdamW (fused=True), torchao.optim._AdamW (full-precision state, bf16 stochastic "
+            "rounding) or megatron_fsdp_ext.optim.CPUAdamW with fully_shard")
 
 
 # optimizer.__dict__ key: the units whose gather copy in host memory (offloaded units) the
