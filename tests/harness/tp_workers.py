@@ -530,7 +530,8 @@ def tp_to_empty_then_init(rank: int, world: int, shape: Tuple[int, ...]) -> None
     alone.to_empty(device=device)
     torch.manual_seed(SEED)
     _reset_all(alone)
-    want = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in alone.named_parameters()}
+    want = want_alone = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                         for n, p in alone.named_parameters()}
     for sc in ({}, {"strategy": "optim_grads"}):
         with torch.device("meta"):
             model = parallelize(TPNet(), tp_mesh, False)
@@ -559,6 +560,36 @@ def tp_to_empty_then_init(rank: int, world: int, shape: Tuple[int, ...]) -> None
     for n in a:
         assert torch.equal(a[n], b[n]), f"'{n}' after to_empty + a whole value copied in differs from the model built"
     assert torch.equal(direct(x), deferred(x)), "the position-initialized model computes differently"
+
+    # The TP model alone's DTensors copied in, parameter by parameter (replicated norm
+    # weights that some ranks hold whole too: each rank once decided by its own piece), and
+    # Lightning's per-module to_empty(recurse=False) before reset_parameters.
+    alone_sp = parallelize(build(device), tp_mesh, True)
+    with torch.device("meta"):
+        copied = parallelize(TPNet(), tp_mesh, True)
+    placements = placements_of(copied)
+    shard_ours(copied, dp_mesh, {})
+    copied.to_empty(device=device)
+    sources = dict(alone_sp.named_parameters())
+    with torch.no_grad():
+        for name, p in copied.named_parameters():
+            p.copy_(sources[name])
+    got = full_of_ours(copied, "value", placements, tp_mesh)
+    for name, p in sources.items():
+        want = (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().cpu()
+        assert torch.equal(got[name], want), f"'{name}' copied in from the TP model's DTensor differs"
+    with torch.device("meta"):
+        per_module = parallelize(TPNet(), tp_mesh, False)
+    placements = placements_of(per_module)
+    shard_ours(per_module, dp_mesh, {})
+    for m in per_module.modules():  # Lightning's: only modules holding meta tensors themselves
+        if any(p.is_meta for p in m.parameters(recurse=False)):
+            m.to_empty(device=device, recurse=False)
+    torch.manual_seed(SEED)
+    _reset_all(per_module)
+    got = full_of_ours(per_module, "value", placements, tp_mesh)
+    for n, v in want_alone.items():
+        assert torch.equal(got[n], v.double().cpu()), f"'{n}' after per-module to_empty + reset_parameters differs"
 
 
 def tp_full_state_dict_roundtrip(rank: int, world: int, path: str) -> None:

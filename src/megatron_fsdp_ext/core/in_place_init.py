@@ -30,7 +30,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import sharded_param
-from .dtensor_face import local_shape
+from .dtensor_face import is_dtensor, local_shape
 from .hook_support import run_outside_dynamo
 from .param_index import owner_of
 from .sharded_param import ShardedParameter
@@ -134,14 +134,18 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             if func is not torch.Tensor.copy_:
                 return _fill_whole(func, state, index, target, args, kwargs)
             source = args[1] if len(args) > 1 else kwargs["src"]
+            # Decided by what every rank shares (the source's shape and kind), never by this
+            # rank's piece: a rank holding a small parameter whole takes this path too.
             if isinstance(source, torch.Tensor) and tuple(source.shape) == tuple(face_shape(state, index)) \
-                    and local_shape(source) != local_shape(target):
+                    and (is_dtensor(source) or local_shape(source) != local_shape(target)):
                 # A whole value built for the parameter (torchtitan's fused-qkv init copies one
                 # in; FSDP2's DTensor scatters it): this rank's slice of it, of its TP shard
                 # under tensor parallelism.
                 tp = state.tp
                 if tp is not None and index in tp.specs:
                     source = tp.local_value(index, source)
+                elif is_dtensor(source):
+                    source = source.full_tensor()
                 return _keep_slice(state, index, target, source)
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
