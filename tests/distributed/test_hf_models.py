@@ -167,10 +167,12 @@ def _native_fsdp_worker(rank, world, pretrained_dir):
     from transformers.distributed import DistributedConfig
     from harness.workers import expect_error
 
-    hf_fsdp.fully_shard = mfsdp.fully_shard
-    expect_error(lambda: transformers.LlamaForCausalLM.from_pretrained(
-        pretrained_dir, distributed_config=DistributedConfig(fsdp_size=world)),
-        NotImplementedError, "transformers.distributed.fsdp", "without distributed_config")
+    # Swapped in directly, and through a script's own wrapper.
+    for swap in (mfsdp.fully_shard, lambda *args, **kwargs: mfsdp.fully_shard(*args, **kwargs)):
+        hf_fsdp.fully_shard = swap
+        expect_error(lambda: transformers.LlamaForCausalLM.from_pretrained(
+            pretrained_dir, distributed_config=DistributedConfig(fsdp_size=world)),
+            NotImplementedError, "transformers.distributed.fsdp", "without distributed_config")
     return True
 
 

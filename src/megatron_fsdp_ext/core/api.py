@@ -557,13 +557,14 @@ _FSDP2_PARAMETER_READERS = {
 
 
 def _refuse_fsdp2_parameter_readers() -> None:
+    # The whole stack: a script may reach ours through its own wrapper.
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("megatron_fsdp_ext"):
+    while frame is not None:
+        caller = frame.f_globals.get("__name__")
+        why = _FSDP2_PARAMETER_READERS.get(caller)
+        if why is not None:
+            raise NotImplementedError(f"fully_shard called from {caller}: {why}")
         frame = frame.f_back
-    caller = frame.f_globals.get("__name__") if frame is not None else None
-    why = _FSDP2_PARAMETER_READERS.get(caller)
-    if why is not None:
-        raise NotImplementedError(f"fully_shard called from {caller}: {why}")
 
 
 def fully_shard(
