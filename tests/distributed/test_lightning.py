@@ -8,7 +8,9 @@ Lightning's Trainer (ModelParallelStrategy, ours in the LightningModule's config
 at world 2: fit trains as with FSDP2 and as one plain process on the global batches; a
 ModelCheckpoint (DCP folder or one full file) resumes through fit(ckpt_path=) bit for bit
 as the uninterrupted run; trainer.init_module(empty_init=True) gives a plain Net()'s values
-and the same training. Each rank runs inside run_distributed's Gloo group: torchrun's
+and the same training. With tensor parallelism (dp 2 x tp 2, world 4) Fabric's empty_init
+gives the TP model alone's values and training with its clip matches one process. Each
+rank runs inside run_distributed's Gloo group: torchrun's
 environment makes Lightning join it and launch nothing."""
 import pytest
 
@@ -43,3 +45,9 @@ def test_lightning_trainer_empty_init_materializes_a_plain_init_and_trains_alike
     """FSDP2 is no reference here: its reset_parameters() under empty_init draws every
     rank's shard from the same generator state, so its values are not a plain Net()'s."""
     assert all(run_distributed(tw.empty_init_matches_plain_init, 2, str(tmp_path), 2, timeout=240))
+
+
+def test_lightning_tensor_parallel_empty_init_and_training():
+    """dp 2 x tp 2: Lightning's per-module to_empty on TP units (once left waiting for a
+    load: the first forward refused them), then training with its clip as one process."""
+    assert all(run_distributed(w.tensor_parallel_empty_init_and_training, 4, timeout=300))

@@ -24,10 +24,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=13):
         super().__init__()
         self.emb = nn.Embedding(11, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block(hidden=hidden) for _ in range(2))
         self.head = nn.Linear(8, 5)
 
     def forward(self, x):
@@ -136,4 +136,92 @@ def empty_init_is_a_plain_init(rank, world):
     (meta_losses, meta_params), (losses, params) = runs
     assert meta_losses == losses, (meta_losses, losses)
     assert all(torch.equal(meta_params[k], params[k]) for k in params)
+    return True
+
+
+TP_HIDDEN = 16  # split evenly over 2 tp ranks
+
+
+def _tensor_parallel(model, device_mesh):
+    """Megatron's TP on each block (up column-, down row-parallel) over Lightning's
+    "tensor_parallel" dim; the rest stays whole on every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for b in model.blocks:
+        parallelize_module(b, device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _tp_then_shard(model, device_mesh):
+    return _shard(_tensor_parallel(model, device_mesh), device_mesh)
+
+
+def tensor_parallel_empty_init_and_training(rank, world):
+    """ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) with TP and ours
+    in its parallelize function, the model built under empty_init: Lightning's per-module
+    to_empty and reset_parameters give the TP model alone's values (each TP shard drawn as
+    a DTensor, as on that model); then, loaded with a plain Net()'s values, three steps
+    with clip_gradients train as one plain process on the dp ranks' batches together.
+    (FSDP2 fails here in the clip: torch's clip_grad_norm_ stacks norms of DTensors on the
+    2-D (dp, tp) mesh and the 1-D dp mesh.)"""
+    _as_torchrun(rank, world)
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dp, tp = world // 2, 2
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(
+        _tp_then_shard, data_parallel_size=dp, tensor_parallel_size=tp))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = Net(hidden=TP_HIDDEN)
+    torch.manual_seed(0)
+    model = fabric.setup(model)
+    waiting = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not waiting, f"still waiting for values after Lightning's materialization: {waiting}"
+    got = _values(model)
+
+    with torch.device("meta"):
+        alone = Net(hidden=TP_HIDDEN)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    _tensor_parallel(alone, mesh)
+    torch.manual_seed(0)
+    for m in alone.modules():  # Lightning's materialization, on the TP model alone
+        if any(t.is_meta for t in m.parameters(recurse=False)):
+            m.to_empty(device="cpu", recurse=False)
+            m.reset_parameters()
+    for k, v in alone.state_dict().items():
+        want = v.full_tensor() if isinstance(v, DTensor) else v
+        assert torch.equal(got[k], want), f"'{k}' after empty_init differs from the TP model alone"
+
+    torch.manual_seed(3)
+    plain = Net(hidden=TP_HIDDEN)
+    set_model_state_dict(model.module, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    for step in range(3):
+        batches = []
+        for r in range(dp):
+            g = torch.Generator().manual_seed(100 * step + r)
+            batches.append((torch.randint(0, 11, (4, 3), generator=g), torch.randint(0, 5, (4,), generator=g)))
+        x, y = batches[dp_rank]
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        norm = fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+        x_all, y_all = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        plain_loss = nn.functional.cross_entropy(plain(x_all), y_all)
+        plain_loss.backward()
+        plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.5)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert plain_norm > 0.5, "clipping was not active"
+        assert abs(float(norm) - float(plain_norm)) <= 1e-5 * float(plain_norm), (step, float(norm), float(plain_norm))
+    final = _values(model)
+    for k, v in plain.state_dict().items():
+        assert torch.allclose(final[k], v, rtol=1e-5, atol=1e-6), f"'{k}' after training differs from one process"
     return True
