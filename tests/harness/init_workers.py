@@ -459,7 +459,8 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     """FSDP2's way in from the meta device with torch's own initializers: fully_shard on
     meta, `to_empty(device=...)`, then each module's reset_parameters() (kaiming_uniform_,
     uniform_), nn.init.trunc_normal_ and normal_ on the parameters, and a copy_ of a whole
-    value. Every rank's pieces are one plain process's values for the same seed (the
+    value, and the structural initializers (orthogonal_, sparse_, eye_: a whole matrix).
+    Every rank's pieces are one plain process's values for the same seed (the
     random draws are whole parameters), the RNG ends where that process's does, and a
     training step matches it. way="outer": to_empty on a plain module holding the sharded
     one. way="built": the model built on the device and sharded,
@@ -470,14 +471,19 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     device = device_for_backend()
 
     def build():
-        return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+        return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5),
+                             nn.Linear(5, 5))
 
     def init(m):
-        for layer in (m[0], m[2], m[4]):
+        for layer in (m[0], m[2], m[4], m[5]):
             layer.reset_parameters()
         nn.init.trunc_normal_(m[2].weight, std=0.5, a=-0.6, b=0.6)  # rejection redraws
         m[4].bias.normal_(0.0, 0.1)
         m[0].bias.copy_(torch.arange(24, dtype=torch.float32, device=device))
+        # the structural initializers: a whole matrix drawn or written
+        nn.init.orthogonal_(m[4].weight, gain=0.8)
+        nn.init.sparse_(m[0].weight, 0.5, std=0.1)
+        nn.init.eye_(m[5].weight)
 
     with torch.device(device):
         ref = build()
@@ -504,6 +510,8 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
         torch.optim.SGD(model.parameters(), lr=0.1).step()  # no gradients yet: changes nothing
         assert ShardedParameter.__torch_function__ is torch._C._disabled_torch_function_impl, \
             "the watch outlived the first optimizer step"
+        # torch's own structural initializers again: a piece is refused, on every rank
+        expect_error(lambda: nn.init.orthogonal_(model[4].weight), ValueError, "2 or more dimensions")
     x = torch.randn(world, 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
     model(x[rank]).pow(2).mean().backward()
     (sum(ref(x[r]).pow(2).mean() for r in range(world)) / world).backward()

@@ -115,7 +115,8 @@ class LogicalShape:
         # initializers (eye_, orthogonal_, dirac_, sparse_) test ndimension() before
         # writing a whole matrix into the tensor (eye_ through out=, which would resize the
         # piece over its neighbours in the flat buffer), so they get the piece's 1 dim and
-        # refuse on every rank; the fan-in of the other initializers (dim()) is the parameter's.
+        # refuse on every rank (until training starts in_place_init runs them on the whole
+        # parameter instead); the fan-in of the other initializers (dim()) is the parameter's.
         if sys._getframe(1).f_globals.get("__name__") == "torch.nn.init":
             return len(local_shape(self))
         return len(self._reported_shape())

@@ -12,8 +12,10 @@ this rank keeps its slice. So the values equal a plain module's given the same s
 DTensors draw by offset on CUDA only), every rank's RNG stays in step, and no two
 pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
 `clamp_`) act on the piece as they are; a `copy_` of a value of the parameter's shape
-keeps this rank's slice of it (torchtitan's fused-qkv init builds its value whole). At
-most one parameter is whole at a time.
+keeps this rank's slice of it (torchtitan's fused-qkv init builds its value whole); the
+structural initializers (`nn.init.orthogonal_`, `sparse_`, `eye_`, `dirac_`, looked up on
+`torch.nn.init` at call time) run on the whole parameter too. At most one parameter is
+whole at a time.
 
 Watching puts a Python call on every op of every sharded parameter
 (`ShardedParameter.__torch_function__`, otherwise disabled), so it ends for every unit at
@@ -22,6 +24,7 @@ re-initialization draws each rank's piece from its own stream.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -49,6 +52,12 @@ _RANDOM_FILLS = {
 # looked up at each call (also through functools.partial(nn.init.trunc_normal_) made
 # before), runs on the whole parameter while units are watched.
 _TRUNC_NORMAL = getattr(nn.init, "_no_grad_trunc_normal_", None)
+
+# nn.init's structural initializers, which write a whole matrix (or draw one: orthogonal_'s
+# QR, sparse_'s columns) and so refuse a piece (dtensor_face.LogicalShape.ndimension): while
+# units are watched they are looked up here instead, and run on the whole parameter.
+_STRUCTURAL = {name: getattr(nn.init, name) for name in ("orthogonal_", "sparse_", "eye_", "dirac_")
+               if callable(getattr(nn.init, name, None))}
 
 _watched: "weakref.WeakSet" = weakref.WeakSet()
 _step_hook_registered = False
@@ -100,6 +109,8 @@ def _watch_on() -> None:
         ShardedParameter.__torch_function__ = classmethod(_torch_function)
         if _TRUNC_NORMAL is not None:
             nn.init._no_grad_trunc_normal_ = _trunc_normal
+        for name, fill in _STRUCTURAL_WATCHED.items():
+            setattr(nn.init, name, fill)
         global _step_hook_registered
         if not _step_hook_registered:  # kept: torch iterates its hooks while a step runs them
             register_optimizer_step_pre_hook(run_outside_dynamo(lambda optimizer, args, kwargs: end()))
@@ -115,6 +126,8 @@ def end() -> None:
         ShardedParameter.__torch_function__ = torch._C._disabled_torch_function_impl
         if _TRUNC_NORMAL is not None:
             nn.init._no_grad_trunc_normal_ = _TRUNC_NORMAL
+        for name, original in _STRUCTURAL.items():
+            setattr(nn.init, name, original)
 
 
 def _trunc_normal(tensor, *args, **kwargs):
@@ -123,6 +136,20 @@ def _trunc_normal(tensor, *args, **kwargs):
         if state is not None and state in _watched:
             return _fill_whole(_TRUNC_NORMAL, state, index, tensor, (tensor, *args), kwargs)
     return _TRUNC_NORMAL(tensor, *args, **kwargs)
+
+
+def _structural(original):
+    @functools.wraps(original)
+    def fill(tensor, *args, **kwargs):
+        if isinstance(tensor, ShardedParameter):
+            state, index = owner_of(tensor)
+            if state is not None and state in _watched:
+                return _fill_whole(original, state, index, tensor, (tensor, *args), kwargs)
+        return original(tensor, *args, **kwargs)
+    return fill
+
+
+_STRUCTURAL_WATCHED = {name: _structural(original) for name, original in _STRUCTURAL.items()}
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
