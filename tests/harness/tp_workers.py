@@ -470,6 +470,17 @@ def _position_init(module: nn.Module) -> None:
                 p.copy_(full)
 
 
+def _position_built(device, tp_mesh, dp_mesh):
+    """The model built on the device with the position init, parallelized with SP and
+    sharded by ours; with its TP placements."""
+    direct = build(device)
+    direct.apply(_position_init)
+    direct = parallelize(direct, tp_mesh, True)
+    placements = placements_of(direct)
+    shard_ours(direct, dp_mesh, {})
+    return direct, placements
+
+
 def tp_deferred_init(rank: int, world: int, shape: Tuple[int, ...]) -> None:
     """A model built on the meta device, parallelized there, sharded and materialized:
     equal to the TP model built on the device (same initializer), and it trains the same.
@@ -477,11 +488,7 @@ def tp_deferred_init(rank: int, world: int, shape: Tuple[int, ...]) -> None:
     device = device_for_backend()
     mesh = make_mesh(shape)
     tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
-    direct = build(device)
-    direct.apply(_position_init)
-    direct = parallelize(direct, tp_mesh, True)
-    placements = placements_of(direct)
-    shard_ours(direct, dp_mesh, {})
+    direct, placements = _position_built(device, tp_mesh, dp_mesh)
     with torch.device("meta"):
         deferred = TPNet()
     parallelize(deferred, tp_mesh, True)
@@ -546,11 +553,7 @@ def tp_to_empty_then_init(rank: int, world: int, shape: Tuple[int, ...]) -> None
                 f"from the TP model's (max diff {(got[n] - v.double().cpu()).abs().max():.3e})"
         assert torch.equal(model(x), alone(x)), f"{sc}: the initialized model computes differently"
 
-    direct = build(device)
-    direct.apply(_position_init)
-    direct = parallelize(direct, tp_mesh, True)
-    placements = placements_of(direct)
-    shard_ours(direct, dp_mesh, {})
+    direct, placements = _position_built(device, tp_mesh, dp_mesh)
     with torch.device("meta"):
         deferred = parallelize(TPNet(), tp_mesh, True)
     shard_ours(deferred, dp_mesh, {})
