@@ -130,15 +130,9 @@ def end() -> None:
             setattr(nn.init, name, original)
 
 
-def _trunc_normal(tensor, *args, **kwargs):
-    if isinstance(tensor, ShardedParameter):
-        state, index = owner_of(tensor)
-        if state is not None and state in _watched:
-            return _fill_whole(_TRUNC_NORMAL, state, index, tensor, (tensor, *args), kwargs)
-    return _TRUNC_NORMAL(tensor, *args, **kwargs)
-
-
-def _structural(original):
+def _on_whole_parameters(original):
+    """`original` (an nn.init function of the tensor first) run on the whole parameter
+    for a watched sharded parameter, as itself otherwise."""
     @functools.wraps(original)
     def fill(tensor, *args, **kwargs):
         if isinstance(tensor, ShardedParameter):
@@ -149,7 +143,8 @@ def _structural(original):
     return fill
 
 
-_STRUCTURAL_WATCHED = {name: _structural(original) for name, original in _STRUCTURAL.items()}
+_trunc_normal = _on_whole_parameters(_TRUNC_NORMAL) if _TRUNC_NORMAL is not None else None
+_STRUCTURAL_WATCHED = {name: _on_whole_parameters(original) for name, original in _STRUCTURAL.items()}
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
