@@ -1,6 +1,7 @@
 """Ranks that disagree fail loudly and in bounded time: different models are refused at
 the first forward, and a stalled or desynchronized rank makes the others fail within
 fully_shard(timeout=...) with an error naming the unit and the phase."""
+import copy
 import datetime
 import os
 import time
@@ -234,3 +235,32 @@ def test_timeout_argument_checked():
 def test_state_dict_on_one_rank_fails_naming_the_others():
     check_one_rank_state_dicts(run_distributed(one_rank_state_dicts, 2, {"timeout": TIMEOUT_S}, timeout=120),
                                TIMEOUT_S)
+
+
+def _submodule_state_dict_on_one_rank(rank, world):
+    """state_dict() of a module inside a unit (not the unit's own module), called by rank 0
+    alone, as PEFT's save lists a saved module's keys: it once waited in the gather
+    silently; it fails within the unit's timeout naming rank 1, issuing no collective,
+    and the same call on every rank then gives plain PyTorch's values."""
+    os.environ["MFSDP_ARRIVAL_WARN_S"] = "1"
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), nn.Linear(4, 2))
+    model = copy.deepcopy(plain)
+    mfsdp.fully_shard(model[0], timeout=TIMEOUT_S)
+    mfsdp.fully_shard(model, timeout=TIMEOUT_S)
+    inner = model[0][2]
+    if rank == 0:
+        expect_error(inner.state_dict, RuntimeError, "did not call it", "[1]", "no collective was issued")
+    else:
+        time.sleep(TIMEOUT_S + 3)
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # no collective of the failed call is pending
+    assert flag.item() == world
+    values = {k: v.full_tensor() for k, v in inner.state_dict().items()}
+    for k, v in plain[0][2].state_dict().items():
+        assert torch.equal(values[k], v), k
+    return True
+
+
+def test_state_dict_of_a_module_inside_a_unit_on_one_rank_fails_naming_the_others():
+    assert run_distributed(_submodule_state_dict_on_one_rank, 2, timeout=120) == [True, True]

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -179,3 +180,30 @@ def _native_fsdp_worker(rank, world, pretrained_dir):
 def test_transformers_native_fsdp_loading_is_refused_by_name(tmp_path):
     _build("llama").save_pretrained(str(tmp_path))
     assert run_distributed(_native_fsdp_worker, 2, str(tmp_path), timeout=240) == [True, True]
+
+
+class _KeysOfAModule(transformers.LlamaForCausalLM):
+    """A save_pretrained that lists a module's keys through its state_dict(), as PEFT's
+    does for modules_to_save (ModulesToSaveWrapper.adapter_state_dict)."""
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        keys = list(self.lm_head.state_dict())
+        torch.save({k: state_dict[f"lm_head.{k}"] for k in keys}, f"{save_directory}/lm_head.pt")
+
+
+def _save_lists_keys_worker(rank, world, out_dir):
+    """The writer alone runs the library's save: a state_dict() it calls on a submodule
+    once gathered on that rank only and waited silently; the file holds the full values."""
+    ref = _build("llama")
+    model = _KeysOfAModule(ref.config)
+    model.load_state_dict(ref.state_dict())
+    _shard(model)
+    model.save_pretrained(out_dir)
+    dist.barrier()
+    saved = torch.load(f"{out_dir}/lm_head.pt")
+    assert torch.equal(saved["weight"], ref.lm_head.weight), "the written lm_head is not the full value"
+    return True
+
+
+def test_save_pretrained_that_reads_a_submodules_state_dict(tmp_path):
+    assert run_distributed(_save_lists_keys_worker, 2, str(tmp_path), timeout=120) == [True, True]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..core.extension_points import register_class_overrides
 from ..core.param_index import owner_of
+from ..core.state_dict import local_state_dict
 from .full_state import full_state_dict
 
 
@@ -29,8 +30,12 @@ def save_pretrained(self, save_directory, *args, state_dict=None, is_main_proces
         is_main_process = dist.get_rank() == 0
     if not is_main_process:
         return None
-    return super(type(self), self).save_pretrained(save_directory, *args, state_dict=state_dict,
-                                                   is_main_process=True, **kwargs)
+    # The writer alone from here: a state_dict() the library's save calls on the model or a
+    # submodule (PEFT lists the keys of its modules_to_save so) must not gather. The values
+    # it writes are the gathered ones passed in.
+    with local_state_dict():
+        return super(type(self), self).save_pretrained(save_directory, *args, state_dict=state_dict,
+                                                       is_main_process=True, **kwargs)
 
 
 def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:

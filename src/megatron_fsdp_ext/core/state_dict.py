@@ -483,8 +483,13 @@ class ModuleStateDictHooks:
         present = [(prefix + k, i) for k, i in owned if prefix + k in state_dict]
         if not present:
             return
-        # state_dict() called on this module alone, not through the unit's module: gather now.
-        values = self._values if self._values is not None else self._current_values()
+        # state_dict() called on this module alone, not through the unit's module: gather
+        # now, once every rank has made the call (a submodule's state_dict() on one rank, as
+        # PEFT lists a saved module's keys, would otherwise wait in the gather silently).
+        values = self._values
+        if values is None:
+            callers_arrived([state], "state_dict()", state_dict)
+            values = self._current_values()
         for key, i in present:
             state_dict[key] = values[i]
             if not values[i].is_meta:
