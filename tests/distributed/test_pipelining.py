@@ -17,12 +17,22 @@ nothing left gathered after a step.
 
 The launches share each world's processes between schedules: on 2 cores a rank spends
 ~3 s importing torch.distributed.pipelining (torch._dynamo) and warming up DTensor.
+
+With other features (one world-4 launch, 1F1B and the interleaved 1F1B runtime schedule
+for each; HSDP at world 8), the same comparisons against FSDP2 under the same code and the
+plain model: ZeRO-2 in FSDP2's spelling (reshard_after_forward=False) and ours
+(sharding_strategy="optim_grads"); ZeRO-1 ("optim") and no_shard, against FSDP2 with
+reshard_after_forward=False (it has neither; the values are the same); CPU offload
+(CPUOffloadPolicy in both); HSDP (pp 2 x dp_replicate 2 x dp_shard 2); and DCP: both
+systems save the stages and their optimizers after step 1 and fresh pipelines built from
+other weights resume from them, each checkpoint into each system.
 """
 import pytest
 
 from harness import run_distributed
 from harness import pp_workers as w
-from harness.pp_workers import check_parity, check_reduced_once_per_step, check_unsharded_ahead
+from harness.pp_workers import (check_gathered_bytes, check_parity, check_reduced_once_per_step,
+                                check_unit_options, check_unsharded_ahead)
 
 TOL = w.TOL
 STEPS = 3
@@ -82,3 +92,106 @@ def test_split_backward_schedules():
         reports = [r[schedule] for r in per_rank]
         check_parity(reports, schedule)
         check_reduced_once_per_step(reports, schedule)
+
+
+FEATURE_SCHEDULES = ["1f1b", "interleaved_1f1b"]  # one stage per rank; two, with UNSHARD / RESHARD
+FEATURES = {
+    "zero2": {"reshard_after_forward": False},  # FSDP2's ZeRO-2, in both systems
+    "optim_grads": {"strategy": "optim_grads"},  # ours' ZeRO-2 (Megatron's name)
+    "optim": {"strategy": "optim"},  # ZeRO-1: full gradients all-reduced, optimizer state sharded
+    "no_shard": {"strategy": "no_shard"},
+    "offload": {"offload": True},
+    "dcp": {"dcp": 1},  # checkpoint at the start of step 1 of 3
+}
+
+
+@pytest.fixture(scope="module")
+def feature_reports(tmp_path_factory):
+    """One world-4 launch: every feature under each of FEATURE_SCHEDULES."""
+    runs = [{"schedule": s, "name": f"{f}-{s}", **opts} for f, opts in FEATURES.items() for s in FEATURE_SCHEDULES]
+    folder = str(tmp_path_factory.mktemp("pp_dcp"))
+    per_rank = run_distributed(w.pp_parity, 4, runs, STEPS, TOL, folder, timeout=600)
+    return {r["name"]: [ranks[r["name"]] for ranks in per_rank] for r in runs}
+
+
+def _control_checks(reports, schedule, **reductions):
+    check_parity(reports, schedule)
+    check_reduced_once_per_step(reports, schedule, **reductions)
+    if schedule in RUNTIME:
+        check_unsharded_ahead(reports, schedule)
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+@pytest.mark.parametrize("feature", ["zero2", "optim_grads"])
+def test_zero2_stages(feature_reports, feature, schedule):
+    """ZeRO-2: each unit gathered once a step (kept from its first forward to the stage's
+    REDUCE_GRAD, where its gradients are reduce-scattered once), against FSDP2's
+    reshard_after_forward=False and the plain model. ZeRO-3 (the default runs above)
+    gathers more."""
+    reports = feature_reports[f"{feature}-{schedule}"]
+    _control_checks(reports, schedule)
+    check_gathered_bytes(reports, schedule, "once")
+    check_unit_options(reports, schedule, strategy="optim_grads_params" if feature == "zero2" else "optim_grads",
+                       reshard_after_forward=False, offloaded=False, shard_size=2, replicate_size=1)
+    check_gathered_bytes(feature_reports[f"dcp-{schedule}"], schedule, "more")  # ZeRO-3 (default), for contrast
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+@pytest.mark.parametrize("strategy", ["optim", "no_shard"])
+def test_zero1_and_no_shard_stages(feature_reports, strategy, schedule):
+    """ZeRO-1 and no_shard: no reduce-scatter, the full gradients all-reduced only in the
+    stage's REDUCE_GRAD (besides every unit's small all-reduce, at least one more per
+    unit); ZeRO-1 gathers each unit once a step, no_shard never."""
+    reports = feature_reports[f"{strategy}-{schedule}"]
+    _control_checks(reports, schedule, kind="reduce_scatter", per_unit=0)
+    check_reduced_once_per_step(reports, schedule, kind="all_reduce", per_unit=2)
+    check_gathered_bytes(reports, schedule, "once" if strategy == "optim" else "none")
+    check_unit_options(reports, schedule, strategy=strategy, reshard_after_forward=False, offloaded=False,
+                       shard_size=2, replicate_size=1)
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+def test_cpu_offload_stages(feature_reports, schedule):
+    """CPUOffloadPolicy in both systems: every unit of ours offloaded (the shards, their
+    gradients and so AdamW's state in host memory: here the CPU is the device too)."""
+    reports = feature_reports[f"offload-{schedule}"]
+    _control_checks(reports, schedule)
+    check_unit_options(reports, schedule, strategy="optim_grads_params", reshard_after_forward=True,
+                       offloaded=True, shard_size=2, replicate_size=1)
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+def test_dcp_resume_and_interchange(feature_reports, schedule):
+    """Both systems save their stages' model and optimizer state dicts (torch's
+    get_model_state_dict / get_optimizer_state_dict per stage, dcp.save) at the start of
+    step 1 of 3; fresh pipelines built from other weights load them (dcp.load,
+    set_model_state_dict / set_optimizer_state_dict) and train steps 1 and 2: ours from
+    ours' checkpoint equals ours uninterrupted bit for bit (losses, every gradient, the
+    values after); ours from FSDP2's and FSDP2 from ours' train like the plain model and
+    FSDP2 (check_parity covers all five runs)."""
+    reports = feature_reports[f"dcp-{schedule}"]
+    _control_checks(reports, schedule)
+    for r in reports:
+        assert set(r["worst"]) == {"fsdp2", "ours", "ours_from_ours", "ours_from_fsdp2", "fsdp2_from_ours"}, r["worst"]
+        assert r["worst"]["ours_from_ours"]["steps"] == 2 and r["worst"]["fsdp2_from_ours"]["steps"] == 2
+        for what in ("loss vs ours", "grad vs ours", "param vs ours"):
+            assert r["worst"]["ours_from_ours"][what] == 0.0, (what, r["worst"]["ours_from_ours"])
+        # the resumed pipelines of ours reduce once per unit per step, as the uninterrupted one
+        for name in ("ours_from_ours", "ours_from_fsdp2"):
+            check_reduced_once_per_step([{**r, "control": r["controls"][name]}], f"{schedule} {name}")
+
+
+def test_hsdp_stages():
+    """(pp 2, dp_replicate 2, dp_shard 2) at world 8, both systems sharding on the 2-D
+    (dp_replicate, dp_shard) mesh: each unit shards over its dp_shard row and is
+    replicated over 2; its gradients are reduce-scattered once in REDUCE_GRAD and
+    all-reduced across the replicas there (against the plain model on the whole batch:
+    without that all-reduce each replica would hold its half batch's gradient)."""
+    runs = [{"schedule": s, "hsdp": True} for s in FEATURE_SCHEDULES]
+    per_rank = run_distributed(w.pp_parity, 8, runs, STEPS, TOL, timeout=300)
+    for schedule in FEATURE_SCHEDULES:
+        reports = [r[schedule] for r in per_rank]
+        _control_checks(reports, schedule)
+        check_reduced_once_per_step(reports, schedule, kind="all_reduce", per_unit=2)
+        check_unit_options(reports, schedule, strategy="optim_grads_params", reshard_after_forward=True,
+                           offloaded=False, shard_size=2, replicate_size=2)
