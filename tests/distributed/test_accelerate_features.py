@@ -1,0 +1,136 @@
+"""Hugging Face Accelerate's loop on its FSDP2 path (prepare, accumulate, backward,
+clip_grad_norm_, optimizer and scheduler steps) under the options its
+FullyShardedDataParallelPlugin and ParallelismConfig pass to fully_shard, with ours
+patched in for torch's (torch.distributed.fsdp.fully_shard = megatron_fsdp_ext.fully_shard)
+against FSDP2 under the same plugin in the same processes: every micro-batch's loss and
+every step's clip norm on every rank, the full gradients before each clip and the
+parameters after the last step; and where each option shows on our units.
+
+- reshard_after_forward=False (Accelerate's SHARD_GRAD_OP, ZeRO-2), with ours as is and
+  with ours patched in as functools.partial(fully_shard, sharding_strategy="optim_grads");
+- cpu_offload=True (CPUOffloadPolicy(); FSDP2 cannot pin without an accelerator, so its
+  run takes CPUOffloadPolicy(pin_memory=False));
+- ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): HSDP on a 2 x 2 mesh (world 4).
+
+On CPU Accelerate 1.12 takes the job for MULTI_CPU: it ignores the FSDP plugin and refuses
+a ParallelismConfig (its _validate_accelerator wants FSDP2 or a GPU-like device), so the
+workers make the job FSDP after construction and then give the ParallelismConfig as
+Accelerator.__init__ would (tests/harness/accelerate_feature_workers.py). Tensor
+parallelism cannot run here, under FSDP2 as under ours: Accelerate 1.12's prepare imports a
+class transformers 5 removed.
+Workers: tests/harness/accelerate_feature_workers.py."""
+import pytest
+
+from harness.accelerate_feature_workers import MAX_NORM, SHARED_REFERENCE
+from harness.launcher import run_distributed
+
+pytest.importorskip("accelerate", reason="Accelerate's FSDP2 path needs accelerate (test extra)")
+pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (test extra)")
+
+from test_accelerate_loop import assert_tree_close  # noqa: E402  (tests/distributed, pytest's rootdir path)
+
+WORLD2 = ("no_reshard", "zero2", "offload")
+
+
+@pytest.fixture(scope="module")
+def world2():
+    from harness.accelerate_feature_workers import accelerate_features
+    return run_distributed(accelerate_features, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    from harness.accelerate_feature_workers import accelerate_features
+    return run_distributed(accelerate_features, 4, ("hsdp",), timeout=300)
+
+
+def _trains_like_fsdp2(per_rank, name, steps, reference=None):
+    """Ours against FSDP2 under `name`'s plugin: losses and norms on every rank, full
+    gradients at every step and the final parameters (rank 0). The clip acts at every step
+    (norm above MAX_NORM), so a wrong gradient scale shows in the parameters too."""
+    for rank, res in enumerate(per_rank):
+        ours, theirs = res[(name, "ours")], res[(reference or name, "fsdp2")]
+        assert len(ours["steps"]) == steps, (rank, len(ours["steps"]))
+        assert_tree_close(ours["losses"], theirs["losses"], f"{name} rank {rank} losses")
+        assert_tree_close(ours["steps"], theirs["steps"], f"{name} rank {rank} steps")
+        if rank == 0:
+            assert_tree_close(ours["params"], theirs["params"], f"{name} final parameters")
+    assert all(s["norm"] > MAX_NORM for s in per_rank[0][(name, "ours")]["steps"])
+
+
+def _units(rec, phase, root=None):
+    units = rec["probe"][phase]
+    return [u for u in units if root is None or u["is_root"] == root]
+
+
+def test_no_reshard_after_forward_trains_like_fsdp2(world2):
+    """FullyShardedDataParallelPlugin(reshard_after_forward=False): every unit of ours has
+    reshard_after_forward False and keeps its gathered parameters from forward to backward
+    (the blocks' slots hold the unsharded parameters after a forward; released by the
+    backward: ZeRO-3 storage between steps), unlike the default plugin (offload run: a
+    block's slots hold the shards after its forward). FSDP2 is given the same."""
+    rec = world2[0][("no_reshard", "ours")]
+    assert rec["plugin"]["reshard_after_forward"] is False
+    assert world2[0][("no_reshard", "fsdp2")]["probe"]["after_step"][1]["reshard_after_forward"] is False
+    blocks = _units(rec, "after_forward", root=False)
+    assert len(blocks) == 2 and all(u["reshard_after_forward"] is False for u in rec["probe"]["before"])
+    assert all(u["slots"] == "unsharded" and u["unsharded_bytes"] > 0 for u in blocks), blocks
+    assert all(u["slots"] == "sharded" and u["unsharded_bytes"] == 0 for u in _units(rec, "after_backward")), \
+        _units(rec, "after_backward")
+    default = _units(world2[0][("offload", "ours")], "after_forward", root=False)
+    assert all(u["reshard_after_forward"] and u["slots"] == "sharded" for u in default), default
+    _trains_like_fsdp2(world2, "no_reshard", steps=3)
+
+
+def test_zero2_sharding_strategy_trains_like_fsdp2(world2):
+    """reshard_after_forward=False with ours patched in as
+    partial(fully_shard, sharding_strategy="optim_grads") (our ZeRO-2: the gathered
+    parameters stay between steps, gathered again only after the optimizer changed the
+    shards) against FSDP2's reshard_after_forward=False: the units are optim_grads and hold
+    their unsharded storage after backward and after the optimizer step too."""
+    rec = world2[0][("zero2", "ours")]
+    assert all(u["sharding_strategy"] == "optim_grads" for u in rec["probe"]["before"])
+    for phase in ("after_backward", "after_step"):
+        assert all(u["unsharded_bytes"] > 0 for u in _units(rec, phase)), (phase, _units(rec, phase))
+    _trains_like_fsdp2(world2, "zero2", steps=3, reference=SHARED_REFERENCE["zero2"])  # the same plugin
+
+
+def test_cpu_offload_trains_like_fsdp2(world2):
+    """cpu_offload=True (the plugin's CPUOffloadPolicy(), pin_memory=True): every unit of
+    ours is offloaded (its shard, gradient and so optimizer state in host memory; nothing
+    to pin without an accelerator). FSDP2 cannot pin without an accelerator: its
+    fully_shard raises under this plugin on a CPU-only machine (peer behaviour), and the
+    reference is FSDP2 with cpu_offload=CPUOffloadPolicy(pin_memory=False)."""
+    rec = world2[0][("offload", "ours")]
+    assert rec["plugin"]["cpu_offload"] == "CPUOffloadPolicy(pin_memory=True)"
+    assert "fsdp2_error" not in rec
+    assert len(rec["probe"]["before"]) == 3 and all(u["offloaded"] for u in rec["probe"]["before"])
+    assert not any(u["offloaded"] for u in world2[0][("no_reshard", "ours")]["probe"]["before"])
+    theirs = world2[0][("offload", "fsdp2")]
+    assert theirs["plugin"]["cpu_offload"] in ("CPUOffloadPolicy(pin_memory=True)",
+                                               "CPUOffloadPolicy(pin_memory=False)"), theirs["plugin"]
+    assert all(u["offload"] == "CPUOffloadPolicy" for u in theirs["probe"]["before"])
+    _trains_like_fsdp2(world2, "offload", steps=3)
+
+
+def test_hsdp_parallelism_config_trains_like_fsdp2(world4):
+    """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) at world 4: every unit of
+    ours is on Accelerate's 2-D (dp_replicate, dp_shard_cp) mesh, sharded over 2 ranks (each
+    holds half the elements, not a quarter; its replica the same), replicated over the other 2; the
+    4 ranks see 4 different batches. Losses, norms on all 4 ranks, gradients, parameters."""
+    rec = world4[0][("hsdp", "ours")]
+    for u in rec["probe"]["before"]:
+        assert u["mesh"] == [["dp_replicate", "dp_shard_cp"], [2, 2]] and u["shard_group_size"] == 2, u
+    assert world4[0][("hsdp", "fsdp2")]["probe"]["before"][0]["mesh"] == [["dp_replicate", "dp_shard_cp"], [2, 2]]
+    full = {n: g.size for n, g in rec["steps"][0]["grad_pre"].items()}
+    for rank in range(4):
+        local = world4[rank][("hsdp", "ours")]["probe"]["local_numel"]
+        assert local.keys() == full.keys()
+        pair = world4[rank ^ 1][("hsdp", "ours")]["probe"]["local_numel"]  # the other rank of its shard group
+        assert all(local[n] + pair[n] == full[n] for n in full), rank
+        assert 0.4 < sum(local.values()) / sum(full.values()) < 0.6, rank
+        assert world4[rank ^ 2][("hsdp", "ours")]["probe"]["local_numel"] == local  # its replica
+    firsts = [world4[r][("hsdp", "ours")]["losses"][0] for r in range(4)]
+    assert len(set(firsts)) == 4, firsts
+    _trains_like_fsdp2(world4, "hsdp", steps=2)
+
