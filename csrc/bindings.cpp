@@ -494,6 +494,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("offload_to_host", &Unit::offload_to_host, py::arg("pin_memory"),
            "Keep the shard and its gradient in host memory (before bind_params).")
       .def_property_readonly("offloaded", &Unit::offloaded)
+      .def("move_shard_to", &Unit::move_shard_to, py::arg("device"),
+           "Move the shard, and every sharded parameter with it, to `device` (module.to()).")
+      .def_property_readonly("shard_device", &Unit::shard_device)
       .def_property_readonly("pinned", &Unit::pinned)
       .def_property_readonly("host_gather_copy", &Unit::host_gather_copy)
       .def("mark_host_copy_fresh", &Unit::mark_host_copy_fresh)

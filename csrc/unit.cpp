@@ -331,6 +331,33 @@ void Unit::move_shard_to_fresh_storage() {
   }
 }
 
+void Unit::move_shard_to(c10::Device device) {
+  check_bound("move_shard_to");
+  wait_host_update();
+  MFSDP_CHECK_VALUE(!offloaded_, "unit '", label_, "' is CPU-offloaded (offload_policy): its shard lives in host "
+                    "memory by that policy and is not moved");
+  MFSDP_CHECK_VALUE(!gathers_bytes(), "unit '", label_, "' gathers FP8/MX bytes: moving its shard to ", device,
+                    " is not supported (its quantized shard and scales stay on ", device_, ")");
+  MFSDP_CHECK_VALUE(aliases_shard() || state_ == UnitState::kSharded, "unit '", label_, "' is gathered: reshard() it "
+                    "before moving its shard to ", device);
+  if (sharded_flat_.device() == device) return;
+  adopt_data_writes();  // values assigned through `p.data = x` are the unit's before it moves
+  at::Tensor moved = sharded_flat_.to(device, /*non_blocking=*/false, /*copy=*/true);
+  for (size_t i = 0; i < sharded_params_.size(); ++i) {
+    const auto& s = specs_[i].slice;
+    sharded_params_[i].set_data(moved.narrow(0, s.shard_offset, s.numel));
+  }
+  sharded_flat_ = std::move(moved);
+  for (auto& spec : specs_) spec.storage_device = device;
+  post_forward_flat_ = at::Tensor();  // a kept 1/N copy lives on the unit's device
+  stale_ = true;
+  if (aliases_shard()) {  // the unsharded parameters are the shard itself: they move with it
+    unsharded_flat_ = sharded_flat_;
+    auto views = unsharded_views();
+    for (size_t i = 0; i < unsharded_locals_.size(); ++i) unsharded_locals_[i].set_data(views[i]);
+  }
+}
+
 void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::Tensor>& value) {
   check_bound("shard_changed");
   ++shard_generation_;

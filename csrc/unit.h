@@ -107,6 +107,16 @@ class Unit {
   // (optim_grads_params, optim_grads); not with the FP8 gather. Called once, before bind_params.
   void offload_to_host(bool pin_memory);
   bool offloaded() const { return offloaded_; }
+  // module.cpu() / module.to(device) after fully_shard (RL trainers park the model in
+  // host memory between phases, as FSDP2's sharded parameters allow): the shard moves to
+  // `device` and every sharded parameter with it (the same objects, so optimizers keep
+  // them). While the shard is not on the unit's device the unit cannot gather: unshard()
+  // raises, naming the move back. Needs the unit SHARDED (no gathered copy) and is
+  // refused for offloaded units (their shard lives in host memory by policy) and for
+  // FP8/MX gathers (their quantized shard and scales stay on the device).
+  void move_shard_to(c10::Device device);
+  // Where the shard lives now: the unit's device unless moved (or offloaded).
+  c10::Device shard_device() const { return sharded_flat_.device(); }
   bool pinned() const { return pinned_; }
   // Host memory in the param dtype, laid out like the shard, for an optimizer whose step
   // writes the updated weights in the gathered dtype as well (CPUAdamW's copy-out): while

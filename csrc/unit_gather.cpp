@@ -13,6 +13,9 @@ bool Unit::needs_gather() {
   check_bound("unshard");
   wait_host_update();
   if (state_ == UnitState::kGathering) return false;  // wait_unshard() checks for re-links
+  MFSDP_CHECK_VALUE(offloaded_ || sharded_flat_.device() == device_, "unit '", label_, "': its parameters are on ",
+                    sharded_flat_.device(), " (moved by module.to() / .cpu()); move the model back to ", device_,
+                    " (model.to(\"", device_, "\")) before its forward or unshard()");
   // Cheap (a pointer compare per parameter), and needed even for a kept copy: after
   // `p.data = x` the gathered copy no longer matches the parameter.
   adopt_data_writes();

@@ -26,7 +26,7 @@ from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
-from .retype import UnitRecipe, retype_units
+from .retype import UnitRecipe, move_units, retype_units
 from .sharded_param import ShardedParameter, is_to_empty_function
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
@@ -120,13 +120,16 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def _apply(self, fn, recurse: bool = True):
         # Not torch's FSDPModule._apply (it reshards FSDP2's parameter groups): the module's
-        # own, once the units below have taken a new dtype (retype.py) or refused the
+        # own, once the units below have taken a new device or dtype (retype.py) or refused the
         # change (done once, at the outermost call: nn.Module._apply calls this again for
         # every fully_shard module below).
         global _APPLY_CHECKED
         if _APPLY_CHECKED:
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         states = self._states(recurse)
+        empty = is_to_empty_function(fn)
+        if not empty:
+            move_units(states, fn)
         retype_units(states, fn)
         # nn.Module.to_empty, on this module or on one around it (Lightning's Trainer runs it
         # on the LightningModule): FSDP2's way in from the meta device (build on meta,
@@ -136,7 +139,6 @@ class FSDPModule(torch_fsdp.FSDPModule):
         # parameters get fn's. The units then count as materialized with uninitialized
         # memory, and random fills of their parameters until their first forward draw whole
         # parameters, as one plain process does, each rank keeping its slice (in_place_init.py).
-        empty = is_to_empty_function(fn)
         _APPLY_CHECKED = True
         try:
             out = super(torch_fsdp.FSDPModule, self)._apply(

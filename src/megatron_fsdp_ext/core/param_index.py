@@ -86,8 +86,9 @@ def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device
         f"megatron_fsdp_ext: fully_shard unit '{unit_label}' cannot change its sharded parameters from "
         f"{shard.dtype} on {shard.device} to {to_dtype} on {to_device} (module.double(), .half(), .float(), "
         ".to(), .cuda(), .cpu() or .to_empty() after fully_shard, on the unit's module or a module inside it), "
-        f"{which}. A whole unit's dtype changes on its own module (or an ancestor's) before its first forward; "
-        "move the model (or cast that module) before fully_shard; for a compute dtype use "
+        f"{which}. A whole unit moves with .to(device), .cpu() or .cuda() on its own module (or an ancestor's), "
+        "and its dtype changes there before its first forward; otherwise move the model (or cast that module) "
+        "before fully_shard; for a compute dtype use "
         "MixedPrecisionPolicy(param_dtype=...); for a model built on the meta device use "
         "megatron_fsdp_ext.materialize(model)")
 

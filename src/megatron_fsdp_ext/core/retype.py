@@ -1,18 +1,26 @@
-"""module.to(dtype) / .half() / .float() / .double() after fully_shard: the units' shards
-take the new dtype, as FSDP2's sharded parameters do (Hugging Face Accelerate's FSDP2
-path upcasts a low-precision model to fp32 after sharding it).
+"""module.to(dtype) / .half() / .float() / .double() and module.to(device) / .cpu() /
+.cuda() after fully_shard: the units' shards take the new dtype or device, as FSDP2's
+sharded parameters do (Hugging Face Accelerate's FSDP2 path upcasts a low-precision
+model to fp32 after sharding it; RL trainers such as verl and NeMo-RL park the sharded
+model in host memory with model.cpu() while the rollout engine holds the GPU, then
+model.to("cuda") before the next update).
 
 A unit keeps one dtype in C++ (its flat shard, its gather and gradient buffers, its
-cast strategy), so it is built again over the same parameters in the new dtype, with
-the same layout (alignment counts elements, so every rank's slice of every parameter
-stays where it was): each rank casts its own piece, no collective. The sharded
-parameter objects stay the same (their .data moves to the new unit's views), so an
-optimizer built before still holds them, as under FSDP2.
+cast strategy), so for a dtype change it is built again over the same parameters in the
+new dtype, with the same layout (alignment counts elements, so every rank's slice of
+every parameter stays where it was): each rank casts its own piece, no collective. The
+sharded parameter objects stay the same (their .data moves to the new unit's views), so
+an optimizer built before still holds them, as under FSDP2. Supported before a unit's
+first forward or unshard (lazy init builds the buffers, buckets and gradient types
+around the unit's dtype). FP8/MX-gathered, tensor-parallel and CPU-offloaded units are
+not rebuilt (refused by name: param_index.conversion_refused).
 
-Supported before a unit's first forward or unshard (lazy init builds the buffers,
-buckets and gradient types around the unit's dtype). FP8/MX-gathered, tensor-parallel
-and CPU-offloaded units are not rebuilt; nor is a device change: both are refused by
-name (param_index.conversion_refused).
+A device change moves only the shard (Unit.move_shard_to): the unit computes on the
+device it was built for, its gathered copy is freed first (reshard), and while the
+shard is elsewhere a forward raises, naming the move back. Gradients and buffers move
+as nn.Module._apply moves them; the optimizer's state is the caller's to move, as under
+FSDP2. CPU-offloaded units keep their shard in host memory (as FSDP2 keeps a pinned
+offloaded shard on the host); FP8/MX-gathered units refuse the move.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from .construct import make_unit
 from .extension_points import user_attributes
 from .param_index import conversion_refused
 from .sharded_param import set_data_unchecked
+from .states import RootPhase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +62,49 @@ def _probe(state, fn: Callable):
     return shard, fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
 
 
+def move_units(states, fn: Callable) -> None:
+    """Move every unit in `states` whose shard `fn` would put on another device (see the
+    module docstring), checking them all before moving any."""
+    targets = []
+    for state in states:
+        probed = _probe(state, fn)
+        if probed is None:
+            continue
+        shard, probe = probed
+        if not isinstance(probe, torch.Tensor) or probe.device == shard.device:
+            continue
+        unit = state.unit
+        if unit.offloaded:
+            continue  # its shard lives in host memory by its offload policy
+        why = None
+        if probe.device.type == "meta":
+            why = "its device: the meta device holds no values (build on meta before fully_shard instead)"
+        elif unit.gathers_bytes or unit.mx_block:
+            why = "the device of an FP8/MX-gathered unit"
+        elif state.ctx is not None and state.ctx.phase is not RootPhase.IDLE:
+            why = "its device during backward"
+        if why is not None:
+            raise conversion_refused(unit.label, shard, shard.dtype, probe.device, why)
+        targets.append((state, probe.device))
+    for state, device in targets:
+        if state.ctx is not None:
+            state.ctx.comm.wait_reductions()  # nothing in flight may still read or write the shard
+        state.reshard()  # the gathered copy lives on the unit's device: freed, as FSDP2's _apply reshards
+        state.unit.move_shard_to(device)
+
+
 def _target(state, fn: Callable) -> Optional[torch.dtype]:
-    """The dtype `fn` gives the unit's shards, or None when it changes neither dtype nor
-    device; raises for a device change, or a dtype change this unit cannot take."""
+    """The dtype `fn` gives the unit's shards, or None when it does not change it; raises
+    for a dtype change this unit cannot take. (Device changes: move_units, first.)"""
     probed = _probe(state, fn)
     if probed is None:
         return None
     shard, probe = probed
-    if not isinstance(probe, torch.Tensor) or (probe.dtype == shard.dtype and probe.device == shard.device):
+    if not isinstance(probe, torch.Tensor) or probe.dtype == shard.dtype:
         return None
     unit = state.unit
     why = None
-    if probe.device != shard.device:
-        why = "its device"
-    elif not probe.dtype.is_floating_point or probe.dtype.itemsize < 2:
+    if not probe.dtype.is_floating_point or probe.dtype.itemsize < 2:
         why = f"a {probe.dtype} shard"
     elif state.ctx is not None:
         why = "its dtype after the unit's first forward or unshard (its buffers are built by then)"

@@ -1,0 +1,23 @@
+"""module.cpu() / module.to("cuda") after fully_shard with CUDA tensors (verl's and
+NeMo-RL's parking of the model between rollout and update): the shards leave the GPU
+(the allocator's bytes fall by at least this rank's shard), a forward while parked
+raises naming the move back, and training continues as one plain process."""
+import pytest
+
+from harness import device_move_workers as w
+from harness import gpu_launch, gpu_world, run_distributed
+
+pytestmark = pytest.mark.gpu
+WORLD = gpu_world()
+GPU = gpu_launch()
+
+
+@pytest.mark.parametrize("strategy,keep_grads", [("optim_grads_params", False), ("optim_grads_params", True),
+                                                 ("optim_grads", True), ("no_shard", True)])
+def test_park_on_host_and_resume_gpu(strategy, keep_grads):
+    results = run_distributed(w.park_and_resume, WORLD, strategy, keep_grads, **GPU, timeout=240)
+    assert all(r["moved_bytes"] > 0 for r in results), results
+
+
+def test_device_moves_refused_gpu():
+    run_distributed(w.moves_refused, WORLD, **GPU, timeout=240)

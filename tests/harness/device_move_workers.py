@@ -1,0 +1,125 @@
+"""module.cpu() / module.to(device) after fully_shard, the way RL trainers (verl's
+offload_fsdp_model_to_cpu / load_fsdp_model_to_gpu, NeMo-RL) park a sharded model in host
+memory while the rollout engine holds the GPU: every rank's shards leave the device and
+come back, the optimizer's state is moved by hand as they do, and training continues
+exactly as a plain process that never moved (parameters and gradients every step)."""
+import copy
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+import megatron_fsdp_ext as mfsdp
+
+from .workers import ResidualTokenNet, device_for_backend, expect_error, gather_full_grads, rel_err
+
+VOCAB, DIM, HIDDEN, BATCH, SEQ = 32, 16, 24, 4, 6
+
+
+def _batch(step: int, rank: int, world: int, device):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=g)
+    return tokens.to(device), tokens[rank * BATCH:(rank + 1) * BATCH].to(device)
+
+
+def _loss(model, tokens):
+    return model(tokens).float().square().mean()
+
+
+def _move_optimizer_state(opt, device) -> None:
+    # verl's offload_fsdp_optimizer / load_fsdp_optimizer: every tensor of the state moves.
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    opt.state[p][key] = value.to(device)
+
+
+def _full_values(model) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().double().cpu() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
+
+
+def park_and_resume(rank: int, world: int, strategy: str, keep_grads: bool) -> Dict:
+    """Train 2 steps, park the model (and the optimizer state) on the host, come back,
+    train 2 more; against one plain process on every rank's rows. `keep_grads`: the
+    model is parked between backward and the step, so its gradients travel too."""
+    device = device_for_backend()
+    host = torch.device("cpu")
+    torch.manual_seed(0)
+    plain = ResidualTokenNet(VOCAB, DIM, HIDDEN, depth=3).to(device)
+    model = copy.deepcopy(plain)
+    for block in model.blocks:
+        mfsdp.fully_shard(block, sharding_strategy=strategy)
+    mfsdp.fully_shard(model, sharding_strategy=strategy, reshard_after_forward=False)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    moved_bytes = 0
+    for step in range(4):
+        everything, mine = _batch(step, rank, world, device)
+        ref_loss = _loss(plain, everything)
+        ref_loss.backward()
+        loss = _loss(model, mine)
+        loss.backward()
+        got = torch.tensor([loss.item()], dtype=torch.float64, device=device)
+        dist.all_reduce(got)
+        worst["loss"] = max(worst["loss"], abs(got.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        if step == 2:  # the rollout phase: the model and its optimizer state leave the device
+            if not keep_grads:
+                opt.zero_grad()  # verl parks after its update: recompute below
+            before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            units = [m._mfsdp_state.unit for m in model.modules() if "_mfsdp_state" in m.__dict__]
+            shard_bytes = sum(u.sharded_flat.nbytes for u in units if u is not None)
+            if not keep_grads:  # NeMo-RL's move_to_cpu: the buffers first, by swap_tensors, then model.to
+                for buf in model.buffers():
+                    torch.utils.swap_tensors(buf, buf.to(host))
+                model.to(host)
+            else:  # verl's offload_fsdp_model_to_cpu
+                model.cpu()
+            if device.type == "cuda":
+                moved_bytes = before - torch.cuda.memory_allocated()
+                assert moved_bytes >= shard_bytes, (
+                    f"model.cpu() freed {moved_bytes} bytes of the GPU's, less than this rank's {shard_bytes} of shards")
+            _move_optimizer_state(opt, host)
+            assert all(u.sharded_flat.device == host for u in units if u is not None), "a unit's shard stayed"
+            for name, p in model.named_parameters():
+                assert p.device == host, f"'{name}' is on {p.device} after model.cpu()"
+                assert p.grad is None or p.grad.device == host, f"'{name}'.grad is on {p.grad.device} after model.cpu()"
+            if device.type == "cuda":
+                expect_error(lambda: model(mine), ValueError, "moved by module.to()", "move the model back")
+            model.to(device)
+            _move_optimizer_state(opt, device)
+            for name, p in model.named_parameters():
+                assert p.device == device, f"'{name}' is on {p.device} after model.to({device})"
+            if not keep_grads:
+                _loss(model, mine).backward()
+        grads = gather_full_grads(model, replicated=strategy == "no_shard")
+        for name, p in plain.named_parameters():
+            worst["grad"] = max(worst["grad"], rel_err(grads[name], p.grad.reshape(-1)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    full = _full_values(model)
+    for name, p in plain.named_parameters():
+        worst["param"] = max(worst["param"], rel_err(full[name], p.detach()))
+    for key, tol in (("loss", 1e-5), ("grad", 1e-5), ("param", 1e-5)):
+        assert worst[key] <= tol, f"{strategy}: {key} differs from one process by {worst[key]:.2e}: {worst}"
+    return {"worst": worst, "moved_bytes": moved_bytes}
+
+
+def moves_refused(rank: int, world: int) -> None:
+    """What a device move cannot do is refused by name, and leaves the model as it was."""
+    device = device_for_backend()
+    torch.manual_seed(0)
+    model = ResidualTokenNet(VOCAB, DIM, HIDDEN, depth=2).to(device)
+    for block in model.blocks:
+        mfsdp.fully_shard(block)
+    mfsdp.fully_shard(model)
+    before = _full_values(model)
+    expect_error(lambda: model.to("meta"), RuntimeError, "the meta device", "fully_shard unit")
+    after = _full_values(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused move changed the values"
+    model.to(device)  # to where it already is: nothing moves, it still trains
+    _, mine = _batch(0, rank, world, device)
+    _loss(model, mine).backward()
