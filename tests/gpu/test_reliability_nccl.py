@@ -91,6 +91,7 @@ def test_nccl_all_gather_v_refuses_rank_dependent_tables():
     run_distributed(_uneven_tables, WORLD, **GPU, timeout=180)
 
 
+@pytest.mark.dtensor_collectives
 def test_state_dict_on_one_rank_fails_naming_the_others_gpu():
     """The ranks meet through the store before a state-dict collective on NCCL too: a call
     on rank 0 alone fails there naming the others, and issues no NCCL collective."""
