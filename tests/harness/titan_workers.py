@@ -21,7 +21,7 @@ import copy
 import sys
 import time
 import types
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -362,18 +362,26 @@ class _StepData:
 
 
 @contextlib.contextmanager
-def _fully_shard_in_torchtitan(impl: str):
+def _fully_shard_in_torchtitan(impl: str, unpinned_offload: bool = False):
     """torchtitan's fsdp module calling `impl`'s fully_shard: "ours" (the swap a user
-    makes) or "fsdp2" (torch's, torchtitan's own)."""
+    makes) or "fsdp2" (torch's, torchtitan's own). unpinned_offload: the CPUOffloadPolicy()
+    torchtitan passes under training.enable_cpu_offload becomes CPUOffloadPolicy(
+    pin_memory=False) (FSDP2's pin_memory() needs an accelerator: on a CPU-only machine
+    it raises "Cannot access accelerator device when none is available")."""
+    import functools
+
     import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    saved = tt_fsdp.fully_shard
+    saved, saved_policy = tt_fsdp.fully_shard, tt_fsdp.CPUOffloadPolicy
     tt_fsdp.fully_shard = mfsdp.fully_shard if impl == "ours" else torch_fully_shard
+    if unpinned_offload:
+        tt_fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=False)
     try:
         yield
     finally:
-        tt_fsdp.fully_shard = saved
+        tt_fsdp.fully_shard, tt_fsdp.CPUOffloadPolicy = saved, saved_policy
 
 
 def _debugmodel_spec(fuse_qkv: bool):
@@ -393,7 +401,8 @@ def _debugmodel_spec(fuse_qkv: bool):
 
 def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accum: int, batch_degree: int,
                 loss: str = "chunked", ac: bool = True, fuse_qkv: bool = True, dump_folder: str = "/tmp",
-                model: str = "llama3"):
+                model: str = "llama3", training: Optional[Dict] = None, compile: Optional[Dict] = None,
+                float8: Optional[Dict] = None):
     """torchtitan's llama3 debugmodel job (config_registry.llama3_debugmodel: its model,
     loss, optimizer, LR schedule, activation checkpointing), shrunk for CPU: SDPA instead of
     flex attention, SEQ-token sequences, fp32, `steps` steps, the given parallelism.
@@ -401,15 +410,45 @@ def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accu
     (CrossEntropyLoss on the whole output: the same normalization).
     model: "llama3", or "dsv3" for the DeepSeek-V3 debugmodel job (config_registry.
     deepseek_v3_debugmodel: 8 routed experts top-3 with auxiliary-loss-free load balancing,
-    whose model spec registers the expert-bias hook on the optimizers)."""
+    whose model spec registers the expert-bias hook on the optimizers).
+    Job-level options, each through torchtitan's own config (None: the job's default):
+    training: more TrainingConfig fields (e.g. enable_cpu_offload=True); compile:
+    CompileConfig fields (e.g. enable=True, components=["model"], backend="aot_eager");
+    float8: Float8LinearConverter.Config fields (e.g. emulate=True), the converter built
+    into the model spec as config_registry.llama3_debugmodel_float8 does; and
+    "enable_fsdp_float8_all_gather": True, which torchtitan 0.3.0's converter has no field
+    for: the torchao Float8LinearConfig it put in every converted layer's config
+    (Float8Linear.Config._torchao_config) gets that flag, torchao's FP8 all-gather, and
+    _built_model wraps those weights as torchao's from_float does."""
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import TrainingConfig
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     cfg = llama3_debugmodel() if model == "llama3" else _moe_job(model)
     if not fuse_qkv:
         cfg.model_spec = _debugmodel_spec(fuse_qkv=False)
+    if compile is not None:
+        cfg.compile = CompileConfig(**compile)
+    if float8 is not None:
+        assert model == "llama3" and fuse_qkv, "float8: the llama3 debugmodel as it is"
+        import torchtitan.models.llama3 as tt_llama3
+        from torchtitan.components.quantization import Float8Linear, Float8LinearConverter
+        from torchtitan.models.common.linear import Linear
+
+        float8 = dict(float8)
+        fp8_gather = float8.pop("enable_fsdp_float8_all_gather", False)
+        model_compile_enabled = cfg.compile.enable and "model" in cfg.compile.components
+        cfg.model_spec = tt_llama3.model_registry("debugmodel", converters=[
+            Float8LinearConverter.Config(**dict(dict(model_compile_enabled=model_compile_enabled), **float8))])
+        converted = [c for _, c, _, _ in cfg.model_spec.model.traverse(Linear.Config)
+                     if isinstance(c, Float8Linear.Config)]
+        assert converted, "the Float8 converter converted no Linear"
+        if fp8_gather:
+            import dataclasses
+
+            for c in converted:
+                c._torchao_config = dataclasses.replace(c._torchao_config, enable_fsdp_float8_all_gather=True)
     for layer in cfg.model_spec.model.layers:  # flex attention has no CPU backward
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     if loss == "ce":
@@ -418,7 +457,7 @@ def _job_config(parallelism, *, steps: int, max_norm: float, local_bs: int, accu
         cfg.activation_checkpoint = None
     cfg.training = TrainingConfig(local_batch_size=local_bs, global_batch_size=local_bs * batch_degree * accum,
                                   seq_len=SEQ, steps=steps, max_norm=max_norm, mixed_precision_param="float32",
-                                  disable_cuda_graphs=True)
+                                  disable_cuda_graphs=True, **(training or {}))
     cfg.parallelism = parallelism
     cfg.dump_folder = dump_folder
     return cfg
@@ -450,17 +489,42 @@ def _built_model(cfg):
     torch.manual_seed(0)
     model = model_config.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    return model.to(device_for_backend())
+    model = model.to(device_for_backend())
+    _wrap_for_float8_all_gather(model)
+    return model
 
 
-def _titan_trainer(cfg, dims, impl: str, checkpoint=None, from_meta: bool = False):
+def _wrap_for_float8_all_gather(model) -> int:
+    """torchao's convert_to_float8_training (Float8Linear.from_float) wraps the weight of
+    a layer whose config has enable_fsdp_float8_all_gather in WeightWithDynamicFloat8CastTensor,
+    which is what makes FSDP2 gather it in FP8; torchtitan 0.3.0 builds its Float8Linear
+    by __init__, which does not (the flag alone changes nothing). Done here as from_float
+    does it; returns the number of weights wrapped (0 without torchao Float8Linear layers)."""
+    if "torchao.float8.float8_linear" not in sys.modules:  # no Float8Linear can exist
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    wrapped = 0
+    for m in model.modules():
+        if (isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather
+                and not isinstance(m.weight, WeightWithDynamicFloat8CastTensor)):
+            m.weight = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(
+                m.weight, m.linear_mm_config, m.config.cast_config_weight.target_dtype),
+                requires_grad=m.weight.requires_grad)
+            wrapped += 1
+    return wrapped
+
+
+def _titan_trainer(cfg, dims, impl: str, checkpoint=None, from_meta: bool = False, unpinned_offload: bool = False):
     """A torchtitan Trainer for train_step, built as Trainer.__init__ builds its non-PP
     components: the model (built whole: _built_model), its parallelize_fn with `impl`'s
     fully_shard, its loss, optimizer and LR scheduler containers, and its checkpointer
     (`checkpoint`: a CheckpointManager.Config; default disabled). from_meta: the model
     built on meta as Trainer.__init__ builds it, parallelized, then `to_empty` and
     `init_states` under no_grad; then _built_model's values loaded through torch's
-    state-dict helper, so that both systems start from the same weights."""
+    state-dict helper, so that both systems start from the same weights.
+    unpinned_offload: see _fully_shard_in_torchtitan."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import utils as dist_utils
@@ -477,7 +541,7 @@ def _titan_trainer(cfg, dims, impl: str, checkpoint=None, from_meta: bool = Fals
     else:
         model = whole
     t.model_config = spec.model
-    with _fully_shard_in_torchtitan(impl):
+    with _fully_shard_in_torchtitan(impl, unpinned_offload):
         model = spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
                                     compile_config=cfg.compile, ac_config=cfg.activation_checkpoint,
                                     dump_folder=cfg.dump_folder)
@@ -625,14 +689,20 @@ def _compare_params(ours, fsdp2, dims, tol: float, when: str) -> float:
 
 
 def _train_vs_fsdp2(world: int, parallelism: Dict, *, steps: int, max_norm: float, loss: str, ac: bool,
-                    local_bs: int, accum: int, tol: float) -> Dict:
+                    local_bs: int, accum: int, tol: float, job: Optional[Dict] = None, probe=None,
+                    unpinned_offload: bool = False) -> Dict:
+    """job: more _job_config options (training, compile, float8). probe(ours, fsdp2, dims),
+    called once both Trainers are built, returns a function of no arguments called after
+    the training, whose dict is the result's "reached" (what shows that the option reached
+    our units; it asserts). unpinned_offload: FSDP2's (see _fully_shard_in_torchtitan)."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     dims, cfg = _setup(world, parallelism, steps=steps, max_norm=max_norm, local_bs=local_bs, accum=accum,
-                       loss=loss, ac=ac)
+                       loss=loss, ac=ac, **(job or {}))
     init = {plain_name(n): p.detach().double().cpu() for n, p in _built_model(cfg).named_parameters()}
-    fsdp2 = _titan_trainer(cfg, dims, "fsdp2")
+    fsdp2 = _titan_trainer(cfg, dims, "fsdp2", unpinned_offload=unpinned_offload)
     ours = _titan_trainer(cfg, dims, "ours")
     units = check_titan_reached_ours(ours.model_parts[0], fsdp2.model_parts[0])
+    finish = probe(ours, fsdp2, dims) if probe is not None else None
     curves = {"fsdp2": [], "ours": []}
     worst: Dict[str, float] = {}
     for step in range(1, steps + 1):
@@ -646,8 +716,11 @@ def _train_vs_fsdp2(world: int, parallelism: Dict, *, steps: int, max_norm: floa
     theirs = _full_params(fsdp2.model_parts[0], "fsdp2")
     moved = max(rel_err(theirs[n], init[n]) for n in theirs)  # training did change the weights
     assert moved > 1e-3, f"parameters moved by {moved:.2e} only"
-    return {"worst": worst, "curves": curves, "units": units, "moved": moved,
-            "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
+    out = {"worst": worst, "curves": curves, "units": units, "moved": moved,
+           "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
+    if finish is not None:
+        out["reached"] = finish()
+    return out
 
 
 def titan_train_vs_fsdp2(rank: int, world: int, parallelism: Dict, steps: int = 20, max_norm: float = 0.25,
@@ -669,13 +742,17 @@ def titan_train_matrix(rank: int, world: int, configs: Dict[str, Dict], **common
     failed the same way on every rank (a comparison of global values) lets the next one
     run; otherwise the ranks may no longer agree on the collectives, and the rest is
     reported as not run."""
+    return _run_matrix(world, list(configs), lambda name: _train_vs_fsdp2(world, configs[name], **common))
+
+
+def _run_matrix(world: int, names, run) -> Dict[str, Dict]:
+    """run(name) for each name (titan_train_matrix's loop and its error handling)."""
     import traceback
 
     out: Dict[str, Dict] = {}
-    names = list(configs)
     for i, name in enumerate(names):
         try:
-            out[name] = _train_vs_fsdp2(world, configs[name], **common)
+            out[name] = run(name)
             last = None
         except Exception as e:  # noqa: BLE001 (reported per config)
             out[name] = {"error": traceback.format_exc()}
@@ -1026,3 +1103,285 @@ def titan_to_empty_init_weights(rank: int, world: int) -> Dict:
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         assert torch.equal(full, want[key]), f"'{key}' after to_empty + init_weights differs from one process's"
     return _train_against_plain(model, ref, placements_of(model), None, rank, world)
+
+
+# ------------------------------------------------------------------ torchtitan's own options
+#
+# torchtitan 0.3.0 options that reach fully_shard, each set through its own job config and
+# run through Trainer.train_step on FSDP2 and on ours (_train_vs_fsdp2), with a probe
+# showing the option reached our units (and FSDP2's the same way):
+# - parallelism.fsdp_reshard_after_forward "never" / "always": apply_fsdp_to_decoder's
+#   reshard_after_forward per unit ("never": False everywhere, FSDP2's ZeRO-2; "always":
+#   True everywhere, [norm, lm_head] included; "default", the other tests': True but for
+#   [norm, lm_head]);
+# - data_parallel_replicate_degree = world, data_parallel_shard_degree 1: its pure data
+#   parallelism, HSDP with shard groups of one rank (nothing sharded);
+# - training.enable_cpu_offload: offload_policy=CPUOffloadPolicy() on every unit;
+# - Float8LinearConverter (emulate=True: the CPU has no FP8 matmul): torchao Float8Linear
+#   layers built into the model config, gathered in the parameter dtype; torchtitan 0.3.0
+#   has no FP8 all-gather option, so "float8_gather" sets torchao's
+#   enable_fsdp_float8_all_gather in the converted layers' torchao config (_job_config)
+#   and wraps their weights as torchao's from_float does (_wrap_for_float8_all_gather);
+# - compile.enable with components ["model", "loss"]: apply_compile's
+#   block.compile(fullgraph=True) on every block before fully_shard, and the loss compiled.
+
+def _units_of(model, impl: str) -> Dict[str, object]:
+    """{module name: our FSDPState (ours) or FSDP2's param group} of every FSDP module
+    that holds parameters (a unit of several modules appears under each)."""
+    out = {}
+    for name, m in _fsdp_modules(model).items():
+        unit = m._fsdp_state if impl == "ours" else m._get_fsdp_state()._fsdp_param_group
+        if unit is not None and (impl != "ours" or unit.unit is not None):
+            out[name] = unit
+    return out
+
+
+def _is_gathered(unit, impl: str) -> bool:
+    return unit.unit.unsharded_storage_bytes > 0 if impl == "ours" else unit.is_unsharded
+
+
+def _reshards_after_forward(unit, impl: str) -> bool:
+    """The unit's effective reshard-after-forward (after lazy init: the root never does)."""
+    return unit.reshard_after_forward if impl == "ours" else unit.post_forward_mesh_info is not None
+
+
+def _reshard_probe(policy: str):
+    """fsdp_reshard_after_forward=`policy`: every unit's reshard-after-forward is what
+    torchtitan's get_fsdp_reshard_after_forward_policy says, the same under ours as under
+    FSDP2; and what it does: when norm's forward ends (every block and the embedding ran
+    forward, backward not begun), under "never" every block and the embedding are still
+    gathered, under "always" none is, in both; after each step all are sharded again."""
+    want = {"never": False, "always": True}[policy]
+
+    def probe(ours, fsdp2, dims):
+        models = {"ours": ours.model_parts[0], "fsdp2": fsdp2.model_parts[0]}
+        seen = {impl: [] for impl in models}
+
+        def record(impl):
+            units = _units_of(models[impl], impl)
+            seen[impl].append({n: _is_gathered(u, impl) for n, u in units.items()})
+
+        hooks = [models[impl].norm.register_forward_hook(lambda *_, impl=impl: record(impl)) for impl in models]
+
+        def finish():
+            for h in hooks:
+                h.remove()
+            n_forwards = len(seen["fsdp2"])
+            assert n_forwards > 0 and len(seen["ours"]) == n_forwards, \
+                f"norm's forward ran {len(seen['ours'])} times under ours, {n_forwards} under FSDP2"
+            assert seen["ours"] == seen["fsdp2"], \
+                f"gathered after forward: ours {seen['ours'][0]} vs FSDP2 {seen['fsdp2'][0]}"
+            early = [n for n in seen["ours"][0] if n == "tok_embeddings" or n.startswith("layers.")]
+            assert len(early) >= 7, early
+            for i, row in enumerate(seen["ours"]):
+                wrong = [n for n in early if row[n] != (not want)]
+                assert not wrong, f"forward {i}: {'gathered' if want else 'sharded'} after forward: {wrong}"
+            config = {}
+            for impl in models:
+                units = _units_of(models[impl], impl)
+                config[impl] = {n: _reshards_after_forward(u, impl) for n, u in units.items()}
+                still = [n for n, u in units.items() if _is_gathered(u, impl)]
+                assert not still, f"{impl}: gathered after the step: {still}"
+            assert config["ours"] == config["fsdp2"], \
+                f"reshard_after_forward: ours {config['ours']} vs FSDP2 {config['fsdp2']}"
+            assert set(config["ours"].values()) == {want}, f"reshard_after_forward under {policy!r}: {config['ours']}"
+            return {"reshard_after_forward": config["ours"], "gathered_after_forward": seen["ours"][0],
+                    "forwards": n_forwards}
+        return finish
+    return probe
+
+
+def _offload_probe(ours, fsdp2, dims):
+    """training.enable_cpu_offload: every unit of ours is offloaded (its shard and, after
+    backward, its gradient in host buffers; pinned only with an accelerator), as every
+    parameter of FSDP2 is (offload_to_cpu)."""
+    units = _units_of(ours.model_parts[0], "ours")
+    assert units and all(st.unit.offloaded for st in units.values()), \
+        f"not offloaded: {[n for n, st in units.items() if not st.unit.offloaded]}"
+    theirs = _units_of(fsdp2.model_parts[0], "fsdp2")
+    assert theirs and all(p.offload_to_cpu for g in theirs.values() for p in g.fsdp_params)
+    assert sorted(units) == sorted(theirs)
+
+    def finish():
+        host = {n: st.unit.host_nbytes for n, st in units.items()}
+        small = [n for n, st in units.items() if host[n] < 2 * st.unit.sharded_flat.nbytes]
+        assert not small, f"no host gradient buffer next to the host shard: {small}"
+        return {"offloaded": sorted(units), "pinned": any(st.unit.pinned for st in units.values()),
+                "host_bytes": sum(host.values())}
+    return finish
+
+
+def _float8_probe(gather: bool):
+    """The Float8 converter: the same Float8Linear layers under ours as under FSDP2 (every
+    Linear of the blocks and lm_head); each computes on a Float8TrainingTensor weight in
+    forward under both when `gather` (torchao's FP8 all-gather: FSDP2's
+    WeightWithDynamicFloat8CastTensor shards, our units' FP8 gather of every such weight)
+    and on the plain gathered weight otherwise (no FP8 gather in either)."""
+    def probe(ours, fsdp2, dims):
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        models = {"ours": ours.model_parts[0], "fsdp2": fsdp2.model_parts[0]}
+        fp8 = {impl: {plain_name(n): m for n, m in models[impl].named_modules() if isinstance(m, Float8Linear)}
+               for impl in models}
+        assert len(fp8["ours"]) >= 6 * 3 + 1 and sorted(fp8["ours"]) == sorted(fp8["fsdp2"]), \
+            f"Float8Linear layers: ours {sorted(fp8['ours'])} vs FSDP2 {sorted(fp8['fsdp2'])}"
+        assert all(m.config.enable_fsdp_float8_all_gather == gather for m in fp8["ours"].values())
+        shards = {type(m.weight._local_tensor) for m in fp8["fsdp2"].values()}
+        assert shards == ({WeightWithDynamicFloat8CastTensor} if gather else {torch.Tensor}), shards
+        # Our units: the FP8 gather transform on exactly the Float8Linear weights.
+        names = {id(p): plain_name(n) for n, p in models["ours"].named_parameters()}
+        fp8_specs = 0
+        for st in {id(s): s for s in _units_of(models["ours"], "ours").values()}.values():
+            for spec, param in zip(st.unit.param_specs, st.unit.sharded_params):
+                is_fp8 = "FP8" in str(spec.transform)
+                name = names[id(param)]
+                fp8_weight = name.endswith(".weight") and name[:-len(".weight")] in fp8["ours"]
+                assert is_fp8 == (gather and fp8_weight), f"'{name}': gather transform {spec.transform}"
+                fp8_specs += is_fp8
+        assert fp8_specs == (len(fp8["ours"]) if gather else 0), f"{fp8_specs} weights gathered in FP8"
+        seen = {impl: set() for impl in models}
+        hooks = [m.register_forward_pre_hook(lambda mod, args, impl=impl: seen[impl].add(type(mod.weight)))
+                 for impl in models for m in fp8[impl].values()]
+
+        def finish():
+            for h in hooks:
+                h.remove()
+            want = Float8TrainingTensor if gather else torch.nn.Parameter
+            for impl in models:
+                assert seen[impl] and all(issubclass(t, want) for t in seen[impl]), \
+                    f"{impl}: Float8Linear weights in forward were {seen[impl]}, not {want.__name__}"
+            return {"float8_linears": len(fp8["ours"]), "fp8_gathered_weights": fp8_specs,
+                    "forward_weight_types": sorted(t.__name__ for t in seen["ours"])}
+        return finish
+    return probe
+
+
+def _replicate_probe(ours, fsdp2, dims):
+    """data_parallel_replicate_degree = world, data_parallel_shard_degree 1: torchtitan's
+    pure data parallelism, HSDP on a (world, 1) mesh: every unit of ours has shard groups
+    of one rank (whole parameters on every rank, no gather) and reduces over `world`
+    replicas, as every group of FSDP2 does."""
+    world = dist.get_world_size()
+    units = {id(s): s for s in _units_of(ours.model_parts[0], "ours").values()}.values()
+    sizes = {(st.unit.world_size, st.unit.replicate_size) for st in units}
+    assert sizes == {(1, world)}, f"our units' (shard, replicate) group sizes: {sizes}"
+    theirs = {(g.mesh_info.shard_mesh_size, g.mesh_info.replicate_mesh_size)
+              for g in _units_of(fsdp2.model_parts[0], "fsdp2").values()}
+    assert theirs == {(1, world)}, f"FSDP2's (shard, replicate) mesh sizes: {theirs}"
+    whole = all(st.unit.sharded_flat.numel() >= sum(p.numel() for p in st.unit.unsharded_params) for st in units)
+    assert whole, "a unit holds less than its whole parameters"
+    return lambda: {"shard_replicate_sizes": sorted(sizes), "units": len(units)}
+
+
+COUNTING_BACKEND = "mfsdp_titan_counting_aot_eager"
+_COMPILED = {"graphs": {}, "calls": {}, "current": None}
+
+
+def _register_counting_backend() -> None:
+    """COUNTING_BACKEND, a torch.compile backend name for torchtitan's compile.backend:
+    aot_eager, counting the graphs it compiles and the calls of their compiled code, per
+    Trainer ("current", set around its train_step by _compile_probe)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if COUNTING_BACKEND in _COMPILER_FNS:
+        return
+
+    def counting_aot_eager(gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        who = _COMPILED["current"]
+        _COMPILED["graphs"][who] = _COMPILED["graphs"].get(who, 0) + 1
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            who = _COMPILED["current"]
+            _COMPILED["calls"][who] = _COMPILED["calls"].get(who, 0) + 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
+
+    register_backend(counting_aot_eager, name=COUNTING_BACKEND)
+
+
+def _compile_probe(ours, fsdp2, dims):
+    """compile.enable, components ["model", "loss"]: torchtitan compiled every block
+    (block.compile(fullgraph=True) before fully_shard: our unit hooks then run inside the
+    compiled module call, outside the graph) and the loss; every block's forward and the
+    loss of every micro-batch run compiled code under ours, as many calls as under FSDP2."""
+    torch._dynamo.reset()
+    _COMPILED["graphs"].clear()
+    _COMPILED["calls"].clear()
+    models = {"ours": ours.model_parts[0], "fsdp2": fsdp2.model_parts[0]}
+    blocks = {impl: list(models[impl].layers.values()) for impl in models}
+    for impl in models:
+        assert all(b._compiled_call_impl is not None for b in blocks[impl]), f"{impl}: a block is not compiled"
+    for impl, t in (("ours", ours), ("fsdp2", fsdp2)):
+        def step(*args, _step=t.train_step, _impl=impl, **kwargs):
+            _COMPILED["current"] = _impl
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                _COMPILED["current"] = None
+        t.train_step = step
+    steps = {"ours": 0, "fsdp2": 0}
+    for impl, t in (("ours", ours), ("fsdp2", fsdp2)):
+        t.metrics_processor.log = _counting(t.metrics_processor.log, steps, impl)
+
+    def finish():
+        calls = dict(_COMPILED["calls"])
+        micro = ours.gradient_accumulation_steps * steps["ours"]
+        want = micro * (len(blocks["ours"]) + 1)  # every block's forward and the loss, per micro-batch
+        assert calls.get("ours", 0) == calls.get("fsdp2", 0) == want, \
+            f"compiled calls: {calls}, want {want} ({micro} micro-batches x {len(blocks['ours'])} blocks + loss)"
+        assert sum(_COMPILED["graphs"].values()) >= 2, _COMPILED["graphs"]
+        return {"compiled_calls": calls, "graphs": dict(_COMPILED["graphs"])}
+    return finish
+
+
+def _counting(log, steps: Dict[str, int], impl: str):
+    def counted(*args, **kwargs):
+        steps[impl] += 1
+        return log(*args, **kwargs)
+    return counted
+
+
+TITAN_OPTIONS = {
+    # name: (ParallelismConfig fields, "world": the launch's world size; _job_config options)
+    "reshard_never": ({"fsdp_reshard_after_forward": "never"}, {}),
+    "reshard_always": ({"fsdp_reshard_after_forward": "always"}, {}),
+    "replicate_only": ({"data_parallel_replicate_degree": "world", "data_parallel_shard_degree": 1}, {}),
+    "cpu_offload": ({}, {"training": {"enable_cpu_offload": True}}),
+    "float8": ({}, {"float8": {"emulate": True}}),
+    "float8_gather": ({}, {"float8": {"emulate": True, "enable_fsdp_float8_all_gather": True}}),
+    "compile": ({}, {"compile": {"enable": True, "components": ["model", "loss"], "backend": COUNTING_BACKEND}}),
+}
+
+
+def _option_probe(name: str):
+    return {"reshard_never": _reshard_probe("never"), "reshard_always": _reshard_probe("always"),
+            "replicate_only": _replicate_probe,
+            "cpu_offload": _offload_probe, "float8": _float8_probe(False), "float8_gather": _float8_probe(True),
+            "compile": _compile_probe}[name]
+
+
+def titan_options_matrix(rank: int, world: int, names, steps: int = 3, max_norm: float = 0.25, loss: str = "ce",
+                         ac: bool = True, local_bs: int = 2, accum: int = 2, tol: float = 1e-5) -> Dict[str, Dict]:
+    """For each of TITAN_OPTIONS' `names`, in one launch: torchtitan's train_step on its
+    debugmodel job with that option set in its config (FSDP over all ranks), FSDP2 and
+    ours step by step (_train_vs_fsdp2: loss, max local loss, grad norm with clipping
+    active, every parameter at the end), and the option's probe. FSDP2 offloads unpinned
+    (its pin_memory() needs an accelerator; ours pins only with one)."""
+    _register_counting_backend()
+
+    def run(name):
+        parallelism, job = TITAN_OPTIONS[name]
+        parallelism = {k: world if v == "world" else v for k, v in parallelism.items()}
+        job = dict(job)
+        return _train_vs_fsdp2(world, dict({"data_parallel_shard_degree": world}, **parallelism), steps=steps,
+                               max_norm=max_norm, loss=job.pop("loss", loss), ac=ac, local_bs=local_bs, accum=accum,
+                               tol=tol, job=job, probe=_option_probe(name),
+                               unpinned_offload=bool(job.get("training", {}).get("enable_cpu_offload")))
+    return _run_matrix(world, list(names), run)
