@@ -2,11 +2,12 @@
 plain process fed every rank's rows (tests/harness/pair_workers.py): losses, every step's
 full gradients, the parameters after. torch.compile (aot_eager, the whole model) with
 ZeRO-2, ZeRO-1, no sharding, HSDP, CPU offload, buckets and a DCP resume into a fresh
-compiled model; HSDP with CPU offload; a Hugging Face Llama with ZeRO-2 and with HSDP."""
+compiled model; HSDP with CPU offload; a Hugging Face Llama with ZeRO-2 and with HSDP;
+tensor parallelism (dp 2 x tp 2, sequence parallel) under torch.compile."""
 import pytest
 
 from harness import run_distributed
-from harness.pair_workers import pair_vs_one_process
+from harness.pair_workers import pair_vs_one_process, tp_compiled_vs_one_process
 
 CASES = {
     "compile_zero2": (2, {"compile": True, "strategy": "optim_grads"}),
@@ -30,3 +31,11 @@ def test_feature_pair_trains_like_one_process(name, tmp_path):
     if case.get("hf"):
         pytest.importorskip("transformers", reason="the Hugging Face cases need transformers (test extra)")
     assert run_distributed(pair_vs_one_process, world, name, case, str(tmp_path), timeout=300) == [True] * world
+
+
+def test_tensor_parallel_under_compile_trains_like_one_process():
+    """dp 2 x tp 2 with sequence parallel, ZeRO-3 on "dp_shard", the whole model under
+    torch.compile (aot_eager): losses, full gradients and clipped norms every step, values
+    after, against one plain process; a compiled graph holds the TP block."""
+    report = run_distributed(tp_compiled_vs_one_process, 4, [{"sp": True}], timeout=600)[0]
+    assert report[0]["graphs"] > 0, report
