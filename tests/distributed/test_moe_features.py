@@ -9,9 +9,8 @@ over the 2-rank "efsdp" mesh), 3 SGD steps per config, FSDP2 then ours:
 - compile: block.compile(fullgraph=True, backend=aot_eager) after fully_shard, DTensor
   experts, torchtitan's division (none);
 - offload: offload_policy=CPUOffloadPolicy(pin_memory=False) on blocks and root, the experts
-  plain per-ep-rank parameters (Megatron-Core's form; DTensor experts under offload are
-  refused by name: test_moe_units.py::test_moe_placement_refusals), with and without the
-  default division.
+  plain per-ep-rank parameters (Megatron-Core's form), with and without the default
+  division, and DTensors Shard(0) on "ep" (torchtitan's form).
 Per step the loss and the global gradient norm, and the full gradients of the expert and
 the dense parameters (SGD: (before - after) / lr), then the values after the last step,
 within 1e-5 relative (fp32; measured <= 2.5e-6); the state-dict placements equal. zero2 and
@@ -31,6 +30,7 @@ CONFIGS = [
     dict(name="compile", feature="compile", form="dtensor", ep=EP, factor=1.0, one_process=True),
     dict(name="offload", feature="offload", form="plain", ep=EP, factor=1.0),
     dict(name="offload_default_division", feature="offload", form="plain", ep=EP, factor=None),
+    dict(name="offload_ep_dtensors", feature="offload", form="dtensor", ep=EP, factor=None),
 ]
 
 
@@ -83,7 +83,7 @@ def test_moe_compile_trains_like_fsdp2(results):
         assert _every_unit(out["option"][impl], True), f"{impl}: reshards after forward {out['option'][impl]}"
 
 
-@pytest.mark.parametrize("name", ["offload", "offload_default_division"])
+@pytest.mark.parametrize("name", ["offload", "offload_default_division", "offload_ep_dtensors"])
 def test_moe_cpu_offload_trains_like_fsdp2(results, name):
     """CPU offload: every block's dense and expert unit offloaded (ours: unit.offloaded
     with its shards on the host; FSDP2: CPUOffloadPolicy on both param groups), and the

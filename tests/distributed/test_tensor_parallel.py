@@ -17,10 +17,13 @@ SCENARIOS = {
        {"sp": True, "strategy": "optim", "micro": 2, "buckets": 1 << 30},
        {"sp": True, "config": True, "clip": 0.05},
        # Activation checkpointing (torch's checkpoint_wrapper, torchtitan's): forward again in backward.
-       {"sp": True, "ac": True, "clip": 0.05}, {"sp": False, "ac": True, "strategy": "optim_grads"}],
+       {"sp": True, "ac": True, "clip": 0.05}, {"sp": False, "ac": True, "strategy": "optim_grads"},
+       # CPU offload (CPUOffloadPolicy): the TP shards' flat pieces live in host memory.
+       {"sp": False, "offload": True, "clip": 0.05}, {"sp": True, "offload": True, "strategy": "optim_grads", "micro": 2}],
     (2, 2, 2): [{"sp": True, "clip": 0.05}, {"sp": False, "strategy": "optim_grads", "micro": 2, "clip": 0.05},
                 {"sp": True, "strategy": "no_shard", "clip": 0.05}, {"sp": False, "buckets": 1 << 30},
-                {"sp": True, "config": True, "strategy": "optim_grads"}, {"sp": True, "ac": True}],
+                {"sp": True, "config": True, "strategy": "optim_grads"}, {"sp": True, "ac": True},
+                {"sp": True, "offload": True, "clip": 0.05}],
 }
 
 
@@ -38,8 +41,9 @@ def test_tp_matches_fsdp2_tp_in_bf16(sp):
     run_distributed(w.tp_vs_fsdp2, 4, (2, 2), sp, timeout=300)
 
 
-def test_tp_state_dicts_match_fsdp2_and_reshard(tmp_path):
-    report = run_distributed(w.tp_state_dicts, 4, str(tmp_path), timeout=600)[0]
+@pytest.mark.parametrize("offload", [False, True], ids=["on_device", "cpu_offload"])
+def test_tp_state_dicts_match_fsdp2_and_reshard(tmp_path, offload):
+    report = run_distributed(w.tp_state_dicts, 4, str(tmp_path), offload=offload, timeout=600)[0]
     assert report["strided"] > 0 and report["model_entries"] > 0 and report["optim_entries"] > 0
 
 

@@ -14,7 +14,10 @@ GPU = gpu_launch()
 SHAPES = {2: [(1, 2), (2, 1)], 4: [(2, 2)], 8: [(2, 2, 2)]}.get(WORLD, [])
 SCENARIOS = [{"sp": sp, "strategy": s, "clip": 0.05, "tol": 1e-4} for sp in (False, True)
              for s in ("optim_grads_params", "optim_grads", "optim", "no_shard")] + \
-    [{"sp": True, "micro": 2, "buckets": 1 << 30, "tol": 1e-4}]
+    [{"sp": True, "micro": 2, "buckets": 1 << 30, "tol": 1e-4},
+     # CPU offload: the TP shards' pieces in (pinned) host memory, copied in for each gather
+     {"sp": False, "offload": True, "clip": 0.05, "tol": 1e-4},
+     {"sp": True, "offload": True, "strategy": "optim_grads", "micro": 2, "tol": 1e-4}]
 
 
 @pytest.mark.parametrize("shape", SHAPES or [None], ids=lambda s: "x".join(map(str, s)) if s else "none")
@@ -39,9 +42,10 @@ def test_tp_matches_fsdp2_tp_in_bf16_gpu(sp):
 
 
 @pytest.mark.long_gpu
-def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["on_device", "cpu_offload"])
+def test_tp_state_dicts_match_fsdp2_and_reshard_gpu(tmp_path, offload):
     _needs_even_world()
-    run_distributed(w.tp_state_dicts, WORLD, str(tmp_path), **GPU, timeout=400)
+    run_distributed(w.tp_state_dicts, WORLD, str(tmp_path), offload=offload, **GPU, timeout=400)
 
 
 def test_tp_deferred_init_gpu():

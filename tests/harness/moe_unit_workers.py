@@ -329,21 +329,6 @@ def moe_placement_refusals(rank: int, world: int) -> None:
     # The call's own mesh through a fresh mesh-info object: one unit, no companion.
     block = shard_with(ShardPlacementResult(Shard(0), FSDPMeshInfo(flat, shard_mesh_dim=0)))
     assert block._fsdp_state.companions == []
-    # CPU offload of expert-parallel experts (DTensors on "ep") is refused naming that mesh dim.
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    dense_mesh, sparse, expert_dp_mesh = meshes(world, 2, 1)
-    torch.manual_seed(0)
-    block = MoEBlock()
-    for name in ("w1", "w2"):
-        setattr(block.experts, name, nn.Parameter(distribute_tensor(getattr(block.experts, name).detach(),
-                                                                    sparse["ep"], [Shard(0)])))
-    experts = set(block.experts.parameters())
-    expert_info, dense_info = mesh_info(expert_dp_mesh), mesh_info(dense_mesh)
-    expect_error(lambda: mfsdp.fully_shard(
-        block, mesh=dense_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False),
-        shard_placement_fn=lambda p: PlacementResult(Shard(0), expert_info if p in experts else dense_info)),
-        NotImplementedError, "'experts.w1'", "mesh dim 'ep' (tensor or expert parallel)", "CPU offload")
 
 
 def moe_checkpoints_move_across_expert_parallelism(rank: int, world: int, folder: str) -> Dict:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -115,6 +116,12 @@ def dp_rank_of(mesh) -> Tuple[int, int]:
     return index, count
 
 
+def _offload_policy() -> CPUOffloadPolicy:
+    """Pinned host memory with CUDA tensors (the GPU suite), plain host memory on the CPU
+    (FSDP2 cannot pin without an accelerator)."""
+    return CPUOffloadPolicy(pin_memory=device_for_backend().type == "cuda")
+
+
 def shard_ours(model: TPNet, dp_mesh, sc: Dict, mesh=None) -> TPNet:
     if sc.get("config"):  # Megatron's spelling: FSDPConfig + fully_shard_model with named mesh dims
         three = len(mesh.mesh_dim_names) == 3
@@ -130,6 +137,8 @@ def shard_ours(model: TPNet, dp_mesh, sc: Dict, mesh=None) -> TPNet:
               prefetch_depth=sc.get("prefetch", 1))
     if mp is not None:
         kw["mp_policy"] = mp
+    if sc.get("offload"):
+        kw["offload_policy"] = _offload_policy()
     for block in model.blocks:
         mfsdp.fully_shard(block, **kw)
     mfsdp.fully_shard([model.norm, model.head], **kw)
@@ -193,7 +202,7 @@ def full_of_ours(model, which: str, tp_placements: Dict[str, Tuple], tp_mesh=Non
 
 
 def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dict]) -> List[Dict]:
-    """For each scenario (keys: sp, strategy, clip, micro, buckets, prefetch, ac, config; all
+    """For each scenario (keys: sp, strategy, clip, micro, buckets, prefetch, ac, config, offload; all
     fp32): TP on the mesh's "tp" dim and our fully_shard on its data-parallel
     dims train like one plain process on the whole batch, step by step."""
     device = device_for_backend()
@@ -211,6 +220,8 @@ def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dic
         shard_ours(model, dp_mesh, sc, mesh)
         units = [s for s in iter_states(model) if s.unit is not None]
         assert all(s.unit.world_size == shape[-2] for s in units)
+        # offload: every unit's shard (TP DTensors' local pieces included) in host memory
+        assert all(s.unit.offloaded == bool(sc.get("offload")) for s in units), sc
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
         micro, per, worst, clip = sc.get("micro", 1), 2, 0.0, sc.get("clip")
@@ -257,11 +268,13 @@ def tp_parity(rank: int, world: int, shape: Tuple[int, ...], scenarios: List[Dic
     return results
 
 
-def shard_fsdp2(model: TPNet, dp_mesh, bf16: bool = False) -> TPNet:
+def shard_fsdp2(model: TPNet, dp_mesh, bf16: bool = False, offload: bool = False) -> TPNet:
     """FSDP2 (torch's fully_shard) on the same units as shard_ours."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kw = dict(mesh=dp_mesh)
+    if offload:
+        kw["offload_policy"] = _offload_policy()
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     units = [*model.blocks, [model.norm, model.head], model]
@@ -308,20 +321,30 @@ def _same_dtensors(ours: Dict, theirs: Dict, what: str, tol: float = 1e-6) -> in
 
 
 def _full(sd: Dict) -> Dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+    return {k: (_full_tensor(v) if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _full_tensor(t: DTensor) -> torch.Tensor:
+    """full_tensor(), also of an offloaded unit's entry (FSDP2's form too: host local
+    pieces on a CUDA mesh, which NCCL cannot gather as they are)."""
+    if t.to_local().device.type != t.device_mesh.device_type:
+        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                               shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 def _flat_optim(sd: Dict) -> Dict:
     return {f"{k}.{n}": v for k, entry in sd["state"].items() for n, v in entry.items()}
 
 
-def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
+def tp_state_dicts(rank: int, world: int, path: str, offload: bool = False) -> Dict:
     """(At world 4, as below; at world W the mesh is (W/2) x 2, the reshards W x 1 and 1 x W.)
     State dicts of ours+TP equal FSDP2+TP's on the same 2x2 mesh (placements,
     _StridedShard included, and values, model and AdamW state after one identical step);
     DCP checkpoints move both ways between them, and reshard to 4x1 and 1x4 meshes and to
-    a plain model, and back; save_checkpoint/load_checkpoint do the same."""
+    a plain model, and back; save_checkpoint/load_checkpoint do the same. offload: every
+    model of both systems with CPUOffloadPolicy (_offload_policy)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -332,7 +355,11 @@ def tp_state_dicts(rank: int, world: int, path: str) -> Dict:
     def trained(shape, system: str, sp: bool = True, step: bool = True):
         mesh = make_mesh(shape)
         model = parallelize(build(device), mesh["tp"], sp)
-        (shard_fsdp2 if system == "fsdp2" else lambda m, d: shard_ours(m, d, {}))(model, dp_mesh_of(mesh))
+        if system == "fsdp2":
+            shard_fsdp2(model, dp_mesh_of(mesh), offload=offload)
+        else:
+            shard_ours(model, dp_mesh_of(mesh), {"offload": offload})
+            assert all(s.unit.offloaded == offload for s in iter_states(model) if s.unit is not None)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         if step:
             _step(model, opt, *dp_rank_of(mesh))

@@ -469,13 +469,6 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     if label is not None:  # errors before the root's lazy init (offload's below) name the unit as FSDPState does
         unit.set_label(label)
     if offload_pin is not None:
-        if tp is not None and tp.specs:
-            # Expert parallelism's experts are DTensors on the "ep" mesh and land here too.
-            dims = tp.tp_mesh.mesh_dim_names or ("unnamed",)
-            raise NotImplementedError(
-                f"fully_shard(offload_policy=CPUOffloadPolicy()): parameter '{names[next(iter(tp.specs))]}' is a "
-                f"DTensor on mesh dim {dims[0]!r} (tensor or expert parallel); CPU offload of units holding "
-                "DTensor parameters is not supported yet")
         unit.offload_to_host(offload_pin)
     param_dtype = mp_policy.param_dtype or masters[0].dtype
     sharded, unsharded = [], []
