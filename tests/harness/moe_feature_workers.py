@@ -23,14 +23,13 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import megatron_fsdp_ext as mfsdp
 
-from .moe_unit_workers import (EXPERTS, DIM, TOKENS, GroupedExperts, MoEModel, PlacementResult, _full,
-                               _global_norm, mesh_info, meshes, one_process)
+from .moe_unit_workers import (EXPERTS, GroupedExperts, MoEModel, PlacementResult, _full, mesh_info, meshes,
+                               one_process, sgd_steps)
 from .workers import device_for_backend, rel_err
 
 
@@ -197,24 +196,10 @@ def run(impl: str, rank: int, world: int, ep: int, factor: Optional[float], form
         backend = RecordingBackend()
         for b in model.blocks:
             b.compile(backend=backend, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses, norms, grads, unsharded = [], [], [], []
+    unsharded = []
     start = _full(model)
-    for _ in range(steps):
-        before = _full(model)
-        x = torch.randn(TOKENS, DIM, generator=gen).to(device_for_backend())
-        loss = model(x, first_expert, local_experts).square().mean()
-        unsharded.append(after_forward(impl, model))
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        norms.append(_global_norm(model, impl))
-        opt.step()
-        opt.zero_grad()
-        after = _full(model)
-        grads.append({k: (before[k] - after[k]) / lr for k in before})
+    losses, norms, grads = sgd_steps(model, impl, first_expert, local_experts, rank, world, steps, lr,
+                                     after_forward=lambda m: unsharded.append(after_forward(impl, m)))
     return {"losses": losses, "norms": norms, "grads": grads, "params": _full(model), "model": model,
             "unsharded": unsharded, "option": option_on_units(impl, model, feature),
             "graphs": (backend.graphs, backend.calls) if backend else ([], []), "experts": _expert_keys(model),

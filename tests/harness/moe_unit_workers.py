@@ -164,11 +164,11 @@ def _global_norm(model, impl: str) -> float:
     return float(ours)
 
 
-def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optional[float], steps: int,
-        lr: float = 0.5) -> Dict:
-    """Train with SGD (a wrong gradient scale shows in the parameters at once), recording
-    losses, global gradient norms, and each step's full gradients as (before - after) / lr."""
-    model, first_expert, local_experts = build(impl, world, ep, replicate, factor)
+def sgd_steps(model, impl: str, first_expert: int, local_experts: int, rank: int, world: int, steps: int,
+              lr: float, after_forward=None):
+    """`steps` SGD steps on this rank's tokens: the global losses, the global gradient
+    norms and each step's full gradients as (before - after) / lr; after_forward(model)
+    runs between each forward and its backward."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(100 + rank)
     losses, norms, grads = [], [], []
@@ -176,6 +176,8 @@ def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optio
         before = _full(model)
         x = torch.randn(TOKENS, DIM, generator=gen).to(device_for_backend())
         loss = model(x, first_expert, local_experts).square().mean()
+        if after_forward is not None:
+            after_forward(model)
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -185,6 +187,15 @@ def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optio
         opt.zero_grad()
         after = _full(model)
         grads.append({k: (before[k] - after[k]) / lr for k in before})
+    return losses, norms, grads
+
+
+def run(impl: str, rank: int, world: int, ep: int, replicate: int, factor: Optional[float], steps: int,
+        lr: float = 0.5) -> Dict:
+    """Train with SGD (a wrong gradient scale shows in the parameters at once), recording
+    losses, global gradient norms, and each step's full gradients as (before - after) / lr."""
+    model, first_expert, local_experts = build(impl, world, ep, replicate, factor)
+    losses, norms, grads = sgd_steps(model, impl, first_expert, local_experts, rank, world, steps, lr)
     layouts = [layout for b in model.blocks for layout in b.experts.layouts]
     return {"losses": losses, "norms": norms, "grads": grads, "params": _full(model),
             "placements": _placements(model), "model": model, "layouts": layouts}
