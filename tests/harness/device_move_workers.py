@@ -39,10 +39,25 @@ def _full_values(model) -> Dict[str, torch.Tensor]:
     return {k: v.detach().double().cpu() for k, v in mfsdp.full_state_dict(model, rank0_only=False).items()}
 
 
-def park_and_resume(rank: int, world: int, strategy: str, keep_grads: bool) -> Dict:
-    """Train 2 steps, park the model (and the optimizer state) on the host, come back,
-    train 2 more; against one plain process on every rank's rows. `keep_grads`: the
-    model is parked between backward and the step, so its gradients travel too."""
+def _park(model, device, spelling: str) -> None:
+    """Move the model to `device` the way `spelling`'s trainer does."""
+    if spelling == "verl":  # offload_fsdp_model_to_cpu / load_fsdp_model_to_gpu
+        model.to(device)
+    elif spelling == "nemo_rl":  # move_to_device: the buffers by swap_tensors, then model.to
+        for buf in model.buffers():
+            torch.utils.swap_tensors(buf, buf.to(device))
+        model.to(device)
+    else:  # "per_param", older verl: every parameter's .data on its own (the buffers stay)
+        assert spelling == "per_param", spelling
+        for p in model.parameters():
+            p.data = p.data.to(device)
+
+
+def park_and_resume(rank: int, world: int, strategy: str, spelling: str, keep_grads: bool) -> Dict:
+    """Train 2 steps, park the model (and the optimizer state) on the host the way
+    `spelling`'s trainer does, come back, train 2 more; against one plain process on every
+    rank's rows. `keep_grads`: the model is parked between backward and the step, so its
+    gradients travel too."""
     device = device_for_backend()
     host = torch.device("cpu")
     torch.manual_seed(0)
@@ -70,12 +85,7 @@ def park_and_resume(rank: int, world: int, strategy: str, keep_grads: bool) -> D
             before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
             units = [m._mfsdp_state.unit for m in model.modules() if "_mfsdp_state" in m.__dict__]
             shard_bytes = sum(u.sharded_flat.nbytes for u in units if u is not None)
-            if not keep_grads:  # NeMo-RL's move_to_cpu: the buffers first, by swap_tensors, then model.to
-                for buf in model.buffers():
-                    torch.utils.swap_tensors(buf, buf.to(host))
-                model.to(host)
-            else:  # verl's offload_fsdp_model_to_cpu
-                model.cpu()
+            _park(model, host, spelling)
             if device.type == "cuda":
                 moved_bytes = before - torch.cuda.memory_allocated()
                 assert moved_bytes >= shard_bytes, (
@@ -87,7 +97,7 @@ def park_and_resume(rank: int, world: int, strategy: str, keep_grads: bool) -> D
                 assert p.grad is None or p.grad.device == host, f"'{name}'.grad is on {p.grad.device} after model.cpu()"
             if device.type == "cuda":
                 expect_error(lambda: model(mine), ValueError, "moved by module.to()", "move the model back")
-            model.to(device)
+            _park(model, device, spelling)
             _move_optimizer_state(opt, device)
             for name, p in model.named_parameters():
                 assert p.device == device, f"'{name}' is on {p.device} after model.to({device})"
@@ -118,6 +128,9 @@ def moves_refused(rank: int, world: int) -> None:
     mfsdp.fully_shard(model)
     before = _full_values(model)
     expect_error(lambda: model.to("meta"), RuntimeError, "the meta device", "fully_shard unit")
+    if device.type == "cuda":  # a module inside a unit would take part of the unit's shard along
+        expect_error(lambda: model.blocks[0][0].cpu(), RuntimeError, "cannot change its sharded parameters",
+                     "on cpu")
     after = _full_values(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused move changed the values"
     model.to(device)  # to where it already is: nothing moves, it still trains

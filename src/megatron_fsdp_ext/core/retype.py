@@ -34,6 +34,7 @@ from .. import _C
 from .construct import make_unit
 from .extension_points import user_attributes
 from .param_index import conversion_refused
+from . import sharded_param
 from .sharded_param import set_data_unchecked
 from .states import RootPhase
 
@@ -71,26 +72,44 @@ def move_units(states, fn: Callable) -> None:
         if probed is None:
             continue
         shard, probe = probed
-        if not isinstance(probe, torch.Tensor) or probe.device == shard.device:
-            continue
-        unit = state.unit
-        if unit.offloaded:
-            continue  # its shard lives in host memory by its offload policy
-        why = None
-        if probe.device.type == "meta":
-            why = "its device: the meta device holds no values (build on meta before fully_shard instead)"
-        elif unit.gathers_bytes or unit.mx_block:
-            why = "the device of an FP8/MX-gathered unit"
-        elif state.ctx is not None and state.ctx.phase is not RootPhase.IDLE:
-            why = "its device during backward"
-        if why is not None:
-            raise conversion_refused(unit.label, shard, shard.dtype, probe.device, why)
-        targets.append((state, probe.device))
+        if isinstance(probe, torch.Tensor) and _check_move(state, probe.device):
+            targets.append((state, probe.device))
     for state, device in targets:
-        if state.ctx is not None:
-            state.ctx.comm.wait_reductions()  # nothing in flight may still read or write the shard
-        state.reshard()  # the gathered copy lives on the unit's device: freed, as FSDP2's _apply reshards
-        state.unit.move_shard_to(device)
+        _move(state, device)
+
+
+def move_unit(state, device: torch.device) -> None:
+    """Move one unit's shard to `device` (a no-op where it is, or for an offloaded unit)."""
+    if _check_move(state, device):
+        _move(state, device)
+
+
+def _check_move(state, device: torch.device) -> bool:
+    """Whether the unit's shard would move to `device`; raises for a move it cannot take."""
+    unit = state.unit
+    shard = unit.sharded_params[0]
+    if device == shard.device or unit.offloaded:  # an offloaded shard lives in host memory by its policy
+        return False
+    why = None
+    if device.type == "meta":
+        why = "its device: the meta device holds no values (build on meta before fully_shard instead)"
+    elif unit.gathers_bytes or unit.mx_block:
+        why = "the device of an FP8/MX-gathered unit"
+    elif state.ctx is not None and state.ctx.phase is not RootPhase.IDLE:
+        why = "its device during backward"
+    if why is not None:
+        raise conversion_refused(unit.label, shard, shard.dtype, device, why)
+    return True
+
+
+def _move(state, device: torch.device) -> None:
+    if state.ctx is not None:
+        state.ctx.comm.wait_reductions()  # nothing in flight may still read or write the shard
+    state.reshard()  # the gathered copy lives on the unit's device: freed, as FSDP2's _apply reshards
+    state.unit.move_shard_to(device)
+
+
+sharded_param.move_unit = move_unit
 
 
 def _target(state, fn: Callable) -> Optional[torch.dtype]:

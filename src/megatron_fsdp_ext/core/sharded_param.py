@@ -51,6 +51,9 @@ _TO_EMPTY_FNS = frozenset(c for c in nn.Module.to_empty.__code__.co_consts if is
 # What `to_empty()` on a module inside a unit does to one of its parameters (unit state,
 # index): set by in_place_init, which imports this module.
 emptied_in_unit = None
+# Moves a unit's whole shard to a device (unit state, device): set by retype, which
+# imports this module.
+move_unit = None
 
 
 def _torch_internal_or_tracing(frame) -> bool:
@@ -235,6 +238,21 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 state.unit.wait_host_update()
                 set_full_value(state, index, value.detach())
                 return
+        if isinstance(value, torch.Tensor) and value.dtype == self.dtype and value.device != self.device \
+                and tuple(local_shape(value)) == tuple(local_shape(self)) and move_unit is not None \
+                and sys._getframe(1).f_code is not _MODULE_APPLY:
+            # `p.data = p.data.to(device)` for every parameter (older verl's parking of a
+            # model in host memory): the unit's flat shard moves whole at its first
+            # parameter (retype.move_unit), the others then find theirs there; the value
+            # given lands in this parameter's piece. (nn.Module._apply of a module inside a
+            # unit, `model.norm.cpu()`, would move part of a unit: refused below.)
+            state, _ = owner_of(self)
+            if state is not None and state.unit is not None:
+                move_unit(state, value.device)
+                if not state.unit.offloaded:
+                    with torch.no_grad():
+                        _TENSOR_DATA.__get__(self, type(self)).copy_(value)
+                    return
         if isinstance(value, torch.Tensor) and (value.dtype != self.dtype or value.device != self.device):
             # nn.Module._apply on a module inside a unit (model.norm.float()) swaps .data
             # here; on the unit's own module FSDPModule._apply refuses it first.
