@@ -128,11 +128,15 @@ def moves_refused(rank: int, world: int) -> None:
     mfsdp.fully_shard(model)
     before = _full_values(model)
     expect_error(lambda: model.to("meta"), RuntimeError, "the meta device", "fully_shard unit")
-    if device.type == "cuda":  # a module inside a unit would take part of the unit's shard along
-        expect_error(lambda: model.blocks[0][0].cpu(), RuntimeError, "cannot change its sharded parameters",
-                     "on cpu")
     after = _full_values(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused move changed the values"
     model.to(device)  # to where it already is: nothing moves, it still trains
     _, mine = _batch(0, rank, world, device)
     _loss(model, mine).backward()
+    if device.type == "cuda":
+        # A module inside a unit would take part of the unit's shard along: refused before
+        # anything moves, and the model still trains where it is.
+        expect_error(lambda: model.blocks[0][0].cpu(), RuntimeError, "cannot change its sharded parameters",
+                     "on cpu")
+        assert all(p.device == device for p in model.parameters())
+        _loss(model, mine).backward()

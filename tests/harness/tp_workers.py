@@ -566,7 +566,9 @@ def tp_to_empty_then_init(rank: int, world: int, shape: Tuple[int, ...]) -> None
     _reset_all(alone)
     want = want_alone = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
                          for n, p in alone.named_parameters()}
-    for sc in ({}, {"strategy": "optim_grads"}):
+    # offload: the TP shards' pieces in host memory, the TP mesh on the device (the fills
+    # run there, as DTensor's draws do, and each rank keeps its slice on the host)
+    for sc in ({}, {"strategy": "optim_grads"}, {"offload": True}):
         with torch.device("meta"):
             model = parallelize(TPNet(), tp_mesh, False)
         placements = placements_of(model)

@@ -128,8 +128,11 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         states = self._states(recurse)
         empty = is_to_empty_function(fn)
-        if not empty:
-            move_units(states, fn)
+        moved = not empty and move_units(states, fn, frozenset(map(id, self.modules() if recurse else [self])))
+        # A device change: the units' shards moved already (or stay: offloaded units' live
+        # in host memory, with their gradients); buffers and other gradients get fn's.
+        kept = frozenset(id(p.grad) for s in states if moved and s.unit is not None and s.unit.offloaded
+                         for p in s.unit.sharded_params if p.grad is not None)
         retype_units(states, fn)
         # nn.Module.to_empty, on this module or on one around it (Lightning's Trainer runs it
         # on the LightningModule): FSDP2's way in from the meta device (build on meta,
@@ -142,7 +145,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
         _APPLY_CHECKED = True
         try:
             out = super(torch_fsdp.FSDPModule, self)._apply(
-                (lambda t: t if isinstance(t, ShardedParameter) else fn(t)) if empty else fn, recurse)
+                (lambda t: t if isinstance(t, ShardedParameter) or id(t) in kept else fn(t))
+                if empty or moved else fn, recurse)
         finally:
             _APPLY_CHECKED = False
         if empty:

@@ -177,6 +177,11 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         """The unit's module (the first, for a unit of several)."""
         return self._module_refs[0]()
 
+    @property
+    def modules(self) -> list:
+        """The unit's modules (one, or those of fully_shard([...]))."""
+        return [ref() for ref in self._module_refs]
+
     def _group_starts(self, module) -> bool:
         """Whether this module's forward is the first of the unit's modules in this pass. A
         member that runs again after its own forward in this pass starts a new one (e.g.

@@ -177,11 +177,13 @@ def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
     """`func` on a full tensor of the parameter's shape; this rank keeps its slice. Under
     tensor parallelism the full tensor is this rank's TP shard, filled as the DTensor TP
     alone gives (its global shape for fan-in, DTensor's random streams), as materialize does."""
-    whole = torch.empty(state.unit.param_spec(index).shape, dtype=param.dtype, device=param.device)
-    filled = whole
     tp = state.tp
-    if tp is not None and index in tp.specs:
-        filled = tp.full_of_local(index, whole)
+    tp_param = tp is not None and index in tp.specs
+    # A TP shard is filled on its mesh's device (DTensor.from_local would copy a host
+    # tensor there, and the fill would miss `whole`): an offloaded unit's piece is host memory.
+    device = torch.device(tp.tp_mesh.device_type) if tp_param else param.device
+    whole = torch.empty(state.unit.param_spec(index).shape, dtype=param.dtype, device=device)
+    filled = tp.full_of_local(index, whole) if tp_param else whole
     if args:
         args = (filled,) + tuple(args[1:])
     else:

@@ -63,19 +63,35 @@ def _probe(state, fn: Callable):
     return shard, fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
 
 
-def move_units(states, fn: Callable) -> None:
+def move_units(states, fn: Callable, applied_to: frozenset) -> bool:
     """Move every unit in `states` whose shard `fn` would put on another device (see the
-    module docstring), checking them all before moving any."""
-    targets = []
+    module docstring), checking them all before moving any. `applied_to`: the ids of the
+    modules the conversion reaches (a unit of several modules moves only with all of them).
+    Returns whether `fn` changes any unit's device: then every unit is resharded first,
+    so that no module slot holds a gathered parameter the conversion would cut loose."""
+    targets, changes = [], False
     for state in states:
         probed = _probe(state, fn)
         if probed is None:
             continue
         shard, probe = probed
-        if isinstance(probe, torch.Tensor) and _check_move(state, probe.device):
+        if not isinstance(probe, torch.Tensor) or probe.device == shard.device:
+            continue
+        changes = True
+        if _check_move(state, probe.device):
+            outside = [m for m in state.modules if id(m) not in applied_to]
+            if outside:
+                raise conversion_refused(state.unit.label, shard, shard.dtype, probe.device,
+                                         f"part of a unit of several modules ({type(outside[0]).__name__} "
+                                         "is not under the module converted)")
             targets.append((state, probe.device))
+    if changes:
+        for state in states:
+            if state.unit is not None:
+                state.reshard()
     for state, device in targets:
         _move(state, device)
+    return changes
 
 
 def move_unit(state, device: torch.device) -> None:
@@ -95,6 +111,9 @@ def _check_move(state, device: torch.device) -> bool:
         why = "its device: the meta device holds no values (build on meta before fully_shard instead)"
     elif unit.gathers_bytes or unit.mx_block:
         why = "the device of an FP8/MX-gathered unit"
+    elif unit.unsharded_nbytes == 0 and state.tp is not None and state.tp.specs:
+        # no_shard without a cast: its tensor-parallel DTensors view the shard itself
+        why = "the device of a no_shard unit holding tensor- or expert-parallel DTensors"
     elif state.ctx is not None and state.ctx.phase is not RootPhase.IDLE:
         why = "its device during backward"
     if why is not None:
@@ -173,6 +192,8 @@ def _retype(state, dtype: torch.dtype) -> None:
             set_data_unchecked(param, new_view)
     # The same sharded objects, now over the new unit's shard: optimizers keep them.
     unit.bind_params(sharded, unit.unsharded_params)
+    if old.shard_device != old.device:  # parked (model.cpu()): the new unit's shard stays there too
+        unit.move_shard_to(old.shard_device)
     slots = _C.ParamSlots(unit)
     for k in range(len(state.slots)):
         slots.add(state.slots.params_dict(k), state.slots.name(k), state.slots.param_index(k))

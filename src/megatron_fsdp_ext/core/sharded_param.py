@@ -71,12 +71,24 @@ def is_to_empty_function(fn) -> bool:
     return getattr(fn, "__code__", None) in _TO_EMPTY_FNS
 
 
-def _emptied_by_to_empty() -> bool:
-    """Whether the assignment being made (from inside the data setter, past the class's own
-    __setattr__) is nn.Module._apply's with nn.Module.to_empty's function."""
-    frame = sys._getframe(2)
+def _assigning_frame():
+    """The frame making the assignment the data setter runs for (past the class's own
+    __setattr__), for a helper called by the setter."""
+    frame = sys._getframe(3)
     if frame.f_code is ShardedParameter.__setattr__.__code__:
         frame = frame.f_back
+    return frame
+
+
+def _assigned_by_module_apply() -> bool:
+    """Whether the assignment being made (from inside the data setter) is nn.Module._apply's."""
+    return _assigning_frame().f_code is _MODULE_APPLY
+
+
+def _emptied_by_to_empty() -> bool:
+    """Whether the assignment being made (from inside the data setter) is
+    nn.Module._apply's with nn.Module.to_empty's function."""
+    frame = _assigning_frame()
     return frame.f_code is _MODULE_APPLY and is_to_empty_function(frame.f_locals.get("fn"))
 
 
@@ -240,12 +252,13 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 return
         if isinstance(value, torch.Tensor) and value.dtype == self.dtype and value.device != self.device \
                 and tuple(local_shape(value)) == tuple(local_shape(self)) and move_unit is not None \
-                and sys._getframe(1).f_code is not _MODULE_APPLY:
+                and not _assigned_by_module_apply():
             # `p.data = p.data.to(device)` for every parameter (older verl's parking of a
             # model in host memory): the unit's flat shard moves whole at its first
             # parameter (retype.move_unit), the others then find theirs there; the value
             # given lands in this parameter's piece. (nn.Module._apply of a module inside a
-            # unit, `model.norm.cpu()`, would move part of a unit: refused below.)
+            # unit, `model.norm.cpu()`, would move part of a unit: refused, here or, where
+            # it replaces the parameters, by the unit at their next use.)
             state, _ = owner_of(self)
             if state is not None and state.unit is not None:
                 move_unit(state, value.device)
