@@ -19,3 +19,7 @@ def test_park_on_host_and_resume_trains_like_one_process(strategy, spelling, kee
 
 def test_device_moves_a_unit_cannot_take_are_refused():
     run_distributed(w.moves_refused, 2, timeout=120)
+
+
+def test_park_with_an_offloaded_unit_after_a_forward_without_backward():
+    run_distributed(w.park_edge_cases, 2, timeout=180)

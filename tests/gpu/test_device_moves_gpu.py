@@ -22,3 +22,7 @@ def test_park_on_host_and_resume_gpu(strategy, spelling, keep_grads):
 
 def test_device_moves_refused_gpu():
     run_distributed(w.moves_refused, WORLD, **GPU, timeout=240)
+
+
+def test_park_with_an_offloaded_unit_after_a_forward_without_backward_gpu():
+    run_distributed(w.park_edge_cases, WORLD, **GPU, timeout=240)

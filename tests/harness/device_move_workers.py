@@ -140,3 +140,49 @@ def moves_refused(rank: int, world: int) -> None:
                      "on cpu")
         assert all(p.device == device for p in model.parameters())
         _loss(model, mine).backward()
+
+
+def park_edge_cases(rank: int, world: int) -> None:
+    """A model with a CPU-offloaded block, parked right after a forward whose backward
+    never ran (the root, reshard_after_forward=False, still holds its gathered parameters):
+    the offloaded block's shard and gradients stay in host memory, the rest moves and comes
+    back, and the next steps equal one plain process's."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    device = device_for_backend()
+    host = torch.device("cpu")
+    torch.manual_seed(0)
+    plain = ResidualTokenNet(VOCAB, DIM, HIDDEN, depth=3).to(device)
+    model = copy.deepcopy(plain)
+    for i, block in enumerate(model.blocks):
+        mfsdp.fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if i == 1 else None)
+    mfsdp.fully_shard(model, reshard_after_forward=False)
+    offloaded = model.blocks[1]._fsdp_state.unit
+    assert offloaded.offloaded
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    everything, mine = _batch(0, rank, world, device)
+    _loss(model, mine)  # a forward whose backward never runs: the root stays gathered
+    model.cpu()
+    assert all(p.device == host for p in model.parameters())
+    model.to(device)
+    for name, p in model.named_parameters():
+        want = host if name.startswith("blocks.1.") else device
+        assert p.device == want, f"'{name}' on {p.device} after the round trip, not {want}"
+    for step in range(2):
+        everything, mine = _batch(step + 1, rank, world, device)
+        _loss(plain, everything).backward()
+        _loss(model, mine).backward()
+        grads = gather_full_grads(model, replicated=False)
+        for name, p in plain.named_parameters():
+            err = rel_err(grads[name], p.grad.reshape(-1))
+            assert err <= 1e-5, f"step {step}: gradient of '{name}' differs from one process by {err:.2e}"
+        if step == 0:  # parked with gradients: the offloaded block's stay on the host
+            model.cpu()
+            model.to(device)
+            assert all(p.grad.device == host for p in model.blocks[1].parameters())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = _full_values(model)
+    for name, p in plain.named_parameters():
+        assert rel_err(full[name], p.detach()) <= 1e-5, f"'{name}' after training differs from one process"
