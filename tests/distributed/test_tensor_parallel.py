@@ -79,3 +79,7 @@ def test_llama_tensor_parallel_plan_trains_like_one_process(sp, tie):
 def test_tp_hsdp_state_dicts_match_fsdp2(tmp_path):
     report = run_distributed(w.tp_hsdp_state_dicts, 8, str(tmp_path), timeout=600)[0]
     assert report["model_entries"] > 0 and report["optim_entries"] > 0
+
+
+def test_tp_no_shard_data_replacement_refused():
+    run_distributed(w.tp_no_shard_data_replacement_refused, 2, timeout=180)

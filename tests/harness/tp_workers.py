@@ -814,3 +814,31 @@ def tp_hsdp_state_dicts(rank: int, world: int, path: str) -> Dict:
     for k, v in want.items():
         assert rel_err(got[k], v) <= 1e-5, f"HSDP x TP -> {world // 2} x 2: '{k}' differs"
     return report
+
+
+def tp_no_shard_data_replacement_refused(rank: int, world: int) -> None:
+    """no_shard (no cast) with TP: the unit's DTensor parameters view its shard itself, so
+    `p.data = x` (which moves the shard to new storage) is refused by name on any of its
+    parameters, before anything changes; in-place writes and `p.data = p.data` still work,
+    and the model trains as one plain process."""
+    mesh = make_mesh((1, world))
+    tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
+    ref = build(device_for_backend(), n_blocks=1)
+    model = parallelize(copy.deepcopy(ref), tp_mesh, False)
+    placements = placements_of(model)
+    shard_ours(model, dp_mesh, {"strategy": "no_shard"}, mesh)
+    from megatron_fsdp_ext.core.dtensor_face import local_shape
+
+    block = model.blocks[0]
+    for p in (block.norm.weight, block.w1.weight):  # a plain and a TP parameter of the unit
+        value = torch.zeros(local_shape(p), dtype=p.dtype, device=p.device)
+        expect_error(lambda: setattr(p, "data", value), NotImplementedError, "no_shard", "p.copy_(x)")
+    block.norm.weight.data = block.norm.weight.data  # the same storage: nothing moves
+    with torch.no_grad():
+        block.norm.weight.copy_(block.norm.weight.detach() * 1.0)
+    x, y = next(batches(1, 2, 1))
+    F.mse_loss(model(x.to(device_for_backend())), y.to(device_for_backend())).backward()
+    F.mse_loss(ref(x.to(device_for_backend())), y.to(device_for_backend())).backward()
+    grads = full_of_ours(model, "grad", placements, tp_mesh)
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name].reshape(p.shape), p.grad) <= 1e-5, f"gradient of '{name}' differs"

@@ -272,6 +272,17 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             state, _ = owner_of(self)
             if state is not None and state.unit is not None:
                 raise conversion_refused(state.unit.label, self, value.dtype, value.device)
+        if isinstance(value, torch.Tensor):
+            state, _ = owner_of(self)
+            if state is not None and state.unit is not None and state.unit.unsharded_nbytes == 0 \
+                    and state.tp is not None and state.tp.specs \
+                    and value.data_ptr() != _TENSOR_DATA.__get__(self, type(self)).data_ptr():
+                # no_shard without a cast: the unit's TP DTensor parameters view its shard
+                # itself, and a replaced piece moves the shard to new storage behind them.
+                raise NotImplementedError(
+                    f"`p.data = x` on a parameter of {state} (no_shard, holding tensor- or expert-parallel "
+                    "DTensors, which view the unit's shard itself): the shard would move to new storage "
+                    "behind them; write in place instead (`with torch.no_grad(): p.copy_(x)`)")
         _TENSOR_DATA.__set__(self, value)
 
     def __setattr__(self, name: str, value) -> None:
