@@ -23,3 +23,7 @@ def test_device_moves_a_unit_cannot_take_are_refused():
 
 def test_park_with_an_offloaded_unit_after_a_forward_without_backward():
     run_distributed(w.park_edge_cases, 2, timeout=180)
+
+
+def test_a_unit_of_several_modules_moves_only_with_all_of_them():
+    run_distributed(w.group_unit_moves, 2, timeout=120)

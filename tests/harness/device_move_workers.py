@@ -186,3 +186,33 @@ def park_edge_cases(rank: int, world: int) -> None:
     full = _full_values(model)
     for name, p in plain.named_parameters():
         assert rel_err(full[name], p.detach()) <= 1e-5, f"'{name}' after training differs from one process"
+
+
+def group_unit_moves(rank: int, world: int) -> None:
+    """A unit of several modules (fully_shard([a, b])) moves with the conversion of a module
+    above both (a plain parent, whose _apply reaches a's first), and is refused when only
+    one of its modules is converted. The device change is simulated (retype's probe sees
+    another device, the move itself is recorded), so the decision runs on any machine."""
+    from megatron_fsdp_ext.core import retype
+
+    moved = []
+    real = retype._probe, retype._check_move, retype._move
+
+    def probe(state, fn):  # another device until the unit "moved"
+        got = real[0](state, fn)
+        return None if got is None or state in moved else (got[0], torch.empty(0, device="meta"))
+
+    retype._probe = probe
+    retype._check_move = lambda state, device: True
+    retype._move = lambda state, device: moved.append(state)
+    try:
+        parent = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        mfsdp.fully_shard([parent[0], parent[1]])
+        parent.to(torch.float32)  # a conversion of the parent reaches both members
+        assert len(moved) == 1, moved
+        moved.clear()
+        expect_error(lambda: parent[0].to(torch.float32), RuntimeError, "part of a unit of several modules",
+                     "Linear")
+        assert not moved
+    finally:
+        retype._probe, retype._check_move, retype._move = real

@@ -825,12 +825,15 @@ def tp_no_shard_data_replacement_refused(rank: int, world: int) -> None:
     tp_mesh, dp_mesh = mesh["tp"], dp_mesh_of(mesh)
     ref = build(device_for_backend(), n_blocks=1)
     model = parallelize(copy.deepcopy(ref), tp_mesh, False)
-    placements = placements_of(model)
+    placements = placements_of(model)  # the reference's parameters
+    # an empty parameter too: every empty tensor's data pointer is null, yet a new one
+    # assigned moves the shard as well
+    model.blocks[0].extra = nn.Parameter(torch.empty(0, device=device_for_backend()))
     shard_ours(model, dp_mesh, {"strategy": "no_shard"}, mesh)
     from megatron_fsdp_ext.core.dtensor_face import local_shape
 
     block = model.blocks[0]
-    for p in (block.norm.weight, block.w1.weight):  # a plain and a TP parameter of the unit
+    for p in (block.norm.weight, block.w1.weight, block.extra):  # plain, TP and empty parameters of the unit
         value = torch.zeros(local_shape(p), dtype=p.dtype, device=p.device)
         expect_error(lambda: setattr(p, "data", value), NotImplementedError, "no_shard", "p.copy_(x)")
     block.norm.weight.data = block.norm.weight.data  # the same storage: nothing moves
@@ -842,3 +845,4 @@ def tp_no_shard_data_replacement_refused(rank: int, world: int) -> None:
     grads = full_of_ours(model, "grad", placements, tp_mesh)
     for name, p in ref.named_parameters():
         assert rel_err(grads[name].reshape(p.shape), p.grad) <= 1e-5, f"gradient of '{name}' differs"
+    block.extra.data = block.extra.data  # an empty piece assigned to itself: nothing moves

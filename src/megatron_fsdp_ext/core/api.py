@@ -57,6 +57,22 @@ def _original_class(cls: type) -> type:
     return mro[mro.index(torch_fsdp.FSDPModule) + 1]
 
 
+def _outermost_converted(module: nn.Module) -> nn.Module:
+    """The outermost module whose nn.Module._apply is running around this call
+    (`model.cpu()` on a plain parent reaches its fully_shard children's _apply first)."""
+    top, frame = module, sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _MODULE_APPLY_CODE:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, nn.Module):
+                top = candidate
+        frame = frame.f_back
+    return top
+
+
+_MODULE_APPLY_CODE = nn.Module._apply.__code__
+
+
 class FSDPModule(torch_fsdp.FSDPModule):
     """Mixin added to every module passed to fully_shard (the class is swapped in place).
 
@@ -128,7 +144,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         states = self._states(recurse)
         empty = is_to_empty_function(fn)
-        moved = not empty and move_units(states, fn, frozenset(map(id, self.modules() if recurse else [self])))
+        outermost = _outermost_converted(self)
+        moved = not empty and move_units(states, fn, frozenset(map(id, outermost.modules() if recurse else [self])))
         # A device change: the units' shards moved already (or stay: offloaded units' live
         # in host memory, with their gradients); buffers and other gradients get fn's.
         kept = frozenset(id(p.grad) for s in states if moved and s.unit is not None and s.unit.offloaded

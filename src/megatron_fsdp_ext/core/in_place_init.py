@@ -181,7 +181,9 @@ def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
     tp_param = tp is not None and index in tp.specs
     # A TP shard is filled on its mesh's device (DTensor.from_local would copy a host
     # tensor there, and the fill would miss `whole`): an offloaded unit's piece is host memory.
-    device = torch.device(tp.tp_mesh.device_type) if tp_param else param.device
+    device = param.device
+    if tp_param and device.type != tp.tp_mesh.device_type:
+        device = torch.device(tp.tp_mesh.device_type)  # an offloaded piece: the mesh's (current) device
     whole = torch.empty(state.unit.param_spec(index).shape, dtype=param.dtype, device=device)
     filled = tp.full_of_local(index, whole) if tp_param else whole
     if args:

@@ -75,6 +75,21 @@ def reshard_for_state_dict(state, what: str, advice: str = _ADVICE) -> None:
     check_resharded(state, what, advice)
 
 
+def aliases_shard(unit) -> bool:
+    """Whether the unit's unsharded parameters are its shard itself (a replicated strategy
+    without a cast: nothing is ever gathered), as C++ Unit::aliases_shard decides."""
+    return unit.strategy.replicated and unit.gather_transform.name == "NONE"
+
+
+def same_slot(value: torch.Tensor, current: torch.Tensor) -> bool:
+    """Whether `value` is `current`'s memory (the same storage from the same element), as
+    C++ Unit::views_its_slot decides: empty tensors by their storage alone, whose data
+    pointer is null alike for every empty tensor."""
+    if value.untyped_storage()._cdata != current.untyped_storage()._cdata:
+        return False
+    return value.numel() == 0 or value.storage_offset() == current.storage_offset()
+
+
 def conversion_refused(unit_label: str, shard: torch.Tensor, to_dtype, to_device, what: str = "") -> RuntimeError:
     """The error for a dtype or device change a unit's shards cannot take (`what`: the
     change, when only some are refused): a device change, or a dtype change of a module

@@ -33,7 +33,7 @@ import torch.nn as nn
 from .. import _C
 from .construct import make_unit
 from .extension_points import user_attributes
-from .param_index import conversion_refused
+from .param_index import aliases_shard, conversion_refused
 from . import sharded_param
 from .sharded_param import set_data_unchecked
 from .states import RootPhase
@@ -111,7 +111,7 @@ def _check_move(state, device: torch.device) -> bool:
         why = "its device: the meta device holds no values (build on meta before fully_shard instead)"
     elif unit.gathers_bytes or unit.mx_block:
         why = "the device of an FP8/MX-gathered unit"
-    elif unit.unsharded_nbytes == 0 and state.tp is not None and state.tp.specs:
+    elif aliases_shard(unit) and state.tp is not None and state.tp.specs:
         # no_shard without a cast: its tensor-parallel DTensors view the shard itself
         why = "the device of a no_shard unit holding tensor- or expert-parallel DTensors"
     elif state.ctx is not None and state.ctx.phase is not RootPhase.IDLE:

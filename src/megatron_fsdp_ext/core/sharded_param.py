@@ -37,7 +37,7 @@ from torch.utils import _foreach_utils
 
 from . import piece_rows, state_dict
 from .dtensor_face import DTensorFace, LogicalShape, local_shape
-from .param_index import conversion_refused, owner_of
+from .param_index import aliases_shard, conversion_refused, owner_of, same_slot
 from .states import ParamInit
 
 # Tensor's own `data` attribute (a C getset descriptor), which the property below wraps.
@@ -261,11 +261,10 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             # it replaces the parameters, by the unit at their next use.)
             state, _ = owner_of(self)
             if state is not None and state.unit is not None:
-                move_unit(state, value.device)
-                if not state.unit.offloaded:
-                    with torch.no_grad():
-                        _TENSOR_DATA.__get__(self, type(self)).copy_(value)
-                    return
+                move_unit(state, value.device)  # an offloaded unit's shard stays in host memory
+                with torch.no_grad():
+                    _TENSOR_DATA.__get__(self, type(self)).copy_(value)
+                return
         if isinstance(value, torch.Tensor) and (value.dtype != self.dtype or value.device != self.device):
             # nn.Module._apply on a module inside a unit (model.norm.float()) swaps .data
             # here; on the unit's own module FSDPModule._apply refuses it first.
@@ -274,9 +273,8 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
                 raise conversion_refused(state.unit.label, self, value.dtype, value.device)
         if isinstance(value, torch.Tensor):
             state, _ = owner_of(self)
-            if state is not None and state.unit is not None and state.unit.unsharded_nbytes == 0 \
-                    and state.tp is not None and state.tp.specs \
-                    and value.data_ptr() != _TENSOR_DATA.__get__(self, type(self)).data_ptr():
+            if state is not None and state.unit is not None and state.tp is not None and state.tp.specs \
+                    and aliases_shard(state.unit) and not same_slot(value, _TENSOR_DATA.__get__(self, type(self))):
                 # no_shard without a cast: the unit's TP DTensor parameters view its shard
                 # itself, and a replaced piece moves the shard to new storage behind them.
                 raise NotImplementedError(

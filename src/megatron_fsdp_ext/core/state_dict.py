@@ -346,7 +346,7 @@ def gather_dtensor(value: DTensor, what: str = "gather_dtensor") -> torch.Tensor
     if not all(type(p) in (Shard, Replicate) for p in value.placements):
         # Another placement (_StridedShard from FSDP2 over tensor parallelism, Partial):
         # torch knows its element order; our row gather would not.
-        if local is not value.to_local():
+        if local.device != value.to_local().device:
             value = DTensor.from_local(local, mesh, value.placements, shape=value.shape, stride=value.stride())
         return value.full_tensor()
     for mesh_dim in reversed(range(mesh.ndim)):
