@@ -27,7 +27,7 @@ from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
 from .param_index import iter_states
 from .retype import UnitRecipe, move_units, retype_units
-from .sharded_param import ShardedParameter, is_to_empty_function
+from .sharded_param import ShardedParameter, is_to_empty_function, outermost_converted
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
 from .strategy import sharding_strategy as strategy_named
 
@@ -55,22 +55,6 @@ def _original_class(cls: type) -> type:
     torch's FSDPModule."""
     mro = cls.__mro__
     return mro[mro.index(torch_fsdp.FSDPModule) + 1]
-
-
-def _outermost_converted(module: nn.Module) -> nn.Module:
-    """The outermost module whose nn.Module._apply is running around this call
-    (`model.cpu()` on a plain parent reaches its fully_shard children's _apply first)."""
-    top, frame = module, sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _MODULE_APPLY_CODE:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, nn.Module):
-                top = candidate
-        frame = frame.f_back
-    return top
-
-
-_MODULE_APPLY_CODE = nn.Module._apply.__code__
 
 
 class FSDPModule(torch_fsdp.FSDPModule):
@@ -144,8 +128,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return super(torch_fsdp.FSDPModule, self)._apply(fn, recurse)
         states = self._states(recurse)
         empty = is_to_empty_function(fn)
-        outermost = _outermost_converted(self)
-        moved = not empty and move_units(states, fn, frozenset(map(id, outermost.modules() if recurse else [self])))
+        moved = not empty and move_units(
+            states, fn, lambda: frozenset(map(id, outermost_converted(self).modules() if recurse else [self])))
         # A device change: the units' shards moved already (or stay: offloaded units' live
         # in host memory, with their gradients); buffers and other gradients get fn's.
         kept = frozenset(id(p.grad) for s in states if moved and s.unit is not None and s.unit.offloaded

@@ -63,10 +63,11 @@ def _probe(state, fn: Callable):
     return shard, fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
 
 
-def move_units(states, fn: Callable, applied_to: frozenset) -> bool:
+def move_units(states, fn: Callable, applied_to: Callable[[], frozenset]) -> bool:
     """Move every unit in `states` whose shard `fn` would put on another device (see the
-    module docstring), checking them all before moving any. `applied_to`: the ids of the
-    modules the conversion reaches (a unit of several modules moves only with all of them).
+    module docstring), checking them all before moving any. `applied_to()`: the ids of the
+    modules the conversion reaches, asked only for a unit of several modules (which moves
+    only with all of them; a unit of one module in `states` is under the conversion).
     Returns whether `fn` changes any unit's device: then every unit is resharded first,
     so that no module slot holds a gathered parameter the conversion would cut loose."""
     targets, changes = [], False
@@ -79,7 +80,9 @@ def move_units(states, fn: Callable, applied_to: frozenset) -> bool:
             continue
         changes = True
         if _check_move(state, probe.device):
-            outside = [m for m in state.modules if id(m) not in applied_to]
+            members = state.modules
+            converted = applied_to() if len(members) > 1 else ()
+            outside = [m for m in members if len(members) > 1 and id(m) not in converted]
             if outside:
                 raise conversion_refused(state.unit.label, shard, shard.dtype, probe.device,
                                          f"part of a unit of several modules ({type(outside[0]).__name__} "

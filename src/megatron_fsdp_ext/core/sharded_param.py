@@ -80,6 +80,19 @@ def _assigning_frame():
     return frame
 
 
+def outermost_converted(module: nn.Module) -> nn.Module:
+    """The outermost module whose nn.Module._apply is running around this call
+    (`model.cpu()` on a plain parent reaches its fully_shard children's _apply first)."""
+    top, frame = module, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MODULE_APPLY:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, nn.Module):
+                top = candidate
+        frame = frame.f_back
+    return top
+
+
 def _assigned_by_module_apply() -> bool:
     """Whether the assignment being made (from inside the data setter) is nn.Module._apply's."""
     return _assigning_frame().f_code is _MODULE_APPLY
