@@ -315,14 +315,15 @@ bool Unit::adopt_data_writes() {
   return true;
 }
 
-void Unit::move_shard_to_fresh_storage() {
-  at::Tensor fresh = sharded_flat_.clone(at::MemoryFormat::Contiguous);
+void Unit::move_shard_to_fresh_storage() { rebind_shard(sharded_flat_.clone(at::MemoryFormat::Contiguous)); }
+
+void Unit::rebind_shard(at::Tensor flat) {
   for (size_t i = 0; i < sharded_params_.size(); ++i) {
-    if (!views_its_slot(i)) continue;
+    if (!views_its_slot(i)) continue;  // a replaced value stays the caller's until adopted
     const auto& s = specs_[i].slice;
-    sharded_params_[i].set_data(fresh.narrow(0, s.shard_offset, s.numel));
+    sharded_params_[i].set_data(flat.narrow(0, s.shard_offset, s.numel));
   }
-  sharded_flat_ = std::move(fresh);
+  sharded_flat_ = std::move(flat);
   if (aliases_shard() && !unsharded_locals_.empty()) {
     // The unsharded parameters view the shard itself (nothing is gathered): they move too.
     unsharded_flat_ = sharded_flat_;
@@ -342,20 +343,11 @@ void Unit::move_shard_to(c10::Device device) {
                     "before moving its shard to ", device);
   if (sharded_flat_.device() == device) return;
   adopt_data_writes();  // values assigned through `p.data = x` are the unit's before it moves
-  at::Tensor moved = sharded_flat_.to(device, /*non_blocking=*/false, /*copy=*/true);
-  for (size_t i = 0; i < sharded_params_.size(); ++i) {
-    const auto& s = specs_[i].slice;
-    sharded_params_[i].set_data(moved.narrow(0, s.shard_offset, s.numel));
-  }
-  sharded_flat_ = std::move(moved);
+  // Every parameter views its slot now, so all of them move.
+  rebind_shard(sharded_flat_.to(device, /*non_blocking=*/false, /*copy=*/true));
   for (auto& spec : specs_) spec.storage_device = device;
   post_forward_flat_ = at::Tensor();  // a kept 1/N copy lives on the unit's device
   stale_ = true;
-  if (aliases_shard()) {  // the unsharded parameters are the shard itself: they move with it
-    unsharded_flat_ = sharded_flat_;
-    auto views = unsharded_views();
-    for (size_t i = 0; i < unsharded_locals_.size(); ++i) unsharded_locals_[i].set_data(views[i]);
-  }
 }
 
 void Unit::shard_changed(std::optional<int64_t> index, const std::optional<at::Tensor>& value) {

@@ -378,6 +378,10 @@ class Unit {
   // The flat shard copied to new storage, every parameter still viewing its slot moved
   // with it: tensors handed out before (`old = p.data`) keep the values they had.
   void move_shard_to_fresh_storage();
+  // `flat` becomes the flat shard: every sharded parameter still viewing its slot is
+  // pointed at the same slot of it, and so are the unsharded parameters where they are
+  // the shard itself (aliases_shard).
+  void rebind_shard(at::Tensor flat);
   // Whether sharded parameter i still views its slot of the flat shard.
   bool views_its_slot(size_t i) const;
   bool full_grads() const { return traits(strategy_).full_grads; }
