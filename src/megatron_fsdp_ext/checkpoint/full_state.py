@@ -234,7 +234,7 @@ def plan_full_load(module: nn.Module, state_dict: dict, strict: bool, placeholde
                     raise KeyError(f"load_full_state_dict: parameter '{key}' was built on the meta device and is not "
                                    "in the state dict, so it would have no value; load every parameter or call "
                                    "materialize(model) first")
-                if strict:
+                if strict and index.names_of(p):  # one of a unit around `module`, outside it, has no key
                     raise KeyError(f"load_full_state_dict: missing key for parameter '{key}'")
                 unit_values.append(None)
                 continue

@@ -132,6 +132,15 @@ class ParamIndex:
 
     def __init__(self, module: nn.Module, what: str, advice: str = _ADVICE, *, loading: bool = False):
         self.states = [s for s in iter_states(module) if s.unit is not None]
+        # A module inside a unit, not a unit itself (`model.inner`, what PEFT's
+        # merge_and_unload returns), holds parameters of the unit around it: that unit
+        # serves them too (its parameters outside `module` have no names here).
+        seen = {id(s) for s in self.states}
+        for p in module.parameters():
+            state, _ = owner_of(p)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                self.states.append(state)
         for state in self.states:  # an overlapped optimizer step may still write the shards
             state.unit.wait_host_update()
         if not loading:  # a load is one way to give deferred units their values
