@@ -459,13 +459,23 @@ def shape_choices(rank: int, world: int) -> bool:
             init(w)
     with pytest.raises(TypeError, match="iterating over a fully_shard"):
         list(w)
-    # A matrix product on pieces (PEFT's merge_adapter: lora_B.weight @ lora_A.weight, two
-    # 1-D pieces, a dot product) is refused on every rank, whichever side the piece is on.
+    # A product of two sharded parameters is of their full values on every rank (PEFT's
+    # merge: lora_B.weight @ lora_A.weight), in each spelling; with a plain tensor it
+    # would be of the piece (a dot product of two 1-D pieces, or a wrong length): refused
+    # on every rank, whichever side the piece is on.
     down = mfsdp.fully_shard(nn.Linear(32, 4, bias=False).to(device))
-    for product in (lambda: w @ down.weight, lambda: down.weight @ w, lambda: torch.ones(4, 32, device=device) @ w,
+    expected = down.weight.full_tensor() @ full
+    with torch.no_grad():
+        for product in (lambda: down.weight @ w, lambda: down.weight.matmul(w), lambda: down.weight.mm(w)):
+            torch.testing.assert_close(product(), expected)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        w @ down.weight  # (32, 64) @ (4, 32): the full shapes decide, alike on every rank
+    for product in (lambda: torch.ones(4, 32, device=device) @ w, lambda: w @ torch.ones(64, 2, device=device),
                     lambda: w.matmul(torch.ones(64, device=device)), lambda: w.mm(torch.ones(64, 2, device=device))):
         with pytest.raises(RuntimeError, match="matrix product with a fully_shard"):
             product()
+    with pytest.raises(RuntimeError, match="backward through a matrix product of two fully_shard"):
+        (down.weight @ w).sum().backward()
     # Assigning a value of the parameter's shape to .data sets the parameter on every
     # rank, whatever piece each holds (at world 2 the (3, 4) weight below is all on one
     # rank and the bias all on the other).

@@ -160,15 +160,15 @@ class LogicalShape:
         piece_rows.set_rows(self, *self._piece_rows(), index, value)
 
     def _refuse_matmul(self, *args, **kwargs):
-        # On the 1-D piece a product is of pieces: two pieces give a dot product (PEFT's
-        # merge_adapter computes lora_B.weight @ lora_A.weight), a piece and a matrix a
-        # product of the wrong length; with some shapes nothing would fail. Python asks a
-        # subclass's reflected method first, so `x @ p` comes here as well.
+        # On the 1-D piece a product is of pieces: two pieces give a dot product, a piece
+        # and a matrix a product of the wrong length; with some shapes nothing would fail.
+        # Python asks a subclass's reflected method first, so `x @ p` comes here as well.
+        # (Two sharded parameters multiply their full values: ShardedParameter.)
         raise RuntimeError(
             f"matrix product with a fully_shard {type(self).__name__} of shape {tuple(self._logical_shape())}: "
             "its values are this rank's 1-D piece of the parameter, so the product would be of pieces. Multiply "
-            "full values: full_tensor() (a collective, on every rank), or the plain module's parameters (e.g. "
-            "merge LoRA adapters on the model loaded from full_state_dict)")
+            "full values: full_tensor() (a collective, on every rank); a product of two fully_shard parameters "
+            "(`p @ q`) is of their full values")
 
     __matmul__ = __rmatmul__ = __imatmul__ = matmul = mm = _refuse_matmul
 

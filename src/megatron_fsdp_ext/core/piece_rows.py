@@ -286,7 +286,8 @@ def set_rows(piece: torch.Tensor, offset: int, shape, whole: bool, index, value)
 
 class PieceData(torch.Tensor):
     """`p.data` of a sharded parameter: the piece itself (plain ops, no per-op Python),
-    whose indexing is by the parameter's rows, as the parameter's own."""
+    whose indexing is by the parameter's rows, as the parameter's own, and whose in-place
+    ops with an operand of the parameter's full shape write this rank's part of it."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -311,6 +312,33 @@ class PieceData(torch.Tensor):
         # torch's printer shortens long tensors by indexing them, which here means rows.
         plain = torch.Tensor.as_subclass(self, torch.Tensor)
         return f"PieceData(parameter shape {self._mfsdp_piece[1]}, this rank's piece={plain!r})"
+
+
+def _by_rows_when_full(name: str):
+    """PieceData's in-place op `name`, where an operand of the parameter's full shape
+    gives this rank's part of it, as an operand of whole rows does: `p.data += delta`
+    (PEFT's merge() of a LoRA adapter), `p.data.copy_(full)`. The decision is by the
+    parameter's shape, so alike on every rank; an operand of the piece's own shape stays
+    elementwise."""
+    plain = getattr(torch.Tensor, name)
+
+    def op(self, *args, **kwargs):
+        shape = self._mfsdp_piece[1]
+        with DisableTorchFunctionSubclass():
+            own = tuple(torch.Tensor.size(self))
+            full = any(isinstance(a, torch.Tensor) and torch.Tensor.dim(a) > 0 and tuple(torch.Tensor.size(a)) == shape
+                       != own for a in (*args, *kwargs.values()))
+        if not full:
+            return plain(self, *args, **kwargs)
+        getattr(self[...], name)(*args, **kwargs)  # the rows of all of it: the operand takes its part
+        return self
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+for _name in ("copy_", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+    setattr(PieceData, _name, _by_rows_when_full(_name))
 
 
 def piece_data(data: torch.Tensor, offset: int, shape, whole: bool) -> PieceData:

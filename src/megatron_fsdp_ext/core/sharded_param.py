@@ -205,6 +205,22 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     def _face_kind(self) -> str:
         return "parameter"
 
+    def _product_of_full_values(self, other, *args, **kwargs):
+        # A product of two sharded parameters is of their full values (a collective, on
+        # every rank of both units' groups), as FSDP2's DTensor product: PEFT's merge()
+        # computes lora_B.weight @ lora_A.weight and adds it to the base weight's `.data`,
+        # which takes this rank's part (piece_rows.PieceData). With anything else, or as
+        # in-place product, the pieces would meet: refused (LogicalShape).
+        if not isinstance(other, ShardedParameter) or args or kwargs:
+            return self._refuse_matmul(other, *args, **kwargs)
+        with torch.no_grad():
+            product = torch.matmul(self.full_tensor(), other.full_tensor())
+        if torch.is_grad_enabled() and (self.requires_grad or other.requires_grad):
+            return _NoGradientThroughFullProduct.apply(product, self, other)
+        return product
+
+    __matmul__ = matmul = mm = _product_of_full_values
+
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's flat piece (a view). Refused while the parameter is a DTensor (between
         backward and the step): FSDP2 code may write FSDP2's rows through it then (torch's
@@ -307,6 +323,23 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             state, index = owner_of(self)
             if state is not None and state.grads_tagged and local_shape(value) == local_shape(self):
                 state.retag_grad(index)
+
+
+class _NoGradientThroughFullProduct(torch.autograd.Function):
+    """The product of two sharded parameters' full values in a graph that needs
+    gradients: a backward through it would have to reduce each rank's full gradient into
+    the pieces. Refused when it runs (PEFT's merge only reads the product's values)."""
+
+    @staticmethod
+    def forward(ctx, product, a, b):
+        return product.view_as(product)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "backward through a matrix product of two fully_shard parameters (p @ q outside their units' "
+            "forward): the product is of their full values on every rank, and a gradient through it is not "
+            "supported. Compute it inside a module's forward (a unit of both), or under torch.no_grad()")
 
 
 # torch's optimizers take their foreach and fused paths, and clip_grad_norm_ its foreach

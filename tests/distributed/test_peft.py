@@ -1,0 +1,26 @@
+"""PEFT LoRA adapters on sharded Hugging Face models: training, then merging the adapters
+into the base weights and back (PEFT's merge_adapter / unmerge_adapter, verl's merge of
+an FSDP2 model with and without a host backup, merge_and_unload), on ours and on FSDP2
+under the same code, each against one plain process (harness/peft_workers.py)."""
+import pytest
+
+from harness import run_distributed
+from harness.peft_workers import lora_merge
+
+pytest.importorskip("transformers", reason="the PEFT tests need transformers (test extra)")
+pytest.importorskip("peft", reason="the PEFT tests need peft (test extra)")
+
+
+# FSDP2 fails verl's restore from the host backup on the CPU (copy_ of a plain tensor into
+# a DTensor's .data: "mixed torch.Tensor and DTensor"); ours runs it.
+@pytest.mark.parametrize("flow,system", [(flow, system) for flow in ("merge_adapter", "verl", "verl_backup",
+                                                                      "merge_and_unload")
+                                         for system in ("ours", "fsdp2") if (flow, system) != ("verl_backup", "fsdp2")])
+def test_lora_merge_matches_one_process(flow, system):
+    assert run_distributed(lora_merge, 2, "llama", flow, system, timeout=240) == [True] * 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lora_merge_uneven_pieces(arch):
+    """World 3: pieces of uneven length, some ranks holding none of a small weight."""
+    assert run_distributed(lora_merge, 3, arch, "verl", "ours", timeout=240) == [True] * 3

@@ -1,0 +1,17 @@
+"""PEFT LoRA merges into sharded weights with CUDA tensors on the GPU suite's backend:
+PEFT's merge_adapter / unmerge_adapter, verl's merge with a host backup restored, and
+merge_and_unload, against one plain process (harness/peft_workers.py)."""
+import pytest
+
+from harness import gpu_launch, gpu_world, run_distributed
+from harness.peft_workers import lora_merge
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("transformers", reason="the PEFT tests need transformers")
+pytest.importorskip("peft", reason="the PEFT tests need peft")
+WORLD = gpu_world()
+
+
+@pytest.mark.parametrize("flow", ["merge_adapter", "verl_backup", "merge_and_unload"])
+def test_lora_merge_matches_one_process_gpu(flow):
+    assert run_distributed(lora_merge, WORLD, "llama", flow, "ours", **gpu_launch(), timeout=240) == [True] * WORLD
