@@ -11,7 +11,7 @@ from harness import run_distributed
 
 @pytest.mark.parametrize("strategy,spelling,keep_grads", [
     ("optim_grads_params", "verl", False), ("optim_grads_params", "verl", True), ("optim_grads", "verl", True),
-    ("no_shard", "verl", True), ("optim_grads_params", "nemo_rl", False), ("optim_grads", "per_param", False)])
+    ("no_shard", "verl", True), ("optim_grads_params", "nemo_rl", False), ("optim_grads_params", "swap", True), ("optim_grads", "per_param", False)])
 def test_park_on_host_and_resume_trains_like_one_process(strategy, spelling, keep_grads):
     results = run_distributed(w.park_and_resume, 2, strategy, spelling, keep_grads, timeout=180)
     assert all(r["worst"]["param"] <= 1e-5 for r in results), results

@@ -14,7 +14,7 @@ GPU = gpu_launch()
 
 @pytest.mark.parametrize("strategy,spelling,keep_grads", [
     ("optim_grads_params", "verl", False), ("optim_grads_params", "verl", True), ("optim_grads", "verl", True),
-    ("no_shard", "verl", True), ("optim_grads_params", "nemo_rl", False), ("optim_grads", "per_param", False)])
+    ("no_shard", "verl", True), ("optim_grads_params", "nemo_rl", False), ("optim_grads_params", "swap", True), ("optim_grads", "per_param", False)])
 def test_park_on_host_and_resume_gpu(strategy, spelling, keep_grads):
     results = run_distributed(w.park_and_resume, WORLD, strategy, spelling, keep_grads, **GPU, timeout=240)
     assert all(r["moved_bytes"] > 0 for r in results), results

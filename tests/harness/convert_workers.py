@@ -60,6 +60,17 @@ def _assert_same(ours, theirs, what: str, tol: float) -> None:
             torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}, step {step}, param {k}: {m}")
 
 
+def _swapping(convert):
+    """`convert` with torch's swap_tensors conversion (torch.__future__) turned on."""
+    def run(m):
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            return convert(m)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+    return run
+
+
 # (how the model is built, its mixed-precision policy, the conversion after fully_shard)
 CONVERSIONS = {
     # Accelerate with mixed precision on a bf16 model: fp32 master weights, bf16 compute.
@@ -69,6 +80,7 @@ CONVERSIONS = {
     # Pure low-precision training: an fp32 model cast down after sharding.
     "fp32_model_half": (torch.float32, MixedPrecisionPolicy(), lambda m: m.bfloat16()),
     "fp32_model_double": (torch.float32, MixedPrecisionPolicy(), lambda m: m.double()),
+    "fp32_model_double_swapped": (torch.float32, MixedPrecisionPolicy(), _swapping(lambda m: m.double())),
 }
 
 

@@ -43,6 +43,12 @@ def _park(model, device, spelling: str) -> None:
     """Move the model to `device` the way `spelling`'s trainer does."""
     if spelling == "verl":  # offload_fsdp_model_to_cpu / load_fsdp_model_to_gpu
         model.to(device)
+    elif spelling == "swap":  # model.to with torch's swap_tensors conversion turned on
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
     elif spelling == "nemo_rl":  # move_to_device: the buffers by swap_tensors, then model.to
         for buf in model.buffers():
             torch.utils.swap_tensors(buf, buf.to(device))

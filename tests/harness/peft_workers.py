@@ -67,7 +67,7 @@ def _same_values(model, system: str, ref, what: str, changed_from=None) -> None:
     want = ref.state_dict()
     assert set(want) <= set(full), (what, set(want) - set(full))
     for k, v in want.items():
-        _close(full[k], v, f"{what}, {k}")
+        _close(full[k].cpu(), v.cpu(), f"{what}, {k}")  # full state dicts are on the host
     if changed_from is not None:
         still = [k for k, v in changed_from.items() if torch.equal(want[k], v)]
         assert changed_from and not still, (what, still)
@@ -186,7 +186,7 @@ def lora_merge(rank: int, world: int, arch: str, flow: str, system: str) -> bool
             layer.merged_adapters = []
         full = _full_values(model, system)
         for k in before:
-            assert torch.equal(full[k], own_before[k]), f"{what}, {k} after the restore"
+            assert torch.equal(full[k].cpu(), own_before[k].cpu()), f"{what}, {k} after the restore"
     else:
         for m in (model, ref):
             if flow == "merge_adapter":

@@ -144,12 +144,20 @@ class FSDPModule(torch_fsdp.FSDPModule):
         # memory, and random fills of their parameters until their first forward draw whole
         # parameters, as one plain process does, each rank keeping its slice (in_place_init.py).
         _APPLY_CHECKED = True
+        # torch.__future__.set_swap_module_params_on_conversion(True) makes nn.Module._apply
+        # swap every parameter with a new one (swap_tensors): the units converted theirs in
+        # place above, and a sharded parameter is its unit's (optimizers hold the object), so
+        # the conversion below assigns `.data` as without the flag. Tensor subclasses that fn
+        # returns are still swapped (torch decides that by the result).
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(False)
         try:
             out = super(torch_fsdp.FSDPModule, self)._apply(
                 (lambda t: t if isinstance(t, ShardedParameter) or id(t) in kept else fn(t))
                 if empty or moved else fn, recurse)
         finally:
             _APPLY_CHECKED = False
+            torch.__future__.set_swap_module_params_on_conversion(swap)
         if empty:
             in_place_init.begin(states, uninitialized=True)
         return out
