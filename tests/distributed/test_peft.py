@@ -5,7 +5,7 @@ under the same code, each against one plain process (harness/peft_workers.py).""
 import pytest
 
 from harness import run_distributed
-from harness.peft_workers import lora_merge
+from harness.peft_workers import bf16_merge, lora_merge
 
 pytest.importorskip("transformers", reason="the PEFT tests need transformers (test extra)")
 pytest.importorskip("peft", reason="the PEFT tests need peft (test extra)")
@@ -24,3 +24,9 @@ def test_lora_merge_matches_one_process(flow, system):
 def test_lora_merge_uneven_pieces(arch):
     """World 3: pieces of uneven length, some ranks holding none of a small weight."""
     assert run_distributed(lora_merge, 3, arch, "verl", "ours", timeout=240) == [True] * 3
+
+
+@pytest.mark.parametrize("system", ["ours", "fsdp2"])
+def test_bf16_merge_on_the_cpu(system):
+    """PEFT's CPU path for bf16 adapters: `weight.float()` of each, then their product."""
+    assert run_distributed(bf16_merge, 2, "llama", system, timeout=240) == [True] * 2

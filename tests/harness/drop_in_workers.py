@@ -466,11 +466,15 @@ def shape_choices(rank: int, world: int) -> bool:
     down = mfsdp.fully_shard(nn.Linear(32, 4, bias=False).to(device))
     expected = down.weight.full_tensor() @ full
     with torch.no_grad():
-        for product in (lambda: down.weight @ w, lambda: down.weight.matmul(w), lambda: down.weight.mm(w)):
-            torch.testing.assert_close(product(), expected)
+        for product in (lambda: down.weight @ w, lambda: down.weight.matmul(w), lambda: down.weight.mm(w),
+                        lambda: down.weight.float() @ w.float(), lambda: down.weight.double() @ w.double()):
+            torch.testing.assert_close(product(), expected, check_dtype=False)
+        piece = w.float()  # this rank's piece in the dtype, a plain tensor to other ops
+        assert piece.shape == local_shape(w) and float(piece.sum()) == float(w.detach().sum())
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         w @ down.weight  # (32, 64) @ (4, 32): the full shapes decide, alike on every rank
     for product in (lambda: torch.ones(4, 32, device=device) @ w, lambda: w @ torch.ones(64, 2, device=device),
+                    lambda: w.float() @ torch.ones(64, 2, device=device), lambda: torch.ones(1) @ w.half(),
                     lambda: w.matmul(torch.ones(64, device=device)), lambda: w.mm(torch.ones(64, 2, device=device))):
         with pytest.raises(RuntimeError, match="matrix product with a fully_shard"):
             product()

@@ -147,6 +147,23 @@ def _restore(model, backup: Dict[str, torch.Tensor]) -> None:
         layer.merged_adapters = []
 
 
+def bf16_merge(rank: int, world: int, arch: str, system: str) -> bool:
+    """A bf16 model with its adapters merged and unmerged without training: on the CPU,
+    PEFT casts each adapter weight to fp32 (`weight.float()`) before the product."""
+    ref = _lora(arch).to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    _shard(model, system)
+    what = f"{arch} bf16 merge ({system})"
+    adapted = {k: v.clone() for k, v in ref.state_dict().items() if k.endswith("base_layer.weight")}
+    for m in (model, ref):
+        m.merge_adapter()
+    _same_values(model, system, ref, f"{what}, merged", changed_from=adapted)
+    for m in (model, ref):
+        m.unmerge_adapter()
+    _same_values(model, system, ref, f"{what}, unmerged")
+    return True
+
+
 def lora_merge(rank: int, world: int, arch: str, flow: str, system: str) -> bool:
     ref = _lora(arch)
     model = copy.deepcopy(ref)

@@ -211,15 +211,25 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # computes lora_B.weight @ lora_A.weight and adds it to the base weight's `.data`,
         # which takes this rank's part (piece_rows.PieceData). With anything else, or as
         # in-place product, the pieces would meet: refused (LogicalShape).
-        if not isinstance(other, ShardedParameter) or args or kwargs:
+        if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
             return self._refuse_matmul(other, *args, **kwargs)
-        with torch.no_grad():
-            product = torch.matmul(self.full_tensor(), other.full_tensor())
-        if torch.is_grad_enabled() and (self.requires_grad or other.requires_grad):
-            return _NoGradientThroughFullProduct.apply(product, self, other)
-        return product
+        return _full_product(self, other)
 
     __matmul__ = matmul = mm = _product_of_full_values
+
+    # PEFT casts bf16 / fp16 adapters on the CPU to fp32 before multiplying them: the cast
+    # is this rank's piece, and a product of two pieces would be a dot product of them.
+    def float(self, *args, **kwargs):
+        return PieceCast.of(self, super().float(*args, **kwargs))
+
+    def double(self, *args, **kwargs):
+        return PieceCast.of(self, super().double(*args, **kwargs))
+
+    def half(self, *args, **kwargs):
+        return PieceCast.of(self, super().half(*args, **kwargs))
+
+    def bfloat16(self, *args, **kwargs):
+        return PieceCast.of(self, super().bfloat16(*args, **kwargs))
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's flat piece (a view). Refused while the parameter is a DTensor (between
@@ -323,6 +333,57 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             state, index = owner_of(self)
             if state is not None and state.grads_tagged and local_shape(value) == local_shape(self):
                 state.retag_grad(index)
+
+
+class PieceCast(torch.Tensor):
+    """`p.float()` (`.double()`, `.half()`, `.bfloat16()`) of a sharded parameter: this
+    rank's piece in that dtype, a plain tensor to every op (torch function disabled) but
+    the matrix product, which is of the full values cast alike with another such cast or a
+    sharded parameter, as the parameters' own product (PEFT's CPU merge of bf16 adapters),
+    and refused with anything else (it would be of pieces)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def of(source: "ShardedParameter", cast: torch.Tensor) -> "PieceCast":
+        out = cast.as_subclass(PieceCast)
+        out._mfsdp_source = source
+        return out
+
+    def _product(self, other, *args, **kwargs):
+        if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
+            return self._mfsdp_source._refuse_matmul(other, *args, **kwargs)
+        return _full_product(self, other)
+
+    __matmul__ = matmul = mm = _product
+
+    def __rmatmul__(self, other):
+        return self._mfsdp_source._refuse_matmul(other)
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor.as_subclass(self, torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        out = torch.Tensor.as_subclass(self, torch.Tensor).clone()
+        memo[id(self)] = out
+        return out
+
+
+def _full_value(x) -> torch.Tensor:
+    """The full value of a sharded parameter, or of one's cast in the cast's dtype."""
+    if isinstance(x, PieceCast):
+        return x._mfsdp_source.full_tensor().to(x.dtype)
+    return x.full_tensor()
+
+
+def _full_product(a, b) -> torch.Tensor:
+    """a @ b of the full values (a collective over both units' groups), a plain tensor on
+    every rank; in a graph that needs gradients, one whose backward refuses."""
+    with torch.no_grad():
+        product = torch.matmul(_full_value(a), _full_value(b))
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _NoGradientThroughFullProduct.apply(product, a, b)
+    return product
 
 
 class _NoGradientThroughFullProduct(torch.autograd.Function):
