@@ -39,14 +39,29 @@ def _lora(arch: str):
     return model
 
 
-def _shard(model, system: str):
+def _shard(model, system: str, strategy: str = "optim_grads_params"):
+    """Each decoder layer, then the root. `strategy`: ours by name; FSDP2's equivalents
+    (ZeRO-2: no reshard after forward; no shard: HSDP over groups of one; offload:
+    CPUOffloadPolicy)."""
+    kwargs = {}
+    if strategy == "offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif system == "ours":
+        kwargs["sharding_strategy"] = strategy
+    elif strategy == "optim_grads":
+        kwargs["reshard_after_forward"] = False
+    elif strategy == "no_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        world = dist.get_world_size()
+        kwargs["mesh"] = init_device_mesh(device_for_backend().type, (world, 1), mesh_dim_names=("replicate", "shard"))
     if system == "ours":
         fully_shard = mfsdp.fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     for layer in model.base_model.model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def _full_values(model, system: str) -> Dict[str, torch.Tensor]:
@@ -164,11 +179,12 @@ def bf16_merge(rank: int, world: int, arch: str, system: str) -> bool:
     return True
 
 
-def lora_merge(rank: int, world: int, arch: str, flow: str, system: str) -> bool:
+def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
+               strategy: str = "optim_grads_params") -> bool:
     ref = _lora(arch)
     model = copy.deepcopy(ref)
-    _shard(model, system)
-    what = f"{arch} {flow} ({system})"
+    _shard(model, system, strategy)
+    what = f"{arch} {flow} ({system}, {strategy})"
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     for step in range(2):
