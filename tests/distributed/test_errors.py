@@ -233,3 +233,29 @@ def _replacements_refused_alike(rank, world):
 
 def test_replacements_and_writes_in_forward_are_refused_on_every_rank():
     run_distributed(_replacements_refused_alike, 2, timeout=120)
+
+
+def _param_added_after_fully_shard(rank, world):
+    """A trainable parameter registered inside a unit after fully_shard is neither sharded
+    nor reduced: refused at the optimizer's first step, naming it; ignored_params and the
+    parameters of nested units and of modules outside every unit are not."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    mfsdp.fully_shard(m[1])
+    mfsdp.fully_shard(m, ignored_params=[m[0].bias])
+    outside = nn.Linear(2, 2)  # not in any unit: the script's own business
+    m(torch.randn(2, 4)).sum().backward()
+    ok = torch.optim.SGD(list(m.parameters()) + list(outside.parameters()), lr=0.1)
+    ok.step()
+    m[1].add_module("extra", nn.Linear(4, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    expect_error(opt.step, NotImplementedError, "'extra.weight'", "added to the unit's modules after fully_shard")
+    # An optimizer checked before meets the parameter through add_param_group.
+    ok.add_param_group({"params": list(m[1].extra.parameters())})
+    expect_error(ok.step, NotImplementedError, "'extra.weight'")
+    frozen = torch.optim.SGD([p for p in m.parameters() if p is not m[1].extra.weight and p is not m[1].extra.bias])
+    frozen.step()
+    return True
+
+
+def test_parameters_added_inside_a_unit_after_fully_shard_are_refused_at_the_step():
+    assert run_distributed(_param_added_after_fully_shard, 2, timeout=120) == [True, True]

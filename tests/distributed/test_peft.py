@@ -43,3 +43,9 @@ def test_lora_merge_under_other_strategies(strategy, system):
     """verl's merge and unmerge under ZeRO-2, replication and CPU offload: the kept
     gathered copy (ZeRO-2), the replicated shard and the host shard take the merged values."""
     assert run_distributed(lora_merge, 2, "llama", "verl", system, strategy, timeout=240) == [True] * 2
+
+
+def test_adapter_added_after_sharding_is_refused_at_the_step():
+    from harness.peft_workers import adapter_added_after_sharding
+
+    assert run_distributed(adapter_added_after_sharding, 2, timeout=240) == [True] * 2

@@ -231,3 +231,21 @@ def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
             _close(ref.state_dict()[k], v, f"{what}, reference {k} after unmerge")
     _step(model, opt, ref, ref_opt, rank, world, 2, f"{what}, after the merge")
     return True
+
+
+def adapter_added_after_sharding(rank: int, world: int) -> bool:
+    """PEFT's add_adapter on the sharded model puts plain parameters into the units'
+    modules: their gradients would stay each rank's own (FSDP2 trains them so, silently).
+    The first optimizer step holding them is refused, naming one."""
+    from peft import LoraConfig
+    from harness.workers import expect_error
+
+    model = _lora("llama")
+    _shard(model, "ours")
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+    model.set_adapter("second")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids, mask, labels = (t.to(device_for_backend()) for t in batch(0))
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    expect_error(opt.step, NotImplementedError, ".second.weight", "added to the unit's modules after fully_shard")
+    return True

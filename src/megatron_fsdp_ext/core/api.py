@@ -25,7 +25,7 @@ from .hook_support import load_dynamo
 from .hooks import FSDPState, unit_kind
 from .link import LinkModel
 from .options import MixedPrecisionPolicy, UnitOptions, as_mp_policy
-from .param_index import iter_states
+from .param_index import iter_states, live_states
 from .retype import UnitRecipe, move_units, retype_units
 from .sharded_param import ShardedParameter, is_to_empty_function, outermost_converted
 from .state_dict import ModuleStateDictHooks, callers_arrived, keep_load_pre_hooks_last
@@ -763,7 +763,8 @@ def fully_shard(
                         create_all_gather_group, timeout)
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
-    params, names, slots, keys = collect_params(modules, {id(p) for p in (ignored_params or ())})
+    ignored = frozenset(id(p) for p in (ignored_params or ()))
+    params, names, slots, keys = collect_params(modules, set(ignored))
     build = dict(alignment=alignment, mp_policy=mp_policy, strategy=strategy, offload_pin=offload_pin,
                  check_for_nan_in_grad=check_for_nan_in_grad)
     states = []
@@ -775,6 +776,9 @@ def fully_shard(
             comm = CommGroups(*groups_from_mesh(group.mesh, None), group.mesh, None, None,
                               create_all_gather_group, timeout)
         states.append(_group_state(modules, params, names, slots, keys, group, comm, options, **build))
+    for s in states:
+        s.ignored_param_ids = ignored
+        live_states.add(s)
     state = states[0]
     state.companions = states[1:]
     for companion in state.companions:

@@ -87,6 +87,7 @@ class FSDPState(ForwardHooks, BackwardHooks, UnitResidency):
         # is one state per mesh, each with its own hooks on the same modules. The modules
         # point at the first (the leader: the call's own mesh); it lists the others.
         self.companions: List["FSDPState"] = []
+        self.ignored_param_ids: frozenset = frozenset()  # ids of fully_shard's ignored_params
         self.leader: Optional["FSDPState"] = None
         self.mesh_tag = ""  # a companion's mesh, by its dim names (labels, errors)
         # Per parameter, the ShardedGrad type its .grad gets (grad_norm.py); set at lazy init.

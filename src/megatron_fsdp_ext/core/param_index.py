@@ -10,10 +10,36 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, NamedTuple, Tuple
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from .states import ParamInit, SlotsHold
+
+
+# Every unit of this process (weakly), for the questions asked of all of them: which
+# parameters sit inside a unit's modules without being its own (shard_changes).
+live_states: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def foreign_params(state, candidates: Dict[int, nn.Parameter]):
+    """(name relative to the unit's module, parameter) of each parameter in `candidates`
+    (by id) that sits in the unit's modules, outside nested units, without being the
+    unit's: neither its sharded nor its unsharded parameter, nor one of its ignored_params."""
+    own = {id(p) for p in state.unsharded_params} | state.ignored_param_ids
+    for root in state.modules:
+        if root is None:
+            continue
+        stack = [(root, "")]
+        while stack:
+            mod, prefix = stack.pop()
+            if mod is not root and "_mfsdp_state" in mod.__dict__:
+                continue  # a nested unit answers for its own
+            for name, p in mod._parameters.items():
+                if p is not None and id(p) in candidates and id(p) not in own:
+                    yield prefix + name, p
+            stack.extend((child, f"{prefix}{name}.") for name, child in mod._modules.items() if child is not None)
 
 
 def iter_states(module: nn.Module):

@@ -18,12 +18,13 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .extension_points import gather_transform
 from .hook_support import load_dynamo, run_outside_dynamo
 from .nonfinite import check_nonfinite_grads
-from .param_index import conversion_refused
+from .param_index import conversion_refused, foreign_params, live_states
 from .state_dict import (apply_optimizer_state_dict_writes, apply_state_dict_writes_of, attach_optimizer,
                          convert_loaded_optimizer_state, face_shape)
 
@@ -91,6 +92,7 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
     Returns whether it holds any sharded parameter."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _refuse_replaced_params(optimizer, params)
+    _refuse_params_added_to_units(optimizer, params)
     seen = optimizer.__dict__.get(_ADOPTED)
     was_ours = seen is not None and seen[0]
     ours = was_ours or any(getattr(p, "_mfsdp_owner", None) is not None for p in params)
@@ -102,6 +104,27 @@ def adopt(optimizer: torch.optim.Optimizer) -> bool:
         attach_optimizer(optimizer)
         optimizer.register_step_post_hook(run_outside_dynamo(lambda opt, args, kwargs: mark_stepped(opt)))
     return ours
+
+
+def _refuse_params_added_to_units(optimizer: torch.optim.Optimizer, params) -> None:
+    """A trainable parameter registered in a unit's modules after fully_shard (PEFT's
+    add_adapter, load_adapter or add_weighted_adapter on the sharded model) is a plain
+    tensor the unit does not know: not sharded, and its gradient never reduced across
+    ranks, so every rank would step it with its own and the ranks would drift apart,
+    silently (FSDP2's units leave such a parameter alone too). Refused at the first step
+    of an optimizer holding one, on every rank (they build the same modules)."""
+    candidates = {id(p): p for p in params if p.requires_grad and getattr(p, "_mfsdp_owner", None) is None
+                  and not isinstance(p, DTensor)}  # TP / EP parameters are DTensors over the unit's pieces
+    if not candidates:
+        return
+    for state in list(live_states):
+        for name, _ in foreign_params(state, candidates):
+            raise NotImplementedError(
+                f"megatron_fsdp_ext: {type(optimizer).__name__} holds parameter '{name}' of {state}, which was "
+                "added to the unit's modules after fully_shard (e.g. PEFT's add_adapter / load_adapter / "
+                "add_weighted_adapter on the sharded model): it is not sharded and its gradient is not reduced "
+                "across ranks, so each rank would step it differently. Add it before fully_shard (create every "
+                "adapter, then shard), or train it outside the sharded model")
 
 
 # Optimizers whose update needs a whole parameter, or every parameter's values at once,
