@@ -79,3 +79,7 @@ def test_norms_of_long_gradient_pieces_are_accurate():
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_code_that_decides_by_shape_sees_the_parameters_shape(world):
     assert run_distributed(w.shape_choices, world, timeout=180) == [True] * world
+
+
+def test_casts_and_other_parameters_pieces_as_operands():
+    assert run_distributed(w.casts_and_piece_operands, 2, timeout=120) == [True, True]

@@ -469,8 +469,9 @@ def shape_choices(rank: int, world: int) -> bool:
         for product in (lambda: down.weight @ w, lambda: down.weight.matmul(w), lambda: down.weight.mm(w),
                         lambda: down.weight.float() @ w.float(), lambda: down.weight.double() @ w.double()):
             torch.testing.assert_close(product(), expected, check_dtype=False)
-        piece = w.float()  # this rank's piece in the dtype, a plain tensor to other ops
-        assert piece.shape == local_shape(w) and float(piece.sum()) == float(w.detach().sum())
+        assert w.float() is w  # a cast to its own dtype is the parameter, as torch's
+        piece = w.double()  # this rank's piece in the dtype, a plain tensor to other ops
+        assert piece.shape == local_shape(w) and float(piece.sum()) == float(w.detach().double().sum())
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         w @ down.weight  # (32, 64) @ (4, 32): the full shapes decide, alike on every rank
     for product in (lambda: torch.ones(4, 32, device=device) @ w, lambda: w @ torch.ones(64, 2, device=device),
@@ -655,4 +656,47 @@ def long_piece_norms(rank: int, world: int) -> bool:
                 ("vector_norm", torch.linalg.vector_norm(net[0].weight.grad, ord), want_weight)):
             err = abs(float(got) - expected) / expected
             assert err <= tol, f"{what}, ord {ord}: {float(got)!r} against fp64 {expected!r} ({err:.2e} relative)"
+    return True
+
+
+def casts_and_piece_operands(rank: int, world: int) -> bool:
+    """Casts of sharded parameters keep torch's meaning: a cast to the parameter's own
+    dtype is the parameter, and a product of casts is of the casts' own values (a copy,
+    written since, or its parameter written since); and a 1-D parameter's `.data` meeting
+    another parameter's piece fails on every rank alike (at world 2 below each vector is
+    whole on one rank and empty on the other), never takes it for a full value on one."""
+    device = device_for_backend()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(7, 3, bias=False), nn.Linear(3, 5, bias=False)).to(device, torch.bfloat16)
+    model = copy.deepcopy(ref)
+    for layer in model:
+        mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(model)
+    with torch.no_grad():
+        a, b = model[0].weight.float(), model[1].weight.float()
+        ra, rb = ref[0].weight.float(), ref[1].weight.float()
+        a.mul_(3)
+        ra.mul_(3)
+        model[1].weight.data.mul_(2)  # after the cast: not in it
+        ref[1].weight.mul_(2)
+        torch.testing.assert_close(b @ a, rb @ ra, rtol=0, atol=0)
+    fp32 = mfsdp.fully_shard(nn.Linear(3, 4).to(device))
+    assert fp32.weight.float() is fp32.weight and tuple(fp32.weight.float().shape) == (4, 3)
+
+    class Vectors(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, device=device))
+            self.v = nn.Parameter(torch.randn(8, device=device))
+
+    vectors = mfsdp.fully_shard(Vectors())
+    raised = 0
+    try:
+        with torch.no_grad():
+            vectors.w.data += vectors.v * 2
+    except RuntimeError:
+        raised = 1
+    counts = torch.tensor([raised], device=device)
+    dist.all_reduce(counts)
+    assert int(counts) == world, f"{int(counts)} of {world} ranks raised"
     return True

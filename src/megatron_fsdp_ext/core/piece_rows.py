@@ -317,17 +317,18 @@ class PieceData(torch.Tensor):
 def _by_rows_when_full(name: str):
     """PieceData's in-place op `name`, where an operand of the parameter's full shape
     gives this rank's part of it, as an operand of whole rows does: `p.data += delta`
-    (PEFT's merge() of a LoRA adapter), `p.data.copy_(full)`. The decision is by the
-    parameter's shape, so alike on every rank; an operand of the piece's own shape stays
-    elementwise."""
+    (PEFT's merge() of a LoRA adapter), `p.data.copy_(full)`. Only for parameters of two
+    or more dims: a piece is 1-D, so an operand of their shape is never a piece and every
+    rank decides alike. A 1-D parameter's full shape is also the shape of a piece that is
+    a whole parameter on one rank only (`w.data += v * 2`, v's piece whole on rank 0): its
+    ops stay elementwise on the piece, as before."""
     plain = getattr(torch.Tensor, name)
 
     def op(self, *args, **kwargs):
         shape = self._mfsdp_piece[1]
         with DisableTorchFunctionSubclass():
-            own = tuple(torch.Tensor.size(self))
-            full = any(isinstance(a, torch.Tensor) and torch.Tensor.dim(a) > 0 and tuple(torch.Tensor.size(a)) == shape
-                       != own for a in (*args, *kwargs.values()))
+            full = len(shape) >= 2 and any(isinstance(a, torch.Tensor) and tuple(torch.Tensor.size(a)) == shape
+                                           for a in (*args, *kwargs.values()))
         if not full:
             return plain(self, *args, **kwargs)
         getattr(self[...], name)(*args, **kwargs)  # the rows of all of it: the operand takes its part

@@ -219,6 +219,7 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
     # PEFT casts bf16 / fp16 adapters on the CPU to fp32 before multiplying them: the cast
     # is this rank's piece, and a product of two pieces would be a dot product of them.
+    # (A cast to the parameter's own dtype is the parameter itself, as torch's.)
     def float(self, *args, **kwargs):
         return PieceCast.of(self, super().float(*args, **kwargs))
 
@@ -345,7 +346,9 @@ class PieceCast(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def of(source: "ShardedParameter", cast: torch.Tensor) -> "PieceCast":
+    def of(source: "ShardedParameter", cast: torch.Tensor) -> torch.Tensor:
+        if cast is source:
+            return source
         out = cast.as_subclass(PieceCast)
         out._mfsdp_source = source
         return out
@@ -370,9 +373,11 @@ class PieceCast(torch.Tensor):
 
 
 def _full_value(x) -> torch.Tensor:
-    """The full value of a sharded parameter, or of one's cast in the cast's dtype."""
+    """The full value of a sharded parameter, or of a cast of one: the cast's own values
+    (a copy, which may have been written since, or the parameter since)."""
     if isinstance(x, PieceCast):
-        return x._mfsdp_source.full_tensor().to(x.dtype)
+        state, index = x._mfsdp_source._owner()
+        return state_dict.full_of_piece(state, index, torch.Tensor.as_subclass(x, torch.Tensor))
     return x.full_tensor()
 
 

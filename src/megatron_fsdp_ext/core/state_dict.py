@@ -218,6 +218,17 @@ def full_param(state, index: int) -> torch.Tensor:
     return _full_of(value, f"full_tensor() of '{state.names[index]}'")
 
 
+def full_of_piece(state, index: int, piece: torch.Tensor) -> torch.Tensor:
+    """The full value of `piece`, laid out like parameter `index`'s piece (a cast of it,
+    `p.float()`), in its dtype. A collective over the unit's group, as full_param."""
+    check_materialized([state], "full_tensor()")
+    pieces = [piece if i == index else torch.zeros(local_shape(p), dtype=piece.dtype, device=piece.device)
+              for i, p in enumerate(state.unit.sharded_params)]
+    with torch.no_grad():
+        value = _row_values(state, pieces, piece.dtype, piece.device)[index]
+    return _full_of(value, f"the full value of a cast of '{state.names[index]}'")
+
+
 def full_grad(state, index: int) -> torch.Tensor:
     """The full gradient of parameter `index` from its reduced pieces (zeros where a
     parameter of the unit has none), as full_param. A collective over the unit's group."""
