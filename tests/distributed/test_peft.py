@@ -49,3 +49,10 @@ def test_adapter_added_after_sharding_is_refused_at_the_step():
     from harness.peft_workers import adapter_added_after_sharding
 
     assert run_distributed(adapter_added_after_sharding, 2, timeout=240) == [True] * 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adapter_workflow_matches_one_process(world, tmp_path):
+    from harness.peft_workers import adapter_workflow
+
+    assert run_distributed(adapter_workflow, world, str(tmp_path), timeout=240) == [True] * world

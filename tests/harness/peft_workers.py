@@ -249,3 +249,56 @@ def adapter_added_after_sharding(rank: int, world: int) -> bool:
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     expect_error(opt.step, NotImplementedError, ".second.weight", "added to the unit's modules after fully_shard")
     return True
+
+
+def adapter_workflow(rank: int, world: int, out_dir: str) -> bool:
+    """What LoRA training scripts do around the step, on ours against one plain process:
+    forwards with the adapters disabled (evaluation; DPO's reference model, under no_grad,
+    between training steps), PEFT's adapter state dict (full values), save_pretrained of
+    the adapters (called on every rank; the file loads into a plain PeftModel), and
+    set_peft_model_state_dict of other adapter weights, each followed by a training step."""
+    from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    ref = _lora("llama")
+    model = copy.deepcopy(ref)
+    _shard(model, "ours")
+    what = "llama adapters (ours)"
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    _step(model, opt, ref, ref_opt, rank, world, 0, what)
+
+    with model.disable_adapter(), ref.disable_adapter():
+        _logits(model, ref, f"{what}, adapters disabled")
+    _logits(model, ref, f"{what}, adapters enabled again")
+    per = ROWS // world
+    ids, mask, _ = (t.to(device_for_backend()) for t in batch(3))
+    with torch.no_grad(), model.disable_adapter(), ref.disable_adapter():  # DPO's reference forward
+        _close(model(input_ids=ids[rank * per:(rank + 1) * per], attention_mask=mask[rank * per:(rank + 1) * per]).logits,
+               ref(input_ids=ids, attention_mask=mask).logits[rank * per:(rank + 1) * per], f"{what}, reference forward")
+    _step(model, opt, ref, ref_opt, rank, world, 1, f"{what}, after the reference forward")
+
+    want = get_peft_model_state_dict(ref)
+    got = get_peft_model_state_dict(model)
+    assert set(got) == set(want) and want, (what, set(got) ^ set(want))
+    for k, v in want.items():
+        _close(got[k].full_tensor().cpu(), v.cpu(), f"{what}, get_peft_model_state_dict {k}")
+
+    model.save_pretrained(f"{out_dir}/sharded")  # every rank: it gathers; rank 0 writes
+    if rank == 0:
+        ref.save_pretrained(f"{out_dir}/plain")
+    dist.barrier()
+    saved, plain = (load_file(f"{out_dir}/{d}/adapter_model.safetensors") for d in ("sharded", "plain"))
+    assert set(saved) == set(plain), (what, set(saved) ^ set(plain))
+    for k, v in plain.items():
+        _close(saved[k], v, f"{what}, saved {k}")
+    loaded = PeftModel.from_pretrained(build("llama").to(device_for_backend()), f"{out_dir}/sharded")
+    _logits(loaded, ref, f"{what}, the saved adapters in a plain model")
+
+    other = {k: torch.randn_like(v.cpu(), generator=torch.Generator().manual_seed(9)).to(v.device) * 0.05
+             for k, v in want.items()}
+    set_peft_model_state_dict(ref, {k: v.clone() for k, v in other.items()})
+    set_peft_model_state_dict(model, {k: v.clone() for k, v in other.items()})
+    _logits(model, ref, f"{what}, after set_peft_model_state_dict")
+    _step(model, opt, ref, ref_opt, rank, world, 2, f"{what}, after set_peft_model_state_dict")
+    return True
