@@ -57,6 +57,11 @@ def test_code_that_decides_by_shape_sees_the_parameters_shape_gpu():
     assert run_distributed(w.shape_choices, WORLD, **GPU, timeout=240) == [True] * WORLD
 
 
+@pytest.mark.gpu_world(2)  # the layout it checks: each vector whole on one rank of two
+def test_casts_and_other_parameters_pieces_as_operands_gpu():
+    assert run_distributed(w.casts_and_piece_operands, WORLD, **GPU, timeout=240) == [True] * WORLD
+
+
 def test_compiled_optimizer_step_with_inductor_gpu():
     """torch.compile (inductor, CUDA) of AdamW's step over sharded parameters trains as
     plain PyTorch and does not recompile every step."""

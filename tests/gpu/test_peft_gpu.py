@@ -4,7 +4,7 @@ merge_and_unload, against one plain process (harness/peft_workers.py)."""
 import pytest
 
 from harness import gpu_launch, gpu_world, run_distributed
-from harness.peft_workers import lora_merge
+from harness.peft_workers import adapter_workflow, lora_merge
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers", reason="the PEFT tests need transformers")
@@ -15,3 +15,7 @@ WORLD = gpu_world()
 @pytest.mark.parametrize("flow", ["merge_adapter", "verl_backup", "merge_and_unload"])
 def test_lora_merge_matches_one_process_gpu(flow):
     assert run_distributed(lora_merge, WORLD, "llama", flow, "ours", **gpu_launch(), timeout=240) == [True] * WORLD
+
+
+def test_adapter_workflow_matches_one_process_gpu(tmp_path):
+    assert run_distributed(adapter_workflow, WORLD, str(tmp_path), **gpu_launch(), timeout=240) == [True] * WORLD
