@@ -56,3 +56,12 @@ def test_adapter_workflow_matches_one_process(world, tmp_path):
     from harness.peft_workers import adapter_workflow
 
     assert run_distributed(adapter_workflow, world, str(tmp_path), timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("system", ["ours", "fsdp2"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_bias_merge(system, world):
+    """LoRA with its own bias (lora_bias=True): merge() also adds lora_B.bias * scaling to
+    the base bias's .data, a piece of another parameter laid out differently."""
+    assert run_distributed(lora_merge, world, "llama", "merge_adapter", system, "optim_grads_params", True,
+                           timeout=240) == [True] * world

@@ -662,9 +662,10 @@ def long_piece_norms(rank: int, world: int) -> bool:
 def casts_and_piece_operands(rank: int, world: int) -> bool:
     """Casts of sharded parameters keep torch's meaning: a cast to the parameter's own
     dtype is the parameter, and a product of casts is of the casts' own values (a copy,
-    written since, or its parameter written since); and a 1-D parameter's `.data` meeting
-    another parameter's piece fails on every rank alike (at world 2 below each vector is
-    whole on one rank and empty on the other), never takes it for a full value on one."""
+    written since, or its parameter written since). Another parameter's piece scaled by a
+    number is that parameter's full value to `.data`'s in-place ops; a plain tensor made
+    from it is not, and fails on every rank alike (at world 2 below each vector is whole on
+    one rank and empty on the other), never taken for a full value on one."""
     device = device_for_backend()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(7, 3, bias=False), nn.Linear(3, 5, bias=False)).to(device, torch.bfloat16)
@@ -689,14 +690,29 @@ def casts_and_piece_operands(rank: int, world: int) -> bool:
             self.w = nn.Parameter(torch.randn(8, device=device))
             self.v = nn.Parameter(torch.randn(8, device=device))
 
+    torch.manual_seed(1)
     vectors = mfsdp.fully_shard(Vectors())
+    w, v = vectors.w.full_tensor(), vectors.v.full_tensor()
+    # Another parameter scaled by a number keeps its parameter (PEFT's lora_bias merge):
+    # its full value, of which w takes its part.
+    with torch.no_grad():
+        vectors.w.data += vectors.v * 2
+        vectors.w.data -= 0.5 * -vectors.v / 4
+    torch.testing.assert_close(vectors.w.full_tensor(), w + 2 * v + v / 8)
     raised = 0
-    try:
+    try:  # a plain tensor made from v's piece: elementwise, which fails on every rank here
         with torch.no_grad():
-            vectors.w.data += vectors.v * 2
+            vectors.w.data += vectors.v.detach() * 2
     except RuntimeError:
         raised = 1
     counts = torch.tensor([raised], device=device)
     dist.all_reduce(counts)
     assert int(counts) == world, f"{int(counts)} of {world} ranks raised"
+    # Rows of a parameter meet another's marked piece the same way.
+    lin = mfsdp.fully_shard(nn.Linear(4, 3, bias=False).to(device))
+    other = mfsdp.fully_shard(nn.Linear(4, 3, bias=False).to(device))
+    a, b = lin.weight.full_tensor(), other.weight.full_tensor()
+    with torch.no_grad():
+        lin.weight.data[...] += other.weight * 3
+    torch.testing.assert_close(lin.weight.full_tensor(), a + 3 * b)
     return True

@@ -24,12 +24,19 @@ from harness.workers import device_for_backend
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _lora(arch: str):
+def _lora(arch: str, lora_bias: bool = False):
     """The base model with LoRA on every linear layer; lora_B drawn nonzero (PEFT starts
-    it at zero, so a merge would add nothing)."""
+    it at zero, so a merge would add nothing). With `lora_bias`, the base layers have
+    biases and the adapters one each (lora_B.bias), which a merge adds to them."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build(arch), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    base = build(arch)
+    if lora_bias:
+        import transformers
+
+        torch.manual_seed(0)
+        base = type(base)(type(base.config)(**{**base.config.to_dict(), "attention_bias": True, "mlp_bias": True}))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_bias=lora_bias))
     model.to(device_for_backend())
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -180,8 +187,8 @@ def bf16_merge(rank: int, world: int, arch: str, system: str) -> bool:
 
 
 def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
-               strategy: str = "optim_grads_params") -> bool:
-    ref = _lora(arch)
+               strategy: str = "optim_grads_params", lora_bias: bool = False) -> bool:
+    ref = _lora(arch, lora_bias)
     model = copy.deepcopy(ref)
     _shard(model, system, strategy)
     what = f"{arch} {flow} ({system}, {strategy})"
@@ -191,7 +198,8 @@ def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
         _step(model, opt, ref, ref_opt, rank, world, step, what)
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     own_before = _full_values(model, system)
-    adapted = {k: v for k, v in before.items() if k.endswith("base_layer.weight")}
+    adapted = {k: v for k, v in before.items() if k.endswith("base_layer.weight") or
+               (lora_bias and k.endswith("base_layer.bias"))}
 
     if flow == "merge_and_unload":  # the base model, its adapted layers replaced by their merged base layers
         merged, ref = model.merge_and_unload(), ref.merge_and_unload()

@@ -150,6 +150,7 @@ def _operand_part(a, own: "RowPiece"):
     not broadcast are used as they are. A RowPiece of other rows, or a sharded parameter
     or gradient, is refused by name (their elements differ between ranks)."""
     first, end, shape = own._mfsdp_rows
+    a = _full_if_marked(a)
     if isinstance(a, RowPiece):
         if a is own or a._mfsdp_rows[:2] == (first, end):
             return a
@@ -174,6 +175,7 @@ def _operand_part(a, own: "RowPiece"):
 def _part_of(value, first: int, end: int, shape, start: int, count: int, what: str):
     """The elements [start, start + count) of `value` broadcast to the rows' full `shape`
     (the rows spanning elements [first, end) of the parameter)."""
+    value = _full_if_marked(value)
     # A piece's elements differ between ranks: RowPiece, PieceData, or a sharded
     # parameter or gradient (LogicalShape's `_logical_shape`).
     if isinstance(value, (RowPiece, PieceData)) or hasattr(type(value), "_logical_shape"):
@@ -314,6 +316,20 @@ class PieceData(torch.Tensor):
         return f"PieceData(parameter shape {self._mfsdp_piece[1]}, this rank's piece={plain!r})"
 
 
+def _full_if_marked(a):
+    """A value marked as a sharded parameter's piece (a PieceCast) as its full value (a
+    collective, decided by its type alike on every rank); anything else as it is."""
+    if isinstance(a, torch.Tensor) and getattr(a, "_mfsdp_cast_of", None) is not None:
+        return a._mfsdp_full_value()
+    return a
+
+
+def _of_another(a, param) -> bool:
+    """Whether `a` is a value marked as a piece of a sharded parameter other than `param`."""
+    source = getattr(a, "_mfsdp_cast_of", None) if isinstance(a, torch.Tensor) else None
+    return source is not None and source is not param
+
+
 def _by_rows_when_full(name: str):
     """PieceData's in-place op `name`, where an operand of the parameter's full shape
     gives this rank's part of it, as an operand of whole rows does: `p.data += delta`
@@ -326,9 +342,18 @@ def _by_rows_when_full(name: str):
 
     def op(self, *args, **kwargs):
         shape = self._mfsdp_piece[1]
-        with DisableTorchFunctionSubclass():
-            full = len(shape) >= 2 and any(isinstance(a, torch.Tensor) and tuple(torch.Tensor.size(a)) == shape
-                                           for a in (*args, *kwargs.values()))
+        # Another parameter's piece, marked as such (a PieceCast: `lora_B.bias * scaling`,
+        # PEFT's merge of a LoRA bias), is laid out like that parameter: its full value
+        # (a collective, decided by its type alike on every rank) takes this one's part.
+        own = self.__dict__.get("_mfsdp_param")
+        if any(_of_another(a, own) for a in (*args, *kwargs.values())):
+            args = tuple(a._mfsdp_full_value() if _of_another(a, own) else a for a in args)
+            kwargs = {k: v._mfsdp_full_value() if _of_another(v, own) else v for k, v in kwargs.items()}
+            full = True
+        else:
+            with DisableTorchFunctionSubclass():
+                full = len(shape) >= 2 and any(isinstance(a, torch.Tensor) and tuple(torch.Tensor.size(a)) == shape
+                                               for a in (*args, *kwargs.values()))
         if not full:
             return plain(self, *args, **kwargs)
         getattr(self[...], name)(*args, **kwargs)  # the rows of all of it: the operand takes its part
@@ -342,7 +367,8 @@ for _name in ("copy_", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "
     setattr(PieceData, _name, _by_rows_when_full(_name))
 
 
-def piece_data(data: torch.Tensor, offset: int, shape, whole: bool) -> PieceData:
+def piece_data(data: torch.Tensor, offset: int, shape, whole: bool, param=None) -> PieceData:
     out = data.as_subclass(PieceData)
     out._mfsdp_piece = (offset, tuple(shape), whole)
+    out._mfsdp_param = param  # the sharded parameter whose `.data` this is
     return out

@@ -220,6 +220,21 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     # PEFT casts bf16 / fp16 adapters on the CPU to fp32 before multiplying them: the cast
     # is this rank's piece, and a product of two pieces would be a dot product of them.
     # (A cast to the parameter's own dtype is the parameter itself, as torch's.)
+    # Scaling by a number keeps the piece's layout, and the result keeps its parameter:
+    # PEFT's merge adds `lora_B.bias * scaling` to the base bias's `.data`, another
+    # parameter's piece, which PieceData takes as its full value.
+    def __mul__(self, other):
+        return PieceCast.scaled(self, super().__mul__(other), other)
+
+    def __rmul__(self, other):
+        return PieceCast.scaled(self, super().__rmul__(other), other)
+
+    def __truediv__(self, other):
+        return PieceCast.scaled(self, super().__truediv__(other), other)
+
+    def __neg__(self):
+        return PieceCast.scaled(self, super().__neg__(), 1)
+
     def float(self, *args, **kwargs):
         return PieceCast.of(self, super().float(*args, **kwargs))
 
@@ -265,7 +280,7 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         state, index = owner_of(self)
         if state is None:
             return data
-        return piece_rows.piece_data(data, *piece_rows_of(state, index))
+        return piece_rows.piece_data(data, *piece_rows_of(state, index), param=self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -337,11 +352,14 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
 
 class PieceCast(torch.Tensor):
-    """`p.float()` (`.double()`, `.half()`, `.bfloat16()`) of a sharded parameter: this
-    rank's piece in that dtype, a plain tensor to every op (torch function disabled) but
-    the matrix product, which is of the full values cast alike with another such cast or a
-    sharded parameter, as the parameters' own product (PEFT's CPU merge of bf16 adapters),
-    and refused with anything else (it would be of pieces)."""
+    """A value laid out like a sharded parameter's piece and derived from it alone: its
+    cast (`p.float()`, `.double()`, `.half()`, `.bfloat16()`) or its product with a number
+    (`p * s`, `s * p`, `p / s`, `-p`, and those of a PieceCast). A plain tensor to every
+    op (torch function disabled) but two: its matrix product is of the full values (with
+    another PieceCast or a sharded parameter, as the parameters' own product: PEFT's CPU
+    merge of bf16 adapters) and refused with anything else (it would be of pieces); and as
+    the operand of another parameter's `.data` in-place op it gives its full value
+    (PieceData). `_mfsdp_cast_of`: the parameter."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -350,18 +368,44 @@ class PieceCast(torch.Tensor):
         if cast is source:
             return source
         out = cast.as_subclass(PieceCast)
-        out._mfsdp_source = source
+        out._mfsdp_cast_of = source
         return out
+
+    @staticmethod
+    def scaled(source: "ShardedParameter", result, operand):
+        """`result` of an op of `source`'s piece with `operand`: marked as `source`'s where
+        the operand is a number (the layout is kept), plain otherwise."""
+        number = isinstance(operand, (int, float)) or (isinstance(operand, torch.Tensor) and operand.dim() == 0
+                                                        and not isinstance(operand, (PieceCast, ShardedParameter)))
+        if number and isinstance(result, torch.Tensor) and type(result) is torch.Tensor:
+            return PieceCast.of(source, result)
+        return result
+
+    def __mul__(self, other):
+        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__mul__(self, other), other)
+
+    def __rmul__(self, other):
+        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__rmul__(self, other), other)
+
+    def __truediv__(self, other):
+        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__truediv__(self, other), other)
+
+    def __neg__(self):
+        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__neg__(self), 1)
+
+    def _mfsdp_full_value(self) -> torch.Tensor:
+        """The full value (a collective over its parameter's unit group)."""
+        return _full_value(self)
 
     def _product(self, other, *args, **kwargs):
         if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
-            return self._mfsdp_source._refuse_matmul(other, *args, **kwargs)
+            return self._mfsdp_cast_of._refuse_matmul(other, *args, **kwargs)
         return _full_product(self, other)
 
     __matmul__ = matmul = mm = _product
 
     def __rmatmul__(self, other):
-        return self._mfsdp_source._refuse_matmul(other)
+        return self._mfsdp_cast_of._refuse_matmul(other)
 
     def __reduce_ex__(self, protocol):
         return torch.Tensor.as_subclass(self, torch.Tensor).__reduce_ex__(protocol)
@@ -376,7 +420,7 @@ def _full_value(x) -> torch.Tensor:
     """The full value of a sharded parameter, or of a cast of one: the cast's own values
     (a copy, which may have been written since, or the parameter since)."""
     if isinstance(x, PieceCast):
-        state, index = x._mfsdp_source._owner()
+        state, index = x._mfsdp_cast_of._owner()
         return state_dict.full_of_piece(state, index, torch.Tensor.as_subclass(x, torch.Tensor))
     return x.full_tensor()
 
