@@ -19,3 +19,8 @@ def test_lora_merge_matches_one_process_gpu(flow):
 
 def test_adapter_workflow_matches_one_process_gpu(tmp_path):
     assert run_distributed(adapter_workflow, WORLD, str(tmp_path), **gpu_launch(), timeout=240) == [True] * WORLD
+
+
+def test_lora_bias_merge_matches_one_process_gpu():
+    assert run_distributed(lora_merge, WORLD, "llama", "merge_adapter", "ours", "optim_grads_params", True,
+                           **gpu_launch(), timeout=240) == [True] * WORLD
