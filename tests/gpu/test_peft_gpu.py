@@ -17,6 +17,7 @@ def test_lora_merge_matches_one_process_gpu(flow):
     assert run_distributed(lora_merge, WORLD, "llama", flow, "ours", **gpu_launch(), timeout=240) == [True] * WORLD
 
 
+@pytest.mark.dtensor_collectives  # PEFT's adapter state dict: full_tensor() of torch's DTensors
 def test_adapter_workflow_matches_one_process_gpu(tmp_path):
     assert run_distributed(adapter_workflow, WORLD, str(tmp_path), **gpu_launch(), timeout=240) == [True] * WORLD
 
