@@ -83,3 +83,8 @@ def test_code_that_decides_by_shape_sees_the_parameters_shape(world):
 
 def test_casts_and_other_parameters_pieces_as_operands():
     assert run_distributed(w.casts_and_piece_operands, 2, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reference_model_sync_across_unit_layouts(world):
+    assert run_distributed(w.reference_model_sync, world, timeout=120) == [True] * world

@@ -259,3 +259,23 @@ def _param_added_after_fully_shard(rank, world):
 
 def test_parameters_added_inside_a_unit_after_fully_shard_are_refused_at_the_step():
     assert run_distributed(_param_added_after_fully_shard, 2, timeout=120) == [True, True]
+
+
+def _keys_on_some_ranks(rank, world):
+    """load_state_dict with a key passed on rank 0 only (Accelerate's FULL_STATE_DICT load
+    of PEFT adapters: the file on rank 0, {} elsewhere) raises on every rank, naming it,
+    where the ranks once waited in different collectives forever."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mfsdp.fully_shard(m[0])
+    mfsdp.fully_shard(m)
+    full = mfsdp.full_state_dict(m, rank0_only=False)
+    values = {"0.weight": full["0.weight"] * 2} if rank == 0 else {}
+    expect_error(lambda: m.load_state_dict(values, strict=False), ValueError, "'0.weight'",
+                 "passed on some ranks and not on others")
+    m.load_state_dict({"0.weight": full["0.weight"] * 2}, strict=False)  # the same keys everywhere: loads
+    torch.testing.assert_close(mfsdp.full_state_dict(m, rank0_only=False)["0.weight"], full["0.weight"] * 2)
+    return True
+
+
+def test_load_state_dict_with_keys_on_some_ranks_only_raises_on_every_rank():
+    assert run_distributed(_keys_on_some_ranks, 2, timeout=120) == [True, True]

@@ -716,3 +716,42 @@ def casts_and_piece_operands(rank: int, world: int) -> bool:
         lin.weight.data[...] += other.weight * 3
     torch.testing.assert_close(lin.weight.full_tensor(), a + 3 * b)
     return True
+
+
+def reference_model_sync(rank: int, world: int) -> bool:
+    """TRL's sync of a reference model into the policy's values (SyncRefModelCallback:
+    `ref.data.mul_(1 - a).add_(policy.data, alpha=a)` per parameter) with the reference
+    sharded as one unit and the policy per layer: the pieces lie differently, and the
+    policy's `.data` counts as its full value (gathered); equal to one process. Laid out
+    alike, the update stays elementwise: no collective."""
+    from megatron_fsdp_ext import _C
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    plain_policy = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3), nn.LayerNorm(3)).to(device)
+    torch.manual_seed(1)
+    plain_ref = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3), nn.LayerNorm(3)).to(device)
+    policy, ref, twin = copy.deepcopy(plain_policy), copy.deepcopy(plain_ref), copy.deepcopy(plain_ref)
+    for layer in policy[:2]:
+        mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(policy)
+    mfsdp.fully_shard(ref)  # one unit, as TRL's prepare_fsdp shards the reference model
+    for layer in twin[:2]:
+        mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(twin)
+    alpha = 0.3
+    with torch.no_grad():
+        for r, p in zip(plain_ref.parameters(), plain_policy.parameters()):
+            r.mul_(1 - alpha).add_(p, alpha=alpha)
+        for r, p in zip(ref.parameters(), policy.parameters()):
+            r.data.mul_(1 - alpha).add_(p.data, alpha=alpha)
+        before = dict(_C.collective_counts())
+        for r, p in zip(twin.parameters(), policy.parameters()):
+            r.data.mul_(1 - alpha).add_(p.data, alpha=alpha)
+        after = dict(_C.collective_counts())
+    assert after == before, (before, after)
+    for model in (ref, twin):
+        full = mfsdp.full_state_dict(model, rank0_only=False)
+        for k, v in plain_ref.state_dict().items():
+            torch.testing.assert_close(full[k].to(device), v, msg=lambda m: f"{k}: {m}")
+    return True

@@ -325,9 +325,29 @@ def _full_if_marked(a):
 
 
 def _of_another(a, param) -> bool:
-    """Whether `a` is a value marked as a piece of a sharded parameter other than `param`."""
-    source = getattr(a, "_mfsdp_cast_of", None) if isinstance(a, torch.Tensor) else None
-    return source is not None and source is not param
+    """Whether `a` is a piece of a sharded parameter other than `param` that does not
+    line up with `param`'s piece: a value marked as another parameter's (PieceCast), or
+    another parameter's `.data` laid out differently (TRL's sync of a reference model
+    sharded as one unit with a policy sharded per layer: `ref.data.mul_(1 - a).add_(
+    policy.data, alpha=a)`). Decided by types and by where the pieces lie on every rank,
+    so alike on every rank; `.data` of a parameter laid out alike stays elementwise."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    source = getattr(a, "_mfsdp_cast_of", None)
+    if source is not None:
+        return source is not param
+    if isinstance(a, PieceData):
+        other = a.__dict__.get("_mfsdp_param")
+        return other is not None and param is not None and other is not param and \
+            other._mfsdp_piece_layout() != param._mfsdp_piece_layout()
+    return False
+
+
+def _full_value_of(a) -> torch.Tensor:
+    """The full value of another parameter's piece (_of_another): a collective."""
+    if isinstance(a, PieceData):
+        return a.__dict__["_mfsdp_param"].full_tensor()
+    return a._mfsdp_full_value()
 
 
 def _by_rows_when_full(name: str):
@@ -347,8 +367,8 @@ def _by_rows_when_full(name: str):
         # (a collective, decided by its type alike on every rank) takes this one's part.
         own = self.__dict__.get("_mfsdp_param")
         if any(_of_another(a, own) for a in (*args, *kwargs.values())):
-            args = tuple(a._mfsdp_full_value() if _of_another(a, own) else a for a in args)
-            kwargs = {k: v._mfsdp_full_value() if _of_another(v, own) else v for k, v in kwargs.items()}
+            args = tuple(_full_value_of(a) if _of_another(a, own) else a for a in args)
+            kwargs = {k: _full_value_of(v) if _of_another(v, own) else v for k, v in kwargs.items()}
             full = True
         else:
             with DisableTorchFunctionSubclass():

@@ -205,6 +205,19 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     def _face_kind(self) -> str:
         return "parameter"
 
+    def _mfsdp_piece_layout(self) -> tuple:
+        """Where this parameter's piece lies on every rank of its unit's group (each rank's
+        offset in the flattened parameter and length): two parameters' pieces align on
+        every rank exactly when these are equal. The same on every rank of the group."""
+        state, index = self._owner()
+        cached = self.__dict__.get("_mfsdp_layout_key")
+        if cached is None or cached[0] is not state.unit:
+            layout = state.unit.layout
+            slices = tuple((s.param_offset, s.numel) for s in (layout.shard_slice(index, r)
+                                                                for r in range(layout.world_size)))
+            cached = self.__dict__["_mfsdp_layout_key"] = (state.unit, slices)
+        return cached[1]
+
     def _product_of_full_values(self, other, *args, **kwargs):
         # A product of two sharded parameters is of their full values (a collective, on
         # every rank of both units' groups), as FSDP2's DTensor product: PEFT's merge()

@@ -533,6 +533,7 @@ class ModuleStateDictHooks:
             state.note_loaded(i for key, i in owned if isinstance(state_dict.get(prefix + key), _LoadedPiece))
             return
         callers_arrived(state.with_companions, "load_state_dict()", error_msgs)
+        _agree_on_keys_loaded(state, owned, state_dict, prefix)
         apply_state_dict_writes(state, "load_state_dict()")  # earlier writes, then the load over them
         assign = local_metadata.get("assign_to_params_buffers", False)
         if assign:
@@ -559,6 +560,28 @@ class ModuleStateDictHooks:
                 state_dict[prefix + key] = _LoadedPiece.of(piece, face_shape(state, i))
             written.append(i)
         state.note_loaded(written)
+
+
+def _agree_on_keys_loaded(state, owned: List[Tuple[str, int]], state_dict, prefix: str) -> None:
+    """A load cuts each value into every rank's piece, and some values need a collective
+    to be cut (a DTensor of other placements): every rank must load the same parameters
+    of the unit. A key passed on some ranks only (Accelerate's FULL_STATE_DICT load of
+    PEFT adapters gives rank 0 the file and the others an empty dict) left the ranks in
+    different collectives, waiting forever. One small all-reduce per unit a load
+    reaches; a difference raises on every rank, naming the first key."""
+    if not owned:
+        return
+    present = torch.tensor([int(prefix + key in state_dict) for key, _ in owned], dtype=torch.int32)
+    agreed = _agree_max(state, torch.cat([present, 1 - present]))
+    differs = [k for (k, _), some, others in zip(owned, agreed[:len(owned)], agreed[len(owned):]) if some and others]
+    if differs:
+        more = f" (and {len(differs) - 1} more of the unit's keys)" if len(differs) > 1 else ""
+        raise ValueError(
+            f"load_state_dict into {state}: '{prefix + differs[0]}'{more} was passed on some ranks and not on "
+            "others. Loading a fully_shard model is collective: "
+            "pass the same keys on every rank (for rank 0's values alone, torch's set_model_state_dict(model, "
+            "values, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)) or "
+            "megatron_fsdp_ext.load_full_state_dict(model, values, broadcast_from_rank0=True))")
 
 
 def _check_assignable(state, owned: List[Tuple[str, int]], state_dict, prefix: str) -> None:
