@@ -82,3 +82,7 @@ def test_meta_state_dict_and_assign_load_like_fsdp2_gpu():
 
     run_distributed(convert_workers.meta_state_dict_and_assign, WORLD, **GPU, timeout=240)
     run_distributed(convert_workers.dtype_changes_refused, WORLD, **GPU, timeout=240)
+
+
+def test_reference_model_sync_across_unit_layouts_gpu():
+    assert run_distributed(w.reference_model_sync, WORLD, **GPU, timeout=240) == [True] * WORLD
