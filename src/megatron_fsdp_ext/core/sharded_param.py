@@ -210,12 +210,14 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         offset in the flattened parameter and length): two parameters' pieces align on
         every rank exactly when these are equal. The same on every rank of the group."""
         state, index = self._owner()
+        # Cached by the unit's identity, not by a reference to it: the parameter must not
+        # keep a unit (and its buffers) alive after its model is gone.
         cached = self.__dict__.get("_mfsdp_layout_key")
-        if cached is None or cached[0] is not state.unit:
+        if cached is None or cached[0] != id(state.unit):
             layout = state.unit.layout
             slices = tuple((s.param_offset, s.numel) for s in (layout.shard_slice(index, r)
                                                                 for r in range(layout.world_size)))
-            cached = self.__dict__["_mfsdp_layout_key"] = (state.unit, slices)
+            cached = self.__dict__["_mfsdp_layout_key"] = (id(state.unit), slices)
         return cached[1]
 
     def _product_of_full_values(self, other, *args, **kwargs):
