@@ -764,7 +764,7 @@ def fully_shard(
     if isinstance(ignored_params, torch.Tensor):
         raise TypeError("ignored_params must be an iterable of parameters (e.g. [module.bias]), got a single tensor")
     ignored = frozenset(id(p) for p in (ignored_params or ()))
-    params, names, slots, keys = collect_params(modules, set(ignored))
+    params, names, slots, keys = collect_params(modules, ignored)
     build = dict(alignment=alignment, mp_policy=mp_policy, strategy=strategy, offload_pin=offload_pin,
                  check_for_nan_in_grad=check_for_nan_in_grad)
     states = []

@@ -258,7 +258,7 @@ def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None,
     return None
 
 
-def collect_params(modules: list, ignored: set):
+def collect_params(modules: list, ignored: frozenset):
     """The parameters this call owns (the unit of `modules`: one, or FSDP2's list of
     several) and every slot (module._parameters, name) holding them; the state-dict keys
     per module, relative to it.

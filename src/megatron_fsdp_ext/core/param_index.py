@@ -163,8 +163,11 @@ class ParamIndex:
         # serves them too (its parameters outside `module` have no names here).
         seen = {id(s) for s in self.states}
         for p in module.parameters():
-            state, _ = owner_of(p)
-            if state is not None and id(state) not in seen:
+            ref = getattr(p, "_mfsdp_owner", None)
+            state = ref() if ref is not None else None
+            # owner_of (a search of the unit) only for a unit not yet listed: it also tells
+            # a sharded parameter from an original it replaced, which points there too.
+            if state is not None and id(state) not in seen and owner_of(p)[0] is state:
                 seen.add(id(state))
                 self.states.append(state)
         for state in self.states:  # an overlapped optimizer step may still write the shards

@@ -366,9 +366,11 @@ def _by_rows_when_full(name: str):
         # PEFT's merge of a LoRA bias), is laid out like that parameter: its full value
         # (a collective, decided by its type alike on every rank) takes this one's part.
         own = self.__dict__.get("_mfsdp_param")
-        if any(_of_another(a, own) for a in (*args, *kwargs.values())):
-            args = tuple(_full_value_of(a) if _of_another(a, own) else a for a in args)
-            kwargs = {k: _full_value_of(v) if _of_another(v, own) else v for k, v in kwargs.items()}
+        others = [_of_another(a, own) for a in args]
+        other_kwargs = {k: _of_another(v, own) for k, v in kwargs.items()}
+        if any(others) or any(other_kwargs.values()):
+            args = tuple(_full_value_of(a) if other else a for a, other in zip(args, others))
+            kwargs = {k: _full_value_of(v) if other_kwargs[k] else v for k, v in kwargs.items()}
             full = True
         else:
             with DisableTorchFunctionSubclass():

@@ -220,36 +220,10 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             cached = self.__dict__["_mfsdp_layout_key"] = (id(state.unit), slices)
         return cached[1]
 
-    def _product_of_full_values(self, other, *args, **kwargs):
-        # A product of two sharded parameters is of their full values (a collective, on
-        # every rank of both units' groups), as FSDP2's DTensor product: PEFT's merge()
-        # computes lora_B.weight @ lora_A.weight and adds it to the base weight's `.data`,
-        # which takes this rank's part (piece_rows.PieceData). With anything else, or as
-        # in-place product, the pieces would meet: refused (LogicalShape).
-        if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
-            return self._refuse_matmul(other, *args, **kwargs)
-        return _full_product(self, other)
-
-    __matmul__ = matmul = mm = _product_of_full_values
-
+    # Matrix products and products with a number: shared with PieceCast, below it.
     # PEFT casts bf16 / fp16 adapters on the CPU to fp32 before multiplying them: the cast
     # is this rank's piece, and a product of two pieces would be a dot product of them.
     # (A cast to the parameter's own dtype is the parameter itself, as torch's.)
-    # Scaling by a number keeps the piece's layout, and the result keeps its parameter:
-    # PEFT's merge adds `lora_B.bias * scaling` to the base bias's `.data`, another
-    # parameter's piece, which PieceData takes as its full value.
-    def __mul__(self, other):
-        return PieceCast.scaled(self, super().__mul__(other), other)
-
-    def __rmul__(self, other):
-        return PieceCast.scaled(self, super().__rmul__(other), other)
-
-    def __truediv__(self, other):
-        return PieceCast.scaled(self, super().__truediv__(other), other)
-
-    def __neg__(self):
-        return PieceCast.scaled(self, super().__neg__(), 1)
-
     def float(self, *args, **kwargs):
         return PieceCast.of(self, super().float(*args, **kwargs))
 
@@ -396,28 +370,9 @@ class PieceCast(torch.Tensor):
             return PieceCast.of(source, result)
         return result
 
-    def __mul__(self, other):
-        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__mul__(self, other), other)
-
-    def __rmul__(self, other):
-        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__rmul__(self, other), other)
-
-    def __truediv__(self, other):
-        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__truediv__(self, other), other)
-
-    def __neg__(self):
-        return PieceCast.scaled(self._mfsdp_cast_of, torch.Tensor.__neg__(self), 1)
-
     def _mfsdp_full_value(self) -> torch.Tensor:
         """The full value (a collective over its parameter's unit group)."""
         return _full_value(self)
-
-    def _product(self, other, *args, **kwargs):
-        if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
-            return self._mfsdp_cast_of._refuse_matmul(other, *args, **kwargs)
-        return _full_product(self, other)
-
-    __matmul__ = matmul = mm = _product
 
     def __rmatmul__(self, other):
         return self._mfsdp_cast_of._refuse_matmul(other)
@@ -429,6 +384,41 @@ class PieceCast(torch.Tensor):
         out = torch.Tensor.as_subclass(self, torch.Tensor).clone()
         memo[id(self)] = out
         return out
+
+
+def _parameter_of(x) -> ShardedParameter:
+    """The sharded parameter that `x` (one, or a PieceCast) is a piece of."""
+    return x if isinstance(x, ShardedParameter) else x._mfsdp_cast_of
+
+
+def _matmul(self, other, *args, **kwargs):
+    # A product of two sharded parameters (or their casts) is of their full values (a
+    # collective, on every rank of both units' groups), as FSDP2's DTensor product: PEFT's
+    # merge() computes lora_B.weight @ lora_A.weight and adds it to the base weight's
+    # `.data`, which takes this rank's part (piece_rows.PieceData). With anything else, or
+    # as in-place product, the pieces would meet: refused (LogicalShape).
+    if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
+        return _parameter_of(self)._refuse_matmul(other, *args, **kwargs)
+    return _full_product(self, other)
+
+
+def _keeping_parameter(name: str):
+    """Tensor's `name` (a product with a number, or a negation): the result keeps the
+    parameter (PieceCast.scaled). PEFT's merge adds `lora_B.bias * scaling` to the base
+    bias's `.data`, another parameter's piece, which PieceData takes as its full value."""
+    op = getattr(torch.Tensor, name)
+
+    def method(self, *operand):
+        return PieceCast.scaled(_parameter_of(self), op(self, *operand), operand[0] if operand else 1)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _cls in (ShardedParameter, PieceCast):
+    _cls.__matmul__ = _cls.matmul = _cls.mm = _matmul
+    for _name in ("__mul__", "__rmul__", "__truediv__", "__neg__"):
+        setattr(_cls, _name, _keeping_parameter(_name))
 
 
 def _full_value(x) -> torch.Tensor:

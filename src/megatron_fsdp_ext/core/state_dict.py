@@ -222,24 +222,29 @@ def full_of_piece(state, index: int, piece: torch.Tensor) -> torch.Tensor:
     """The full value of `piece`, laid out like parameter `index`'s piece (a cast of it,
     `p.float()`), in its dtype. A collective over the unit's group, as full_param."""
     check_materialized([state], "full_tensor()")
-    pieces = [piece if i == index else torch.zeros(local_shape(p), dtype=piece.dtype, device=piece.device)
-              for i, p in enumerate(state.unit.sharded_params)]
-    with torch.no_grad():
-        value = _row_values(state, pieces, piece.dtype, piece.device)[index]
-    return _full_of(value, f"the full value of a cast of '{state.names[index]}'")
+    return _full_of_pieces(state, index, lambda i, p: piece if i == index else None, piece,
+                           f"the full value of a cast of '{state.names[index]}'")
 
 
 def full_grad(state, index: int) -> torch.Tensor:
     """The full gradient of parameter `index` from its reduced pieces (zeros where a
     parameter of the unit has none), as full_param. A collective over the unit's group."""
-    params = state.unit.sharded_params
-    grad = params[index].grad
     # One flat gradient buffer holds every piece of the unit: one dtype.
-    pieces = [p.grad if p.grad is not None else torch.zeros(local_shape(p), dtype=grad.dtype, device=grad.device)
-              for p in params]
+    return _full_of_pieces(state, index, lambda i, p: p.grad, state.unit.sharded_params[index].grad,
+                           f"full_tensor() of the gradient of '{state.names[index]}'")
+
+
+def _full_of_pieces(state, index: int, piece_of, like: torch.Tensor, what: str) -> torch.Tensor:
+    """Parameter `index`'s full value of per-parameter pieces laid out like the shards
+    (`piece_of(i, param)`, zeros where it gives None), in `like`'s dtype and device."""
+    pieces = []
+    for i, p in enumerate(state.unit.sharded_params):
+        piece = piece_of(i, p)
+        pieces.append(piece if piece is not None else
+                      torch.zeros(local_shape(p), dtype=like.dtype, device=like.device))
     with torch.no_grad():
-        value = _row_values(state, pieces, grad.dtype, grad.device)[index]
-    return _full_of(value, f"full_tensor() of the gradient of '{state.names[index]}'")
+        value = _row_values(state, pieces, like.dtype, like.device)[index]
+    return _full_of(value, what)
 
 
 def _dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape=None) -> DTensor:
