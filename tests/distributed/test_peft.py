@@ -1,5 +1,6 @@
 """PEFT LoRA adapters on sharded Hugging Face models: training, then merging the adapters
-into the base weights and back (PEFT's merge_adapter / unmerge_adapter, verl's merge of
+into the base weights and back (PEFT's merge_adapter / unmerge_adapter, with and without
+safe_merge, verl's merge of
 an FSDP2 model with and without a host backup, merge_and_unload), on ours and on FSDP2
 under the same code, each against one plain process (harness/peft_workers.py)."""
 import pytest
@@ -56,6 +57,18 @@ def test_adapter_workflow_matches_one_process(world, tmp_path):
     from harness.peft_workers import adapter_workflow
 
     assert run_distributed(adapter_workflow, world, str(tmp_path), timeout=240) == [True] * world
+
+
+# PEFT's safe merge adds the full delta to a clone of the base weight's `.data`, checks it
+# for NaNs, and assigns it back. FSDP2's merged weights come out wrong (0.06 off at world
+# 2, silently: strict xfail, it would pass if FSDP2 changed).
+@pytest.mark.parametrize("world,lora_bias,system", [
+    (2, False, "ours"), (3, False, "ours"), (2, True, "ours"), (3, True, "ours"),
+    pytest.param(2, False, "fsdp2", marks=pytest.mark.xfail(
+        strict=True, reason="FSDP2's safe merge writes wrong base weights"))])
+def test_lora_safe_merge(world, lora_bias, system):
+    assert run_distributed(lora_merge, world, "llama", "safe_merge", system, "optim_grads_params", lora_bias,
+                           timeout=240) == [True] * world
 
 
 @pytest.mark.parametrize("system", ["ours", "fsdp2"])

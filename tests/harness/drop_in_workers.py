@@ -699,6 +699,17 @@ def casts_and_piece_operands(rank: int, world: int) -> bool:
         vectors.w.data += vectors.v * 2
         vectors.w.data -= 0.5 * -vectors.v / 4
     torch.testing.assert_close(vectors.w.full_tensor(), w + 2 * v + v / 8)
+    # Operators between two parameters laid out differently (PEFT's safe merge of a LoRA
+    # bias: `bias + lora_B.bias * scaling`, assigned to the bias's `.data`): the other's
+    # values where this piece lies; the result keeps this piece's layout.
+    w, v = vectors.w.full_tensor(), vectors.v.full_tensor()
+    with torch.no_grad():
+        s = vectors.w + vectors.v * 2 - vectors.v.data / 4
+        t = 1 - vectors.v + vectors.w - vectors.w.float() * vectors.v
+        vectors.w.data = s
+        vectors.v.data.copy_(t)
+    torch.testing.assert_close(vectors.w.full_tensor(), w + 2 * v - v / 4)
+    torch.testing.assert_close(vectors.v.full_tensor(), 1 - v + w - w * v)
     raised = 0
     try:  # a plain tensor made from v's piece: elementwise, which fails on every rank here
         with torch.no_grad():
@@ -715,6 +726,25 @@ def casts_and_piece_operands(rank: int, world: int) -> bool:
     with torch.no_grad():
         lin.weight.data[...] += other.weight * 3
     torch.testing.assert_close(lin.weight.full_tensor(), a + 3 * b)
+    # Two parameters laid out alike meet piece for piece, with no collective (an EMA of a
+    # model sharded as its twin: `e.data.copy_(e.data * d + p.data * (1 - d))`).
+    from megatron_fsdp_ext import _C
+
+    a, b = lin.weight.full_tensor(), other.weight.full_tensor()
+    before = dict(_C.collective_counts())
+    with torch.no_grad():
+        lin.weight.data.copy_(lin.weight.data * 0.75 + other.weight.data * 0.25 - other.weight / 8)
+    assert dict(_C.collective_counts()) == before, (before, dict(_C.collective_counts()))
+    torch.testing.assert_close(lin.weight.full_tensor(), a * 0.75 + b / 8)
+    # A copy of `.data` is laid out as it is (PEFT's safe merge: the full delta added to a
+    # clone, checked, then assigned back); until then the parameter keeps its values.
+    a, delta = lin.weight.full_tensor(), torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        merged = lin.weight.data.clone()
+        merged += delta
+        torch.testing.assert_close(lin.weight.full_tensor(), a)
+        lin.weight.data = merged
+    torch.testing.assert_close(lin.weight.full_tensor(), a + delta)
     return True
 
 

@@ -32,8 +32,6 @@ def _lora(arch: str, lora_bias: bool = False):
 
     base = build(arch)
     if lora_bias:
-        import transformers
-
         torch.manual_seed(0)
         base = type(base)(type(base.config)(**{**base.config.to_dict(), "attention_bias": True, "mlp_bias": True}))
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_bias=lora_bias))
@@ -212,8 +210,8 @@ def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
 
     backup = _backup(model) if flow == "verl_backup" else None
     for m in (model, ref):
-        if flow == "merge_adapter":
-            m.merge_adapter()
+        if flow in ("merge_adapter", "safe_merge"):
+            m.merge_adapter(safe_merge=flow == "safe_merge")
         else:
             _verl_merge(m, merge=True)
     _same_values(model, system, ref, f"{what}, merged", changed_from=adapted)
@@ -230,7 +228,7 @@ def lora_merge(rank: int, world: int, arch: str, flow: str, system: str,
             assert torch.equal(full[k].cpu(), own_before[k].cpu()), f"{what}, {k} after the restore"
     else:
         for m in (model, ref):
-            if flow == "merge_adapter":
+            if flow in ("merge_adapter", "safe_merge"):
                 m.unmerge_adapter()
             else:
                 _verl_merge(m, merge=False)

@@ -299,6 +299,14 @@ class PieceData(torch.Tensor):
     def __setitem__(self, index, value) -> None:
         set_rows(self, *self._mfsdp_piece, index, value)
 
+    def clone(self, *args, **kwargs):
+        # A copy laid out like the piece (PEFT's safe merge adds the full delta to a clone
+        # of `.data`, then assigns it back): rows, full-shape operands and `p.data = copy`
+        # work on it as on `.data` itself.
+        with DisableTorchFunctionSubclass():
+            out = torch.Tensor.clone(self, *args, **kwargs)
+        return piece_data(out, *self._mfsdp_piece, param=self.__dict__.get("_mfsdp_param"))
+
     def __iter__(self):
         raise TypeError(f"iterating over .data of a fully_shard parameter of shape {self._mfsdp_piece[1]}: its values "
                         "are this rank's 1-D piece; iterate over full_tensor() (a collective) or the piece "
@@ -324,30 +332,58 @@ def _full_if_marked(a):
     return a
 
 
+def _is_sharded_param(a) -> bool:
+    """Whether `a` is a sharded parameter itself (not its `.data` or a cast of it)."""
+    return hasattr(type(a), "_mfsdp_piece_layout")
+
+
 def _of_another(a, param) -> bool:
     """Whether `a` is a piece of a sharded parameter other than `param` that does not
-    line up with `param`'s piece: a value marked as another parameter's (PieceCast), or
-    another parameter's `.data` laid out differently (TRL's sync of a reference model
-    sharded as one unit with a policy sharded per layer: `ref.data.mul_(1 - a).add_(
-    policy.data, alpha=a)`). Decided by types and by where the pieces lie on every rank,
-    so alike on every rank; `.data` of a parameter laid out alike stays elementwise."""
+    line up with `param`'s piece: another parameter itself, its `.data` or a value marked
+    as laid out like it (PieceCast), laid out differently (TRL's sync of a
+    reference model sharded as one unit with a policy sharded per layer: `ref.data.mul_(
+    1 - a).add_(policy.data, alpha=a)`; PEFT's safe merge of a LoRA bias: `bias + lora_B.bias
+    * scaling`). Decided by types and by where the pieces lie on every rank, so alike on
+    every rank; a parameter or `.data` laid out alike stays elementwise."""
+    other = piece_param(a)
+    return other is not None and param is not None and other is not param and \
+        other._mfsdp_piece_layout() != param._mfsdp_piece_layout()
+
+
+def piece_param(a):
+    """The sharded parameter whose piece `a` is (the parameter itself, its `.data`, or a
+    value marked as laid out like it: PieceCast), or None for any other value."""
     if not isinstance(a, torch.Tensor):
-        return False
+        return None
     source = getattr(a, "_mfsdp_cast_of", None)
     if source is not None:
-        return source is not param
+        return source
     if isinstance(a, PieceData):
-        other = a.__dict__.get("_mfsdp_param")
-        return other is not None and param is not None and other is not param and \
-            other._mfsdp_piece_layout() != param._mfsdp_piece_layout()
-    return False
+        return a.__dict__.get("_mfsdp_param")
+    return a if _is_sharded_param(a) else None
 
 
 def _full_value_of(a) -> torch.Tensor:
     """The full value of another parameter's piece (_of_another): a collective."""
     if isinstance(a, PieceData):
         return a.__dict__["_mfsdp_param"].full_tensor()
+    if _is_sharded_param(a):
+        return a.full_tensor()
     return a._mfsdp_full_value()
+
+
+def in_layout_of(param, a):
+    """`a` as an elementwise operand of `param`'s piece: another parameter's piece laid
+    out differently (_of_another) gives this rank's window of that parameter's full value
+    where `param`'s piece lies (a collective, decided alike on every rank); anything else
+    is `a` itself."""
+    if not _of_another(a, param):
+        return a
+    full = _full_value_of(a)
+    offset = param._piece_rows()[0]
+    with DisableTorchFunctionSubclass():
+        n = torch._C.TensorBase.numel(param)  # the piece's (the parameter reports its own shape)
+        return torch.Tensor.reshape(full, (-1,)).narrow(0, offset, n)
 
 
 def _by_rows_when_full(name: str):

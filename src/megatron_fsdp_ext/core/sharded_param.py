@@ -341,10 +341,11 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
 
 
 class PieceCast(torch.Tensor):
-    """A value laid out like a sharded parameter's piece and derived from it alone: its
-    cast (`p.float()`, `.double()`, `.half()`, `.bfloat16()`) or its product with a number
-    (`p * s`, `s * p`, `p / s`, `-p`, and those of a PieceCast). A plain tensor to every
-    op (torch function disabled) but two: its matrix product is of the full values (with
+    """A value laid out like a sharded parameter's piece: its cast (`p.float()`,
+    `.double()`, `.half()`, `.bfloat16()`), or an elementwise operator (`+ - * /`, `-p`) of
+    it with a number or with another parameter's piece (laid out alike, or else taken
+    from that parameter's full value where this piece lies), and those of a PieceCast.
+    A plain tensor to every op (torch function disabled) but two: its matrix product is of the full values (with
     another PieceCast or a sharded parameter, as the parameters' own product: PEFT's CPU
     merge of bf16 adapters) and refused with anything else (it would be of pieces); and as
     the operand of another parameter's `.data` in-place op it gives its full value
@@ -361,12 +362,14 @@ class PieceCast(torch.Tensor):
         return out
 
     @staticmethod
-    def scaled(source: "ShardedParameter", result, operand):
-        """`result` of an op of `source`'s piece with `operand`: marked as `source`'s where
-        the operand is a number (the layout is kept), plain otherwise."""
+    def elementwise(source: "ShardedParameter", result, operand):
+        """`result` of an elementwise op of `source`'s piece with `operand` (already in
+        `source`'s layout: piece_rows.in_layout_of): marked as laid out like `source`'s piece
+        where the operand is a number or such a piece; plain otherwise (a plain tensor of
+        the piece's shape may be anything)."""
         number = isinstance(operand, (int, float)) or (isinstance(operand, torch.Tensor) and operand.dim() == 0
-                                                        and not isinstance(operand, (PieceCast, ShardedParameter)))
-        if number and isinstance(result, torch.Tensor) and type(result) is torch.Tensor:
+                                                        and piece_rows.piece_param(operand) is None)
+        if (number or piece_rows.piece_param(operand) is not None) and type(result) is torch.Tensor:
             return PieceCast.of(source, result)
         return result
 
@@ -387,8 +390,8 @@ class PieceCast(torch.Tensor):
 
 
 def _parameter_of(x) -> ShardedParameter:
-    """The sharded parameter that `x` (one, or a PieceCast) is a piece of."""
-    return x if isinstance(x, ShardedParameter) else x._mfsdp_cast_of
+    """The sharded parameter that `x` (one, its `.data`, or a PieceCast) is a piece of."""
+    return piece_rows.piece_param(x)
 
 
 def _matmul(self, other, *args, **kwargs):
@@ -402,14 +405,28 @@ def _matmul(self, other, *args, **kwargs):
     return _full_product(self, other)
 
 
-def _keeping_parameter(name: str):
-    """Tensor's `name` (a product with a number, or a negation): the result keeps the
-    parameter (PieceCast.scaled). PEFT's merge adds `lora_B.bias * scaling` to the base
-    bias's `.data`, another parameter's piece, which PieceData takes as its full value."""
+def _elementwise(name: str):
+    """Tensor's operator `name` on a parameter's piece (or a PieceCast of it): another
+    parameter's piece laid out differently meets this one's as the part of its full value
+    where this piece lies (a collective, decided alike on every rank: PEFT's safe merge of
+    a LoRA bias, `bias + lora_B.bias * scaling`, where FSDP2's DTensors meet shard for
+    shard), and the result keeps the layout (PieceCast.elementwise). PEFT's merge adds
+    `lora_B.bias * scaling` to the base bias's `.data`, which PieceData takes as its full value."""
     op = getattr(torch.Tensor, name)
 
     def method(self, *operand):
-        return PieceCast.scaled(_parameter_of(self), op(self, *operand), operand[0] if operand else 1)
+        source = _parameter_of(self)
+        if source is None:  # `.data` of a parameter whose unit is gone: a plain piece
+            return op(self, *operand)
+        if not operand:
+            return PieceCast.elementwise(source, op(self), 1)
+        other = operand[0]
+        if isinstance(other, torch.Tensor):
+            other = piece_rows.in_layout_of(source, other)
+            if other is not operand[0]:
+                # Another parameter's values in this piece's layout: laid out alike.
+                return PieceCast.of(source, op(self, other))
+        return PieceCast.elementwise(source, op(self, other), other)
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -417,8 +434,12 @@ def _keeping_parameter(name: str):
 
 for _cls in (ShardedParameter, PieceCast):
     _cls.__matmul__ = _cls.matmul = _cls.mm = _matmul
-    for _name in ("__mul__", "__rmul__", "__truediv__", "__neg__"):
-        setattr(_cls, _name, _keeping_parameter(_name))
+
+_ELEMENTWISE = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+                "__neg__")
+for _cls in (ShardedParameter, PieceCast, piece_rows.PieceData):
+    for _name in _ELEMENTWISE:
+        setattr(_cls, _name, _elementwise(_name))
 
 
 def _full_value(x) -> torch.Tensor:
