@@ -337,6 +337,12 @@ def _is_sharded_param(a) -> bool:
     return hasattr(type(a), "_mfsdp_piece_layout")
 
 
+def _live(param):
+    """`param` while it belongs to a unit; None for a copy or a parameter whose unit is
+    gone (its piece is all it is: plain ops)."""
+    return param if param is not None and param._mfsdp_in_unit() else None
+
+
 def _of_another(a, param) -> bool:
     """Whether `a` is a piece of a sharded parameter other than `param` that does not
     line up with `param`'s piece: another parameter itself, its `.data` or a value marked
@@ -357,10 +363,10 @@ def piece_param(a):
         return None
     source = getattr(a, "_mfsdp_cast_of", None)
     if source is not None:
-        return source
+        return _live(source)
     if isinstance(a, PieceData):
-        return a.__dict__.get("_mfsdp_param")
-    return a if _is_sharded_param(a) else None
+        return _live(a.__dict__.get("_mfsdp_param"))
+    return _live(a) if _is_sharded_param(a) else None
 
 
 def _full_value_of(a) -> torch.Tensor:
@@ -379,8 +385,11 @@ def in_layout_of(param, a):
     is `a` itself."""
     if not _of_another(a, param):
         return a
+    try:
+        offset = param._piece_rows()[0]
+    except RuntimeError as e:  # a tensor-parallel piece: of this rank's TP shard, not of the parameter
+        raise RuntimeError(f"an operator between two fully_shard parameters laid out differently: {e}") from None
     full = _full_value_of(a)
-    offset = param._piece_rows()[0]
     with DisableTorchFunctionSubclass():
         n = torch._C.TensorBase.numel(param)  # the piece's (the parameter reports its own shape)
         return torch.Tensor.reshape(full, (-1,)).narrow(0, offset, n)

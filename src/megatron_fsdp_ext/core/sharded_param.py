@@ -205,6 +205,13 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
     def _face_kind(self) -> str:
         return "parameter"
 
+    def _mfsdp_in_unit(self) -> bool:
+        """Whether this parameter still belongs to a live unit (not a copy, nor left behind
+        by a unit that is gone)."""
+        owner = self.__dict__.get("_mfsdp_owner")
+        state = owner() if owner is not None else None
+        return state is not None and state.unit is not None
+
     def _mfsdp_piece_layout(self) -> tuple:
         """Where this parameter's piece lies on every rank of its unit's group (each rank's
         offset in the flattened parameter and length): two parameters' pieces align on
@@ -345,8 +352,8 @@ class PieceCast(torch.Tensor):
     `.double()`, `.half()`, `.bfloat16()`), or an elementwise operator (`+ - * /`, `-p`) of
     it with a number or with another parameter's piece (laid out alike, or else taken
     from that parameter's full value where this piece lies), and those of a PieceCast.
-    A plain tensor to every op (torch function disabled) but two: its matrix product is of the full values (with
-    another PieceCast or a sharded parameter, as the parameters' own product: PEFT's CPU
+    A plain tensor to every op (torch function disabled) but two: its matrix product is
+    of the full values (with another PieceCast or a sharded parameter, as the parameters' own product: PEFT's CPU
     merge of bf16 adapters) and refused with anything else (it would be of pieces); and as
     the operand of another parameter's `.data` in-place op it gives its full value
     (PieceData). `_mfsdp_cast_of`: the parameter."""
@@ -389,11 +396,6 @@ class PieceCast(torch.Tensor):
         return out
 
 
-def _parameter_of(x) -> ShardedParameter:
-    """The sharded parameter that `x` (one, its `.data`, or a PieceCast) is a piece of."""
-    return piece_rows.piece_param(x)
-
-
 def _matmul(self, other, *args, **kwargs):
     # A product of two sharded parameters (or their casts) is of their full values (a
     # collective, on every rank of both units' groups), as FSDP2's DTensor product: PEFT's
@@ -401,22 +403,24 @@ def _matmul(self, other, *args, **kwargs):
     # `.data`, which takes this rank's part (piece_rows.PieceData). With anything else, or
     # as in-place product, the pieces would meet: refused (LogicalShape).
     if not isinstance(other, (ShardedParameter, PieceCast)) or args or kwargs:
-        return _parameter_of(self)._refuse_matmul(other, *args, **kwargs)
+        owner = self if isinstance(self, ShardedParameter) else self._mfsdp_cast_of
+        return owner._refuse_matmul(other, *args, **kwargs)
     return _full_product(self, other)
 
 
 def _elementwise(name: str):
-    """Tensor's operator `name` on a parameter's piece (or a PieceCast of it): another
-    parameter's piece laid out differently meets this one's as the part of its full value
-    where this piece lies (a collective, decided alike on every rank: PEFT's safe merge of
-    a LoRA bias, `bias + lora_B.bias * scaling`, where FSDP2's DTensors meet shard for
-    shard), and the result keeps the layout (PieceCast.elementwise). PEFT's merge adds
-    `lora_B.bias * scaling` to the base bias's `.data`, which PieceData takes as its full value."""
+    """Tensor's operator `name` on a parameter's piece (the parameter, its `.data`, or a
+    PieceCast of it): another parameter's piece laid out differently meets this one's as
+    the part of its full value where this piece lies (a collective, decided alike on every
+    rank: PEFT's safe merge of a LoRA bias, `bias + lora_B.bias * scaling`, where FSDP2's
+    DTensors meet shard for shard), and the result keeps the layout (PieceCast.elementwise),
+    so `.data`'s in-place ops take it as that parameter's (PEFT's merge: `bias.data +=
+    lora_B.bias * scaling`, its full value)."""
     op = getattr(torch.Tensor, name)
 
     def method(self, *operand):
-        source = _parameter_of(self)
-        if source is None:  # `.data` of a parameter whose unit is gone: a plain piece
+        source = piece_rows.piece_param(self)
+        if source is None:  # a copy, or a parameter whose unit is gone: a plain piece
             return op(self, *operand)
         if not operand:
             return PieceCast.elementwise(source, op(self), 1)
