@@ -1,9 +1,7 @@
 """megatron_fsdp_ext: Fully Sharded Data Parallel for PyTorch with a C++/CUDA core."""
-from __future__ import annotations
-
 __version__ = "0.1.0"
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+import torch as _torch  # noqa: F401  (loads libtorch before the extension)
 
 try:
     from . import _C  # noqa: F401

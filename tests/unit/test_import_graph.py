@@ -159,3 +159,22 @@ def test_only_the_state_writes_param_init():
             writers += [f"{path.name}:{node.lineno}" for t in targets
                         if isinstance(t, ast.Attribute) and t.attr == "param_init"]
     assert writers and all(w.startswith("hooks.py:") for w in writers), writers
+
+
+def test_public_namespace_is_the_api_and_its_modules():
+    """`dir(megatron_fsdp_ext)` without underscores is `__all__` plus the package's own
+    modules: nothing leaks from its imports (`torch`, `annotations`, `sys`) for a user's
+    `from megatron_fsdp_ext import *` or tab completion to pick up."""
+    import types
+
+    leaked = []
+    for name in dir(megatron_fsdp_ext):
+        if name.startswith("_") or name in megatron_fsdp_ext.__all__:
+            continue
+        value = getattr(megatron_fsdp_ext, name)
+        if isinstance(value, types.ModuleType) and value.__name__.startswith("megatron_fsdp_ext."):
+            continue
+        leaked.append(name)
+    assert not leaked, f"names that are neither the API nor the package's modules: {leaked}"
+    for name in megatron_fsdp_ext.__all__:
+        assert hasattr(megatron_fsdp_ext, name), f"__all__ names {name!r}, which the package lacks"
