@@ -88,3 +88,22 @@ def test_casts_and_other_parameters_pieces_as_operands():
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_model_sync_across_unit_layouts(world):
     assert run_distributed(w.reference_model_sync, world, timeout=120) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ema_across_layouts_and_parameter_vectors_match_one_process(world):
+    """EMA code updating a copy sharded as one unit from a model sharded per layer
+    (`e.lerp_(p, w)`, `e.mul_(d).add_(p, alpha=)`, `e.data.lerp_(p.data, w)`,
+    `e.copy_(e * d + p * w)`, `e -= w * (e - p)`): before, the pieces met elementwise
+    (a shape error, or silently wrong where lengths agreed). torch's parameters_to_vector
+    of parameters and gradients gave this rank's fragment (a local norm, silently);
+    vector_to_parameters is refused by name on every rank and the full-value spelling it
+    names writes the vector back."""
+    worst = run_distributed(w.ema_and_vectors_across_layouts, world, timeout=180)[0]
+    assert set(worst) == {"grad_vector", "grad_vector_norm", "param_vector", "vector_to_parameters", "ema_lerp_",
+                          "ema_mul_add_", "ema_data_lerp_", "ema_copy_of_operators", "ema_isub_"}, worst
+    assert max(worst.values()) < 1e-6, worst
+
+
+def test_prune_and_parametrize_on_a_unit_are_refused_by_name():
+    assert run_distributed(w.prune_and_parametrize_refused, 2, timeout=120) == [True, True]

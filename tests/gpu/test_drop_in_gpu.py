@@ -62,6 +62,18 @@ def test_casts_and_other_parameters_pieces_as_operands_gpu():
     assert run_distributed(w.casts_and_piece_operands, WORLD, **GPU, timeout=240) == [True] * WORLD
 
 
+def test_ema_across_layouts_and_parameter_vectors_gpu():
+    """An EMA sharded otherwise than the trained model (in-place ops between layouts),
+    parameters_to_vector of parameters and gradients, vector_to_parameters refused: on
+    device tensors, against one plain process on the same device."""
+    for worst in run_distributed(w.ema_and_vectors_across_layouts, WORLD, **GPU, timeout=240):
+        assert len(worst) == 9 and all(v < 1e-5 for v in worst.values()), worst
+
+
+def test_prune_and_parametrize_on_a_unit_are_refused_gpu():
+    assert run_distributed(w.prune_and_parametrize_refused, WORLD, **GPU, timeout=240) == [True] * WORLD
+
+
 def test_compiled_optimizer_step_with_inductor_gpu():
     """torch.compile (inductor, CUDA) of AdamW's step over sharded parameters trains as
     plain PyTorch and does not recompile every step."""

@@ -785,3 +785,122 @@ def reference_model_sync(rank: int, world: int) -> bool:
         for k, v in plain_ref.state_dict().items():
             torch.testing.assert_close(full[k].to(device), v, msg=lambda m: f"{k}: {m}")
     return True
+
+
+def ema_and_vectors_across_layouts(rank: int, world: int) -> dict:
+    """An EMA of a model trained per layer, kept in a copy sharded as one unit (its pieces
+    lie elsewhere than the trained model's on every rank), updated in the spellings EMA code
+    uses; and torch's parameters_to_vector / vector_to_parameters of the parameters and of
+    the gradients. Against one plain process doing the same: worst absolute error per check."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(device)
+    spellings = ["lerp_", "mul_add_", "data_lerp_", "copy_of_operators", "isub_"]
+    ref_emas = {s: copy.deepcopy(ref) for s in spellings}
+    model = copy.deepcopy(ref)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(model)
+    emas = {s: mfsdp.fully_shard(copy.deepcopy(ref)) for s in spellings}  # one unit each
+    worst = {}
+
+    def note(key, got, want):
+        worst[key] = max(worst.get(key, 0.0), float((got - want).abs().max()))
+
+    def update(ema, source, d, spelling):
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), source.parameters()):
+                if spelling == "lerp_":
+                    e.lerp_(p, 1 - d)
+                elif spelling == "mul_add_":
+                    e.mul_(d).add_(p, alpha=1 - d)
+                elif spelling == "data_lerp_":
+                    e.data.lerp_(p.data, 1 - d)
+                elif spelling == "copy_of_operators":
+                    e.copy_(e * d + p * (1 - d))
+                else:
+                    e -= (1 - d) * (e - p)
+
+    # The EMA starts as the trained model's values, copied parameter by parameter.
+    with torch.no_grad():
+        for s in spellings:
+            for e, p in zip(ref_emas[s].parameters(), ref.parameters()):
+                e.copy_(p)
+            for e, p in zip(emas[s].parameters(), model.parameters()):
+                e.copy_(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=g).to(device)
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        note("grad_vector", parameters_to_vector([p.grad for p in model.parameters()]),
+             parameters_to_vector([p.grad for p in ref.parameters()]))
+        note("grad_vector_norm", parameters_to_vector([p.grad for p in model.parameters()]).norm(),
+             parameters_to_vector([p.grad for p in ref.parameters()]).norm())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            note("param_vector", parameters_to_vector(model.parameters()), parameters_to_vector(ref.parameters()))
+        for s in spellings:
+            update(emas[s], model, 0.8, s)
+            update(ref_emas[s], ref, 0.8, s)
+            for e, r in zip(emas[s].parameters(), ref_emas[s].parameters()):
+                note(f"ema_{s}", e.full_tensor(), r)
+    # A vector of the whole model written back, as a line search or a weight sync does:
+    # torch's vector_to_parameters is refused by name on every rank (its view_as sees the
+    # piece), before it writes anything; the full-value spelling it names does the same.
+    with torch.no_grad():
+        vector = parameters_to_vector(model.parameters()) * 0.5 + 1
+        try:
+            vector_to_parameters(vector, model.parameters())
+        except NotImplementedError as e:
+            assert "vector_to_parameters" in str(e) and "p.data = vec" in str(e), e
+        else:
+            raise AssertionError("vector_to_parameters on sharded parameters was not refused")
+        i = 0
+        for p in model.parameters():
+            p.data = vector[i:i + p.numel()].view(p.shape)
+            i += p.numel()
+        vector_to_parameters(parameters_to_vector(ref.parameters()) * 0.5 + 1, ref.parameters())
+    for p, r in zip(model.parameters(), ref.parameters()):
+        note("vector_to_parameters", p.full_tensor(), r)
+    return worst
+
+
+def prune_and_parametrize_refused(rank: int, world: int) -> bool:
+    """torch.nn.utils.prune and torch.nn.utils.parametrize on a module inside a unit are
+    refused by name on every rank before they move anything (before: prune's mask was of
+    piece elements, one rank failed in topk and the others hung at the next gather), the
+    model keeps training as one plain process does; a parameter deleted from its module is
+    refused by name at the next forward."""
+    from torch.nn.utils import parametrize, prune
+
+    device = device_for_backend()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2)).to(device)
+    model = copy.deepcopy(ref)
+    for layer in (model[0], model[2]):
+        mfsdp.fully_shard(layer)
+    mfsdp.fully_shard(model)
+    expect_error(lambda: prune.l1_unstructured(model[0], "weight", amount=0.3), NotImplementedError,
+                 "parameter 'weight'", "as 'weight_orig'", "torch.nn.utils.prune")
+    expect_error(lambda: parametrize.register_parametrization(model[2], "weight", nn.Identity()),
+                 NotImplementedError, "parameter 'weight'", "as 'original'", "ParametrizationList")
+    assert set(model[0]._parameters) == {"weight", "bias"} and not parametrize.is_parametrized(model[2])
+    # Assigning a parameter to its own slot again passes.
+    model[0].weight = model[0].weight
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1)).to(device)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+    del model[2].bias
+    expect_error(lambda: model(x), ValueError, "parameter 'bias'", "removed from its module")
+    return True

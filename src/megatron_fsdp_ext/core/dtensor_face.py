@@ -35,6 +35,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import piece_rows
 
+_PARAMETERS_TO_VECTOR = torch.nn.utils.convert_parameters.parameters_to_vector.__code__
+_VECTOR_TO_PARAMETERS = torch.nn.utils.convert_parameters.vector_to_parameters.__code__
+
 
 class FlatShard(Shard):
     """The placement of a sharded parameter on its data-parallel shard dim. For torch's
@@ -126,9 +129,28 @@ class LogicalShape:
         return len(self._reported_shape())
 
     def numel(self) -> int:
+        if sys._getframe(1).f_code is _VECTOR_TO_PARAMETERS and not self._piece_rows()[2]:
+            # It writes `vec[i:i + p.numel()].view_as(p)`: view_as takes the piece's shape,
+            # so it would fail on the ranks whose piece is shorter and write the others.
+            raise NotImplementedError(
+                f"torch's vector_to_parameters on a fully_shard parameter of shape {tuple(self._logical_shape())}: "
+                "it reshapes each slice of the vector by view_as, which sees this rank's piece. Write the vector "
+                "back as full values: `p.data = vec[i:i + p.numel()].view(p.shape)` for each parameter (every "
+                "rank keeps its part; parameters_to_vector gives the full vector)")
         return math.prod(self._reported_shape())
 
     nelement = numel
+
+    def view(self, *shape):
+        # torch's parameters_to_vector flattens each parameter (or gradient) by view(-1)
+        # and concatenates them: of pieces, that is this rank's fragment of the vector,
+        # whose length and norm are local, silently. FSDP2's DTensors concatenate to the
+        # full vector; so do these, each by its full value (a collective: the function
+        # runs on every rank over the same parameters). Every other view is the piece's.
+        if sys._getframe(1).f_code is _PARAMETERS_TO_VECTOR and hasattr(self, "_face_full_tensor") \
+                and _tracing_context() is None:
+            return self._face_full_tensor().reshape(-1)
+        return torch.Tensor.view(self, *shape)
 
     def __iter__(self):
         # torch iterates by unbind(0), which runs on the piece: another count of rows on

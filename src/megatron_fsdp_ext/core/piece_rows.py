@@ -430,7 +430,7 @@ def _by_rows_when_full(name: str):
     return op
 
 
-for _name in ("copy_", "add_", "sub_", "mul_", "div_", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+for _name in ("copy_", "add_", "sub_", "mul_", "div_", "lerp_", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
     setattr(PieceData, _name, _by_rows_when_full(_name))
 
 

@@ -268,8 +268,14 @@ def adopt_replaced_params(state, replaced_slots) -> None:
     for slot in replaced_slots:
         index = state.slots.param_index(slot)
         params_dict, name = state.slots.params_dict(slot), str(state.slots.name(slot))
-        new = params_dict[name]
         what = f"parameter '{state.names[index]}' of {state}"
+        if name not in params_dict:
+            # `del module.weight`, or a reparametrization that moved it (decided by the
+            # module's slots, alike on every rank).
+            raise ValueError(
+                f"{what} was removed from its module (its slot '{name}' is gone): a unit gathers its parameters "
+                "into their own slots only. Remove or reparametrize parameters before fully_shard")
+        new = params_dict[name]
         if not isinstance(new, torch.Tensor):
             raise ValueError(f"{what} was replaced by a {type(new).__name__}, not a tensor")
         owner = getattr(new, "_mfsdp_owner", None)

@@ -436,8 +436,35 @@ def _elementwise(name: str):
     return method
 
 
+def _in_place(name: str):
+    """Tensor's in-place op `name` on a sharded parameter itself (under torch.no_grad()):
+    another parameter's piece laid out differently meets this one as the part of that
+    parameter's full value where this piece lies (piece_rows.in_layout_of: a collective,
+    decided alike on every rank), as `.data`'s in-place ops take it. An EMA model sharded
+    as one unit beside a model trained per layer (`ema.lerp_(p, 1 - d)`,
+    `ema.mul_(d).add_(p, alpha=1 - d)`, `ema.copy_(p)`): on the pieces these would mix
+    elements of different positions, silently where the pieces' lengths agree. Pieces laid
+    out alike, gradients, numbers and plain tensors go to torch's op as they are (an
+    optimizer's per-parameter step pays one type check per operand)."""
+    op = getattr(torch.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        source = None if torch.compiler.is_compiling() else piece_rows.piece_param(self)
+        if source is not None:
+            args = tuple(piece_rows.in_layout_of(source, a) for a in args)
+            if kwargs:
+                kwargs = {k: piece_rows.in_layout_of(source, v) for k, v in kwargs.items()}
+        return op(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 for _cls in (ShardedParameter, PieceCast):
     _cls.__matmul__ = _cls.matmul = _cls.mm = _matmul
+
+for _name in ("copy_", "add_", "sub_", "mul_", "div_", "lerp_", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+    setattr(ShardedParameter, _name, _in_place(_name))
 
 _ELEMENTWISE = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
                 "__neg__")
@@ -480,6 +507,35 @@ class _NoGradientThroughFullProduct(torch.autograd.Function):
             "backward through a matrix product of two fully_shard parameters (p @ q outside their units' "
             "forward): the product is of their full values on every rank, and a gradient through it is not "
             "supported. Compute it inside a module's forward (a unit of both), or under torch.no_grad()")
+
+
+def _refuse_moved_registration(module: nn.Module, name: str, param) -> None:
+    """torch's global parameter-registration hook: a sharded parameter of a live unit
+    registered again under another name of the module that holds it
+    (torch.nn.utils.prune's `weight_orig`), or into a parametrization
+    (torch.nn.utils.parametrize's `original`), is refused by name before anything moves.
+    Both compute the module's tensor from it in a hook of their own, on this rank's piece:
+    the pruning mask is of piece elements (some ranks fail, the others wait in the next
+    gather). Decided by the modules' slots, alike on every rank. Assigning a parameter to
+    its own slot again (a re-tie of tied weights) passes."""
+    if not isinstance(param, ShardedParameter) or module._parameters.get(name) is param \
+            or not param._mfsdp_in_unit():
+        return None
+    from torch.nn.utils import parametrize
+
+    renamed = any(p is param for p in module._parameters.values())
+    if renamed or isinstance(module, parametrize.ParametrizationList):
+        state, index = param._owner()
+        raise NotImplementedError(
+            f"registering parameter '{state.names[index]}' of {state} again as '{name}' of a "
+            f"{type(module).__name__} (what torch.nn.utils.prune and torch.nn.utils.parametrize do, to compute the "
+            "module's tensor from it in a hook of their own): inside a fully_shard unit the parameter is this "
+            "rank's piece, gathered only into its own slot. Prune or parametrize before fully_shard and make it "
+            "permanent (prune.remove, parametrize.remove_parametrizations), or apply the mask in the module's forward")
+    return None
+
+
+nn.modules.module.register_module_parameter_registration_hook(_refuse_moved_registration)
 
 
 # torch's optimizers take their foreach and fused paths, and clip_grad_norm_ its foreach
