@@ -79,6 +79,16 @@ def test_gradient_idioms_of_training_scripts_give_one_process_results():
     assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, 2, timeout=180))
 
 
+@pytest.mark.parametrize("layout,world", [("units", 2), ("units", 3), ("hsdp", 4)])
+def test_gradient_statistics_are_global_like_one_process(layout, world):
+    """Sums, means, maxima, std, counts and finiteness checks of gradient pieces are the
+    whole gradient's on every rank (FSDP2's DTensors give these; pieces gave each rank's
+    own, silently), and a NaN on one rank's piece skips the step on every rank."""
+    worst = run_distributed(w.gradient_statistics, world, layout, timeout=180)
+    assert all(r == worst[0] for r in worst), worst  # every rank saw the same values
+    assert len(worst[0]) == 17 and max(worst[0].values()) < 1e-5, worst[0]
+
+
 def test_optimizers_known_to_need_whole_parameters_are_refused_by_name():
     run_distributed(w.trust_ratio_optimizers_refused, 2, timeout=120)
 

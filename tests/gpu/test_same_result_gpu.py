@@ -3,7 +3,7 @@
 step (against FSDP2 with the same mixed precision), and units called on inputs that need
 no gradient, tied embeddings in a unit of several modules and dataclass outputs train
 like one plain process, and so do training scripts' gradient idioms and an EMA swap
-through `.data`."""
+through `.data`, and reductions of gradients besides their norm."""
 import pytest
 import torch
 
@@ -69,3 +69,12 @@ def test_a_freeze_between_forward_and_backward_holds_gpu(strategy):
 @pytest.mark.dtensor_collectives
 def test_row_writes_land_in_the_rows_gpu(strategy):
     run_distributed(w.row_writes, WORLD, strategy, **GPU, timeout=240)
+
+
+def test_gradient_statistics_are_global_gpu():
+    """Sums, means, maxima, std, counts and NaN checks of gradients (a NaN in one rank's
+    piece: NCCL's MAX with the NaN flag) on device tensors, against one plain process."""
+    worst = run_distributed(w.gradient_statistics, WORLD, "units", **GPU, timeout=240)
+    assert all(r == worst[0] for r in worst), worst
+    assert len(worst[0]) == 17 and max(worst[0].values()) < 1e-5, worst[0]
+

@@ -447,6 +447,79 @@ def gradient_idioms(rank, world):
     return worst
 
 
+def _read(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else x
+
+
+def gradient_statistics(rank, world, layout: str):
+    """Reductions of gradients besides their norm, as training scripts log and check them
+    (`sum((p.grad ** 2).sum() ...)`, `p.grad.abs().max()`, `torch.isfinite(p.grad).all()`
+    before a step, mean / std / count), against one plain process on the whole batch:
+    FSDP2's DTensor gradients give these; our pieces gave each rank's own, silently (a
+    NaN check skipped the step on some ranks only). A NaN in one row must be seen by every
+    rank, and a step skipped on it skipped everywhere. `layout`: "units" (a unit per
+    block and the root) or "hsdp" (the same over a 2 x world/2 mesh). Returns the worst
+    absolute error per statistic (booleans as 0/1)."""
+    from .workers import expect_error
+
+    kwargs = {}
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh(device_for_backend().type, (2, world // 2),
+                                          mesh_dim_names=("replicate", "shard"))
+    device = device_for_backend()
+    plain = _three_blocks().to(device)
+    model = _shard_blocks(copy.deepcopy(plain), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    stats = {
+        "sq_sum": lambda ps: sum((p.grad ** 2).sum() for p in ps),
+        "stacked_pow_sum": lambda ps: torch.stack([p.grad.pow(2).sum() for p in ps]).sum().sqrt(),
+        "abs_max": lambda ps: max(p.grad.abs().max() for p in ps),
+        "stacked_amax": lambda ps: torch.stack([p.grad.abs().amax() for p in ps]).max(),
+        "sum": lambda ps: sum(torch.sum(p.grad) for p in ps),
+        "mean": lambda ps: torch.stack([p.grad.mean() for p in ps]),
+        "mean_f64": lambda ps: torch.stack([p.grad.mean(dtype=torch.float64) for p in ps]),
+        "min": lambda ps: min(p.grad.min() for p in ps),
+        "count_positive": lambda ps: sum(torch.count_nonzero(p.grad > 0) for p in ps),
+        "std": lambda ps: torch.stack([p.grad.std() for p in ps]),
+        "var_biased": lambda ps: torch.stack([p.grad.var(correction=0) for p in ps]),
+        "grad_dot_param": lambda ps: sum((p.grad * p.detach()).sum() for p in ps),
+        "float_abs_sum": lambda ps: sum(p.grad.float().abs().sum() for p in ps),
+        "bias_sum_dim0": lambda ps: torch.stack([p.grad.sum(dim=0) for p in ps if p.ndim == 1]),
+        "finite_each": lambda ps: torch.stack([torch.isfinite(p.grad).all() for p in ps]).float(),
+        "nan_any": lambda ps: float(any(bool(torch.isnan(p.grad).any()) for p in ps)),
+    }
+    worst = {}
+    for step in range(3):
+        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step)).to(device)
+        (sum(plain(batch[r]).pow(2).mean() for r in range(world)) / world).backward()
+        model(batch[rank]).pow(2).mean().backward()
+        if step == 1:  # a NaN in one row of the middle weight: on one rank's piece only
+            with torch.no_grad():
+                model[2].weight.grad[5] = float("nan")
+                plain[2].weight.grad[5] = float("nan")
+        with torch.no_grad():
+            for name, f in stats.items():
+                # read as scripts read them (.tolist() / .item(): on every rank)
+                got = torch.tensor(_read(f(list(model.parameters()))), dtype=torch.float64)
+                want = torch.tensor(_read(f(list(plain.parameters()))), dtype=torch.float64)
+                assert torch.equal(torch.isnan(got), torch.isnan(want)), f"step {step} {name}: {got} vs {want}"
+                err = float((got - want).nan_to_num().abs().max())
+                worst[name] = max(worst.get(name, 0.0), err)
+        expect_error(lambda: model[0].weight.grad.sum(dim=0), NotImplementedError, "dim=0", "1-D piece",
+                     "full_tensor")
+        for m, o in ((model, opt), (plain, ref_opt)):  # an AMP-style skip of a non-finite step
+            if all(bool(torch.isfinite(p.grad).all()) for p in m.parameters()):
+                o.step()
+            o.zero_grad()
+    full = mfsdp.full_state_dict(model, rank0_only=False)  # our gather: no DTensor collectives
+    for name, q in plain.named_parameters():
+        worst["params_after"] = max(worst.get("params_after", 0.0),
+                                    float((full[name].to(q.device) - q.detach()).abs().max()))
+    return worst
+
+
 class Lamb(torch.optim.SGD):
     """Stands for timm's / apex's LAMB (known by class name; its step is never reached)."""
 

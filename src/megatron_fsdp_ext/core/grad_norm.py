@@ -21,6 +21,12 @@ intercepts only the norm path:
   found_inf over the gradients' domains, so every rank skips a step alike.
 - `g.detach()` and `g.data` are the same piece and keep its type (a DTensor's stay
   DTensors), so norms of them are global too.
+- elementwise ops (`g ** 2`, `g.abs()`, `g * p`, `torch.isfinite(g)`, casts) keep the
+  type: the result is a piece laid out as the gradient, as DTensor arithmetic stays Shard;
+- whole-tensor reductions of such a piece (`sum`, `mean`, `amax`/`max()`, `amin`/`min()`,
+  `all`, `any`, `count_nonzero`, `prod`) return a `PartialStat`, reduced over the domain
+  when used (as DTensor's Partial); `std`/`var` reduce at once. Along a dim of a parameter
+  of 2 or more dims they are refused: the piece is 1-D.
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
 outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`. A plain tensor of the
 piece's shape assigned as a parameter's gradient (`p.grad = p.grad / 2`) takes the
@@ -151,6 +157,11 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
             # BEiT's `torch.norm(torch.stack([torch.norm(p.grad.detach()) ...]))`).
             return torch.Tensor.as_subclass(_plain_call(func, args, kwargs), type(args[0]))
         _refuse_full_shape_meeting_piece(func, args)
+        if func in _ELEMENTWISE:
+            return _elementwise(func, args, kwargs)
+        reduction = _REDUCTIONS.get(func)
+        if reduction is not None and isinstance(args[0], ShardedGrad):
+            return _reduce_piece(func, reduction, args, kwargs)
         return _plain_call(func, args, kwargs)
 
 
@@ -386,7 +397,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
 
 
 def _stack(tensors, dim=0, *, out=None):
-    tensors = list(tensors)
+    tensors = _resolve_stats(list(tensors))
     with DisableTorchFunctionSubclass():
         scalars = all(torch._C.TensorBase.dim(t) == 0 for t in tensors)
     if out is not None or dim != 0 or not scalars:
@@ -493,6 +504,8 @@ def _resolve_partials(tree):
     from torch.utils._pytree import tree_map
 
     def resolve(t):
+        if isinstance(t, PartialStat):
+            return _resolve_stat(t)
         if isinstance(t, PartialNorm):
             return _reduce_vector(_stack([t]), type(t).ord) if t._is_partial() else \
                 torch.Tensor.as_subclass(t, torch.Tensor)
@@ -544,6 +557,227 @@ def _amp_unscale(grads, found_inf, inv_scale):
         for group in domain.groups:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         found_inf.copy_(flag)
+
+
+# Reductions of a gradient besides its norm. A gradient piece is elements [a, b) of the
+# parameter flattened, so an elementwise op of it (with numbers, 0-dim tensors or tensors
+# of the piece's own shape: the parameter's piece, another gradient laid out alike) is
+# the same elements of the op's full result, and a whole-tensor reduction of that is this
+# rank's share of the full reduction. FSDP2's DTensor gradients give the global value
+# (Partial, reduced when used); on plain pieces `(g ** 2).sum()`, `g.abs().max()` or
+# `torch.isfinite(g).all()` were each rank's own, silently: a rank-local NaN check makes
+# the ranks take different branches.
+
+class PartialStat(_NormValue):
+    """A whole-tensor reduction (0-dim) of this rank's piece: `kind` ("sum", "max", "min",
+    "prod") says how the pieces' values combine over `domain`; `divisor` divides the
+    combined value (a mean: the parameter's number of elements)."""
+
+    domain: Optional[ReductionDomain] = None
+    kind: str = "sum"
+    divisor: int = 1
+
+    def _is_partial(self) -> bool:
+        return True
+
+    def _same_kind(self, out: torch.Tensor) -> torch.Tensor:
+        out.__class__ = type(self)
+        return out
+
+
+_STAT_CLASSES: Dict[tuple, type] = {}
+
+
+def _stat_class(domain: ReductionDomain, kind: str, divisor: int) -> type:
+    key = (id(domain), kind, divisor)
+    cls = _STAT_CLASSES.get(key)
+    if cls is None:
+        cls = type("PartialStat", (PartialStat,), {"domain": domain, "kind": kind, "divisor": divisor,
+                                                   "__module__": __name__})
+        _STAT_CLASSES[key] = cls
+    return cls
+
+
+def _elementwise(func, args, kwargs):
+    """An elementwise op with a gradient piece among its operands: a piece of the same
+    layout (the first piece's ShardedGrad type) when every other tensor operand is 0-dim
+    or of the piece's shape; a plain result otherwise (broadcast against something else)."""
+    first = None
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, ShardedGrad):
+            if first is None:
+                first = t
+            elif type(t).domain is not type(first).domain:
+                raise RuntimeError(
+                    f"megatron_fsdp_ext: {getattr(func, '__name__', func)} combines fully_shard gradients split over "
+                    f"different process groups ({type(first).domain} and {type(t).domain}): their pieces hold "
+                    "different elements. Combine their full_tensor()s, or reduce each on its own")
+    out = _plain_call(func, args, kwargs)
+    if first is None or not isinstance(out, torch.Tensor):
+        return out
+    shape = local_shape(first)
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, torch.Tensor) and not isinstance(t, ShardedGrad) and t.dim() != 0 \
+                and local_shape(t) != shape:
+            return out
+    if local_shape(out) != shape:
+        return out
+    return torch.Tensor.as_subclass(out, type(first))
+
+
+def _identity(kind: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """What an empty piece adds to a combination of `kind` (torch refuses max/min of nothing)."""
+    if kind == "max":
+        value = -math.inf if dtype.is_floating_point else (False if dtype == torch.bool else torch.iinfo(dtype).min)
+    elif kind == "min":
+        value = math.inf if dtype.is_floating_point else (True if dtype == torch.bool else torch.iinfo(dtype).max)
+    else:
+        value = 1 if kind == "prod" else 0
+    return torch.full((), value, dtype=dtype, device=device)
+
+
+def _reduce_over(value: torch.Tensor, kind: str, domain: ReductionDomain) -> torch.Tensor:
+    """`value` (this rank's share) combined over every group of `domain`."""
+    dtype, device = value.dtype, value.device
+    part = value.to(domain.device)
+    if kind in ("max", "min") and part.dtype.is_floating_point:
+        ord = math.inf if kind == "max" else -math.inf  # NaN-aware max / min
+        for group in domain.groups:
+            part = all_reduce_power_sum(part, ord, group)
+        return part.to(device=device, dtype=dtype)
+    if part.dtype == torch.bool:
+        part = part.to(torch.int32)
+    op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+          "prod": dist.ReduceOp.PRODUCT}[kind]
+    part = part.clone()
+    for group in domain.groups:
+        dist.all_reduce(part, op=op, group=group)
+    return part.to(device=device, dtype=dtype)
+
+
+def _resolve_stats(tensors: list) -> list:
+    """`tensors` with their PartialStats reduced: one all-reduce per domain and kind for
+    the whole list (`torch.stack([g.pow(2).sum() for g in grads])`), in the list's order
+    of first appearance, the same on every rank."""
+    groups: Dict[tuple, list] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, PartialStat):
+            groups.setdefault((id(type(t).domain), type(t).kind, t.dtype), []).append(i)
+    if not groups:
+        return tensors
+    out = list(tensors)
+    with DisableTorchFunctionSubclass():
+        for idx in groups.values():
+            cls = type(tensors[idx[0]])
+            local = torch.stack([torch.Tensor.as_subclass(tensors[i], torch.Tensor) for i in idx])
+            total = _reduce_over(local, cls.kind, cls.domain)
+            for j, i in enumerate(idx):
+                divisor = type(tensors[i]).divisor
+                out[i] = total[j] / divisor if divisor != 1 else total[j]
+    return out
+
+
+def _resolve_stat(x: "PartialStat") -> torch.Tensor:
+    with DisableTorchFunctionSubclass():
+        local = torch.Tensor.as_subclass(x, torch.Tensor)
+        cls = type(x)
+        total = _reduce_over(local, cls.kind, cls.domain)
+        return total / cls.divisor if cls.divisor != 1 else total
+
+
+def _dim_of(args, kwargs):
+    """The dim argument of a reduction call, or None (max/min with a tensor second argument
+    are the elementwise maximum/minimum: not a dim)."""
+    dim = kwargs.get("dim")
+    if dim is None and len(args) > 1 and not isinstance(args[1], (torch.Tensor, torch.dtype)):
+        dim = args[1]
+    return dim
+
+
+def _reduce_piece(func, reduction, args, kwargs):
+    x, kind = args[0], reduction
+    cls = type(x)
+    name = getattr(func, "__name__", str(func))
+    if kind in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return _elementwise(func, args, kwargs)  # torch.max(a, b): elementwise
+    dim = _dim_of(args, kwargs)
+    face = cls.face_shape
+    if dim is not None:
+        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        whole = len(face) <= 1 and all(d in (0, -1) for d in dims) and not kwargs.get("keepdim", False) \
+            and (len(args) < 3 or args[2] is False) and kind in ("sum", "mean", "var", "std", "all", "any", "prod",
+                                                               "amax", "amin", "count")
+        if not whole:
+            raise NotImplementedError(
+                f"megatron_fsdp_ext: {name}(dim={dim}) of a fully_shard gradient of shape {tuple(face)}: this rank "
+                "holds a 1-D piece of the parameter flattened, not its rows or columns. Reduce the whole gradient "
+                "(no dim: the global value, as of FSDP2's DTensor), or take g.full_tensor() first (a collective)")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
+        args = args[:1]
+    if cls.domain is None:  # a replicated gradient: the piece is the whole of it
+        return _plain_call(func, args, kwargs)
+    if kind in ("var", "std"):
+        return _variance(x, name, kwargs, kind == "std")
+    with DisableTorchFunctionSubclass():
+        piece = torch.Tensor.as_subclass(x, torch.Tensor)
+        if kind == "mean":
+            local = torch.sum(piece, dtype=kwargs.get("dtype"))
+            if not local.dtype.is_floating_point:
+                raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be floating point, "
+                                   f"got {piece.dtype}")
+            kind, divisor = "sum", math.prod(face)
+        elif kind == "count":
+            local, kind, divisor = torch.count_nonzero(piece), "sum", 1
+        else:
+            divisor, empty_refused = 1, kind in ("max", "min", "amax", "amin")
+            kind = _COMBINED_BY[kind]
+            local = func(piece, *args[1:], **kwargs) if piece.numel() or not empty_refused \
+                else _identity(kind, piece.dtype, piece.device)
+    local.__class__ = _stat_class(cls.domain, kind, divisor)
+    return local
+
+
+def _variance(x, name, kwargs, std: bool) -> torch.Tensor:
+    """var / std of the whole gradient, reduced at once (two all-reduces): the global mean,
+    then the global sum of squared deviations from it."""
+    correction = kwargs.get("correction")
+    if correction is None:
+        correction = 1 if kwargs.get("unbiased", True) else 0
+    domain, n = type(x).domain, math.prod(type(x).face_shape)
+    with DisableTorchFunctionSubclass():
+        piece = torch.Tensor.as_subclass(x, torch.Tensor)
+        work = piece if piece.dtype in (torch.float32, torch.float64) else piece.float()
+        mean = _reduce_over(work.sum(), "sum", domain) / n
+        squares = _reduce_over(((work - mean) ** 2).sum(), "sum", domain)
+        var = squares / max(n - correction, 0) if n - correction > 0 else squares * math.nan
+        out = var.sqrt() if std else var
+        return out.to(piece.dtype)
+
+
+# How a kind of reduction's per-rank values combine.
+_COMBINED_BY = {"sum": "sum", "prod": "prod", "amax": "max", "max": "max", "any": "max", "amin": "min", "min": "min",
+                "all": "min"}
+_REDUCTIONS = {}
+for _fn, _kind in (("sum", "sum"), ("nansum", "sum"), ("mean", "mean"), ("amax", "amax"), ("amin", "amin"),
+                   ("max", "max"), ("min", "min"), ("all", "all"), ("any", "any"), ("prod", "prod"),
+                   ("count_nonzero", "count"), ("var", "var"), ("std", "std")):
+    for _owner in (torch.Tensor, torch):
+        if hasattr(_owner, _fn):
+            _REDUCTIONS[getattr(_owner, _fn)] = _kind
+
+_ELEMENTWISE = set()
+for _fn in ("abs", "neg", "negative", "pow", "square", "sqrt", "rsqrt", "exp", "log", "log2", "log10", "log1p",
+            "sign", "sgn", "add", "sub", "mul", "div", "true_divide", "clamp", "clip", "isfinite", "isnan", "isinf",
+            "isposinf", "isneginf", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le", "gt", "ge",
+            "nan_to_num", "maximum", "minimum", "reciprocal", "float", "double", "half", "bfloat16", "to",
+            "type_as"):
+    for _owner in (torch.Tensor, torch):
+        if hasattr(_owner, _fn):
+            _ELEMENTWISE.add(getattr(_owner, _fn))
+for _fn in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+            "__pow__", "__rpow__", "__neg__", "__abs__", "__invert__", "__and__", "__or__", "__eq__", "__ne__",
+            "__lt__", "__le__", "__gt__", "__ge__"):
+    _ELEMENTWISE.add(getattr(torch.Tensor, _fn))
 
 
 _HANDLERS = {
