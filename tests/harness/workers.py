@@ -128,7 +128,12 @@ def unique_storage_bytes(tensors) -> int:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (0 when both are empty or zero)."""
+    """||a - b|| / ||b|| in float64 (0 when both are empty or zero), of this rank's values:
+    a DTensor (a gradient piece, which reduces its statistics over the ranks when read)
+    counts by its local tensor, so no rank waits for another."""
+    from torch.distributed.tensor import DTensor
+
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     diff = (a - b).norm().item()
     denom = b.norm().item()
