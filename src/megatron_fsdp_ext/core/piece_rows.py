@@ -210,7 +210,7 @@ def _plain_index(piece: torch.Tensor, shape, whole: bool, index):
     if whole:
         with DisableTorchFunctionSubclass():
             if isinstance(index, torch.Tensor) and index.dtype == torch.bool \
-                    and tuple(index.shape) == tuple(torch.Tensor.size(piece)) != tuple(shape):
+                    and tuple(torch.Tensor.size(index)) == tuple(torch.Tensor.size(piece)) != tuple(shape):
                 return torch.Tensor.view(piece, -1)  # a mask built from the piece: elementwise
             return torch.Tensor.view(piece, shape)
     return None
@@ -225,7 +225,12 @@ def _mask_on_piece(piece: torch.Tensor, offset: int, shape, mask: torch.Tensor):
     with DisableTorchFunctionSubclass():
         flat = torch.Tensor.view(piece, -1)
         n = torch.Tensor.numel(flat)
-        if tuple(mask.shape) == tuple(shape):
+        if tuple(mask.shape) != tuple(torch.Tensor.size(mask)):
+            # A mask that is itself a gradient piece (`torch.isnan(g)` keeps g's type and
+            # reports the parameter's shape): elementwise on every rank, as it lies alike.
+            if tuple(torch.Tensor.size(mask)) == tuple(torch.Tensor.size(piece)):
+                return flat, torch.Tensor.view(mask, -1), None
+        elif tuple(mask.shape) == tuple(shape):
             whole_mask = mask.reshape(-1)
             return flat, whole_mask.narrow(0, offset, n), whole_mask.narrow(0, 0, offset)
         if tuple(mask.shape) == tuple(torch.Tensor.size(piece)):
