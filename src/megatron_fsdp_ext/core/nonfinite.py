@@ -52,13 +52,14 @@ def check_nonfinite_grads(states: Iterable, what: str) -> None:
     if found.item() == 0:  # the check's one host synchronization
         return
     where = []
-    for s in checked:
-        for name, p in zip(s.names, s.sharded_params):
-            g = p.grad
-            if g is not None and not bool(torch.isfinite(g).all()):
-                kind = "NaN" if bool(torch.isnan(g).any()) else "Inf"
-                where.append(f"unit '{s.label}' parameter '{name}' ({kind})")
-                break
+    with torch._C.DisableTorchFunctionSubclass():  # this rank's pieces: its own findings, no collective
+        for s in checked:
+            for name, p in zip(s.names, s.sharded_params):
+                g = p.grad
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    kind = "NaN" if bool(torch.isnan(g).any()) else "Inf"
+                    where.append(f"unit '{s.label}' parameter '{name}' ({kind})")
+                    break
     infos = {}
     for group in groups:
         infos.update(gather_objects(where, group))
