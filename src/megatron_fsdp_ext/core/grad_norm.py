@@ -505,7 +505,7 @@ def _resolve_partials(tree):
 
     def resolve(t):
         if isinstance(t, PartialStat):
-            return _resolve_stat(t)
+            return _resolve_stats([t])[0]
         if isinstance(t, PartialNorm):
             return _reduce_vector(_stack([t]), type(t).ord) if t._is_partial() else \
                 torch.Tensor.as_subclass(t, torch.Tensor)
@@ -602,8 +602,9 @@ def _elementwise(func, args, kwargs):
     """An elementwise op with a gradient piece among its operands: a piece of the same
     layout (the first piece's ShardedGrad type) when every other tensor operand is 0-dim
     or of the piece's shape; a plain result otherwise (broadcast against something else)."""
+    operands = list(args) + list(kwargs.values())
     first = None
-    for t in list(args) + list(kwargs.values()):
+    for t in operands:
         if isinstance(t, ShardedGrad):
             if first is None:
                 first = t
@@ -616,7 +617,7 @@ def _elementwise(func, args, kwargs):
     if first is None or not isinstance(out, torch.Tensor):
         return out
     shape = local_shape(first)
-    for t in list(args) + list(kwargs.values()):
+    for t in operands:
         if isinstance(t, torch.Tensor) and not isinstance(t, ShardedGrad) and t.dim() != 0 \
                 and local_shape(t) != shape:
             return out
@@ -677,14 +678,6 @@ def _resolve_stats(tensors: list) -> list:
     return out
 
 
-def _resolve_stat(x: "PartialStat") -> torch.Tensor:
-    with DisableTorchFunctionSubclass():
-        local = torch.Tensor.as_subclass(x, torch.Tensor)
-        cls = type(x)
-        total = _reduce_over(local, cls.kind, cls.domain)
-        return total / cls.divisor if cls.divisor != 1 else total
-
-
 def _dim_of(args, kwargs):
     """The dim argument of a reduction call, or None (max/min with a tensor second argument
     are the elementwise maximum/minimum: not a dim)."""
@@ -717,7 +710,7 @@ def _reduce_piece(func, reduction, args, kwargs):
     if cls.domain is None:  # a replicated gradient: the piece is the whole of it
         return _plain_call(func, args, kwargs)
     if kind in ("var", "std"):
-        return _variance(x, name, kwargs, kind == "std")
+        return _variance(x, kwargs, kind == "std")
     with DisableTorchFunctionSubclass():
         piece = torch.Tensor.as_subclass(x, torch.Tensor)
         if kind == "mean":
@@ -737,7 +730,7 @@ def _reduce_piece(func, reduction, args, kwargs):
     return local
 
 
-def _variance(x, name, kwargs, std: bool) -> torch.Tensor:
+def _variance(x, kwargs, std: bool) -> torch.Tensor:
     """var / std of the whole gradient, reduced at once (two all-reduces): the global mean,
     then the global sum of squared deviations from it."""
     correction = kwargs.get("correction")

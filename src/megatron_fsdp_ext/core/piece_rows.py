@@ -225,15 +225,13 @@ def _mask_on_piece(piece: torch.Tensor, offset: int, shape, mask: torch.Tensor):
     with DisableTorchFunctionSubclass():
         flat = torch.Tensor.view(piece, -1)
         n = torch.Tensor.numel(flat)
-        if tuple(mask.shape) != tuple(torch.Tensor.size(mask)):
-            # A mask that is itself a gradient piece (`torch.isnan(g)` keeps g's type and
-            # reports the parameter's shape): elementwise on every rank, as it lies alike.
-            if tuple(torch.Tensor.size(mask)) == tuple(torch.Tensor.size(piece)):
-                return flat, torch.Tensor.view(mask, -1), None
-        elif tuple(mask.shape) == tuple(shape):
+        # A mask that is itself a gradient piece (`torch.isnan(g)` keeps g's type) reports
+        # the parameter's shape but holds the piece's: told by its storage, never whole.
+        held = tuple(torch.Tensor.size(mask))
+        if held == tuple(mask.shape) == tuple(shape):
             whole_mask = mask.reshape(-1)
             return flat, whole_mask.narrow(0, offset, n), whole_mask.narrow(0, 0, offset)
-        if tuple(mask.shape) == tuple(torch.Tensor.size(piece)):
+        if held == tuple(torch.Tensor.size(piece)):
             return flat, mask.reshape(-1), None
     raise _refuse("a boolean mask", shape, f"a mask of shape {tuple(mask.shape)} is neither the parameter's shape "
                   "nor this rank's piece's")
