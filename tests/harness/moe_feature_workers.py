@@ -1,7 +1,9 @@
 """Mixture-of-experts units (experts on the expert data-parallel mesh through FSDP2's
 ShardPlacementResult, as torchtitan 0.3.0's apply_fsdp_to_decoder passes it) combined with
 the other features of the README's matrix: ZeRO-2 (reshard_after_forward=False on the
-blocks), CPU offload (offload_policy=CPUOffloadPolicy()) and torch.compile of the blocks.
+blocks), CPU offload (offload_policy=CPUOffloadPolicy()), torch.compile of the blocks, and
+our own options FSDP2 lacks: gather and reduce buckets (one budget for every unit on the
+root), ZeRO-1 and no shard on the blocks and the root (against one plain process only).
 
 The model and meshes are moe_unit_workers' (a dense Linear and grouped experts per block,
 ep 2 at world 4: dense parameters over the 4-rank "fsdp" mesh, experts over the 2-rank
@@ -28,8 +30,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import megatron_fsdp_ext as mfsdp
 
-from .moe_unit_workers import (EXPERTS, GroupedExperts, MoEModel, PlacementResult, _full, mesh_info, meshes,
-                               one_process, sgd_steps)
+from .moe_unit_workers import (DIM, EXPERTS, TOKENS, GroupedExperts, MoEModel, PlacementResult, _full, mesh_info,
+                               meshes, one_process, sgd_steps)
 from .workers import device_for_backend, rel_err
 
 
@@ -65,10 +67,24 @@ class RecordingBackend:
         return counted
 
 
-def _kwargs(feature: str):
-    """(block kwargs, root kwargs) of fully_shard for `feature`, the same for both systems."""
+# One bucket for every unit that may join one (ours only: FSDP2 has no buckets).
+ONE_BUCKET = 1 << 30
+STRATEGIES = {"zero1": "optim", "no_shard": "no_shard"}
+
+
+def _kwargs(feature: str, impl: str = "fsdp2"):
+    """(block kwargs, root kwargs) of fully_shard for `feature`; the same for both systems
+    except for our own options (buckets, ZeRO-1 and no shard, which FSDP2 lacks)."""
     if feature == "zero2":
         return {"reshard_after_forward": False}, {}
+    if feature == "buckets":
+        buckets = {"gather_bucket_bytes": ONE_BUCKET, "reduce_bucket_bytes": ONE_BUCKET} if impl == "ours" else {}
+        return {}, buckets
+    if feature in STRATEGIES:
+        if impl != "ours":
+            raise ValueError(f"FSDP2 has no {feature}: compare it with one plain process")
+        strategy = {"sharding_strategy": STRATEGIES[feature]}
+        return strategy, strategy
     if feature == "offload":
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -98,7 +114,7 @@ def build(impl: str, world: int, ep: int, factor: Optional[float], form: str, fe
                 value = value[ep_rank * local:(ep_rank + 1) * local].clone()
             setattr(b.experts, name, nn.Parameter(value))
     shard = fsdp2_fully_shard if impl == "fsdp2" else mfsdp.fully_shard
-    block_kw, root_kw = _kwargs(feature)
+    block_kw, root_kw = _kwargs(feature, impl)
     for b in model.blocks:
         experts = set(b.experts.parameters())
         expert_info, dense_info = mesh_info(expert_dp_mesh), mesh_info(dense_mesh)
@@ -176,6 +192,8 @@ def option_on_units(impl: str, model, feature: str) -> List[Dict[str, object]]:
             for k, s in _ours_states(b).items():
                 if feature == "offload":
                     row[k] = bool(s.unit.offloaded) and s.unit.sharded_flat.device.type == "cpu"
+                elif feature in STRATEGIES:  # the unit's strategy, whose gradients are whole on every rank
+                    row[k] = s.unit.strategy.megatron_name == STRATEGIES[feature] and s.unit.strategy.full_grads
                 else:
                     row[k] = s.reshard_after_forward
             out.append(row)
@@ -200,10 +218,27 @@ def run(impl: str, rank: int, world: int, ep: int, factor: Optional[float], form
     start = _full(model)
     losses, norms, grads = sgd_steps(model, impl, first_expert, local_experts, rank, world, steps, lr,
                                      after_forward=lambda m: unsharded.append(after_forward(impl, m)))
-    return {"losses": losses, "norms": norms, "grads": grads, "params": _full(model), "model": model,
+    params = _full(model)
+    graphs = (list(backend.graphs), list(backend.calls)) if backend else ([], [])  # the compared steps'
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "model": model,
+            "collectives": _collectives_of_a_step(model, first_expert, local_experts, rank),
+            "budgets": model.bucket_budgets() if impl == "ours" else None,
             "unsharded": unsharded, "option": option_on_units(impl, model, feature),
-            "graphs": (backend.graphs, backend.calls) if backend else ([], []), "experts": _expert_keys(model),
-            "start": start}
+            "graphs": graphs, "experts": _expert_keys(model), "start": start}
+
+
+def _collectives_of_a_step(model, first_expert: int, local_experts: int, rank: int) -> Dict[str, int]:
+    """The process group's all-gather and reduce-scatter calls in one more forward and
+    backward (after the compared steps; its gradients are dropped), as c10d dispatches
+    them: a bucket's coalesced collective counts once."""
+    from .observe import count_collectives
+
+    x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(999 + rank)).to(device_for_backend())
+    with count_collectives() as counts:
+        model(x, first_expert, local_experts).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return {kind: sum(n for op, n in counts.items() if op.startswith(f"c10d::{kind}"))
+            for kind in ("_allgather_base", "allgather", "_reduce_scatter_base", "reduce_scatter")}
 
 
 def _worst(ours: Dict, ref: Dict) -> Dict[str, float]:
@@ -236,16 +271,20 @@ def moe_feature_vs_fsdp2(rank: int, world: int, configs: List[Dict], steps: int 
     results = {}
     for cfg in configs:
         args = (world, cfg["ep"], cfg.get("factor", 1.0), cfg.get("form", "dtensor"), cfg["feature"], steps)
-        theirs = run("fsdp2", rank, *args)
         ours = run("ours", rank, *args)
-        out = {"worst": _worst(ours, theirs), "moved": _moved(ours),
-               "unsharded": {"fsdp2": theirs["unsharded"], "ours": ours["unsharded"]},
-               "option": {"fsdp2": theirs["option"], "ours": ours["option"]},
-               "graphs": {"fsdp2": theirs["graphs"], "ours": ours["graphs"]},
-               "placements_equal": _placements(ours["model"]) == _placements(theirs["model"])}
+        out = {"moved": _moved(ours), "budgets": ours["budgets"], "option": {"ours": ours["option"]},
+               "collectives": {"ours": ours["collectives"]}}
+        if cfg.get("fsdp2", True):  # FSDP2 has the feature: the same script under it
+            theirs = run("fsdp2", rank, *args)
+            out.update({"worst": _worst(ours, theirs),
+                        "unsharded": {"fsdp2": theirs["unsharded"], "ours": ours["unsharded"]},
+                        "graphs": {"fsdp2": theirs["graphs"], "ours": ours["graphs"]},
+                        "placements_equal": _placements(ours["model"]) == _placements(theirs["model"])})
+            out["option"]["fsdp2"] = theirs["option"]
+            out["collectives"]["fsdp2"] = theirs["collectives"]
         if cfg.get("one_process"):
             ref = one_process(world, cfg["ep"], cfg.get("factor", 1.0), steps)
-            ref["experts"] = theirs["experts"]
+            ref["experts"] = ours["experts"]
             out["worst_one_process"] = _worst(ours, ref)
         results[cfg["name"]] = out
     return results
