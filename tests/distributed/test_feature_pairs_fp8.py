@@ -26,3 +26,13 @@ def test_fp8_gather_checkpoints_resume_exactly_and_move_to_fsdp2(tmp_path):
     ours from FSDP2's continue as FSDP2's uninterrupted run; a plain module loads it."""
     report = run_distributed(w.fp8_dcp_resume, 2, str(tmp_path), timeout=300)[0]
     assert report["loss"] <= 1e-6 and report["grad"] <= 1e-6, report
+
+
+def test_moe_with_fp8_gathered_dense_layers_trains_like_fsdp2_with_torchao():
+    """MoE blocks at world 4, ep 2 (experts on the 2-rank expert mesh by FSDP2's
+    ShardPlacementResult, the rest over the 4-rank mesh) whose dense Linears gather FP8:
+    each block's dense unit gathers its weight in FP8 and its expert unit in bf16, and
+    losses, every step's full gradients and the values equal FSDP2 + torchao's."""
+    report = run_distributed(w.moe_fp8_gather_vs_fsdp2, 4, timeout=300)[0]
+    assert report["moved"] > 0.01, report
+    assert report["loss"] <= 1e-6 and report["grad"] <= 1e-6 and report["value"] <= 1e-6, report

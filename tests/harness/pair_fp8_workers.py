@@ -238,3 +238,128 @@ def fp8_dcp_resume(rank: int, world: int, folder: str, steps: int = 4, resume_at
         assert torch.equal(resumed[name], v), f"resumed value of '{name}' differs from the uninterrupted run's"
     assert seen and all(t is Float8TrainingTensor for t in seen), set(seen)
     return report
+
+
+# ------------------------------------------------------------------ MoE x FP8 gather
+
+MOE_DIM, MOE_HIDDEN, MOE_EXPERTS = 64, 32, 4  # FP8 matmuls want dims divisible by 16
+
+
+class _Experts(nn.Module):
+    """Grouped experts ([local experts, ...] weights, bmm's), every expert seeing the tokens."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, MOE_HIDDEN, MOE_DIM) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, MOE_DIM, MOE_HIDDEN) * 0.1)
+
+    def forward(self, x):
+        return torch.bmm(F.relu(torch.bmm(x, self.w1.transpose(1, 2))), self.w2.transpose(1, 2))
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, experts: int):
+        super().__init__()
+        self.dense = nn.Linear(MOE_DIM, MOE_DIM)
+        self.experts = _Experts(experts)
+
+    def forward(self, x):
+        y = torch.tanh(self.dense(x))
+        return y + self.experts(y.unsqueeze(0).expand(self.experts.w1.shape[0], -1, -1)).mean(0)
+
+
+class _MoENet(nn.Module):
+    def __init__(self, experts: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MoEBlock(experts) for _ in range(2))
+        self.head = nn.Linear(MOE_DIM, MOE_DIM)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _moe_fp8(impl: str, world: int, ep: int) -> nn.Module:
+    """This ep rank's slice of one seeded model (experts plain per ep rank, Megatron-Core's
+    form), the blocks' dense Linears converted with torchao's FP8 all-gather, sharded with
+    the experts on the expert data-parallel mesh (FSDP2's ShardPlacementResult) and the
+    rest over the dp mesh, bf16 parameters and fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from .moe_unit_workers import PlacementResult, mesh_info, meshes
+
+    torch.manual_seed(0)
+    whole = _MoENet(MOE_EXPERTS).state_dict()
+    dense_mesh, sparse, expert_dp_mesh = meshes(world, ep, 1)
+    local = MOE_EXPERTS // ep
+    first = sparse["ep"].get_local_rank() * local
+    model = _MoENet(local)
+    model.load_state_dict({k: v[first:first + local] if ".experts." in k else v for k, v in whole.items()})
+    model = convert_to_float8_training(model.to(device_for_backend()),
+                                       config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                       module_filter_fn=lambda m, fqn: fqn.endswith(".dense"))
+    if impl == "fsdp2":
+        shard, mp = fully_shard, MixedPrecisionPolicy(**MP)
+    else:
+        shard, mp = mfsdp.fully_shard, mfsdp.MixedPrecisionPolicy(**MP)
+    for b in model.blocks:
+        experts, expert_info, dense_info = set(b.experts.parameters()), mesh_info(expert_dp_mesh), mesh_info(dense_mesh)
+        shard(b, mesh=dense_mesh, mp_policy=mp, shard_placement_fn=lambda p, e=experts, ei=expert_info, di=dense_info:
+              PlacementResult(Shard(0), ei if p in e else di))
+    shard(model, mesh=dense_mesh, mp_policy=mp)
+    if impl == "fsdp2" and dist.get_backend() == "gloo":
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def moe_fp8_gather_vs_fsdp2(rank: int, world: int, ep: int = 2, steps: int = 3, lr: float = 0.5) -> Dict:
+    """MoE blocks (experts on the expert mesh) whose dense Linears gather FP8, against
+    FSDP2 + torchao under the same placement: per step the global loss and each
+    parameter's full gradient (SGD: (before - after) / lr; the experts: this ep rank's),
+    the values after. Our dense units gather their weight in FP8 and the expert units
+    stay bf16, each over its own group."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    from .moe_unit_workers import _full
+
+    device = device_for_backend()
+    if dist.get_backend() == "gloo" and device.type == "cuda":
+        route_functional_collectives_through_c10d()
+    models = {impl: _moe_fp8(impl, world, ep) for impl in ("fsdp2", "ours")}
+    for b in models["ours"].blocks:
+        dense, experts = b._fsdp_state.unit, b._fsdp_state.companions[0].unit
+        kinds = {s.name: str(s.transform) for s in dense.param_specs}
+        assert kinds == {"dense.weight": "GatherTransform.FP8", "dense.bias": "GatherTransform.CAST"}, kinds
+        assert all("FP8" not in str(s.transform) for s in experts.param_specs), experts.param_specs
+        assert (dense.world_size, experts.world_size) == (world, world // ep), (dense.world_size, experts.world_size)
+    opts = {impl: torch.optim.SGD(m.parameters(), lr=lr) for impl, m in models.items()}
+    gen = torch.Generator().manual_seed(7 + rank)
+    worst = {"loss": 0.0, "grad": 0.0, "value": 0.0}
+    start = _full(models["ours"])
+    for _ in range(steps):
+        x = torch.randn(ROWS, MOE_DIM, generator=gen).to(device)
+        before = {impl: _full(m) for impl, m in models.items()}
+        losses = {}
+        for impl, m in models.items():
+            loss = m(x).float().square().mean()
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses[impl] = total.item()
+            opts[impl].step()
+            opts[impl].zero_grad()
+        precompute_float8_dynamic_scale_for_fsdp(models["fsdp2"])
+        after = {impl: _full(m) for impl, m in models.items()}
+        worst["loss"] = max(worst["loss"], abs(losses["ours"] - losses["fsdp2"]) / abs(losses["fsdp2"]))
+        for k, v in before["fsdp2"].items():
+            grad = {impl: (before[impl][k] - after[impl][k]) / lr for impl in models}
+            worst["grad"] = max(worst["grad"], rel_err(grad["ours"], grad["fsdp2"]))
+    final = {impl: _full(m) for impl, m in models.items()}
+    worst["value"] = max(rel_err(final["ours"][k], v) for k, v in final["fsdp2"].items())
+    worst["moved"] = max(rel_err(final["ours"][k], v) for k, v in start.items())
+    return worst
