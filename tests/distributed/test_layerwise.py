@@ -24,6 +24,16 @@ def test_layerwise_sgd_world4_exact():
     run_distributed(layerwise_parity, 4, {"factory": "sgd", "overlap": True}, timeout=240)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_layerwise_model_under_torch_compile_trains_as_one_process(overlap):
+    """The model compiled (aot_eager) after the optimizer set up its parameter gathers
+    (overlapped: finished by forward pre-hooks, which run inside the compiled forward):
+    SGD steps equal one eager process's, and compiled code ran every step."""
+    out = run_distributed(layerwise_parity, 2, {"factory": "sgd", "overlap": overlap, "compile": True},
+                          timeout=300)[0]
+    assert out["compiled_calls"] and sum(out["compiled_calls"]) >= 5, out["compiled_calls"]
+
+
 def test_layerwise_all_reduce_fallback_and_accumulation():
     # SGD: with micro-batches the sum order differs from the reference, which Muon would amplify.
     run_distributed(layerwise_parity, 2, {"grad_reduce": "all_reduce", "micro_batches": 2, "tie": True,
