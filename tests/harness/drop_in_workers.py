@@ -526,9 +526,10 @@ def shape_choices(rank: int, world: int) -> bool:
         g.full_tensor() - g
     assert not acc.any(), "a refused op must not have written"
     kept = torch.zeros_like(g)
-    kept += g  # tensors built from the gradient itself are its piece
+    kept += g  # tensors built from the gradient itself are its piece (a DTensor's stay DTensors)
+    assert isinstance(kept, DTensor) and kept.shape == g.shape, (type(kept), kept.shape)
     g.mul_(torch.tensor(0.5, device=device))  # scalars meet gradients freely
-    torch.testing.assert_close((g * 2).to_local(), kept)  # g * 2 is a piece of the gradient, as a DTensor
+    torch.testing.assert_close((g * 2).to_local(), kept.to_local())  # g * 2 is a piece of the gradient too
     return True
 
 

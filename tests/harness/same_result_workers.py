@@ -489,6 +489,13 @@ def gradient_statistics(rank, world, layout: str):
         "bias_sum_dim0": lambda ps: torch.stack([p.grad.sum(dim=0) for p in ps if p.ndim == 1]),
         "finite_each": lambda ps: torch.stack([torch.isfinite(p.grad).all() for p in ps]).float(),
         "nan_any": lambda ps: float(any(bool(torch.isnan(p.grad).any()) for p in ps)),
+        # A copy kept to compare with later gradients (gradient noise, cosine between steps).
+        "clone_norm": lambda ps: torch.stack([p.grad.clone().norm() for p in ps]),
+        "torch_clone_sq_sum": lambda ps: sum(torch.clone(p.grad).square().sum() for p in ps),
+        "accumulated_norm": lambda ps: torch.stack([torch.zeros_like(p.grad).add_(p.grad).norm() for p in ps]),
+        "detached_clone_cosine": lambda ps: torch.stack([
+            (p.grad * p.grad.detach().clone()).sum() / (p.grad.norm() * p.grad.detach().clone().norm())
+            for p in ps]),
     }
     worst = {}
     for step in range(3):

@@ -27,8 +27,11 @@ intercepts only the norm path:
   `all`, `any`, `count_nonzero`, `prod`) return a `PartialStat`, reduced over the domain
   when used (as DTensor's Partial); `std`/`var` reduce at once. Along a dim of a parameter
   of 2 or more dims they are refused: the piece is 1-D.
+  copies and new tensors of the piece (`g.clone()`, `torch.zeros_like(g)`) keep it too, so
+  a copy kept to compare with a later gradient, or an accumulation buffer, reduces
+  globally as well;
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
-outputs): optimizers, `_foreach_mul_` of the clip, `.clone()`. A plain tensor of the
+outputs): optimizers, `_foreach_mul_` of the clip. A plain tensor of the
 piece's shape assigned as a parameter's gradient (`p.grad = p.grad / 2`) takes the
 ShardedGrad type (ShardedParameter.__setattr__), so a clip after it is still global.
 
@@ -763,7 +766,10 @@ for _fn in ("abs", "neg", "negative", "pow", "square", "sqrt", "rsqrt", "exp", "
             "sign", "sgn", "add", "sub", "mul", "div", "true_divide", "clamp", "clip", "isfinite", "isnan", "isinf",
             "isposinf", "isneginf", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le", "gt", "ge",
             "nan_to_num", "maximum", "minimum", "reciprocal", "float", "double", "half", "bfloat16", "to",
-            "type_as"):
+            "type_as",
+            # Copies and new tensors laid out as the piece (DTensor's stay DTensors): a copy
+            # kept to compare with a later gradient, an accumulation buffer.
+            "clone", "contiguous", "zeros_like", "ones_like", "empty_like", "full_like"):
     for _owner in (torch.Tensor, torch):
         if hasattr(_owner, _fn):
             _ELEMENTWISE.add(getattr(_owner, _fn))
