@@ -10,7 +10,7 @@ import torch
 
 from harness import run_distributed
 from megatron_fsdp_ext import link
-from harness.workers import bucketed_collective_counts, train_parity
+from harness.workers import accumulated_reductions_in_buckets, bucketed_collective_counts, train_parity
 
 # The test model's units in forward order: root 32,896 B, then three blocks of 50,432 B
 # (fp32 gradients); this budget makes two reduce buckets, [root, block 0] and [blocks 1, 2].
@@ -147,3 +147,22 @@ def test_link_models_and_the_setter_refuse_bad_values():
     from megatron_fsdp_ext.core.options import UnitOptions
     with pytest.raises(TypeError, match="link_model must be a megatron_fsdp_ext.link.LinkModel"):
         UnitOptions(link_model=(1e-6, 1e9))
+
+
+def test_accumulated_gradients_reduced_by_finish_grad_sync_use_the_reduce_buckets():
+    """Gradients accumulated without sync and reduced by finish_grad_sync() (torch's
+    pipelining reduces the same way in its REDUCE_GRAD) go through the reduce bucket, as
+    a synced last backward's do: one coalesced reduce-scatter for the four units, not one
+    each (before: four, silently), and the same gradients bit for bit."""
+    out = run_distributed(accumulated_reductions_in_buckets, 2, timeout=180)
+    for r in out:
+        assert r["synced_last_backward"]["reduce_scatters"] == [1, 1], r["synced_last_backward"]["reduce_scatters"]
+        assert r["finish_grad_sync"]["reduce_scatters"] == [1, 1], r["finish_grad_sync"]["reduce_scatters"]
+        assert r["same_grads"], "finish_grad_sync's gradients differ from the synced last backward's"
+
+
+def test_reduce_buckets_after_finish_grad_sync_train_like_one_process():
+    """Two reduce buckets, two micro-batches accumulated, finish_grad_sync(): one process's
+    training."""
+    run_distributed(train_parity, 4, _with_dtypes({"reduce_bucket_bytes": TWO_BUCKETS, "micro_batches": 2,
+                                                        "finish_grad_sync": True}, steps=3), timeout=240)

@@ -274,7 +274,7 @@ def _divide_factor_changed_while_accumulating(rank, world):
             m.set_gradient_divide_factor(3.0)  # not a power of two: a rescale is not exact by luck
         for k in (1, 2, 3):
             _micro_batch(reference, rank, k)
-        expected = [p.grad.clone() for p in reference.parameters()]
+        expected = [p.grad.to_local().clone() for p in reference.parameters()]
         model = _shard(_model(), **kwargs)
         if hold == "sync":
             model.set_requires_gradient_sync(False)  # accumulated unreduced, at the default factor

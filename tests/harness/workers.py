@@ -458,8 +458,9 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
         for m in range(micro):
             start = m * batch + rank * per_rank
             rows = slice(start, start + per_rank)  # this rank's rows of micro-batch m
-            # sync_every_micro: reduce every backward, accumulating into existing .grad.
-            sync = opts.get("sync_every_micro", False) or m == micro - 1
+            # sync_every_micro: reduce every backward, accumulating into existing .grad;
+            # finish_grad_sync: no backward syncs, finish_grad_sync() reduces after the last.
+            sync = opts.get("sync_every_micro", False) or (m == micro - 1 and not opts.get("finish_grad_sync"))
             if fsdp2_reference:
                 ref.set_requires_gradient_sync(sync)
                 ref_loss = ref.loss(tokens[rows], targets[rows]) / micro
@@ -477,6 +478,9 @@ def train_parity(rank: int, world: int, opts: Dict) -> Dict:
             loss = model.loss(tokens[rows], targets[rows]) / micro
             loss.backward()
             local += loss.item()
+        if opts.get("finish_grad_sync"):  # Megatron's spelling; what pipelining's REDUCE_GRAD does
+            model.set_requires_gradient_sync(True)
+            model.finish_grad_sync()
         local_losses.append(local)
         ref_local_losses.append(ref_local)
         if not fsdp2_reference:
@@ -1203,6 +1207,46 @@ def bucketed_collective_counts(rank: int, world: int, buckets: Dict, via_setter:
             "fwd_unshards": len(trace.unshards("fwd")), "bwd_unshards": len(trace.unshards("bwd")),
             "budgets": model.bucket_budgets(), "link": model._fsdp_state.ctx.link,
             "unit_bytes": sum(s.unit.unsharded_nbytes for s in states)}
+
+
+def accumulated_reductions_in_buckets(rank: int, world: int) -> Dict:
+    """Gradients accumulated without sync over two micro-batches, reduced (a) by a synced
+    last backward or (b) after it by finish_grad_sync() (Megatron's spelling; torch's
+    pipelining reduces the same way in its REDUCE_GRAD), with one reduce bucket for the
+    four units: the reduce-scatters of each step both ways, and whether the reduced
+    gradients (this rank's pieces) are the same bit for bit."""
+    from megatron_fsdp_ext import _C
+
+    device = device_for_backend()
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]).to(device)
+        for layer in model:
+            mfsdp.fully_shard(layer, reduce_bucket_bytes=1 << 30, gather_bucket_bytes=0)
+        return mfsdp.fully_shard(model, reduce_bucket_bytes=1 << 30, gather_bucket_bytes=0)
+
+    out = {}
+    for how in ("synced_last_backward", "finish_grad_sync"):
+        model = build()
+        gen = torch.Generator().manual_seed(rank)
+        model(torch.randn(4, 16, generator=gen).to(device)).sum().backward()  # records the order
+        model.zero_grad(set_to_none=True)
+        counts = []
+        for _ in range(2):
+            _C.reset_collective_counts()
+            model.set_requires_gradient_sync(False)
+            model(torch.randn(4, 16, generator=gen).to(device)).sum().backward()
+            model.set_requires_gradient_sync(how == "synced_last_backward")
+            model(torch.randn(4, 16, generator=gen).to(device)).sum().backward()
+            if how == "finish_grad_sync":
+                model.set_requires_gradient_sync(True)
+                model.finish_grad_sync()
+            counts.append(_C.collective_counts()["reduce_scatter"][0])
+        out[how] = {"reduce_scatters": counts, "grads": [p.grad.to_local().clone() for p in model.parameters()]}
+    grads = [r.pop("grads") for r in out.values()]
+    out["same_grads"] = len(grads[0]) == len(grads[1]) == 8 and all(torch.equal(a, b) for a, b in zip(*grads))
+    return out
 
 
 def originals_freed_at_once(rank: int, world: int, blocks: int = 3) -> Dict:

@@ -121,15 +121,18 @@ class BackwardHooks:
 
     def flush_accumulated(self) -> None:
         """Reduce the gradients accumulated without sync (and any left on the unsharded
-        parameters), then release as after a post-backward. Nothing to do when sync is
-        off or nothing was accumulated."""
-        if self.unit is None:
+        parameters), then release as after a post-backward: through the unit's reduce
+        bucket, as in backward, once every member of it flushed. Nothing to do when sync
+        is off, nothing was accumulated, or the unit flushed already in this sync."""
+        if self.unit is None or self.backward_progress is BackwardProgress.REDUCED:
             return
         if self.tp is not None:
             self.tp.move_grads(self.unit)
         self._release_after_backward()  # before the packed gradients, as in post_backward
         if self.requires_gradient_sync:
-            self.unit.reduce_grads(True)
+            self.backward_progress = BackwardProgress.REDUCED
+            if not self.ctx.reduce_or_hold(self):
+                self.unit.reduce_grads(True)
 
     def tag_grads(self, stepped: bool = False) -> None:
         """Give the gradients their ShardedGrad type (grad_norm.py): the new ones at the end

@@ -97,11 +97,7 @@ class RootContext:
         for state in reversed(self.states):
             if state.backward_progress is not BackwardProgress.REDUCED:
                 state.post_backward(at_end=True)
-        # A bucket whose last member to finish did not sync (requires_gradient_sync off
-        # on that unit alone) was never reduced: now, last bucket first, the same order
-        # on every rank.
-        for members in self.schedule.take_held():
-            _C.Unit.reduce_together([s.unit for s in members])
+        self._reduce_held()
         if self.offloads:  # the host reads offloaded .grads next: its one wait of the step
             self.comm.synchronize_reductions()
         else:
@@ -116,6 +112,13 @@ class RootContext:
             # backward measures, and buckets wait until then.
             elif not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._measure_link()
+
+    def _reduce_held(self) -> None:
+        """A bucket whose last member to finish did not sync (requires_gradient_sync off
+        on that unit alone) was never reduced: now, last bucket first, the same order on
+        every rank."""
+        for members in self.schedule.take_held():
+            _C.Unit.reduce_together([s.unit for s in members])
 
     def _measure_link(self) -> None:
         """Resolve the "auto" bucket budgets: time the link of the units' group (every
@@ -149,6 +152,7 @@ class RootContext:
             raise RuntimeError("finish_gradient_sync: a backward is still running; call it after backward returned")
         for state in reversed(self.states):
             state.flush_accumulated()
+        self._reduce_held()
         if self.offloads:
             self.comm.synchronize_reductions()
         else:
