@@ -25,13 +25,16 @@ plain model: ZeRO-2 in FSDP2's spelling (reshard_after_forward=False) and ours
 reshard_after_forward=False (it has neither; the values are the same); CPU offload
 (CPUOffloadPolicy in both); HSDP (pp 2 x dp_replicate 2 x dp_shard 2); and DCP: both
 systems save the stages and their optimizers after step 1 and fresh pipelines built from
-other weights resume from them, each checkpoint into each system.
+other weights resume from them, each checkpoint into each system; ours' explicit gather /
+reduce buckets (FSDP2 has none; each stage's root reports them and its schedule planned
+them); and torch.compile of every block (before fully_shard, as torchtitan orders it, in
+both systems; every block forward ran compiled code).
 """
 import pytest
 
 from harness import run_distributed
 from harness import pp_workers as w
-from harness.pp_workers import (check_gathered_bytes, check_parity, check_reduced_once_per_step,
+from harness.pp_workers import (N_MICRO, check_gathered_bytes, check_parity, check_reduced_once_per_step,
                                 check_unit_options, check_unsharded_ahead)
 
 TOL = w.TOL
@@ -94,6 +97,7 @@ def test_split_backward_schedules():
         check_reduced_once_per_step(reports, schedule)
 
 
+BUCKET_BYTES = 6000
 FEATURE_SCHEDULES = ["1f1b", "interleaved_1f1b"]  # one stage per rank; two, with UNSHARD / RESHARD
 FEATURES = {
     "zero2": {"reshard_after_forward": False},  # FSDP2's ZeRO-2, in both systems
@@ -102,6 +106,10 @@ FEATURES = {
     "no_shard": {"strategy": "no_shard"},
     "offload": {"offload": True},
     "dcp": {"dcp": 1},  # checkpoint at the start of step 1 of 3
+    # ours' explicit buckets (FSDP2 has none): the stage module's units in forward order are
+    # root 1,088 B, blocks 4,288 B each: 6,000 B makes the buckets [root, blocks.0], [blocks.1]
+    "buckets": {"gather_bucket_bytes": BUCKET_BYTES, "reduce_bucket_bytes": BUCKET_BYTES},
+    "compile": {"compile": True},  # each block compiled (aot_eager, fullgraph), then sharded
 }
 
 
@@ -195,3 +203,57 @@ def test_hsdp_stages():
         check_reduced_once_per_step(reports, schedule, kind="all_reduce", per_unit=2)
         check_unit_options(reports, schedule, strategy="optim_grads_params", reshard_after_forward=True,
                            offloaded=False, shard_size=2, replicate_size=2)
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+def test_explicit_buckets_stages(feature_reports, schedule):
+    """gather_bucket_bytes / reduce_bucket_bytes of 6,000 B on every unit of ours (the
+    stage module's value governs its tree): each stage's root reports them in
+    bucket_budgets(), and its schedule cut the recorded forward order [root, blocks.0,
+    blocks.1] into the gather buckets [root, blocks.0], [blocks.1]; every micro-batch's
+    forward and backward gathers through them, against FSDP2 (no buckets) and the plain
+    model. (Without explicit buckets, the runs above plan theirs from "auto": on Gloo it
+    measured 4 to 32 MiB, one gather and one reduce bucket per stage.)"""
+    reports = feature_reports[f"buckets-{schedule}"]
+    _control_checks(reports, schedule)
+    check_unit_options(reports, schedule, strategy="optim_grads_params", reshard_after_forward=True,
+                       offloaded=False, shard_size=2, replicate_size=1)
+    for r in reports:
+        assert sorted(r["buckets"]) == sorted(r["stages"]), r["buckets"]
+        for s, plan in r["buckets"].items():
+            names = [f"{s}:root", f"{s}:blocks.0", f"{s}:blocks.1"]
+            assert plan["budgets"] == (BUCKET_BYTES, BUCKET_BYTES), plan
+            assert plan["order"] == names, plan
+            assert plan["gather"] == [names[:2], names[2:]], plan
+        units = {o["unit"]: o["unsharded_nbytes"] for o in r["unit_options"]}
+        assert all(units[f"{s}:root"] + units[f"{s}:blocks.0"] <= BUCKET_BYTES
+                   < units[f"{s}:root"] + units[f"{s}:blocks.0"] + units[f"{s}:blocks.1"] for s in r["stages"]), units
+    check_gathered_bytes(reports, schedule, "more")  # ZeRO-3: gathered again for later micro-batches
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+def test_reduce_buckets_in_reduce_grad(feature_reports, schedule):
+    """With reduce_bucket_bytes 6,000 B the stage's units reduce in the buckets [root,
+    blocks.0], [blocks.1]: 2 coalesced reduce-scatters per stage in its REDUCE_GRAD, not 3
+    (the schedule's REDUCE_GRAD reduces what the micro-batches accumulated through the
+    stage's reduce buckets, as a synced backward does)."""
+    for r in feature_reports[f"buckets-{schedule}"]:
+        for s, plan in r["buckets"].items():
+            assert plan["reduce"] == [[f"{s}:root", f"{s}:blocks.0"], [f"{s}:blocks.1"]], plan
+        for c in r["control"]:
+            assert all(during == 2 for _, _, during in c["reduce_grads"]), c["reduce_grads"]
+
+
+@pytest.mark.parametrize("schedule", FEATURE_SCHEDULES)
+def test_compiled_blocks_stages(feature_reports, schedule):
+    """Each block compiled before fully_shard (torchtitan's order: block.compile(fullgraph=
+    True), aot_eager), in both systems: every forward of every block of the rank's stages
+    ran compiled code (the stage's metadata inference, then 4 micro-batches a step), as
+    many calls under ours as under FSDP2, with the same losses, gradients and values."""
+    reports = feature_reports[f"compile-{schedule}"]
+    _control_checks(reports, schedule)
+    for r in reports:
+        forwards = 1 + N_MICRO * STEPS
+        want = forwards * 2 * len(r["stages"])  # 2 blocks per stage
+        calls = {system: c["calls"] for system, c in r["compiled"].items()}
+        assert calls == {"fsdp2": want, "ours": want}, (calls, want)

@@ -34,7 +34,16 @@ FSDP2's the same way), so that none of these passes by the option not being appl
   the loss; under ours every block's forward and every loss ran compiled code, as many
   calls as under FSDP2.
 
-All seven in one launch (torchtitan imports once per rank)."""
+- explicit buckets, as a torchtitan user sets them (its config has none): on the root
+  parallelize_llama returned, set_gather_bucket_bytes / set_reduce_bucket_bytes of twice
+  a block's gathered bytes before the first step (FSDP2 unchanged): the root's
+  bucket_budgets() report them, its schedule cut the forward order into buckets of two
+  or more units (gathers and reductions), and every micro-batch's backward but the first
+  (which records the order: once per unit) reduce-scatters once per reduce bucket.
+
+All eight in one launch (torchtitan imports once per rank). Every other run here (and in
+test_torchtitan.py) keeps fully_shard's default "auto" budgets, which the first
+backward's link measurement resolves (each result's "buckets" says to what)."""
 import pytest
 
 from harness import run_distributed
@@ -109,3 +118,11 @@ def test_compile_matches_fsdp2(options):
     reached = _trained_like_fsdp2(options["compile"])
     calls = reached["compiled_calls"]
     assert calls["ours"] == calls["fsdp2"] == STEPS * 2 * (6 + 1)  # 2 micro-batches: 6 blocks and the loss
+
+
+def test_explicit_buckets_match_fsdp2(options):
+    reached = _trained_like_fsdp2(options["buckets"])
+    plan, budget = reached["plan"], reached["budget"]
+    assert plan["budgets"] == (budget, budget)
+    assert any(len(b) >= 2 for b in plan["reduce"]) and len(plan["reduce"]) < len(plan["order"])
+    assert all(c["reduce_scatter"] == 2 * len(plan["reduce"]) for c in reached["counts"][1:]), reached["counts"]

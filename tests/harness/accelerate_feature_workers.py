@@ -15,7 +15,19 @@ against FSDP2 under the same plugin in the same processes:
   cannot pin without an accelerator, so its run takes CPUOffloadPolicy(pin_memory=False));
 - "hsdp": ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) at world 4: Accelerate
   builds the (dp_replicate, dp_shard) mesh and passes fully_shard
-  mesh[("dp_replicate", "dp_shard_cp")], a 2-D mesh.
+  mesh[("dp_replicate", "dp_shard_cp")], a 2-D mesh;
+- "buckets": the default plugin, ours as partial(fully_shard, gather_bucket_bytes=
+  BUCKET_BYTES, reduce_bucket_bytes=BUCKET_BYTES) (the root and layer 0 share a bucket)
+  against FSDP2's default;
+- "zero1" / "no_shard": ours as partial(fully_shard, sharding_strategy="optim" /
+  "no_shard") under reshard_after_forward=False, against FSDP2's "no_reshard" run (the
+  default plugin's reshard_after_forward=True with ZeRO-1 is refused by name: recorded);
+- "compile": Accelerator(dynamo_backend="AOT_EAGER"): Accelerate's FSDP2 path compiles
+  the whole model, then shards the layers and the compiled module; against FSDP2's
+  eager default ("buckets"' FSDP2 run: compiling FSDP2 too cost ~40 s of the launch);
+- "bf16": Accelerator(mixed_precision="bf16"): the plugin's bf16 MixedPrecisionPolicy
+  (AcceleratorState sets it for an FSDP job; here after construction, see below) and
+  Accelerate's autocast around the forward.
 
 Each run records one epoch (_epoch: every micro-batch's loss, at every step the full
 gradients before clip_grad_norm_ and the norm it returns, the parameters after the last
@@ -23,6 +35,10 @@ step), then a probe (_probe) of where the option shows on the units: each unit's
 offload flag, mesh and shard group size, which parameters the module slots hold and the
 unsharded storage it keeps, before a forward, right after it (before its backward), after
 the backward and after the optimizer step; and each parameter's local element count.
+The epoch also records acc.gather and acc.reduce("mean") of every micro-batch's loss;
+the Dynamo graphs made (compile); for SAVE_PRETRAINED's configs, what
+unwrap_model(model).save_pretrained(state_dict=acc.get_state_dict(model)) wrote; for
+ours, the buckets and the reduce-scatter calls of the probe's backward.
 
 Accelerate 1.12 on CPU: it makes the job MULTI_CPU, which ignores the FSDP plugin (the job
 is made FSDP after construction, as accelerate_loop_workers does) and refuses a
@@ -37,6 +53,7 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as FSDP2_FULLY_SHARD
 
 import megatron_fsdp_ext as mfsdp
@@ -54,16 +71,36 @@ CONFIGS = {
     "zero2": ({"reshard_after_forward": False}, None, {"sharding_strategy": "optim_grads"}),
     "offload": ({"cpu_offload": True}, None, {}),
     "hsdp": ({}, {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
+    # The default plugin; ours with explicit buckets (BUCKET_BYTES) against FSDP2's default.
+    "buckets": ({}, None, {"gather_bucket_bytes": None, "reduce_bucket_bytes": None}),
+    # ZeRO-1 and no shard keep their parameters: the plugin must not ask for a reshard
+    # (its default reshard_after_forward=True is refused by name: REFUSED_DEFAULT_PLUGIN).
+    "zero1": ({"reshard_after_forward": False}, None, {"sharding_strategy": "optim"}),
+    "no_shard": ({"reshard_after_forward": False}, None, {"sharding_strategy": "no_shard"}),
+    "compile": ({}, None, {}),
+    "bf16": ({}, None, {}),
 }
+# Accelerator options of a config (besides cpu=True and the accumulation plugin).
+ACCELERATOR_OPTIONS = {"compile": {"dynamo_backend": "AOT_EAGER"}, "bf16": {"mixed_precision": "bf16"}}
 # Configs whose FSDP2 run is another's (the same plugin): compared with that one.
-SHARED_REFERENCE = {"zero2": "no_reshard"}
+SHARED_REFERENCE = {"zero2": "no_reshard", "zero1": "no_reshard", "no_shard": "no_reshard",
+                    # FSDP2 eager under the default plugin (compiling FSDP2 too doubled the
+                    # launch's time; aot_eager computes as eager here, within 1e-6)
+                    "compile": "buckets"}
+# fully_shard's refusal when the default plugin (reshard_after_forward=True) meets ZeRO-1.
+REFUSED_DEFAULT_PLUGIN = "reshard_after_forward=True contradicts sharding_strategy='optim'"
+# The root + layer 0 (16448 + 36992 fp32 elements: 214 kB) share a bucket, layer 1 is
+# another: in forward order, gathers and reductions alike.
+BUCKET_BYTES = 220_000
+# Configs that also save through unwrap_model(...).save_pretrained(state_dict=get_state_dict()).
+SAVE_PRETRAINED = ("no_reshard", "buckets", "zero1", "no_shard", "compile", "bf16")
 # FSDP2 cannot pin its offloaded shards without an accelerator: under cpu_offload=True
 # (CPUOffloadPolicy(), pin_memory=True) its fully_shard raises this on a CPU-only machine,
 # and the reference runs with cpu_offload=CPUOffloadPolicy(pin_memory=False) instead.
 FSDP2_PIN_ERROR = "Cannot access accelerator device when none is available"
 
 
-def _accelerator(plugin_options: dict, parallelism: dict | None):
+def _accelerator(plugin_options: dict, parallelism: dict | None, accelerator_options: dict | None = None):
     from accelerate import Accelerator, ParallelismConfig
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
@@ -73,14 +110,17 @@ def _accelerator(plugin_options: dict, parallelism: dict | None):
                    transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")
     options.update(plugin_options)
     plugin = FullyShardedDataParallelPlugin(**options)
-    acc = Accelerator(cpu=True, mixed_precision="no", fsdp_plugin=plugin,
-                      gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=ACCUM))
+    accelerator_options = {"mixed_precision": "no", **(accelerator_options or {})}
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=ACCUM), **accelerator_options)
     # On CPU Accelerate makes the job MULTI_CPU and ignores the plugin: made FSDP as in
     # accelerate_loop_workers (prepare and the loop then run the FSDP2 code unchanged).
     if acc.distributed_type != DistributedType.FSDP:
         acc.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         acc.state.fsdp_plugin = plugin
+        if acc.mixed_precision != "no":  # what AcceleratorState gives an FSDP job's plugin
+            plugin.set_mixed_precision(acc.mixed_precision)
     if parallelism is not None:
         # Accelerator(parallelism_config=...) refuses MULTI_CPU (ParallelismConfig.
         # _validate_accelerator: "only compatible DistributedType.FSDP (version 2) or
@@ -102,10 +142,11 @@ class FeatureRun(Run):
         from torch.utils.data import DataLoader
         plugin_options, parallelism, ours_options = CONFIGS[name]
         plugin_options = {**plugin_options, **(plugin_override or {})}
+        ours_options = {k: BUCKET_BYTES if v is None else v for k, v in ours_options.items()}
         torch_fsdp.fully_shard = (functools.partial(mfsdp.fully_shard, **ours_options) if system == "ours"
                                   else FSDP2_FULLY_SHARD)
         self.system, self.rank = system, dist.get_rank()
-        self.acc = _accelerator(plugin_options, parallelism)
+        self.acc = _accelerator(plugin_options, parallelism, ACCELERATOR_OPTIONS.get(name))
         model = llama(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
@@ -124,6 +165,8 @@ def _unit_facts(model) -> list:
             "label": s.label, "is_root": s.is_root,
             "reshard_after_forward": s.options.reshard_after_forward,
             "sharding_strategy": s.options.sharding_strategy,
+            "param_dtype": str(getattr(s.options.mp_policy, "param_dtype", None)),
+            "reduce_dtype": str(getattr(s.options.mp_policy, "reduce_dtype", None)),
             "offloaded": bool(u.offloaded),
             "mesh": None if s.device_mesh is None else [list(s.device_mesh.mesh_dim_names),
                                                          list(s.device_mesh.mesh.shape)],
@@ -150,15 +193,30 @@ def _fsdp2_facts(model) -> list:
     return out
 
 
+def _bucket_facts(model) -> dict:
+    """The root's bucket budgets and the units (labels) of each gather and reduce bucket."""
+    schedule = next(s for s in iter_states(model) if s.is_root).ctx.schedule
+    return {"budgets": list(model.bucket_budgets()),
+            "gathers": [[m.label for m in b] for b in schedule._gathers.buckets],
+            "reductions": [[m.label for m in b] for b in schedule._reductions.buckets]}
+
+
 def _probe(run: FeatureRun) -> dict:
     """After the loop: the units right after a forward (before its backward), after the
-    backward and after an optimizer step; the local shard sizes of the parameters."""
+    backward and after an optimizer step; the local shard sizes of the parameters; ours'
+    buckets; the c10d reduce-scatter calls of the probe's backward."""
+    from megatron_fsdp_ext import _C
     facts = _unit_facts if run.system == "ours" else _fsdp2_facts
     ids = train_data()[:BATCH]
     out = {"before": facts(run.model)}
+    if run.system == "ours":
+        out["buckets"] = _bucket_facts(run.model)
+        before = _C.collective_counts()["reduce_scatter"][0]
     loss = run.model(input_ids=ids, labels=ids).loss
     out["after_forward"] = facts(run.model)
     loss.backward()
+    if run.system == "ours":
+        out["reduce_scatter_calls"] = _C.collective_counts()["reduce_scatter"][0] - before
     out["after_backward"] = facts(run.model)
     run.opt.step()
     run.opt.zero_grad()
@@ -179,8 +237,12 @@ def _epoch(run: FeatureRun, rec: dict) -> None:
             loss = model(input_ids=ids, labels=ids).loss
             acc.backward(loss)
             rec["losses"].append(loss.item())
+            # Every rank's loss (acc.gather) and their mean (acc.reduce), as scripts log them.
+            rec["gathered"].append(_np(acc.gather(loss.detach()[None])).tolist())
+            rec["reduced"].append(acc.reduce(loss.detach().clone(), reduction="mean").item())
             if acc.sync_gradients:
-                grads = {n: _np(_full(p.grad)) for n, p in model.named_parameters()}
+                # Names as the model's own (a compiled model's lose "_orig_mod.").
+                grads = {n.replace("_orig_mod.", ""): _np(_full(p.grad)) for n, p in model.named_parameters()}
                 norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM).item()
                 rec["steps"].append({"grad_pre": grads, "norm": norm} if run.rank == 0 else {"norm": norm})
             run.opt.step()
@@ -188,7 +250,27 @@ def _epoch(run: FeatureRun, rec: dict) -> None:
             run.opt.zero_grad()
     params = run.full_params()
     if run.rank == 0:
-        rec["params"] = params
+        rec["params"] = {n.replace("_orig_mod.", ""): v for n, v in params.items()}
+
+
+def _save_pretrained(run: FeatureRun, rec: dict) -> None:
+    """Accelerate's documented save: unwrap_model(model).save_pretrained(dir,
+    state_dict=accelerator.get_state_dict(model), is_main_process=..., save_function=
+    accelerator.save); rank 0 reads the safetensors back."""
+    import os
+    import tempfile
+
+    from safetensors.torch import load_file
+    acc = run.acc
+    box = [tempfile.mkdtemp(prefix="acc_save_pretrained_") if run.rank == 0 else None]
+    dist.broadcast_object_list(box)
+    sd = acc.get_state_dict(run.model)
+    acc.unwrap_model(run.model).save_pretrained(box[0], state_dict=sd, is_main_process=acc.is_main_process,
+                                                save_function=acc.save)
+    acc.wait_for_everyone()
+    if run.rank == 0:
+        files = [f for f in sorted(os.listdir(box[0])) if f.endswith(".safetensors")]
+        rec["save_pretrained"] = {k: _np(v) for f in files for k, v in load_file(os.path.join(box[0], f)).items()}
 
 
 def accelerate_features(rank: int, world: int, names) -> dict:
@@ -201,7 +283,17 @@ def accelerate_features(rank: int, world: int, names) -> dict:
         for system in SYSTEMS:
             if system == "fsdp2" and name in SHARED_REFERENCE:
                 continue
-            rec = {"losses": [], "steps": []}
+            rec = {"losses": [], "steps": [], "gathered": [], "reduced": []}
+            if system == "ours" and name == "zero1":  # the default plugin: refused by name
+                try:
+                    FeatureRun(system, name, plugin_override={"reshard_after_forward": True})
+                except ValueError as e:
+                    rec["default_plugin_error"] = str(e)
+                finally:
+                    torch_fsdp.fully_shard = FSDP2_FULLY_SHARD
+                    _reset_accelerate()
+            torch._dynamo.reset()
+            counters.clear()
             try:
                 run = FeatureRun(system, name)
             except RuntimeError as e:
@@ -215,6 +307,9 @@ def accelerate_features(rank: int, world: int, names) -> dict:
                              "cpu_offload": repr(run.acc.state.fsdp_plugin.cpu_offload)}
             try:
                 _epoch(run, rec)
+                rec["graphs"] = counters["stats"]["unique_graphs"]
+                if name in SAVE_PRETRAINED:
+                    _save_pretrained(run, rec)
                 rec["probe"] = _probe(run)
             finally:
                 run.close()

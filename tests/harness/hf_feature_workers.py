@@ -1,9 +1,12 @@
 """Workers for tests/distributed/test_hf_features.py: Hugging Face causal LMs (tiny
 LlamaForCausalLM and Qwen3ForCausalLM built from configs, tied embeddings, fp32) sharded
-per decoder layer + root as FSDP2 users do it, under ZeRO-1 / no shard, CPU offload and
-torch.compile. Each configuration trains against one plain process fed every rank's rows
-(the loss, every full gradient and the global grad norm every step, the parameters after)
-and, where FSDP2 runs the same setting, against FSDP2 under the same code.
+per decoder layer + root as FSDP2 users do it, under ZeRO-1 / no shard, CPU offload,
+torch.compile, explicit buckets (ours only: FSDP2 runs its default) and tensor
+parallelism (dp 2 x tp 2 at world 4: transformers' own Llama TP plan through torch's
+parallelize_module on "tp", then fully_shard on "dp"). Each configuration trains against
+one plain process fed every rank's rows (the loss, every full gradient and the global
+grad norm every step, the parameters after) and, where FSDP2 runs the same setting,
+against FSDP2 under the same code.
 
 The batches are left-padded (attention_mask 0 on the pads, labels -100 there), so the
 mask changes what every real token attends to, and the loss is HF's own (`labels=`):
@@ -66,15 +69,20 @@ class RecordingBackend:
         return aot_eager(gm, example_inputs)
 
 
-def shard(model, system: str, case: Dict, world: int, backend=None):
+def shard(model, system: str, case: Dict, world: int, backend=None, dp_mesh=None):
     """FSDP2 users' way: each decoder layer, then the root (whose unit holds the tied
-    embedding and the final norm). `system`: "ours" or "fsdp2". Returns the module to
-    call (compiled or not)."""
+    embedding and the final norm). `system`: "ours" or "fsdp2". With TP (`dp_mesh`
+    given) both shard on the data-parallel mesh; explicit buckets are ours only (FSDP2
+    runs its default). Returns the module to call (compiled or not)."""
     if system == "ours":
         fully_shard = mfsdp.fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     kwargs = {}
+    if dp_mesh is not None:
+        kwargs["mesh"] = dp_mesh
+    if system == "ours" and case.get("buckets"):
+        kwargs.update(gather_bucket_bytes=case["buckets"], reduce_bucket_bytes=case["buckets"])
     if case.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     strategy = case.get("strategy")
@@ -105,9 +113,11 @@ def _full_values(model, system: str) -> Dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def _grad_norm(model, system: str) -> torch.Tensor:
+def _grad_norm(model, system: str, tp: bool = False) -> torch.Tensor:
     if system == "ours":
         return mfsdp.clip_grad_norm_(model, 1e9)
+    if tp:  # torch's clip fails under FSDP2 + TP (it stacks norms on the 2-D and the 1-D mesh)
+        return torch.stack([p.grad.full_tensor().pow(2).sum() for p in model.parameters()]).sum().sqrt()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -140,6 +150,14 @@ def _check_behaviour(model, case: Dict, counts: Dict, what: str) -> None:
         assert calls["reduce_scatter"] > 0 and nbytes["all_reduce"] < 1024, (what, counts)
     # no_shard never gathers; the others gather the shards the optimizer changed.
     assert (calls["all_gather"] > 0) == (strategy != "no_shard"), (what, counts)
+    if case.get("buckets"):  # the budgets reached the root and cut the units into shared buckets
+        assert model.bucket_budgets() == (case["buckets"], case["buckets"]), (what, model.bucket_budgets())
+        schedule = model._fsdp_state.ctx.schedule
+        for plan in (schedule._gathers, schedule._reductions):
+            sizes = sorted(len(b) for b in plan.buckets)
+            assert len(sizes) >= 2 and sizes[-1] >= 2, (what, [[m.label for m in b] for b in plan.buckets])
+        # One coalesced reduce-scatter per bucket, not one per unit.
+        assert calls["reduce_scatter"] == len(schedule._reductions.buckets) < len(states), (what, counts)
     for s in states:
         held = s.unit.unsharded_storage_bytes
         if strategy == "no_shard":
@@ -167,25 +185,62 @@ def _reference(ref) -> List[Dict]:
     return out
 
 
-def _train(rank: int, world: int, arch: str, system: str, case: Dict, expected: List[Dict], ref, what: str):
+def _tp_plan(model) -> Dict:
+    """Transformers' own Llama plan (base_model_tp_plan) in torch's styles: q, k, v and
+    the MLP's gate and up column-wise, o and down row-wise; the tied embedding, the norms
+    and the head stay whole (sharded over dp only)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def _tp_full_grads(model, placements, tp_mesh) -> Dict[str, torch.Tensor]:
+    """Ours' full gradients rebuilt from every rank's 1-D pieces and the TP placements,
+    with nothing of the library's own gather (tp_workers.full_of_ours)."""
+    from .tp_workers import full_of_ours
+    return {n: g.float() for n, g in full_of_ours(model, "grad", placements, tp_mesh).items()}
+
+
+def _train(rank: int, world: int, arch: str, system: str, case: Dict, expected: List[Dict], ref, what: str,
+           mesh=None):
     from torch._dynamo.utils import counters
 
-    per = ROWS // world
-    rows = slice(rank * per, (rank + 1) * per)
+    dp_index, dp_world = rank, world
+    tp_mesh = dp_mesh = placements = None
+    if mesh is not None:  # dp x tp: the rows follow the data-parallel coordinate
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+        dp_index, dp_world = mesh.get_coordinate()[0], mesh.size(0)
+    per = ROWS // dp_world
+    rows = slice(dp_index * per, (dp_index + 1) * per)
     torch._dynamo.reset()
     counters.clear()
     backend = RecordingBackend()
     model = build(arch)
-    run = shard(model, system, case, world, backend)
+    if tp_mesh is not None:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from .tp_workers import placements_of
+        parallelize_module(model, tp_mesh, _tp_plan(model))
+        placements = placements_of(model)
+        assert sum(isinstance(p, DTensor) for p in model.parameters()) == 7 * len(model.model.layers), what
+    run = shard(model, system, case, world, backend, dp_mesh)
     if system == "ours":
         _check_units(model, case, what)
+        if dp_mesh is not None:  # every unit sharded over the 2 dp ranks, not the 4
+            assert all(s.unit.world_size == 2 for s in iter_states(model)), what
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step, want in enumerate(expected):
         ids, mask, labels = batch(step)
         tokens = (labels[:, 1:] != -100).sum()
         before = dict(_C.collective_counts())
         loss = run(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows],
-                   num_items_in_batch=tokens / world).loss
+                   num_items_in_batch=tokens / dp_world).loss
         loss.backward()
         counts = {k: (v[0] - before[k][0], v[1] - before[k][1]) for k, v in _C.collective_counts().items()}
         total = loss.detach().clone()
@@ -196,7 +251,10 @@ def _train(rank: int, world: int, arch: str, system: str, case: Dict, expected: 
         assert set(grads) == set(want["grads"]), (at, set(grads) ^ set(want["grads"]))
         for n, g in grads.items():
             _close(g, want["grads"][n], f"{at}, grad of {n}")
-        _close(_grad_norm(model, system), want["norm"], f"{at}, grad norm")
+        if system == "ours" and tp_mesh is not None:  # the same, rebuilt from the raw pieces
+            for n, g in _tp_full_grads(model, placements, tp_mesh).items():
+                _close(g, want["grads"][n], f"{at}, grad of {n} (from the pieces)")
+        _close(_grad_norm(model, system, tp_mesh is not None), want["norm"], f"{at}, grad norm")
         if system == "ours" and step == 1:
             _check_behaviour(model, case, counts, at)
         opt.step()
@@ -240,13 +298,18 @@ def _generate(model, system: str, ref, what: str) -> None:
 
 def hf_features(rank: int, world: int, arch: str, cases: Dict[str, Dict]) -> bool:
     """Each case: ours, then FSDP2 where it runs the setting (case["fsdp2"], default
-    True), each from the same initial values, against one plain process."""
+    True), each from the same initial values, against one plain process. A case with
+    "tp" runs on a dp 2 x tp 2 mesh (world 4): transformers' Llama plan through torch's
+    parallelize_module on "tp", then both systems' fully_shard on "dp"."""
+    mesh = None
+    if any(case.get("tp") for case in cases.values()):
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     for name, case in cases.items():
         ref = build(arch)
         expected = _reference(ref)
         for system in ["ours"] + (["fsdp2"] if case.get("fsdp2", True) else []):
             what = f"{arch} {name} ({system})"
-            model = _train(rank, world, arch, system, case, expected, ref, what)
+            model = _train(rank, world, arch, system, case, expected, ref, what, mesh if case.get("tp") else None)
             if case.get("generate"):  # first: it must see the last step's values by itself
                 _generate(model, system, ref, what)
             full = _full_values(model, system)

@@ -23,11 +23,14 @@ Meshes: (pp, dp) at world 4; (pp, dp, tp) at world 8 with the blocks tensor-para
 
 Per run, other features in both systems (pp_parity's run keys): reshard_after_forward,
 ours' sharding_strategy (FSDP2 then runs reshard_after_forward=False: same values),
-CPUOffloadPolicy, and a DCP checkpoint of every stage's model and optimizer state at a
-step, from which fresh pipelines resume (ours from ours' and FSDP2's, FSDP2 from ours').
-The report then also says what each of our units took (strategy, reshard_after_forward,
-offloaded, shard and replicate sizes, the shard group's ranks) and what the all-gathers
-of each step moved, in bytes (bucket plans change the calls, not the bytes).
+ours' gather_bucket_bytes / reduce_bucket_bytes, every block compiled before fully_shard
+(aot_eager; the compiled calls counted per system), CPUOffloadPolicy, and a DCP
+checkpoint of every stage's model and optimizer state at a step, from which fresh
+pipelines resume (ours from ours' and FSDP2's, FSDP2 from ours'). The report then also
+says what each of our units took (strategy, reshard_after_forward, offloaded, shard and
+replicate sizes, the shard group's ranks), what the all-gathers of each step moved, in
+bytes (bucket plans change the calls, not the bytes), and each stage root's bucket
+budgets and the buckets its schedule planned.
 """
 from __future__ import annotations
 
@@ -90,6 +93,27 @@ class Stage(nn.Module):
         return self.proj(x)
 
 
+# opts["compile"]: what the blocks' compiled code did, per system ("current", set by _train):
+# graphs compiled and calls of their compiled forward (aot_eager: no inductor toolchain needed).
+COMPILED: Dict = {"graphs": {}, "calls": {}, "current": None}
+
+
+def counting_backend(gm, example_inputs):
+    """A torch.compile backend: aot_eager, counting into COMPILED under its "current"."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    who = COMPILED["current"]
+    COMPILED["graphs"][who] = COMPILED["graphs"].get(who, 0) + 1
+    compiled = aot_eager(gm, example_inputs)
+
+    def run(*args):
+        who = COMPILED["current"]
+        COMPILED["calls"][who] = COMPILED["calls"].get(who, 0) + 1
+        return compiled(*args)
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
+
+
 def build_plain(num_stages: int, seed: int = SEED) -> nn.ModuleList:
     torch.manual_seed(seed)
     return nn.ModuleList(Stage() for _ in range(num_stages))
@@ -141,7 +165,9 @@ def shard(stage: Stage, system: str, dp_mesh, opts: Dict) -> Stage:
     """Blocks first, then the stage module; each system's own default when
     opts["reshard_after_forward"] is None. opts["strategy"] (ours: sharding_strategy; FSDP2
     has only ZeRO-3 and, for every other strategy, reshard_after_forward=False, which
-    computes the same values) and opts["offload"] (CPUOffloadPolicy in both)."""
+    computes the same values), opts["offload"] (CPUOffloadPolicy in both) and
+    opts["gather_bucket_bytes"] / opts["reduce_bucket_bytes"] (ours' fully_shard, every
+    unit: the stage module's value governs its tree; FSDP2 has none)."""
     reshard_after_forward, strategy = opts.get("reshard_after_forward"), opts.get("strategy")
     kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     if opts.get("offload"):
@@ -150,6 +176,9 @@ def shard(stage: Stage, system: str, dp_mesh, opts: Dict) -> Stage:
     if system == "ours":
         if strategy is not None:
             kw["sharding_strategy"] = strategy
+        for name in ("gather_bucket_bytes", "reduce_bucket_bytes"):  # ours only (FSDP2 has no buckets)
+            if name in opts:
+                kw[name] = opts[name]
         for b in stage.blocks:
             mfsdp.fully_shard(b, mesh=dp_mesh, **kw)
         return mfsdp.fully_shard(stage, mesh=dp_mesh, **kw)
@@ -331,6 +360,12 @@ def _build_pipeline(system: str, schedule_name: str, plain: nn.ModuleList, mesh,
         stage_mod = copy.deepcopy(plain[s])
         if tp_mesh is not None:
             tensor_parallel(stage_mod, tp_mesh)
+        if opts.get("compile"):  # torchtitan's order: each block compiled, then fully_shard
+            # fully_shard gives every module a class of its own (FSDP2's and ours): one
+            # graph per block and input requires_grad, more than dynamo's default 8.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            for b in stage_mod.blocks:
+                b.compile(fullgraph=True, backend=counting_backend)
         placements[s] = {n: tuple(p.placements) for n, p in stage_mod.named_parameters() if isinstance(p, DTensor)}
         modules[s] = shard(stage_mod, system, shard_mesh(mesh), opts)
         stages.append(PipelineStage(modules[s], s, num_stages, device_for_backend(), group=pp_mesh.get_group()))
@@ -389,6 +424,24 @@ def _unit_options(pipe: Dict, mesh) -> List[Dict]:
     return out
 
 
+def _bucket_plans(pipe: Dict) -> Dict[int, Dict]:
+    """Per stage: its root's bucket_budgets() (gather, reduce; "auto" resolved) and the
+    buckets its schedule cut from the recorded forward order, by unit path (in forward
+    order: the stage module first)."""
+    out = {}
+    for s in pipe["mine"]:
+        root = pipe["modules"][s]
+        ctx = root._fsdp_state.ctx
+        names = {id(m._fsdp_state): f"{s}:{path or 'root'}" for path, m in root.named_modules()
+                 if isinstance(m, mfsdp.FSDPModule)}
+        sched = ctx.schedule
+        out[s] = {"budgets": tuple(root.bucket_budgets()),
+                  "order": [names.get(id(st), "?") for st in sched.forward_order],
+                  "gather": [[names.get(id(st), "?") for st in b] for b in sched._gathers.buckets],
+                  "reduce": [[names.get(id(st), "?") for st in b] for b in sched._reductions.buckets]}
+    return out
+
+
 def _train(system: str, schedule_name: str, plain: nn.ModuleList, mesh, data, opts: Dict,
            ckpt: Optional[Dict] = None) -> Dict:
     """Train `data` through the schedule. `ckpt` (DCP): {"at": step, "save": folder or None,
@@ -400,6 +453,9 @@ def _train(system: str, schedule_name: str, plain: nn.ModuleList, mesh, data, op
     # The group the units shard over: the 1-D pieces of a gradient tile it over this group.
     grad_group = mesh["dp_shard"].get_group() if "dp_shard" in mesh.mesh_dim_names else dp_mesh.get_group()
     replicated = opts.get("strategy") == "no_shard"
+    for counts in (COMPILED["graphs"], COMPILED["calls"]):  # this training's graphs and calls only
+        counts.pop(system, None)
+    COMPILED["current"] = system
     start = 0
     if ckpt is not None and ckpt.get("load"):
         start = ckpt["at"]
@@ -462,6 +518,8 @@ def _train(system: str, schedule_name: str, plain: nn.ModuleList, mesh, data, op
         rec["modules"] = sorted(f"{s}:{path or 'root'}" for s in mine for path, m in modules[s].named_modules()
                                 if isinstance(m, mfsdp.FSDPModule))
         rec["unit_options"] = _unit_options(pipe, mesh)
+        rec["buckets"] = _bucket_plans(pipe)
+    rec["compiled"] = {k: COMPILED[k].get(system, 0) for k in ("graphs", "calls")}
     return rec
 
 
@@ -559,7 +617,8 @@ def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: flo
     ours = recs["ours"]
     return {"rank": rank, "stages": mine, "worst": worst, "control": ours["control"],
             "units": ours["units"], "modules": ours["modules"], "tp_params": ours["tp_params"],
-            "unit_options": ours["unit_options"], "opts": opts,
+            "unit_options": ours["unit_options"], "opts": opts, "buckets": ours["buckets"],
+            "compiled": {name: rec["compiled"] for name, rec in recs.items()},
             "controls": {name: rec["control"] for name, rec in recs.items() if name.startswith("ours")}}
 
 
@@ -571,6 +630,7 @@ def pp_parity(rank: int, world: int, runs: List[Dict], steps: int = 3, tol: floa
               folder: Optional[str] = None) -> Dict[str, Dict]:
     """Each run ({"schedule": name, optional "name" (default: the schedule's),
     "reshard_after_forward": bool, "strategy": ours' sharding_strategy, "offload": bool,
+    "gather_bucket_bytes" / "reduce_bucket_bytes": ours' buckets, "compile": bool,
     "dcp": the step at which to checkpoint (needs `folder`)}) in turn on one mesh (HSDP's
     at world 8 when a run asks for "hsdp"); returns {run name: this rank's report}."""
     mesh = make_mesh(world, hsdp=any(run.get("hsdp") for run in runs))
@@ -596,8 +656,9 @@ def check_reduced_once_per_step(reports, schedule: str, kind: str = "reduce_scat
     strategies that all-reduce full gradients, HSDP's all-reduce across replicas, and every
     unit's small all-reduce of which parameters got gradients): none before the first
     REDUCE_GRAD (the micro-batch backwards only accumulate), each stage's units
-    `per_unit` times inside its REDUCE_GRAD (at least that often for all-reduces), none
-    after. ZeRO-3 leaves no unit gathered after a step; optim_grads and optim leave every
+    `per_unit` times inside its REDUCE_GRAD (at least that often for all-reduces; a reduce
+    bucket's units, planned by the stage root's budget, in one coalesced reduce-scatter),
+    none after. ZeRO-3 leaves no unit gathered after a step; optim_grads and optim leave every
     unit gathered unless the schedule's RESHARD released it."""
     for r in reports:
         keeps = r.get("opts", {}).get("strategy") not in (None, "optim_grads_params")
@@ -607,16 +668,21 @@ def check_reduced_once_per_step(reports, schedule: str, kind: str = "reduce_scat
             total = c["reduce_scatters"] if kind == "reduce_scatter" else c["all_reduces"]
             assert sorted(s for s, _, _ in spans) == sorted(r["stages"]), \
                 f"{at}: REDUCE_GRAD per stage {spans}, stages {r['stages']}"
-            done = 0
+            done, wanted = 0, 0
             for stage, before, during in spans:
                 assert before == done, f"{at}: {before - done} {kind}s outside REDUCE_GRAD (stage {stage})"
                 want = per_unit * r["units"][stage]
+                if kind == "reduce_scatter":  # a reduce bucket's units share one coalesced call
+                    plan = r["buckets"][stage]["reduce"]
+                    want = per_unit * (len(plan) + r["units"][stage] - sum(len(b) for b in plan))
                 assert during == want if kind == "reduce_scatter" else during >= max(want, 1), \
-                    f"{at}: stage {stage}: {during} {kind}s for {r['units'][stage]} units ({per_unit} each)"
+                    f"{at}: stage {stage}: {during} {kind}s for {r['units'][stage]} units ({per_unit} each), " \
+                    f"reduce buckets {r['buckets'][stage]['reduce']}"
                 done += during
+                wanted += want
             assert total == done, f"{at}: {total} {kind}s in all, {done} in REDUCE_GRAD"
             if kind == "reduce_scatter":
-                assert total == per_unit * sum(r["units"].values()), f"{at}: {total} {kind}s in all"
+                assert total == wanted, f"{at}: {total} {kind}s in all, {wanted} wanted"
             if not keeps:
                 assert c["left_gathered"] == [], f"{at}: units still gathered after the step: {c['left_gathered']}"
             elif r["opts"]["strategy"] != "no_shard":  # (no_shard has no gathered copy)

@@ -717,6 +717,7 @@ def _train_vs_fsdp2(world: int, parallelism: Dict, *, steps: int, max_norm: floa
     moved = max(rel_err(theirs[n], init[n]) for n in theirs)  # training did change the weights
     assert moved > 1e-3, f"parameters moved by {moved:.2e} only"
     out = {"worst": worst, "curves": curves, "units": units, "moved": moved,
+           "buckets": bucket_plan(ours.model_parts[0]),  # "auto" resolved, unless a probe set them
            "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
     if finish is not None:
         out["reached"] = finish()
@@ -1275,6 +1276,71 @@ def _replicate_probe(ours, fsdp2, dims):
     return lambda: {"shard_replicate_sizes": sorted(sizes), "units": len(units)}
 
 
+def bucket_plan(model) -> Dict:
+    """Our root's bucket_budgets() (gather, reduce; "auto" resolved: what the first
+    backward's link measurement chose) and the gather and reduce buckets its schedule cut
+    from the recorded forward order, each unit by its path (a unit of several modules by
+    its first member's)."""
+    states = {}
+    for name, m in model.named_modules():
+        st = m.__dict__.get("_mfsdp_state")
+        if st is not None and st.unit is not None:
+            states.setdefault(id(st), plain_name(name) or "root")
+    ctx = model._fsdp_state.ctx
+    if ctx is None:  # never ran forward
+        return {"budgets": tuple(model.bucket_budgets())}
+    sched = ctx.schedule
+    return {"budgets": tuple(model.bucket_budgets()),
+            "order": [states.get(id(st), "?") for st in sched.forward_order],
+            "sizes": [st.unit.unsharded_nbytes for st in sched.forward_order],
+            "gather": [[states.get(id(st), "?") for st in b] for b in sched._gathers.buckets],
+            "reduce": [[states.get(id(st), "?") for st in b] for b in sched._reductions.buckets]}
+
+
+def _bucket_probe(ours, fsdp2, dims):
+    """Explicit buckets as a torchtitan user sets them (its config has no such field): on
+    the root parallelize_llama returned, set_gather_bucket_bytes / set_reduce_bucket_bytes
+    of twice a block's gathered bytes, before the first step (the root's setters; the
+    buckets follow the order its first step records). FSDP2 runs unchanged. Then: the
+    root's bucket_budgets() are those; its schedule cut the forward order [tok_embeddings,
+    6 blocks, [norm, lm_head]] into buckets of two or more units for gathers and for
+    reductions; every backward reduce-scatters once per reduce bucket, except the first
+    (its micro-batch records the order: one per unit)."""
+    from megatron_fsdp_ext import _C
+
+    model = ours.model_parts[0]
+    units = {id(st): st for st in _units_of(model, "ours").values()}.values()
+    block = max(st.unit.unsharded_nbytes for name, st in _units_of(model, "ours").items() if name.startswith("layers."))
+    budget = 2 * block
+    model.set_gather_bucket_bytes(budget)
+    model.set_reduce_bucket_bytes(budget)
+    counts = []
+
+    def step(*args, _step=ours.train_step, **kwargs):
+        _C.reset_collective_counts()
+        out = _step(*args, **kwargs)
+        c = _C.collective_counts()
+        counts.append({"all_gather": c["all_gather"][0], "reduce_scatter": c["reduce_scatter"][0]})
+        return out
+    ours.train_step = step
+
+    def finish():
+        plan = bucket_plan(model)
+        assert plan["budgets"] == (budget, budget), f"bucket_budgets() {plan['budgets']}, set {budget}"
+        assert len(plan["order"]) == len(units) >= 8, plan["order"]
+        for kind in ("gather", "reduce"):
+            assert [n for b in plan[kind] for n in b] == plan["order"], f"{kind} buckets {plan[kind]}"
+            assert 1 < len(plan[kind]) < len(units) and max(len(b) for b in plan[kind]) >= 2, plan[kind]
+        accum = ours.gradient_accumulation_steps
+        # the first micro-batch's backward records the order (one reduce-scatter per unit);
+        # every later backward reduces by buckets
+        assert counts[0]["reduce_scatter"] == len(units) + (accum - 1) * len(plan["reduce"]), (counts, plan["reduce"])
+        for c in counts[1:]:
+            assert c["reduce_scatter"] == accum * len(plan["reduce"]), (counts, plan["reduce"])
+        return {"budget": budget, "plan": plan, "counts": counts}
+    return finish
+
+
 COUNTING_BACKEND = "mfsdp_titan_counting_aot_eager"
 _COMPILED = {"graphs": {}, "calls": {}, "current": None}
 
@@ -1357,6 +1423,7 @@ TITAN_OPTIONS = {
     "float8": ({}, {"float8": {"emulate": True}}),
     "float8_gather": ({}, {"float8": {"emulate": True, "enable_fsdp_float8_all_gather": True}}),
     "compile": ({}, {"compile": {"enable": True, "components": ["model", "loss"], "backend": COUNTING_BACKEND}}),
+    "buckets": ({}, {}),  # set on ours' root after parallelize_llama (_bucket_probe)
 }
 
 
@@ -1364,7 +1431,7 @@ def _option_probe(name: str):
     return {"reshard_never": _reshard_probe("never"), "reshard_always": _reshard_probe("always"),
             "replicate_only": _replicate_probe,
             "cpu_offload": _offload_probe, "float8": _float8_probe(False), "float8_gather": _float8_probe(True),
-            "compile": _compile_probe}[name]
+            "compile": _compile_probe, "buckets": _bucket_probe}[name]
 
 
 def titan_options_matrix(rank: int, world: int, names, steps: int = 3, max_norm: float = 0.25, loss: str = "ce",
