@@ -18,6 +18,9 @@ NCCL_SCENARIOS["fused_adamw"] = {"fused": True}
 NCCL_SCENARIOS["gather_buckets"] = {"gather_bucket_bytes": 1 << 30}
 NCCL_SCENARIOS["gather_buckets_bf16"] = dict(W.PARITY_SCENARIOS["bf16_mixed_precision"], gather_bucket_bytes=1 << 30)
 NCCL_SCENARIOS["reduce_buckets"] = {"reduce_bucket_bytes": 1 << 30, "micro_batches": 2, "sync_every_micro": True}
+# Accumulated without sync, reduced through the bucket by finish_grad_sync().
+NCCL_SCENARIOS["reduce_buckets_finish_grad_sync"] = {"reduce_bucket_bytes": 1 << 30, "micro_batches": 2,
+                                                     "finish_grad_sync": True}
 NCCL_SCENARIOS["buckets_bf16"] = dict(W.PARITY_SCENARIOS["bf16_mixed_precision"], gather_bucket_bytes=1 << 30,
                                       reduce_bucket_bytes=1 << 30)
 
