@@ -31,7 +31,7 @@ def test_layerwise_model_under_torch_compile_trains_as_one_process(overlap):
     SGD steps equal one eager process's, and compiled code ran every step."""
     out = run_distributed(layerwise_parity, 2, {"factory": "sgd", "overlap": overlap, "compile": True},
                           timeout=300)[0]
-    assert out["compiled_calls"] and sum(out["compiled_calls"]) >= 5, out["compiled_calls"]
+    assert out["compiled_calls"] >= 5, out["compiled_calls"]  # 5 steps
 
 
 def test_layerwise_all_reduce_fallback_and_accumulation():

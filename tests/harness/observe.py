@@ -110,6 +110,30 @@ def _is_sharded(state) -> bool:
     return state.unit is None or state.unit.state == state.unit.state.SHARDED
 
 
+def counting_aot_eager(counts: Dict):
+    """A torch.compile backend: aot_eager (no inductor toolchain needed), counting into
+    counts["graphs"][who] the graphs it compiles and into counts["calls"][who] the calls
+    of their compiled code, `who` being counts["current"] at that moment (the system
+    under test)."""
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        who = counts["current"]
+        counts["graphs"][who] = counts["graphs"].get(who, 0) + 1
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            who = counts["current"]
+            counts["calls"][who] = counts["calls"].get(who, 0) + 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
+
+    return backend
+
+
 @contextlib.contextmanager
 def count_collectives():
     """Counts the library's collective scopes ("mfsdp::<collective>[<label>]") issued

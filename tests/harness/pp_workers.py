@@ -48,6 +48,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.core.states import SlotsHold
 
+from .observe import counting_aot_eager
 from .workers import device_for_backend, rel_err, shard_piece
 
 D, H = 16, 32
@@ -98,20 +99,7 @@ class Stage(nn.Module):
 COMPILED: Dict = {"graphs": {}, "calls": {}, "current": None}
 
 
-def counting_backend(gm, example_inputs):
-    """A torch.compile backend: aot_eager, counting into COMPILED under its "current"."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    who = COMPILED["current"]
-    COMPILED["graphs"][who] = COMPILED["graphs"].get(who, 0) + 1
-    compiled = aot_eager(gm, example_inputs)
-
-    def run(*args):
-        who = COMPILED["current"]
-        COMPILED["calls"][who] = COMPILED["calls"].get(who, 0) + 1
-        return compiled(*args)
-    run._boxed_call = getattr(compiled, "_boxed_call", False)
-    return run
+counting_backend = counting_aot_eager(COMPILED)
 
 
 def build_plain(num_stages: int, seed: int = SEED) -> nn.ModuleList:

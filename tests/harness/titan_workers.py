@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core.param_index import iter_states
 
+from .observe import counting_aot_eager
 from .tp_workers import full_of_ours, placements_of, plain_name
 from .workers import device_for_backend, rel_err, shard_piece
 
@@ -1351,25 +1352,8 @@ def _register_counting_backend() -> None:
     Trainer ("current", set around its train_step by _compile_probe)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    if COUNTING_BACKEND in _COMPILER_FNS:
-        return
-
-    def counting_aot_eager(gm, example_inputs):
-        from torch._dynamo.backends.debugging import aot_eager
-
-        who = _COMPILED["current"]
-        _COMPILED["graphs"][who] = _COMPILED["graphs"].get(who, 0) + 1
-        compiled = aot_eager(gm, example_inputs)
-
-        def run(*args):
-            who = _COMPILED["current"]
-            _COMPILED["calls"][who] = _COMPILED["calls"].get(who, 0) + 1
-            return compiled(*args)
-
-        run._boxed_call = getattr(compiled, "_boxed_call", False)
-        return run
-
-    register_backend(counting_aot_eager, name=COUNTING_BACKEND)
+    if COUNTING_BACKEND not in _COMPILER_FNS:
+        register_backend(counting_aot_eager(_COMPILED), name=COUNTING_BACKEND)
 
 
 def _compile_probe(ours, fsdp2, dims):

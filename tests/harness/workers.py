@@ -950,20 +950,12 @@ def layerwise_parity(rank: int, world: int, opts: Dict) -> Dict:
     ref_opts = factory(list(ref.parameters()))
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
     assert len(lopt.buckets) > 1, "test needs several buckets"
-    compiled_calls = []
+    compiled = {"graphs": {}, "calls": {}, "current": "model"}
     if opts.get("compile"):  # the model compiled after the optimizer installed its gather hooks
-        from torch._dynamo.backends.debugging import aot_eager
+        from .observe import counting_aot_eager
 
-        def counting(gm, example_inputs):
-            compiled, index = aot_eager(gm, example_inputs), len(compiled_calls)
-            compiled_calls.append(0)
-
-            def run(*args):
-                compiled_calls[index] += 1
-                return compiled(*args)
-            return run
         torch._dynamo.reset()
-        model.compile(backend=counting)
+        model.compile(backend=counting_aot_eager(compiled))
     micro = opts.get("micro_batches", 1)
     per = 2
     for tokens, targets in global_batches(cfg, opts.get("steps", 5), per * world * micro, 16, device):
@@ -998,7 +990,7 @@ def layerwise_parity(rank: int, world: int, opts: Dict) -> Dict:
     else:
         assert errs[worst] <= opts.get("tol", 1e-6), f"'{worst}' rel err {errs[worst]:.3e}"
     owners = {n: b.layout.owner(i) for b in lopt.buckets for i, n in enumerate(b.names)}
-    return {"worst": errs[worst], "owners": owners, "buckets": len(lopt.buckets), "compiled_calls": compiled_calls,
+    return {"worst": errs[worst], "owners": owners, "buckets": len(lopt.buckets), "compiled_calls": compiled["calls"].get("model", 0),
             "max_frac_of_update": max(errs[n] / moved[n] for n in errs if moved[n] > 0)}
 
 
