@@ -54,6 +54,14 @@ def _np(t) -> np.ndarray:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     # Both systems' sharded parameters and gradients answer full_tensor() (a collective).
+    # FSDP2's DTensors gather through plain c10d collectives (gather_dtensor): torch's
+    # functional collectives behind DTensor.full_tensor() once crashed a rank here on
+    # Gloo (SIGSEGV in wait_tensor, CPU) between the launch's several Accelerators.
+    from torch.distributed.tensor import DTensor
+
+    if type(t) is DTensor:  # FSDP2's (its parameters too); ours present as DTensors by subclass
+        from megatron_fsdp_ext.core.state_dict import gather_dtensor
+        return gather_dtensor(t.detach())
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
