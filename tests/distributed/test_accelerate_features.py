@@ -170,8 +170,8 @@ def test_explicit_buckets_train_like_fsdp2(world2):
     bucket (2, not 3); with accumulate's no_sync micro-batches. Against FSDP2's default."""
     rec = world2[0][("buckets", "ours")]
     b = rec["probe"]["buckets"]
-    assert b["budgets"] == [BUCKET_BYTES, BUCKET_BYTES], b
-    for plan in ("gathers", "reductions"):
+    assert b["budgets"] == (BUCKET_BYTES, BUCKET_BYTES), b
+    for plan in ("gather", "reduce"):
         assert sorted(len(m) for m in b[plan]) == [1, 2], b
     assert rec["probe"]["reduce_scatter_calls"] == 2, rec["probe"]
     default = world2[0][("no_reshard", "ours")]["probe"]  # "auto"

@@ -61,6 +61,7 @@ from megatron_fsdp_ext.core.param_index import iter_states
 
 from .accelerate_loop_workers import (ACCUM, BATCH, MAX_NORM, Run, _full, _np, _reset_accelerate, llama,
                                       lr_lambda, train_data)
+from .observe import schedule_buckets
 from .workers import torchrun_environment
 
 SYSTEMS = ("fsdp2", "ours")
@@ -193,14 +194,6 @@ def _fsdp2_facts(model) -> list:
     return out
 
 
-def _bucket_facts(model) -> dict:
-    """The root's bucket budgets and the units (labels) of each gather and reduce bucket."""
-    schedule = next(s for s in iter_states(model) if s.is_root).ctx.schedule
-    return {"budgets": list(model.bucket_budgets()),
-            "gathers": [[m.label for m in b] for b in schedule._gathers.buckets],
-            "reductions": [[m.label for m in b] for b in schedule._reductions.buckets]}
-
-
 def _probe(run: FeatureRun) -> dict:
     """After the loop: the units right after a forward (before its backward), after the
     backward and after an optimizer step; the local shard sizes of the parameters; ours'
@@ -210,7 +203,8 @@ def _probe(run: FeatureRun) -> dict:
     ids = train_data()[:BATCH]
     out = {"before": facts(run.model)}
     if run.system == "ours":
-        out["buckets"] = _bucket_facts(run.model)
+        # The root's bucket budgets and the units (labels) of each gather and reduce bucket.
+        out["buckets"] = schedule_buckets(run.model, {id(s): s.label for s in iter_states(run.model)})
         before = _C.collective_counts()["reduce_scatter"][0]
     loss = run.model(input_ids=ids, labels=ids).loss
     out["after_forward"] = facts(run.model)

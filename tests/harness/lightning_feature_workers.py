@@ -257,11 +257,6 @@ def plain_run(world: int, cfg: Dict, steps: int) -> Dict:
     return {"losses": losses, "norms": norms, "grads": grads, "values": values, "params": values[-1]}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (harness.workers.rel_err)."""
-    return rel_err(a.detach().double(), b.detach().double())
-
-
 def worst(ours: Dict, ref: Dict) -> Dict[str, float]:
     """The largest relative difference of each step's loss, clip norm, full gradients and
     values after the step (or after the last step only, where a run has no "values")."""
@@ -273,14 +268,14 @@ def worst(ours: Dict, ref: Dict) -> Dict[str, float]:
         out["norm"] = max(out["norm"], abs(a - b) / abs(b))
     for g, want in zip(ours["grads"], ref["grads"]):
         assert g.keys() == want.keys(), (sorted(g), sorted(want))
-        out["grad"] = max(out["grad"], max(_rel(g[k], want[k]) for k in want))
+        out["grad"] = max(out["grad"], max(rel_err(g[k], want[k]) for k in want))
     for got, want in zip(ours.get("values", [ours["params"]]), ref.get("values", [ref["params"]])):
-        out["param"] = max(out["param"], max(_rel(got[k], v) for k, v in want.items()))
+        out["param"] = max(out["param"], max(rel_err(got[k], v) for k, v in want.items()))
     return out
 
 
 def _summary(run: Dict) -> Dict:
-    moved = max(_rel(run["params"][k], v) for k, v in run["start"].items())
+    moved = max(rel_err(run["params"][k], v) for k, v in run["start"].items())
     return {k: run[k] for k in ("option", "unsharded", "counts", "dtypes", "norms", "budgets", "graphs")
             if k in run} | {"moved": moved}
 
@@ -435,7 +430,7 @@ def trainer_accumulate_and_clip(rank: int, world: int, folder: str, clips: Dict[
             "vs_plain": {impl: worst(r, ref) for impl, r in runs.items()},
             "steps": len(ref["grads"]), "micro": len(ref["losses"]),
             "plain_clip_norms": ref["clip_norms"], "plain_clipped": ref["clipped"],
-            "moved": max(_rel(runs["ours"]["params"][k], v) for k, v in runs["ours"]["start"].items()),
+            "moved": max(rel_err(runs["ours"]["params"][k], v) for k, v in runs["ours"]["start"].items()),
             "sharded": all(hasattr(p, "full_tensor") for p in runs["ours"]["model"].net.parameters())
             and bool(list(iter_states(runs["ours"]["model"].net)))}
     return results

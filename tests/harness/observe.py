@@ -110,6 +110,20 @@ def _is_sharded(state) -> bool:
     return state.unit is None or state.unit.state == state.unit.state.SHARDED
 
 
+def schedule_buckets(root, names: Dict[int, str]) -> Dict:
+    """`root`'s bucket_budgets() (gather, reduce; "auto" resolved) and the gather and
+    reduce buckets its schedule cut from the recorded forward order, each unit named by
+    names[id(its state)] ("?" where missing). The root must have run a forward."""
+    schedule = root._fsdp_state.ctx.schedule
+
+    def named(states) -> List[str]:
+        return [names.get(id(st), "?") for st in states]
+
+    return {"budgets": tuple(root.bucket_budgets()), "order": named(schedule.forward_order),
+            "gather": [named(b) for b in schedule._gathers.buckets],
+            "reduce": [named(b) for b in schedule._reductions.buckets]}
+
+
 def counting_aot_eager(counts: Dict):
     """A torch.compile backend: aot_eager (no inductor toolchain needed), counting into
     counts["graphs"][who] the graphs it compiles and into counts["calls"][who] the calls

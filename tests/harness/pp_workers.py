@@ -48,7 +48,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.core.states import SlotsHold
 
-from .observe import counting_aot_eager
+from .observe import counting_aot_eager, schedule_buckets
 from .workers import device_for_backend, rel_err, shard_piece
 
 D, H = 16, 32
@@ -419,14 +419,9 @@ def _bucket_plans(pipe: Dict) -> Dict[int, Dict]:
     out = {}
     for s in pipe["mine"]:
         root = pipe["modules"][s]
-        ctx = root._fsdp_state.ctx
         names = {id(m._fsdp_state): f"{s}:{path or 'root'}" for path, m in root.named_modules()
                  if isinstance(m, mfsdp.FSDPModule)}
-        sched = ctx.schedule
-        out[s] = {"budgets": tuple(root.bucket_budgets()),
-                  "order": [names.get(id(st), "?") for st in sched.forward_order],
-                  "gather": [[names.get(id(st), "?") for st in b] for b in sched._gathers.buckets],
-                  "reduce": [[names.get(id(st), "?") for st in b] for b in sched._reductions.buckets]}
+        out[s] = schedule_buckets(root, names)
     return out
 
 

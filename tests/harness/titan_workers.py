@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core.param_index import iter_states
 
-from .observe import counting_aot_eager
+from .observe import counting_aot_eager, schedule_buckets
 from .tp_workers import full_of_ours, placements_of, plain_name
 from .workers import device_for_backend, rel_err, shard_piece
 
@@ -1290,12 +1290,8 @@ def bucket_plan(model) -> Dict:
     ctx = model._fsdp_state.ctx
     if ctx is None:  # never ran forward
         return {"budgets": tuple(model.bucket_budgets())}
-    sched = ctx.schedule
-    return {"budgets": tuple(model.bucket_budgets()),
-            "order": [states.get(id(st), "?") for st in sched.forward_order],
-            "sizes": [st.unit.unsharded_nbytes for st in sched.forward_order],
-            "gather": [[states.get(id(st), "?") for st in b] for b in sched._gathers.buckets],
-            "reduce": [[states.get(id(st), "?") for st in b] for b in sched._reductions.buckets]}
+    return dict(schedule_buckets(model, states),
+                sizes=[st.unit.unsharded_nbytes for st in ctx.schedule.forward_order])
 
 
 def _bucket_probe(ours, fsdp2, dims):

@@ -990,7 +990,8 @@ def layerwise_parity(rank: int, world: int, opts: Dict) -> Dict:
     else:
         assert errs[worst] <= opts.get("tol", 1e-6), f"'{worst}' rel err {errs[worst]:.3e}"
     owners = {n: b.layout.owner(i) for b in lopt.buckets for i, n in enumerate(b.names)}
-    return {"worst": errs[worst], "owners": owners, "buckets": len(lopt.buckets), "compiled_calls": compiled["calls"].get("model", 0),
+    return {"worst": errs[worst], "owners": owners, "buckets": len(lopt.buckets),
+            "compiled_calls": compiled["calls"].get("model", 0),
             "max_frac_of_update": max(errs[n] / moved[n] for n in errs if moved[n] > 0)}
 
 

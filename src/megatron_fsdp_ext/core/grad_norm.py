@@ -23,13 +23,12 @@ intercepts only the norm path:
   DTensors), so norms of them are global too.
 - elementwise ops (`g ** 2`, `g.abs()`, `g * p`, `torch.isfinite(g)`, casts) keep the
   type: the result is a piece laid out as the gradient, as DTensor arithmetic stays Shard;
+  so do copies and new tensors of the piece (`g.clone()`, `torch.zeros_like(g)`): a copy
+  kept to compare with a later gradient, or an accumulation buffer, reduces globally too;
 - whole-tensor reductions of such a piece (`sum`, `mean`, `amax`/`max()`, `amin`/`min()`,
   `all`, `any`, `count_nonzero`, `prod`) return a `PartialStat`, reduced over the domain
   when used (as DTensor's Partial); `std`/`var` reduce at once. Along a dim of a parameter
   of 2 or more dims they are refused: the piece is 1-D.
-  copies and new tensors of the piece (`g.clone()`, `torch.zeros_like(g)`) keep it too, so
-  a copy kept to compare with a later gradient, or an accumulation buffer, reduces
-  globally as well;
 Every other op on a gradient runs as on a plain tensor (the subclass disabled, plain
 outputs): optimizers, `_foreach_mul_` of the clip. A plain tensor of the
 piece's shape assigned as a parameter's gradient (`p.grad = p.grad / 2`) takes the
