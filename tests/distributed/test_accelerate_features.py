@@ -18,7 +18,12 @@ parameters after the last step; and where each option shows on our units.
   its fully_shard calls (its FSDP2 path), under FSDP2 as under ours;
 - Accelerator(mixed_precision="bf16"): the plugin's MixedPrecisionPolicy (bf16 params,
   reductions and outputs) and Accelerate's autocast, against FSDP2 under the same: bf16
-  tolerances (the losses agree to the bit here, the gradients to bf16 rounding).
+  tolerances (the losses agree to the bit here, the gradients to bf16 rounding);
+- Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=
+  Float8LinearConfig(enable_fsdp_float8_all_gather=True))]): Accelerate's own torchao FP8
+  path (prepare converts the Linears to Float8Linear, registers torchao's scale
+  precompute on the optimizer, shards), weights gathered in FP8, against FSDP2 + torchao's
+  FP8 gather under the same (its own launch).
 On the way: accelerator.gather / reduce of every micro-batch's loss, and
 unwrap_model(model).save_pretrained(state_dict=accelerator.get_state_dict(model)) after
 the loop (the saved tensors are the trained parameters, as FSDP2's).
@@ -224,3 +229,45 @@ def test_bf16_mixed_precision_trains_like_fsdp2(world2):
                for u in rec["probe"]["before"]), rec["probe"]["before"]
     assert_tree_close(rec["losses"], world2[0][("bf16", "fsdp2")]["losses"], "bf16 losses", rtol=0, atol=0)
     _trains_like_fsdp2(world2, "bf16", steps=3, rtol=1e-2, atol=1e-3)
+
+
+def test_fp8_gather_through_accelerates_torchao_recipe_trains_like_fsdp2():
+    """Accelerator(mixed_precision="fp8") with AORecipeKwargs(config=Float8LinearConfig(
+    enable_fsdp_float8_all_gather=True)): Accelerate's prepare converts 13 of the 14
+    Linears of the model to Float8Linear (its default filter skips the first, layer 0's
+    q_proj, and the last, lm_head), hooks torchao's precompute_float8_dynamic_scale_for_fsdp
+    to the optimizer and shards with the plugin's "fp8" policy (bf16 params and
+    reductions). Every layer unit of ours gathers its Float8Linear weights as FP8 bytes, and
+    every Float8Linear forward, ours and FSDP2's, sees a Float8TrainingTensor weight.
+    Against FSDP2 + torchao's FP8 gather under the same: every micro-batch's loss and every
+    full gradient before the clip equal bit for bit; clip norms, the parameters after and
+    what save_pretrained wrote to 1e-6 relative (the clip norm's fp32 sum runs over
+    differently cut shards: a few ulps; the parameters follow through the clip factor);
+    acc.reduce's mean of the bf16 losses at bf16 rounding."""
+    from harness.accelerate_feature_workers import accelerate_features
+
+    pytest.importorskip("torchao.float8", reason="Accelerate's FP8 path needs torchao")
+    per_rank = run_distributed(accelerate_features, 2, ("fp8",), timeout=300)
+    ours, theirs = per_rank[0][("fp8", "ours")], per_rank[0][("fp8", "fsdp2")]
+    assert all(u["param_dtype"] == u["reduce_dtype"] == "torch.bfloat16" for u in ours["probe"]["before"])
+    for rec in (ours, theirs):
+        assert rec["probe"]["float8_linears"] == 13
+        assert rec["probe"]["float8_forward_weights"] == ["Float8TrainingTensor"] * 13, rec["probe"]
+    projections = ["mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "self_attn.k_proj.weight",
+                   "self_attn.o_proj.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight"]
+    want = {"LlamaForCausalLM (root)": [], "model.layers.0": [p for p in projections if "q_proj" not in p],
+            "model.layers.1": projections}
+    assert {u["label"]: u["fp8_weights"] for u in ours["probe"]["before"]} == want, ours["probe"]["before"]
+    assert all(u["gathers_bytes"] == bool(want[u["label"]]) for u in ours["probe"]["before"])
+    for rank, res in enumerate(per_rank):
+        assert_tree_close(res[("fp8", "ours")]["losses"], res[("fp8", "fsdp2")]["losses"], f"rank {rank} losses",
+                          rtol=0, atol=0)
+        norms = [[s["norm"] for s in res[("fp8", system)]["steps"]] for system in ("ours", "fsdp2")]
+        assert_tree_close(*norms, f"rank {rank} clip norms", rtol=1e-6, atol=0)
+    grads = [s["grad_pre"] for s in ours["steps"]], [s["grad_pre"] for s in theirs["steps"]]
+    assert_tree_close(*grads, "full gradients before the clip", rtol=0, atol=0)
+    assert_tree_close(ours["params"], theirs["params"], "final parameters", rtol=1e-6, atol=1e-7)
+    assert_tree_close(ours["save_pretrained"], theirs["save_pretrained"], "save_pretrained", rtol=1e-6, atol=1e-7)
+    # The rest (acc.gather / acc.reduce of the bf16 losses: reduce's mean is rounded to bf16;
+    # the clip acting at every step; save_pretrained wrote the trained values), at bf16's.
+    _trains_like_fsdp2(per_rank, "fp8", steps=3, rtol=1e-2, atol=1e-3)

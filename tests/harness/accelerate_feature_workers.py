@@ -27,7 +27,14 @@ against FSDP2 under the same plugin in the same processes:
   eager default ("buckets"' FSDP2 run: compiling FSDP2 too cost ~40 s of the launch);
 - "bf16": Accelerator(mixed_precision="bf16"): the plugin's bf16 MixedPrecisionPolicy
   (AcceleratorState sets it for an FSDP job; here after construction, see below) and
-  Accelerate's autocast around the forward.
+  Accelerate's autocast around the forward;
+- "fp8": Accelerate's own torchao FP8 path, Accelerator(mixed_precision="fp8",
+  kwargs_handlers=[AORecipeKwargs(config=Float8LinearConfig(
+  enable_fsdp_float8_all_gather=True))]): prepare converts the model's Linears (all but the
+  first and the last, its default filter) to Float8Linear whose weights ask for the FP8
+  all-gather, registers torchao's precompute_float8_dynamic_scale_for_fsdp as an
+  optimizer step post-hook, then shards; the plugin's policy is "fp8"'s (bf16 params,
+  reductions and outputs) and the forward runs under bf16 autocast.
 
 Each run records one epoch (_epoch: every micro-batch's loss, at every step the full
 gradients before clip_grad_norm_ and the norm it returns, the parameters after the last
@@ -80,9 +87,11 @@ CONFIGS = {
     "no_shard": ({"reshard_after_forward": False}, None, {"sharding_strategy": "no_shard"}),
     "compile": ({}, None, {}),
     "bf16": ({}, None, {}),
+    "fp8": ({}, None, {}),
 }
 # Accelerator options of a config (besides cpu=True and the accumulation plugin).
-ACCELERATOR_OPTIONS = {"compile": {"dynamo_backend": "AOT_EAGER"}, "bf16": {"mixed_precision": "bf16"}}
+ACCELERATOR_OPTIONS = {"compile": {"dynamo_backend": "AOT_EAGER"}, "bf16": {"mixed_precision": "bf16"},
+                       "fp8": {"mixed_precision": "fp8"}}  # with torchao's FP8 all-gather: _accelerator
 # Configs whose FSDP2 run is another's (the same plugin): compared with that one.
 SHARED_REFERENCE = {"zero2": "no_reshard", "zero1": "no_reshard", "no_shard": "no_reshard",
                     # FSDP2 eager under the default plugin (compiling FSDP2 too doubled the
@@ -94,7 +103,7 @@ REFUSED_DEFAULT_PLUGIN = "reshard_after_forward=True contradicts sharding_strate
 # another: in forward order, gathers and reductions alike.
 BUCKET_BYTES = 220_000
 # Configs that also save through unwrap_model(...).save_pretrained(state_dict=get_state_dict()).
-SAVE_PRETRAINED = ("no_reshard", "buckets", "zero1", "no_shard", "compile", "bf16")
+SAVE_PRETRAINED = ("no_reshard", "buckets", "zero1", "no_shard", "compile", "bf16", "fp8")
 # FSDP2 cannot pin its offloaded shards without an accelerator: under cpu_offload=True
 # (CPUOffloadPolicy(), pin_memory=True) its fully_shard raises this on a CPU-only machine,
 # and the reference runs with cpu_offload=CPUOffloadPolicy(pin_memory=False) instead.
@@ -112,6 +121,11 @@ def _accelerator(plugin_options: dict, parallelism: dict | None, accelerator_opt
     options.update(plugin_options)
     plugin = FullyShardedDataParallelPlugin(**options)
     accelerator_options = {"mixed_precision": "no", **(accelerator_options or {})}
+    if accelerator_options["mixed_precision"] == "fp8":  # Accelerate's torchao recipe, weights gathered in FP8
+        from accelerate.utils import AORecipeKwargs
+        from torchao.float8 import Float8LinearConfig
+        accelerator_options["kwargs_handlers"] = [AORecipeKwargs(
+            config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))]
     acc = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_plugin=GradientAccumulationPlugin(
         num_steps=ACCUM), **accelerator_options)
     # On CPU Accelerate makes the job MULTI_CPU and ignores the plugin: made FSDP as in
@@ -174,6 +188,9 @@ def _unit_facts(model) -> list:
             "shard_group_size": dist.get_world_size(s.process_group),
             "slots": s.slots_hold.value,
             "unsharded_bytes": int(u.unsharded_storage_bytes),
+            # torchao's FP8 all-gather: the parameters gathered as FP8 bytes
+            "gathers_bytes": bool(u.gathers_bytes),
+            "fp8_weights": sorted(p.name for p in u.param_specs if "FP8" in str(p.transform)),
         })
     return out
 
@@ -197,7 +214,8 @@ def _fsdp2_facts(model) -> list:
 def _probe(run: FeatureRun) -> dict:
     """After the loop: the units right after a forward (before its backward), after the
     backward and after an optimizer step; the local shard sizes of the parameters; ours'
-    buckets; the c10d reduce-scatter calls of the probe's backward."""
+    buckets; the c10d reduce-scatter calls of the probe's backward; the weight type each
+    torchao Float8Linear layer's forward sees (Float8TrainingTensor: gathered in FP8)."""
     from megatron_fsdp_ext import _C
     facts = _unit_facts if run.system == "ours" else _fsdp2_facts
     ids = train_data()[:BATCH]
@@ -206,7 +224,14 @@ def _probe(run: FeatureRun) -> dict:
         # The root's bucket budgets and the units (labels) of each gather and reduce bucket.
         out["buckets"] = schedule_buckets(run.model, {id(s): s.label for s in iter_states(run.model)})
         before = _C.collective_counts()["reduce_scatter"][0]
+    float8 = [m for m in run.model.modules() if type(m).__name__ == "Float8Linear"]
+    out["float8_forward_weights"] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: out["float8_forward_weights"].append(
+        type(mod.weight).__name__)) for m in float8]
     loss = run.model(input_ids=ids, labels=ids).loss
+    for h in hooks:
+        h.remove()
+    out["float8_linears"] = len(float8)
     out["after_forward"] = facts(run.model)
     loss.backward()
     if run.system == "ours":

@@ -35,6 +35,26 @@ BATCH = 4  # rows per rank and micro-step
 BF16_TOL = 3e-2
 BF16_ULP = 2.0 ** -7
 BUCKET = 2200  # bytes: both blocks' gathered fp32 parameters (2 x 980) share a bucket, the root's (532) not
+# The FP8 configs' blocks (dim 8 -> FP8_HIDDEN -> 8): dim-0 shards even at world 2, where
+# FSDP2 + torchao's FP8 gather can run (it aborts on uneven shards, see test_fp8.py).
+FP8_HIDDEN = 16
+
+
+def float8(model: nn.Module) -> nn.Module:
+    """torchao's FP8 training on the blocks' Linears, their weights gathered in FP8
+    (Float8LinearConfig(enable_fsdp_float8_all_gather=True)); embedding and head stay."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                      module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
+
+
+def bf16_policy(impl: str):
+    """bf16 parameters and fp32 reduction (torchao's FP8 recipe), in `impl`'s class."""
+    if impl == "ours":
+        return mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- the parallelize function
@@ -49,7 +69,8 @@ def _parallelize(impl: str, cfg: Dict, record: Dict):
     """The user's parallelize function: fully_shard each block, then the root, with the
     config's option, on Lightning's "data_parallel" mesh (or a mesh built from its ranks:
     HSDP's (replicate, shard), FSDP2's no-shard (world, 1)); compile each block in place
-    after sharding, as Lightning's docs do. `record` gets the compile backend."""
+    after sharding, as Lightning's docs do; "fp8": torchao's conversion first, bf16
+    parameters. `record` gets the compile backend."""
 
     def parallelize(model, device_mesh):
         from torch.distributed.device_mesh import init_device_mesh
@@ -77,6 +98,9 @@ def _parallelize(impl: str, cfg: Dict, record: Dict):
                                                             mesh_dim_names=("replicate", "shard"))
         elif feature == "offload":
             kw["offload_policy"] = root_kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        elif feature == "fp8":  # converted here, before fully_shard, as torchtitan orders it
+            float8(model)
+            kw["mp_policy"] = root_kw["mp_policy"] = bf16_policy(impl)
         if impl == "ours" and feature in ("buckets", "zero3"):
             nbytes = BUCKET if feature == "buckets" else 0
             root_kw.update(gather_bucket_bytes=nbytes, reduce_bucket_bytes=nbytes)
@@ -116,6 +140,11 @@ def option_on_units(impl: str, model, feature: str) -> List:
             elif feature == "hsdp":
                 out.append(all(tuple(p.device_mesh.mesh_dim_names) == ("replicate", "shard")
                                and p.device_mesh.shape == (2, 2) for p in s.sharded_params))
+            elif feature == "fp8":  # the blocks' weights gathered in FP8, nothing else
+                fp8 = sorted(sp.name for sp in s.unit.param_specs if "FP8" in str(sp.transform))
+                want = ["down.weight", "up.weight"] if s.module is not net else []
+                out.append(fp8 == want and bool(s.unit.gathers_bytes) == bool(want)
+                           and s.unit.param_dtype == torch.bfloat16)
             else:
                 out.append(True)
         return out
@@ -135,6 +164,11 @@ def option_on_units(impl: str, model, feature: str) -> List:
             want = (2, 2) if feature == "hsdp" else (dist.get_world_size(), 1)
             out.append(tuple(g.mesh_info.mesh.mesh_dim_names) == ("replicate", "shard")
                        and tuple(g.mesh_info.mesh.shape) == want)
+        elif feature == "fp8":  # torchao's FP8-gathering weights, the blocks' only
+            fp8 = sorted(p._param_fqn.rsplit(".", 2)[-2] + ".weight" for p in g.fsdp_params
+                         if type(p.sharded_param._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor")
+            out.append(fp8 == (["down.weight", "up.weight"] if m is not net else [])
+                       and g.mp_policy.param_dtype == torch.bfloat16)
         else:
             out.append(True)
     return out
@@ -173,7 +207,8 @@ def fabric_run(impl: str, rank: int, world: int, cfg: Dict, steps: int) -> Dict:
     """Fabric(strategy=ModelParallelStrategy(parallelize), precision=cfg's) trains `steps`
     SGD steps of `accum` micro-batches each (the first accum - 1 under
     fabric.no_backward_sync(model, enabled=cfg's no_sync)), clipping with
-    fabric.clip_gradients if cfg says so."""
+    fabric.clip_gradients if cfg says so; "fp8": Net(hidden=FP8_HIDDEN), torchao's
+    precompute_float8_dynamic_scale_for_fsdp after each optimizer step."""
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
 
@@ -183,9 +218,18 @@ def fabric_run(impl: str, rank: int, world: int, cfg: Dict, steps: int) -> Dict:
                       strategy=ModelParallelStrategy(_parallelize(impl, cfg, record), data_parallel_size=world,
                                                      tensor_parallel_size=1))
     fabric.launch()
+    fp8 = cfg["feature"] == "fp8"
     torch.manual_seed(0)
-    model = fabric.setup(Net())
+    model = fabric.setup(Net(hidden=FP8_HIDDEN) if fp8 else Net())
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    weight_types = []  # fp8: per step, the types of the weights the blocks' Linears saw in forward
+    if fp8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        from torchao.float8.float8_linear import Float8Linear
+
+        for m in model.modules():
+            if isinstance(m, Float8Linear):
+                m.register_forward_pre_hook(lambda mod, args: weight_types[-1].add(type(mod.weight).__name__))
     if impl == "fsdp2":
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
@@ -196,6 +240,7 @@ def fabric_run(impl: str, rank: int, world: int, cfg: Dict, steps: int) -> Dict:
     for step in range(steps):
         before_counts = dict(_C.collective_counts())
         total = torch.zeros((), dtype=torch.float64)
+        weight_types.append(set())
         for micro in range(accum):
             x, y = _batch(step, micro, rank)
             with fabric.no_backward_sync(model, enabled=cfg.get("no_sync", True) and micro < accum - 1):
@@ -212,6 +257,8 @@ def fabric_run(impl: str, rank: int, world: int, cfg: Dict, steps: int) -> Dict:
         # The gradient the optimizer applies (after the clip), full.
         grads.append({k: _full(p.grad).detach().double().clone() for k, p in model.module.named_parameters()})
         opt.step()
+        if fp8:  # torchao's scales for the next gathers (its recipe; ours: a no-op)
+            precompute_float8_dynamic_scale_for_fsdp(model)
         opt.zero_grad()
         values.append(_values(model))
         dist.all_reduce(total)
@@ -221,7 +268,8 @@ def fabric_run(impl: str, rank: int, world: int, cfg: Dict, steps: int) -> Dict:
             norms.append(float(norm))
     out = {"losses": losses, "norms": norms, "grads": grads, "values": values, "params": values[-1], "start": start,
            "option": option_on_units(impl, model, cfg["feature"]), "unsharded": unsharded, "counts": counts,
-           "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+           "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+           "weight_types": [sorted(t) for t in weight_types]}
     if impl == "ours":
         out["budgets"] = tuple(model.module.bucket_budgets())
     if "backend" in record:
@@ -276,8 +324,8 @@ def worst(ours: Dict, ref: Dict) -> Dict[str, float]:
 
 def _summary(run: Dict) -> Dict:
     moved = max(rel_err(run["params"][k], v) for k, v in run["start"].items())
-    return {k: run[k] for k in ("option", "unsharded", "counts", "dtypes", "norms", "budgets", "graphs")
-            if k in run} | {"moved": moved}
+    return {k: run[k] for k in ("option", "unsharded", "counts", "dtypes", "norms", "budgets", "graphs",
+                                "weight_types") if k in run} | {"moved": moved}
 
 
 def fabric_features(rank: int, world: int, configs: List[Dict], steps: int = 3) -> Dict[str, Dict]:
@@ -354,13 +402,14 @@ def _after_steps_class():
     return AfterSteps
 
 
-def _trainer_fit(world: int, folder: str, impl: str, algorithm: str, clip: float, epochs: int) -> Dict:
+def _trainer_fit(world: int, folder: str, impl: str, algorithm: str, clip: float, epochs: int,
+                 lit_class=None) -> Dict:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     AfterSteps = _after_steps_class()
     seen = AfterSteps()
-    model = _lit_sgd_class()(impl)
+    model = (lit_class or _lit_sgd_class())(impl)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1,
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
@@ -434,3 +483,63 @@ def trainer_accumulate_and_clip(rank: int, world: int, folder: str, clips: Dict[
             "sharded": all(hasattr(p, "full_tensor") for p in runs["ours"]["model"].net.parameters())
             and bool(list(iter_states(runs["ours"]["model"].net)))}
     return results
+
+
+# ---------------------------------------------------------------- the Trainer with torchao's FP8 gather
+
+
+def _lit_fp8_class():
+    """LitSGD whose configure_model converts the blocks' Linears with torchao's FP8 gather
+    (float8) and shards with bf16 parameters, and whose optimizer_step is followed by
+    torchao's precompute_float8_dynamic_scale_for_fsdp (its recipe; ours: a no-op); the
+    types of the weights the Float8Linears saw in forward are recorded per micro-batch."""
+    LitSGD = _lit_sgd_class()
+
+    class LitFP8(LitSGD):
+        def __init__(self, impl):
+            super().__init__(impl)
+            torch.manual_seed(0)
+            self.net = Net(hidden=FP8_HIDDEN)
+            self.weight_types = []
+
+        def configure_model(self):
+            from torchao.float8.float8_linear import Float8Linear
+
+            from .lightning_trainer_workers import _shard
+
+            float8(self.net)  # before fully_shard, as torchtitan orders it
+            _shard(self.net, self.device_mesh["data_parallel"], self.impl, mp_policy=bf16_policy(self.impl))
+            for m in self.net.modules():
+                if isinstance(m, Float8Linear):
+                    m.register_forward_pre_hook(lambda mod, args: self.weight_types.append(type(mod.weight).__name__))
+
+        def optimizer_step(self, *args, **kwargs):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            super().optimizer_step(*args, **kwargs)
+            precompute_float8_dynamic_scale_for_fsdp(self.net)
+
+    return LitFP8
+
+
+def trainer_fp8_vs_fsdp2(rank: int, world: int, folder: str, algorithm: str, clip: float, epochs: int = 2) -> Dict:
+    """Trainer.fit with accumulate_grad_batches=ACCUM and gradient_clip_algorithm=`algorithm`,
+    the LightningModule of _lit_fp8_class sharded by ours and by FSDP2 (both + torchao's
+    FP8 gather): the worst differences of ours against FSDP2 (each micro-batch's loss, each
+    step's clipped full gradients and the values after it), the types of the weights
+    each system's Float8Linears saw in forward, what the units gather in FP8 (ours) or ask
+    to (FSDP2's), and how many gradient elements ours' clip by value cut to the bound."""
+    _as_torchrun(rank, world)
+    LitFP8 = _lit_fp8_class()
+    runs = {impl: _trainer_fit(world, os.path.join(folder, impl), impl, algorithm, clip, epochs, LitFP8)
+            for impl in ("fsdp2", "ours")}
+    net = runs["ours"]["model"].net
+    return {"vs_fsdp2": worst(runs["ours"], runs["fsdp2"]), "steps": len(runs["ours"]["grads"]),
+            "micro": len(runs["ours"]["losses"]),
+            "moved": max(rel_err(runs["ours"]["params"][k], v) for k, v in runs["ours"]["start"].items()),
+            "weight_types": {impl: sorted(set(r["model"].weight_types)) for impl, r in runs.items()},
+            "forwards": {impl: len(r["model"].weight_types) for impl, r in runs.items()},
+            "option": {impl: option_on_units(impl, r["model"].net, "fp8") for impl, r in runs.items()},
+            "clipped": sum(int((g.abs() == float(torch.tensor(clip))).sum())  # the fp32 bound
+                           for step in runs["ours"]["grads"] for g in step.values()),
+            "sharded": all(hasattr(p, "full_tensor") for p in net.parameters())}

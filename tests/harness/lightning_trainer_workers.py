@@ -33,14 +33,15 @@ PLAIN_RTOL = 5e-6
 # ---------------------------------------------------------------- model and Trainer
 
 
-def _shard(net, mesh, impl):
+def _shard(net, mesh, impl, **kwargs):
+    """Each block, then the root, by `impl`'s fully_shard (kwargs: its other arguments)."""
     if impl == "ours":
         shard = mfsdp.fully_shard
     else:
         from torch.distributed.fsdp import fully_shard as shard
     for b in net.blocks:
-        shard(b, mesh=mesh)
-    shard(net, mesh=mesh)
+        shard(b, mesh=mesh, **kwargs)
+    shard(net, mesh=mesh, **kwargs)
 
 
 _LIT = None

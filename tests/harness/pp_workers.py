@@ -26,15 +26,20 @@ ours' sharding_strategy (FSDP2 then runs reshard_after_forward=False: same value
 ours' gather_bucket_bytes / reduce_bucket_bytes, every block compiled before fully_shard
 (aot_eager; the compiled calls counted per system), CPUOffloadPolicy, and a DCP
 checkpoint of every stage's model and optimizer state at a step, from which fresh
-pipelines resume (ours from ours' and FSDP2's, FSDP2 from ours'). The report then also
-says what each of our units took (strategy, reshard_after_forward, offloaded, shard and
-replicate sizes, the shard group's ranks), what the all-gathers of each step moved, in
-bytes (bucket plans change the calls, not the bytes), and each stage root's bucket
-budgets and the buckets its schedule planned.
+pipelines resume (ours from ours' and FSDP2's, FSDP2 from ours'); or torchao's FP8
+all-gather (every Linear converted by convert_to_float8_training before fully_shard, bf16
+parameters, torchao's scales precomputed after each step as torchtitan does), where the
+plain fp32 model is only a sanity bound ("plain_tol") and FSDP2 + torchao the reference.
+The report then also says what each of our units took (strategy, reshard_after_forward,
+offloaded, shard and replicate sizes, the shard group's ranks, the parameters gathered in
+FP8), what the all-gathers of each step moved, in bytes (bucket plans change the calls,
+not the bytes), each stage root's bucket budgets and the buckets its schedule planned,
+and under FP8 the weight types the layers' forwards saw.
 """
 from __future__ import annotations
 
 import copy
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -108,7 +113,7 @@ def build_plain(num_stages: int, seed: int = SEED) -> nn.ModuleList:
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, target, reduction="sum")
+    return F.mse_loss(out.float(), target, reduction="sum")  # (opts["fp8"]: bf16 outputs)
 
 
 def stage_indices(pp_rank: int, pp: int, per_rank: int, style: str) -> List[int]:
@@ -153,11 +158,16 @@ def shard(stage: Stage, system: str, dp_mesh, opts: Dict) -> Stage:
     """Blocks first, then the stage module; each system's own default when
     opts["reshard_after_forward"] is None. opts["strategy"] (ours: sharding_strategy; FSDP2
     has only ZeRO-3 and, for every other strategy, reshard_after_forward=False, which
-    computes the same values), opts["offload"] (CPUOffloadPolicy in both) and
+    computes the same values), opts["offload"] (CPUOffloadPolicy in both),
     opts["gather_bucket_bytes"] / opts["reduce_bucket_bytes"] (ours' fully_shard, every
-    unit: the stage module's value governs its tree; FSDP2 has none)."""
+    unit: the stage module's value governs its tree; FSDP2 has none) and opts["fp8"]
+    (bf16 parameters and fp32 reduction in both, as the FP8 tests train)."""
     reshard_after_forward, strategy = opts.get("reshard_after_forward"), opts.get("strategy")
     kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    if opts.get("fp8"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kw["mp_policy"] = (mfsdp.MixedPrecisionPolicy if system == "ours" else MixedPrecisionPolicy)(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if opts.get("offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -244,20 +254,27 @@ class ScheduleSpy:
     waits on its handles; whether each unit's slots already held the gathered parameters
     when its first forward of the step began (a forward pre-hook ahead of ours); and our
     reduce-scatters (the C++ counters) before and inside each stage's perform_reduce_grad
-    (the schedule's REDUCE_GRAD)."""
+    (the schedule's REDUCE_GRAD); with `weight_types`, the types of the weights the Linear
+    layers' forwards saw (torchao's Float8TrainingTensor where the unit gathered the
+    weight in FP8), keyed "<stage index>:<layer path>"."""
 
-    def __init__(self, stage_modules: Dict[int, nn.Module], pipeline_stages: list):
+    def __init__(self, stage_modules: Dict[int, nn.Module], pipeline_stages: list, weight_types: bool = False):
         self.new_step()
         for s, stage in stage_modules.items():
             for path, m in stage.named_modules():
                 if isinstance(m, mfsdp.FSDPModule):
                     self._wrap_unshard(m, f"{s}:{path or 'root'}")
+                if weight_types and isinstance(m, nn.Linear):
+                    m.register_forward_pre_hook(
+                        lambda mod, args, key=f"{s}:{path}": self.weight_types.setdefault(key, set()).add(
+                            type(mod.weight).__name__))
         for ps in pipeline_stages:
             self._wrap_reduce_grad(ps)
 
     def new_step(self) -> None:
         self.unshards: List[tuple] = []
         self.waits = 0
+        self.weight_types: Dict[str, set] = {}
         self.gathered_at_first_forward: Dict[str, bool] = {}
         self.reduce_grads: List[tuple] = []  # (stage index, reduce-scatters before it, in it)
         self.all_reduces: List[tuple] = []  # (stage index, all-reduces before it, in it)
@@ -354,13 +371,21 @@ def _build_pipeline(system: str, schedule_name: str, plain: nn.ModuleList, mesh,
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for b in stage_mod.blocks:
                 b.compile(fullgraph=True, backend=counting_backend)
+        if opts.get("fp8"):  # torchao's FP8 training, the weights gathered in FP8, before fully_shard
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            convert_to_float8_training(stage_mod, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
         placements[s] = {n: tuple(p.placements) for n, p in stage_mod.named_parameters() if isinstance(p, DTensor)}
         modules[s] = shard(stage_mod, system, shard_mesh(mesh), opts)
         stages.append(PipelineStage(modules[s], s, num_stages, device_for_backend(), group=pp_mesh.get_group()))
     schedule = getattr(pipelining, cls_name)(stages[0] if per_rank == 1 else stages, n_microbatches=N_MICRO,
                                              loss_fn=loss_fn)
     optims = {s: torch.optim.AdamW(modules[s].parameters(), lr=LR) for s in mine}
-    spy = ScheduleSpy(modules, stages) if system == "ours" else None
+    if opts.get("fp8"):  # torchtitan's loop: torchao's scales after each step, every model part (ours: a no-op)
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        for s in mine:
+            optims[s].register_step_post_hook(
+                lambda opt, args, kwargs, m=modules[s]: precompute_float8_dynamic_scale_for_fsdp(m))
+    spy = ScheduleSpy(modules, stages, weight_types=bool(opts.get("fp8"))) if system == "ours" else None
     return {"mine": mine, "num_stages": num_stages, "modules": modules, "stages": stages, "schedule": schedule,
             "optims": optims, "placements": placements, "spy": spy, "tp_mesh": tp_mesh}
 
@@ -393,7 +418,9 @@ def _load(pipe: Dict, path: str) -> None:
 
 def _unit_options(pipe: Dict, mesh) -> List[Dict]:
     """What each of our units took from fully_shard (the options reached the units), and
-    the ranks of the mesh dim it must shard over (dp_shard under HSDP, else dp)."""
+    the ranks of the mesh dim it must shard over (dp_shard under HSDP, else dp); its
+    elements, and the parameters it gathers in FP8 (torchao's FP8 all-gather) with each
+    rank's bytes of that gather."""
     shard_dim = "dp_shard" if "dp_shard" in mesh.mesh_dim_names else "dp"
     mesh_ranks = dist.get_process_group_ranks(mesh[shard_dim].get_group())
     out = []
@@ -407,6 +434,9 @@ def _unit_options(pipe: Dict, mesh) -> List[Dict]:
                             "offloaded": bool(u.offloaded), "shard_size": u.world_size,
                             "replicate_size": u.replicate_size, 
                             "unsharded_nbytes": u.unsharded_nbytes,
+                            "numel": sum(math.prod(sp.shape) for sp in u.param_specs),
+                            "fp8": sorted(sp.name for sp in u.param_specs if "FP8" in str(sp.transform)),
+                            "segment_bytes": list(u.gather_bytes.segment_bytes) if u.gathers_bytes else None,
                             "shard_ranks": dist.get_process_group_ranks(state.process_group),
                             "mesh_shard_ranks": mesh_ranks})
     return out
@@ -472,6 +502,7 @@ def _train(system: str, schedule_name: str, plain: nn.ModuleList, mesh, data, op
                 "all_reduces_in_reduce_grad": list(spy.all_reduces),
                 "unshards": list(spy.unshards),
                 "waits": spy.waits,
+                "weight_types": {k: sorted(v) for k, v in spy.weight_types.items()},
                 "gathered_at_first_forward": dict(spy.gathered_at_first_forward),
                 "left_gathered": [f"{s}:{path or 'root'}" for s in mine for path, m in modules[s].named_modules()
                                   if isinstance(m, mfsdp.FSDPModule) and m._fsdp_state.unit is not None
@@ -539,6 +570,7 @@ def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: flo
     ours' against FSDP2; ours resumed from its own checkpoint against its uninterrupted
     run, bit for bit)."""
     opts = opts or {}
+    plain_tol = opts.get("plain_tol", tol)  # FP8 (opts["fp8"]) against fp32: a sanity bound only
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     _, per_rank, style = SCHEDULES[schedule_name]
     num_stages = pp * per_rank
@@ -569,7 +601,7 @@ def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: flo
                 dist.all_gather(every, local, group=mesh["dp"].get_group())
                 total = torch.tensor(sum(t.item() for t in every) / (N_MICRO * dp))
                 w["loss"] = max(w["loss"], _compare(system, f"{at}: loss vs plain", total,
-                                                    torch.tensor(ref_losses[step]), tol))
+                                                    torch.tensor(ref_losses[step]), plain_tol))
                 if peer is not None:
                     w[f"loss {vs}"] = max(w[f"loss {vs}"], _compare(
                         system, f"{at}: micro-batch losses {vs}", torch.tensor(rec["losses"][step]),
@@ -577,7 +609,7 @@ def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: flo
             assert set(rec["grads"][step]) == {n for n in ref_grads[step] if int(n.split(".")[0]) in mine}
             for name, g in rec["grads"][step].items():
                 w["grad"] = max(w["grad"], _compare(system, f"{at}: gradient of '{name}' vs plain", g,
-                                                    ref_grads[step][name], tol))
+                                                    ref_grads[step][name], plain_tol))
                 if peer is not None:
                     w[f"grad {vs}"] = max(w[f"grad {vs}"], _compare(
                         system, f"{at}: gradient of '{name}' {vs}", g, recs[peer]["grads"][step][name], peer_tol))
@@ -585,14 +617,14 @@ def pp_run(rank: int, world: int, schedule_name: str, mesh, steps: int, tol: flo
                 want = torch.stack([g.norm() for n, g in ref_grads[step].items() if n in rec["grads"][step]]).norm()
                 w["norm"] = max(w.get("norm", 0.0), _compare(
                     system, f"{at}: gradient norm of the rank's stages vs plain", torch.tensor(rec["norms"][step]),
-                    want, tol))
+                    want, plain_tol))
                 if peer is not None and recs[peer]["norms"][step] is not None:
                     w[f"norm {vs}"] = max(w.get(f"norm {vs}", 0.0), _compare(
                         system, f"{at}: gradient norm {vs}", torch.tensor(rec["norms"][step]),
                         torch.tensor(recs[peer]["norms"][step]), peer_tol))
         for name, t in rec["params"].items():
             w["param"] = max(w["param"], _compare(system, f"{schedule_name}: '{name}' after {steps} steps vs plain",
-                                                  t, ref_params[name], tol))
+                                                  t, ref_params[name], plain_tol))
             if peer is not None:
                 w[f"param {vs}"] = max(w[f"param {vs}"], _compare(
                     system, f"{schedule_name}: '{name}' after {steps} steps {vs}", t, recs[peer]["params"][name],
@@ -614,8 +646,10 @@ def pp_parity(rank: int, world: int, runs: List[Dict], steps: int = 3, tol: floa
     """Each run ({"schedule": name, optional "name" (default: the schedule's),
     "reshard_after_forward": bool, "strategy": ours' sharding_strategy, "offload": bool,
     "gather_bucket_bytes" / "reduce_bucket_bytes": ours' buckets, "compile": bool,
-    "dcp": the step at which to checkpoint (needs `folder`)}) in turn on one mesh (HSDP's
-    at world 8 when a run asks for "hsdp"); returns {run name: this rank's report}."""
+    "dcp": the step at which to checkpoint (needs `folder`), "fp8": torchao's FP8 all-gather
+    with bf16 parameters, "plain_tol": the tolerance against the plain fp32 model (default
+    `tol`)}) in turn on one mesh (HSDP's at world 8 when a run asks for "hsdp"); returns
+    {run name: this rank's report}."""
     mesh = make_mesh(world, hsdp=any(run.get("hsdp") for run in runs))
     return {run_name(run): pp_run(rank, world, run["schedule"], mesh, steps, tol, run, folder) for run in runs}
 
