@@ -43,7 +43,8 @@ _MISSING = tw.available()
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"torchtitan does not import here: {_MISSING}")
 
 WORLD = 4
-# 4 steps: each config ~30 s (dsv3) to ~50 s (qwen3: 64 experts) on an idle 2-core machine.
+# 4 steps: each config ~15-20 s on an idle 2-core machine (moe_workers keeps 3 layers of
+# DeepSeek-V3's debugmodel and 32 of Qwen3's 64 experts).
 STEPS = int(os.environ.get("MFSDP_MOE_STEPS", "4"))
 # Each model's main expert-parallel config trains the 10 steps (more, if asked).
 LONG = {"dsv3_ep2", "qwen3_ep2"}
