@@ -48,6 +48,14 @@ def pytest_collection_modifyitems(config, items):
     if other_world:
         config.hook.pytest_deselected(items=other_world)
         items[:] = [item for item in items if item not in other_world]
+    if getattr(config, "workerinput", {}).get("workercount", 1) > 1:  # an xdist worker beside others
+        # A timing measurement is only valid with the GPUs to itself: never beside other
+        # tests (tests/gpu/run_all.sh runs these in a stage of their own, without xdist).
+        alone = pytest.mark.skip(reason="gpu_exclusive: a timing test, not run beside other xdist workers; "
+                                        "tests/gpu/run_all.sh runs it alone")
+        for item in items:
+            if "gpu_exclusive" in item.keywords:
+                item.add_marker(alone)
     found = _gpus_found()
     if found < needed:
         skip = pytest.mark.skip(reason=f"needs {needed} CUDA GPUs for {world} ranks on {backend}, found {found}")
@@ -64,6 +72,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
             elif "dtensor_collectives" in item.keywords:
                 item.add_marker(crash)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without xdist
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): a worker per core, at most one per 4 GiB of
+    memory (a worker's world-8 test holds eight ranks with torch loaded) and at most 8
+    (the longest test files, not the workers, then bound the run)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, int(memory_gib // 4), 8))
 
 
 @pytest.hookimpl(hookwrapper=True)

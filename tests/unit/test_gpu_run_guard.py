@@ -27,17 +27,19 @@ def without_gpus(**extra):
     # The child imports the package from where this process found it: the install (CI,
     # where the source tree has no compiled _C) or a development checkout on PYTHONPATH.
     package_root = str(Path(megatron_fsdp_ext.__file__).resolve().parents[1])
+    # (and not this pytest's own xdist worker variables: the child is a run of its own)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_GPU_BACKEND", "MFSDP_COMMIT")}
+           if k not in ("MFSDP_REQUIRE_GPU", "MFSDP_GPU_WORLD", "MFSDP_GPU_BACKEND", "MFSDP_COMMIT")
+           and not k.startswith("PYTEST_XDIST_")}
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=package_root, **extra)
     return env
 
 
-def run_pytest(tmp_path, env, *tests):
+def run_pytest(tmp_path, env, *tests, xdist=("-p", "no:xdist")):
     junit = tmp_path / "junit.xml"
     proc = subprocess.run([sys.executable, "-P", "-m", "pytest", *(tests or (GPU_TEST,)), "-p", "no:cacheprovider",
-                           "-p", "no:xdist",
-                           f"--junitxml={junit}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                           *xdist, f"--junitxml={junit}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
     return proc, load_summarizer().read_junit(junit)
 
 
@@ -178,3 +180,17 @@ def test_gpu_suite_shards_partition_it(monkeypatch):
         monkeypatch.setenv("MFSDP_GPU_SHARD", bad)
         with pytest.raises(ValueError, match=f"MFSDP_GPU_SHARD='{bad}': expected k/n"):
             gpu_conftest.pytest_collection_modifyitems(_Config(), list(whole))
+
+
+TIMING_TEST = "tests/gpu/test_overlap.py::test_profiler_shows_overlap_in_a_normal_step"
+
+
+def test_timing_tests_never_run_beside_other_xdist_workers(tmp_path):
+    # The README's `-n auto` on a GPU machine: a gpu_exclusive (timing) test is skipped,
+    # with its reason, on a worker that has others beside it; run_all.sh runs it alone.
+    pytest.importorskip("xdist", reason="pytest-xdist (the test extra) runs the suite in parallel")
+    env = without_gpus(MFSDP_TEST_GPU_COUNT="2")
+    proc, counts = run_pytest(tmp_path, env, TIMING_TEST, xdist=("-n", "2", "-rs"))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len(counts["skipped"]) == 1 and not counts["passed"] and not counts["failed"], counts
+    assert "gpu_exclusive: a timing test, not run beside other xdist workers" in proc.stdout
