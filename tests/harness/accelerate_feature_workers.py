@@ -68,6 +68,7 @@ from megatron_fsdp_ext.core.param_index import iter_states
 
 from .accelerate_loop_workers import (ACCUM, BATCH, MAX_NORM, Run, _full, _np, _reset_accelerate, llama,
                                       lr_lambda, train_data)
+from .fp8_workers import fp8_gathered_names
 from .observe import schedule_buckets
 from .workers import torchrun_environment
 
@@ -190,7 +191,7 @@ def _unit_facts(model) -> list:
             "unsharded_bytes": int(u.unsharded_storage_bytes),
             # torchao's FP8 all-gather: the parameters gathered as FP8 bytes
             "gathers_bytes": bool(u.gathers_bytes),
-            "fp8_weights": sorted(p.name for p in u.param_specs if "FP8" in str(p.transform)),
+            "fp8_weights": fp8_gathered_names(u),
         })
     return out
 

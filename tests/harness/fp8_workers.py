@@ -40,6 +40,31 @@ class MLP(nn.Module):
         return self.out(F.gelu(self.mid(F.gelu(self.up(x)))))
 
 
+def fp8_gathered(model: nn.Module, module_filter_fn=None) -> nn.Module:
+    """`model`'s Linears (those `module_filter_fn(module, fqn)` keeps) converted in place by
+    torchao's convert_to_float8_training with the FP8 all-gather on
+    (Float8LinearConfig(enable_fsdp_float8_all_gather=True)); before fully_shard."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                      module_filter_fn=module_filter_fn)
+
+
+def bf16_policy(system: str):
+    """bf16 parameters and fp32 reduction (the FP8 tests' policy), in `system`'s class:
+    "ours" or FSDP2's."""
+    if system == "ours":
+        return mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def fp8_gathered_names(unit) -> List[str]:
+    """The names of the parameters `unit` (one of ours) gathers in FP8 (its FP8 gather
+    transform), sorted."""
+    return sorted(spec.name for spec in unit.param_specs if "FP8" in str(spec.transform))
+
+
 def _float8(recipe: str) -> nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -141,12 +166,8 @@ def float8_gather_extension_refused(rank: int, world: int) -> None:
 
 def _float8_gathered(seed: int = 0, model_fn=None) -> nn.Module:
     """The MLP converted with torchao's FP8 all-gather on (WeightWithDynamicFloat8CastTensor weights)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     torch.manual_seed(seed)
-    model = (model_fn or MLP)().to(device_for_backend())
-    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-                                      module_filter_fn=_not_pre)
+    return fp8_gathered((model_fn or MLP)().to(device_for_backend()), module_filter_fn=_not_pre)
 
 
 def float8_gather_parity(rank: int, world: int, steps: int = 4, strategy: str = "optim_grads_params",

@@ -24,7 +24,7 @@ import torch
 import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core.param_index import iter_states
 
-from .fp8_workers import _shard_fsdp2, amax_scale
+from .fp8_workers import _shard_fsdp2, amax_scale, bf16_policy, fp8_gathered, fp8_gathered_names
 from .hf_feature_workers import ROWS, batch, build
 from .tp_workers import full_of_ours, placements_of, worst_against_fsdp2
 
@@ -35,12 +35,9 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 def _float8_llama():
     """hf_feature_workers' Llama (seed 0) with its decoder projections as Float8Linear
     whose weights ask for the FP8 all-gather."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    model = build("llama")
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-                               module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    model = fp8_gathered(build("llama"), module_filter_fn=lambda m, fqn: fqn != "lm_head")
     converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     assert len(converted) == len(PROJECTIONS) * len(model.model.layers), converted
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
@@ -48,7 +45,7 @@ def _float8_llama():
 
 
 def _shard_ours(model):
-    mp = mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = bf16_policy("ours")
     for layer in model.model.layers:
         mfsdp.fully_shard(layer, mp_policy=mp)
     return mfsdp.fully_shard(model, mp_policy=mp)
@@ -65,7 +62,7 @@ def _assert_fp8_units(model) -> None:
     rest (norms) in bf16; the root (tied embedding, final norm) gathers bf16 only."""
     assert len([s for s in iter_states(model) if s.unit is not None]) == 3
     for prefix, unit in _units(model):
-        fp8 = sorted(s.name for s in unit.param_specs if "FP8" in str(s.transform))
+        fp8 = fp8_gathered_names(unit)
         want = sorted(f"{p}.weight" for p in PROJECTIONS) if prefix else []
         assert fp8 == want, (prefix, fp8)
         assert bool(unit.gathers_bytes) == bool(want), (prefix, unit.gathers_bytes)

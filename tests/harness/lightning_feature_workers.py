@@ -23,6 +23,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.core.param_index import iter_states
 
+from .fp8_workers import bf16_policy, fp8_gathered, fp8_gathered_names
 from .lightning_workers import Net, _as_torchrun, _values
 from .workers import _full, rel_err
 
@@ -41,20 +42,9 @@ FP8_HIDDEN = 16
 
 
 def float8(model: nn.Module) -> nn.Module:
-    """torchao's FP8 training on the blocks' Linears, their weights gathered in FP8
-    (Float8LinearConfig(enable_fsdp_float8_all_gather=True)); embedding and head stay."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-                                      module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
-
-
-def bf16_policy(impl: str):
-    """bf16 parameters and fp32 reduction (torchao's FP8 recipe), in `impl`'s class."""
-    if impl == "ours":
-        return mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """torchao's FP8 training on the blocks' Linears, their weights gathered in FP8;
+    embedding and head stay."""
+    return fp8_gathered(model, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
 
 
 # ---------------------------------------------------------------- the parallelize function
@@ -141,7 +131,7 @@ def option_on_units(impl: str, model, feature: str) -> List:
                 out.append(all(tuple(p.device_mesh.mesh_dim_names) == ("replicate", "shard")
                                and p.device_mesh.shape == (2, 2) for p in s.sharded_params))
             elif feature == "fp8":  # the blocks' weights gathered in FP8, nothing else
-                fp8 = sorted(sp.name for sp in s.unit.param_specs if "FP8" in str(sp.transform))
+                fp8 = fp8_gathered_names(s.unit)
                 want = ["down.weight", "up.weight"] if s.module is not net else []
                 out.append(fp8 == want and bool(s.unit.gathers_bytes) == bool(want)
                            and s.unit.param_dtype == torch.bfloat16)

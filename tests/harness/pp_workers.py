@@ -53,6 +53,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext import _C
 from megatron_fsdp_ext.core.states import SlotsHold
 
+from .fp8_workers import bf16_policy, fp8_gathered, fp8_gathered_names
 from .observe import counting_aot_eager, schedule_buckets
 from .workers import device_for_backend, rel_err, shard_piece
 
@@ -165,9 +166,7 @@ def shard(stage: Stage, system: str, dp_mesh, opts: Dict) -> Stage:
     reshard_after_forward, strategy = opts.get("reshard_after_forward"), opts.get("strategy")
     kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     if opts.get("fp8"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        kw["mp_policy"] = (mfsdp.MixedPrecisionPolicy if system == "ours" else MixedPrecisionPolicy)(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = bf16_policy(system)
     if opts.get("offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -372,8 +371,7 @@ def _build_pipeline(system: str, schedule_name: str, plain: nn.ModuleList, mesh,
             for b in stage_mod.blocks:
                 b.compile(fullgraph=True, backend=counting_backend)
         if opts.get("fp8"):  # torchao's FP8 training, the weights gathered in FP8, before fully_shard
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-            convert_to_float8_training(stage_mod, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+            fp8_gathered(stage_mod)
         placements[s] = {n: tuple(p.placements) for n, p in stage_mod.named_parameters() if isinstance(p, DTensor)}
         modules[s] = shard(stage_mod, system, shard_mesh(mesh), opts)
         stages.append(PipelineStage(modules[s], s, num_stages, device_for_backend(), group=pp_mesh.get_group()))
@@ -435,7 +433,7 @@ def _unit_options(pipe: Dict, mesh) -> List[Dict]:
                             "replicate_size": u.replicate_size, 
                             "unsharded_nbytes": u.unsharded_nbytes,
                             "numel": sum(math.prod(sp.shape) for sp in u.param_specs),
-                            "fp8": sorted(sp.name for sp in u.param_specs if "FP8" in str(sp.transform)),
+                            "fp8": fp8_gathered_names(u),
                             "segment_bytes": list(u.gather_bytes.segment_bytes) if u.gathers_bytes else None,
                             "shard_ranks": dist.get_process_group_ranks(state.process_group),
                             "mesh_shard_ranks": mesh_ranks})
