@@ -116,3 +116,12 @@ def test_meta_shards_go_where_the_backend_communicates(backend):
     expect = "cuda" if torch.cuda.is_available() else "cpu"
     assert run_distributed(BW.meta_shards_follow_the_backend, 2, expect, backend=backend, timeout=120) == [expect] * (
         1 if backend == "fake" else 2)
+
+
+def test_test_ranks_run_every_gloo_group_on_one_worker_thread():
+    # torch's two worker threads per Gloo group race on the group's status string when two
+    # collectives finish together (a double free: harness/gloo_threads.py); the launcher
+    # gives every group its ranks create one thread, subgroups and DeviceMesh's included.
+    out = run_distributed(BW.gloo_worker_threads, 4, timeout=120)
+    for rank_out in out:
+        assert rank_out == {name: (1, True) for name in ("world", "new_group", "mesh_rep", "mesh_shard")}, rank_out

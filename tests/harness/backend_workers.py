@@ -165,3 +165,18 @@ def meta_shards_follow_the_backend(rank: int, world: int, expect: str) -> Option
     got = lin.weight.device.type
     assert got == expect, f"meta shards on {got}, expected {expect}"
     return got
+
+
+def gloo_worker_threads(rank, world):
+    """The worker-thread count and type of every Gloo group a rank of run_distributed
+    creates: the default group, a new_group and a DeviceMesh's subgroups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+    groups = {"world": dist.group.WORLD, "new_group": dist.new_group(list(range(world))),
+              "mesh_rep": mesh.get_group("rep"), "mesh_shard": mesh.get_group("shard")}
+    out = {}
+    for name, group in groups.items():
+        backend = group._get_backend(torch.device("cpu"))
+        out[name] = (backend.options._threads, isinstance(backend, dist.ProcessGroupGloo))
+    return out

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import gloo_threads
+
 
 class DistributedTestError(AssertionError):
     pass
@@ -75,6 +77,7 @@ def _entry(fn, rank, world_size, backend, device, init_file, timeout_s, args, kw
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         torch.set_num_threads(1)
+        gloo_threads.use_one_worker_thread()  # torch's two-thread Gloo groups race (gloo_threads.py)
         if backend == "nccl" or device == "cuda":
             # Ranks beyond the GPU count share GPUs (Gloo only: NCCL refuses duplicates).
             torch.cuda.set_device(rank % torch.cuda.device_count())
