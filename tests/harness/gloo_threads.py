@@ -29,9 +29,9 @@ def _one_thread_class():
     base = dist.ProcessGroupGloo
 
     class OneThreadProcessGroupGloo(base):
-        def __init__(self, store, rank, size, timeout=None, **kwargs):
-            if isinstance(timeout, base._Options) or kwargs:  # an explicit Options: as given
-                super().__init__(store, rank, size, timeout, **kwargs)
+        def __init__(self, store, rank, size, timeout=None):
+            if isinstance(timeout, base._Options):  # an explicit Options: as given
+                super().__init__(store, rank, size, timeout)
                 return
             options = base._Options()
             if timeout is not None:
