@@ -278,6 +278,7 @@ def _save_pretrained(run: FeatureRun, rec: dict) -> None:
     state_dict=accelerator.get_state_dict(model), is_main_process=..., save_function=
     accelerator.save); rank 0 reads the safetensors back."""
     import os
+    import shutil
     import tempfile
 
     from safetensors.torch import load_file
@@ -291,6 +292,7 @@ def _save_pretrained(run: FeatureRun, rec: dict) -> None:
     if run.rank == 0:
         files = [f for f in sorted(os.listdir(box[0])) if f.endswith(".safetensors")]
         rec["save_pretrained"] = {k: _np(v) for f in files for k, v in load_file(os.path.join(box[0], f)).items()}
+        shutil.rmtree(box[0])
 
 
 def accelerate_features(rank: int, world: int, names) -> dict:

@@ -342,6 +342,7 @@ def deferred_init_memory(rank: int, world: int) -> Dict:
     """Allocator peaks (CUDA) while a model that does not exist in full is sharded,
     materialized, loaded from rank 0's CPU dict and from safetensors: never more than the
     local shards, one module's (or parameter's) full size and a small constant."""
+    import shutil
     import tempfile
 
     import torch.distributed as dist
@@ -404,6 +405,9 @@ def deferred_init_memory(rank: int, world: int) -> Dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     out["safetensors_load_peak_mib"] = peak / mib
+    dist.barrier()  # every rank has read the file
+    if rank == 0:
+        shutil.rmtree(directory[0])
     biggest_piece = max(p.numel() * 4 for p in third.parameters())
     assert peak <= biggest_piece + slack, f"load_safetensors peaked {peak / mib:.1f} MiB above the shards"
     out["full_model_mib"] = (full_bytes + (cfg.n_layers - 1) * 4 * sum(

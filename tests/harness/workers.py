@@ -1134,9 +1134,10 @@ def layerwise_gather_overlap(rank: int, world: int) -> Dict:
         lopt.step()  # launches the gathers and returns
         model.loss(*batches[2])  # forward pre-hooks finish each bucket just in time
         torch.cuda.synchronize()
-    path = tempfile.mkdtemp() + f"/layerwise_rank{rank}.json"
-    prof.export_chrome_trace(path)
-    kernels = kernel_intervals(path)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        path = f"{trace_dir}/layerwise_rank{rank}.json"
+        prof.export_chrome_trace(path)
+        kernels = kernel_intervals(path)
     gathers = [k for k in kernels if "nccl" in k[0].lower() and ("broadcast" in k[0].lower() or "allgather" in k[0].lower())]
     compute = [k for k in kernels if "nccl" not in k[0].lower()]
     n_overlapping = sum(overlapping(k, compute) for k in gathers)
