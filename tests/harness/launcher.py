@@ -37,6 +37,11 @@ _PRELOAD = ["torch", "torch.distributed", "megatron_fsdp_ext", "harness.workers"
 # torch.compile at import, as do the compile tests.
 if not torch.backends.cuda.is_built():
     _PRELOAD[2:2] = ["torch._dynamo", "torch._inductor.compile_fx"]
+    # The client libraries the interop tests run (Hugging Face, PEFT, Accelerate,
+    # Lightning): 2-4 s of each such rank's start under load on a 2-core machine. A name
+    # that does not import here is skipped by the server.
+    _PRELOAD += ["transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3", "peft",
+                 "accelerate", "lightning.fabric", "lightning.pytorch", "safetensors.torch"]
 _context = None
 
 
