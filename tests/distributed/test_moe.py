@@ -165,7 +165,7 @@ TRAINER = {
     "hsdp2x2_ep2": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2,
                     "expert_parallel_degree": 2},
 }
-TRAINER_STEPS = 4
+TRAINER_STEPS = 3  # the expert biases move at each; a wrong gradient shows from the first
 
 
 @pytest.mark.parametrize("name", list(TRAINER))
