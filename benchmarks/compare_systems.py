@@ -28,6 +28,7 @@ import statistics
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,12 +110,14 @@ def _run_in_own_group(cmd, timeout: float, env: dict):
 
 def run_system(args, k: int, config: str, system: str, out: Path, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           f"--master_port={args.port}", str(HERE / "bench_train.py"), "--configs", config, "--systems", system,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--out", str(out),
-           "--timeline", ""] + shlex.split(args.bench_args)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    returncode, output = _run_in_own_group(cmd, timeout, env)
+    # torchrun without --log-dir makes a torchelastic_* directory in /tmp and never removes it.
+    with tempfile.TemporaryDirectory(prefix="mfsdp_torchrun_") as log_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+               f"--master_port={args.port}", f"--log-dir={log_dir}", str(HERE / "bench_train.py"),
+               "--configs", config, "--systems", system, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--device", args.device, "--out", str(out), "--timeline", ""] + shlex.split(args.bench_args)
+        returncode, output = _run_in_own_group(cmd, timeout, env)
     (out / "log.txt").write_text(output)
     if returncode is None:
         error = f"timed out after {timeout:.0f} s"

@@ -79,7 +79,7 @@ def test_bench_train_mixture_of_experts_with_expert_parallelism_cpu(tmp_path):
     assert abs(rows["mfsdp"]["losses"][1] - rows["fsdp2"]["losses"][1]) < 1e-4, (rows["mfsdp"]["losses"],
                                                                                rows["fsdp2"]["losses"])
     bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29578",
-                          str(_script("bench_train.py")),
+                          f"--log-dir={tmp_path / 'torchrun_logs'}", str(_script("bench_train.py")),
                           "--device", "cpu", "--configs", "tiny", "--systems", "ddp", "--experts", "4", "--ep", "2",
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=180)
     assert bad.returncode != 0 and "--ep 2: ddp does not place experts on their own mesh" in bad.stdout + bad.stderr

@@ -250,8 +250,10 @@ def run_script(nproc: int, script, *args: str, port: int, timeout: float = 300) 
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={port}", str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # torchrun without --log-dir makes a torchelastic_* directory in /tmp and never removes it.
+    with tempfile.TemporaryDirectory(prefix="mfsdp_torchrun_") as log_dir:
+        cmd = [sys.executable, "-P", "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={port}", f"--log-dir={log_dir}", str(script), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
