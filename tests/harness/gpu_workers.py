@@ -370,9 +370,10 @@ def _marker() -> None:
     torch.cuda._sleep(1000)
 
 
-def _profiled_kernels(fn: Callable[[], None], path: str):
-    """Run fn under torch.profiler (CUDA activity), save the chrome trace at `path` and
-    return its kernels."""
+def _profiled_kernels(fn: Callable[[], None], path: Optional[str] = None):
+    """Run fn under torch.profiler (CUDA activity) and return its kernels. The chrome
+    trace is kept at `path`; without one it goes to a temporary directory, removed once
+    read."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_fsdp_ext.trace import kernel_intervals
@@ -381,8 +382,13 @@ def _profiled_kernels(fn: Callable[[], None], path: str):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
-    return kernel_intervals(path)
+    if path is not None:
+        prof.export_chrome_trace(path)
+        return kernel_intervals(path)
+    with tempfile.TemporaryDirectory(prefix="mfsdp_trace_") as scratch:
+        scratch_path = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(scratch_path)
+        return kernel_intervals(scratch_path)
 
 
 def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace_dir: str = "") -> Dict:
@@ -435,14 +441,16 @@ def overlap_profile(rank: int, world: int, n_blocks: int = OVERLAP_BLOCKS, trace
     for i in range(2):  # lazy init, recorded order, NCCL communicators, Adam state
         step(i)
     # Rank 0's traces are kept (they go into the device run's log tarball); the others' are not.
-    out_dir = trace_dir if trace_dir and rank == 0 else tempfile.mkdtemp()
+    def kept(name: str) -> Optional[str]:
+        return os.path.join(trace_dir, f"overlap_{name}_rank{rank}.json") if trace_dir and rank == 0 else None
+
     traces = {}
-    traces["normal"] = _profiled_kernels(normal, os.path.join(out_dir, f"overlap_normal_rank{rank}.json"))
-    traces["paced"] = _profiled_kernels(paced, os.path.join(out_dir, f"overlap_paced_rank{rank}.json"))
+    traces["normal"] = _profiled_kernels(normal, kept("normal"))
+    traces["paced"] = _profiled_kernels(paced, kept("paced"))
     model.set_prefetch_depth(0)
     for state in iter_states(model):
         state.set_options(overlap_grad_reduce=False)
-    traces["serialized"] = _profiled_kernels(paced, os.path.join(out_dir, f"overlap_serialized_rank{rank}.json"))
+    traces["serialized"] = _profiled_kernels(paced, kept("serialized"))
     if trace_dir and rank == 0:
         try:
             for name in ("normal", "paced"):
