@@ -509,6 +509,53 @@ def _rows_exchanged_not_gathered(rank, world):
     return True
 
 
+def _keep_vars_as_fsdp2(rank, world):
+    """state_dict(keep_vars=True) hands out nn.Parameters with each parameter's
+    requires_grad, as torch and FSDP2 do (FSDP2's are the DTensor parameters themselves):
+    `{k: v for k, v in sd.items() if v.requires_grad}` keeps the trainable entries, also
+    through a submodule's own state_dict(). Values and placements equal FSDP2's; without
+    keep_vars nothing requires grad. Ours are copies, so a write into one under no_grad
+    reaches the parameter as a write into a plain state-dict value does."""
+    models = {}
+    for name, build in (("ours", lambda m: _shard(m, "optim_grads_params")), ("fsdp2", _fsdp2)):
+        net = _net()
+        net.blocks[0][0].requires_grad_(False)  # a frozen Linear inside a unit with trainable ones
+        net.emb.weight.requires_grad_(False)    # and in the root's unit
+        model = build(net)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        _train(model, opt, 1, rows=_my_rows())
+        models[name] = model
+    trainable = {}
+    for name, model in models.items():
+        for where, sd in (("model", model.state_dict(keep_vars=True)),
+                          ("blocks.0", model.blocks[0].state_dict(keep_vars=True))):
+            params = {k: v for k, v in sd.items() if isinstance(v, nn.Parameter)}
+            assert set(params) == {k for k, _ in (model if where == "model" else model.blocks[0]).named_parameters()}, \
+                (name, where, sorted(params))
+            trainable[name, where] = sorted(k for k, v in sd.items() if v.requires_grad)
+        plain = model.state_dict()
+        assert not any(v.requires_grad or isinstance(v, nn.Parameter) for v in plain.values()), name
+    for where in ("model", "blocks.0"):
+        assert trainable["ours", where] == trainable["fsdp2", where], where
+    assert "emb.weight" not in trainable["ours", "model"] and "blocks.0.0.weight" not in trainable["ours", "model"]
+    assert "head.weight" in trainable["ours", "model"] and "2.weight" in trainable["ours", "blocks.0"]
+    ours, theirs = models["ours"].state_dict(keep_vars=True), models["fsdp2"].state_dict(keep_vars=True)
+    for key, value in theirs.items():
+        if isinstance(value, DTensor):
+            assert ours[key].placements == value.placements and ours[key].shape == value.shape, key
+            torch.testing.assert_close(ours[key].full_tensor(), value.full_tensor(), **_tol(), msg=key)
+    with torch.no_grad():
+        for model, sd in ((models["ours"], ours), (models["fsdp2"], theirs)):
+            sd["head.weight"].mul_(2.0)
+    torch.testing.assert_close(models["ours"].state_dict()["head.weight"].full_tensor(),
+                               models["fsdp2"].state_dict()["head.weight"].full_tensor(), **_tol())
+    return True
+
+
+def test_keep_vars_state_dict_hands_out_parameters_as_fsdp2():
+    assert run_distributed(_keep_vars_as_fsdp2, 2, timeout=120) == [True, True]
+
+
 def test_state_dict_rows_are_exchanged_not_gathered():
     assert run_distributed(_rows_exchanged_not_gathered, 3, timeout=120) == [True] * 3
 

@@ -454,6 +454,7 @@ class ModuleStateDictHooks:
     def __init__(self, state, module, keys: List[Tuple[str, int]]):
         self.state = state
         self._values: Optional[list] = None  # this state_dict() call's values (the unit module's pre-hook)
+        self._keep_vars = False  # this state_dict() call's keep_vars (every owner's pre-hook)
         by_owner: Dict[int, Tuple[nn.Module, List[Tuple[str, int]]]] = {}
         for key, i in keys:
             path, _, name = key.rpartition(".")
@@ -462,8 +463,9 @@ class ModuleStateDictHooks:
         # Plain functions: torch tags public hooks with an attribute, which a bound method refuses.
         module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._compute())
         for owner, owned in by_owner.values():
+            owner.register_state_dict_pre_hook(lambda m, prefix, keep_vars: setattr(self, "_keep_vars", keep_vars))
             handle = owner.register_state_dict_post_hook(
-                lambda m, sd, prefix, md, owned=owned: self._put_values(sd, prefix, owned))
+                lambda m, sd, prefix, md, owned=owned: self._put_values(m, sd, prefix, owned))
             owner._state_dict_hooks.move_to_end(handle.id, last=False)
             handle = owner.register_load_state_dict_pre_hook(lambda *a, owned=owned: self._pre_load(owned, *a))
             state.own_load_pre_hooks.append((weakref.ref(owner), handle.id))
@@ -494,11 +496,11 @@ class ModuleStateDictHooks:
     def _drop_values(self) -> None:
         self._values = None
 
-    def _put_values(self, state_dict, prefix: str, owned: List[Tuple[str, int]]) -> None:
+    def _put_values(self, owner: nn.Module, state_dict, prefix: str, owned: List[Tuple[str, int]]) -> None:
         state = self.state
         if state.unit is None or _local_mode():
             return
-        present = [(prefix + k, i) for k, i in owned if prefix + k in state_dict]
+        present = [(k, i) for k, i in owned if prefix + k in state_dict]
         if not present:
             return
         # state_dict() called on this module alone, not through the unit's module: gather
@@ -508,10 +510,25 @@ class ModuleStateDictHooks:
         if values is None:
             callers_arrived([state], "state_dict()", state_dict)
             values = self._current_values()
+        if self._keep_vars:
+            values = self._as_parameters(owner, present, values)
         for key, i in present:
-            state_dict[key] = values[i]
+            state_dict[prefix + key] = values[i]
             if not values[i].is_meta:
                 record_handed_out(state, i, values[i])
+
+    def _as_parameters(self, owner: nn.Module, present: List[Tuple[str, int]], values: list) -> list:
+        """keep_vars=True: each value as an nn.Parameter with its parameter's requires_grad,
+        as torch and FSDP2 hand out the parameters themselves (code keeps the trainable
+        entries by `v.requires_grad`). Still copies: they are not the parameter objects,
+        whose local tensors are our flat pieces. One object per parameter, so tied keys
+        share it as they share the parameter (`values` is this call's own list)."""
+        for key, i in present:
+            if not isinstance(values[i], nn.Parameter):
+                live = owner._parameters.get(key)
+                requires_grad = live.requires_grad if live is not None else False
+                values[i] = nn.Parameter(values[i], requires_grad=requires_grad)
+        return values
 
     def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
                   missing_keys, unexpected_keys, error_msgs) -> None:
