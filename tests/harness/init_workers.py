@@ -462,7 +462,7 @@ def load_state_dict_into_meta_model(rank: int, world: int, opts: Dict) -> Dict:
 def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty") -> bool:
     """FSDP2's way in from the meta device with torch's own initializers: fully_shard on
     meta, `to_empty(device=...)`, then each module's reset_parameters() (kaiming_uniform_,
-    uniform_), nn.init.trunc_normal_ and normal_ on the parameters, and a copy_ of a whole
+    uniform_), nn.init.trunc_normal_ and normal_ on the parameters and on their `.data`, and a copy_ of a whole
     value, and the structural initializers (orthogonal_, sparse_, eye_: a whole matrix).
     Every rank's pieces are one plain process's values for the same seed (the
     random draws are whole parameters), the RNG ends where that process's does, and a
@@ -483,6 +483,9 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
             layer.reset_parameters()
         nn.init.trunc_normal_(m[2].weight, std=0.5, a=-0.6, b=0.6)  # rejection redraws
         m[4].bias.normal_(0.0, 0.1)
+        # through .data, as older Hugging Face `_init_weights` write
+        m[2].bias.data.uniform_(-0.3, 0.3)
+        nn.init.normal_(m[5].bias.data, std=0.2)
         m[0].bias.copy_(torch.arange(24, dtype=torch.float32, device=device))
         # the structural initializers: a whole matrix drawn or written
         nn.init.orthogonal_(m[4].weight, gain=0.8)
@@ -509,6 +512,9 @@ def to_empty_then_reset_parameters(rank: int, world: int, way: str = "to_empty")
     with torch.no_grad():
         init(model)
     assert torch.equal(torch.get_rng_state(), ref_rng), "the initializers drew another amount of random numbers"
+    check_local_shards(model, ref)
+    with torch.no_grad():
+        model[2].weight.data.clone().normal_()  # a draw into a copy of .data: the parameter keeps its values
     check_local_shards(model, ref)
     if way == "built":
         torch.optim.SGD(model.parameters(), lr=0.1).step()  # no gradients yet: changes nothing

@@ -6,9 +6,10 @@ count as materialized. From then (and from `fully_shard` itself, for a unit that
 values: `model.apply(init_fn)` after sharding) until training starts (any root's first
 forward or any optimizer step), writes into the sharded parameters are watched: a random
 fill (`nn.init.normal_` / `trunc_normal_` / `uniform_` / `kaiming_*` / `xavier_*`,
-`Tensor.normal_`, `uniform_`, ...; trunc_normal_'s rejection loop too) runs on a full
-tensor of the parameter's shape, drawing exactly what one plain process draws for it, and
-this rank keeps its slice. So the values equal a plain module's given the same seed (FSDP2's
+`Tensor.normal_`, `uniform_`, ..., on the parameter or its `.data`; trunc_normal_'s
+rejection loop too) runs on a full tensor of the parameter's shape, drawing exactly what
+one plain process draws for it, and this rank keeps its slice (a fill of a detached
+copy, `p.detach()` or `p.data.clone()`, is the piece's own draw). So the values equal a plain module's given the same seed (FSDP2's
 DTensors draw by offset on CUDA only), every rank's RNG stays in step, and no two
 pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
 `clamp_`) act on the piece as they are; a `copy_` of a value of the parameter's shape
@@ -32,7 +33,7 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import sharded_param
+from . import piece_rows, sharded_param
 from .dtensor_face import is_dtensor, local_shape
 from .hook_support import run_outside_dynamo
 from .param_index import owner_of
@@ -171,6 +172,40 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 return _keep_slice(state, index, target, source)
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def _data_fill(name: str):
+    """PieceData's random fill `name` (`p.data.normal_()`, `nn.init.normal_(p.data)`, as
+    older Hugging Face `_init_weights` write): on the parameter's `.data` while its unit is
+    watched, the fill of the parameter itself (a whole draw, this rank's slice); otherwise,
+    or on a copy of `.data` (clone()), the piece's own draw."""
+    plain = getattr(torch.Tensor, name)
+
+    def fill(self, *args, **kwargs):
+        param = self.__dict__.get("_mfsdp_param")
+        if param is not None and _watched:
+            state, index = owner_of(param)
+            if state is not None and state in _watched and _is_data_of(self, param):
+                _fill_whole(plain, state, index, param, (param, *args), kwargs)
+                return self
+        return plain(self, *args, **kwargs)
+
+    fill.__name__ = fill.__qualname__ = name
+    return fill
+
+
+def _is_data_of(data: torch.Tensor, param: torch.Tensor) -> bool:
+    # `.data` itself is the piece's storage; a clone() of it keeps the parameter's mark
+    # but not its memory. (Pieces of no elements on some ranks: equal too, and those
+    # ranks draw the whole parameter as the others do, keeping the RNGs in step.)
+    with DisableTorchFunctionSubclass():
+        return torch.Tensor.data_ptr(data) == torch.Tensor.data_ptr(param) and \
+            torch.Tensor.numel(data) == torch._C.TensorBase.numel(param)
+
+
+for _name in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_",
+              "cauchy_"):
+    setattr(piece_rows.PieceData, _name, _data_fill(_name))
 
 
 def _fill_whole(func, state, index: int, param: torch.Tensor, args, kwargs):
