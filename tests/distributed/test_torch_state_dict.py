@@ -556,6 +556,13 @@ def test_keep_vars_state_dict_hands_out_parameters_as_fsdp2():
     assert run_distributed(_keep_vars_as_fsdp2, 2, timeout=120) == [True, True]
 
 
+@pytest.mark.gpu
+@pytest.mark.nccl_only  # FSDP2's full_tensor() of CUDA DTensors needs NCCL
+def test_keep_vars_state_dict_on_nccl():
+    world = gpu_world()
+    assert run_distributed(_keep_vars_as_fsdp2, world, backend="nccl", timeout=180) == [True] * world
+
+
 def test_state_dict_rows_are_exchanged_not_gathered():
     assert run_distributed(_rows_exchanged_not_gathered, 3, timeout=120) == [True] * 3
 
