@@ -37,6 +37,16 @@ def _bad_inputs(rank, world):
     mfsdp.fully_shard(m)
     expect_error(lambda: mfsdp.fully_shard(m.blocks[1]), ValueError, "bottom-up", "attn_norm.weight")
 
+    # Blocks sharded by torch's own fully_shard (FSDP2), the root by ours: named as such,
+    # not taken for tensor parallelism (FSDP2's parameters are DTensors).
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    m = LlamaModel(cfg)
+    for block in m.blocks:
+        torch_fully_shard(block)
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "module 'blocks.0'", "sharded by torch's own fully_shard")
+    expect_error(lambda: mfsdp.fully_shard(m.blocks[1]), ValueError, "this module", "torch's own fully_shard")
+
     # Parameters partly on the meta device; a meta unit used before materialize().
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     expect_error(lambda: mfsdp.fully_shard(m), ValueError, "'1.weight' is on the meta device", "'0.weight' is not")

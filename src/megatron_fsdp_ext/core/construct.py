@@ -258,6 +258,19 @@ def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None,
     return None
 
 
+def _refuse_torch_fsdp2_module(module: nn.Module, prefix: str) -> None:
+    """A module torch's own fully_shard sharded holds FSDP2's DTensor parameters and hooks,
+    which our unit can neither take over nor drive (both would gather and reduce them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule) and "_mfsdp_state" not in module.__dict__:
+        where = f"module '{prefix[:-1]}'" if prefix else "this module"
+        raise ValueError(
+            f"fully_shard: {where} ({type(module).__name__}) was sharded by torch's own fully_shard "
+            "(FSDP2); one model cannot mix FSDP2's units with ours. Shard every module with "
+            "megatron_fsdp_ext.fully_shard (it takes FSDP2's arguments), or every module with torch's")
+
+
 def collect_params(modules: list, ignored: frozenset):
     """The parameters this call owns (the unit of `modules`: one, or FSDP2's list of
     several) and every slot (module._parameters, name) holding them; the state-dict keys
@@ -283,6 +296,7 @@ def collect_params(modules: list, ignored: frozenset):
             mod, prefix, is_top = stack.pop()
             if not is_top and "_mfsdp_state" in mod.__dict__:
                 continue
+            _refuse_torch_fsdp2_module(mod, top + prefix)
             for name, p in mod._parameters.items():
                 if p is None or id(p) in ignored:
                     continue
