@@ -109,6 +109,11 @@ def test_row_writes_to_parameters_and_gradients_land_in_the_rows(strategy, world
     run_distributed(w.row_writes, world, strategy, timeout=180)
 
 
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_gradient_hooks_on_parameters_run_as_on_each_ddp_rank(strategy):
+    assert run_distributed(w.gradient_hooks, 2, strategy, timeout=120) == [True, True]
+
+
 def test_hugging_face_init_weights_after_fully_shard_zeroes_the_padding_row():
     pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (test extra)")
     run_distributed(w.hf_init_weights_after_fully_shard, 2, timeout=180)

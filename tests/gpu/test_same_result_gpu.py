@@ -78,3 +78,7 @@ def test_gradient_statistics_are_global_gpu():
     assert all(r == worst[0] for r in worst), worst
     assert len(worst[0]) == 21 and max(worst[0].values()) < 1e-5, worst[0]
 
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_gradient_hooks_on_parameters_run_as_on_each_ddp_rank_gpu(strategy):
+    assert all(run_distributed(w.gradient_hooks, WORLD, strategy, **GPU, timeout=240))

@@ -748,3 +748,60 @@ def hf_init_weights_after_fully_shard(rank, world):
     for name, q in plain.named_parameters():
         assert torch.equal(_full_value(model.state_dict()[name]), q.detach()), f"'{name}' after _init_weights"
     return True
+
+
+def gradient_hooks(rank, world, strategy: str = "optim_grads_params"):
+    """Tensor.register_hook on parameters, before fully_shard (PEFT's CPT registers its
+    gradient mask in the model's constructor) and after it, gives one plain process's
+    gradients with the same hooks: each hook runs on this rank's local full-shape
+    gradient before the reduction, as on each DDP rank (the hooks here are linear, so the
+    mean of the hooked local gradients is the hooked whole-batch gradient). A removed hook
+    no longer runs, whichever object it was registered on. (On FSDP2 such hooks never run.)"""
+    device = device_for_backend()
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 11)).to(device)
+
+    mask = torch.ones(11, 1, device=device)
+    mask[3:7] = 0  # rows of the embedding that must not train
+
+    def hook_before(m):
+        return m[0].weight.register_hook(lambda g: g * mask)
+
+    plain, model = build(), build()
+    handles = [hook_before(plain), hook_before(model)]
+    for layer in (model[1], model[3]):
+        mfsdp.fully_shard(layer, sharding_strategy=strategy)
+    mfsdp.fully_shard(model, sharding_strategy=strategy)
+    calls = {"plain": 0, "ours": 0}
+
+    def scale(name):
+        def hook(g):
+            calls[name] += 1
+            return g * 3.0
+        return hook
+
+    after = [plain[3].weight.register_hook(scale("plain")), model[3].weight.register_hook(scale("ours"))]
+    removed = [m[1].bias.register_hook(lambda g: g * 0.0) for m in (plain, model)]
+    for h in removed:
+        h.remove()
+    ids = torch.randint(0, 11, (world, 5), generator=torch.Generator().manual_seed(1)).to(device)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, plain)]
+    tol = 1e-5 if device.type == "cpu" else 1e-4  # CUDA kernels may sum in another order
+    for step in range(3):
+        if step == 2:  # hooks removed through their handles: neither model runs them any more
+            for h in handles + after:
+                h.remove()
+        (sum(plain(ids[r]).pow(2).mean() for r in range(world)) / world).backward()
+        model(ids[rank]).pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(_full_value(p.grad), q.grad, rtol=tol, atol=tol / 10,
+                                       msg=lambda msg: f"step {step}: gradient of '{name}': {msg}")
+        if step < 2:
+            assert _full_value(model[0].weight.grad)[3:7].abs().sum() == 0, "the mask hook did not run"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert calls == {"plain": 2, "ours": 2}, calls  # once per backward while registered
+    return True

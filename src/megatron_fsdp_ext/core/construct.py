@@ -496,6 +496,11 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
             u = transform.unsharded_param(unit, i, uview, fp8_weights[i], param_dtype, p.requires_grad, mx_scales)
         else:
             u = nn.Parameter(uview, requires_grad=p.requires_grad)
+        if p._backward_hooks:
+            # Gradient hooks registered before fully_shard (PEFT's CPT mask): the unsharded
+            # parameter is the one autograd reaches. The same dict, so the caller's handles
+            # still remove them.
+            u._backward_hooks = p._backward_hooks
         # Keep user/Megatron attributes (e.g. tensor-parallel markers) on both.
         for k, v in user_attributes(p).items():
             setattr(s, k, v)

@@ -227,6 +227,18 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             cached = self.__dict__["_mfsdp_layout_key"] = (id(state.unit), slices)
         return cached[1]
 
+    def register_hook(self, hook):
+        """Tensor.register_hook: `hook` runs on this parameter's gradient as autograd
+        computes it, so on the unsharded parameter the unit installs for forward and
+        backward: this rank's full-shape gradient before the reduction, as a plain module's
+        hook runs on each DDP rank's local gradient (PEFT's gradient masks and
+        projections). What it returns replaces that gradient. (This sharded parameter is
+        in no autograd graph: a hook on it alone would never run, as on FSDP2's.)"""
+        state, index = owner_of(self)
+        if state is None or state.unit is None:
+            return super().register_hook(hook)
+        return state.unit.unsharded_param(index).register_hook(hook)
+
     # Matrix products and products with a number: shared with PieceCast, below it.
     # PEFT casts bf16 / fp16 adapters on the CPU to fp32 before multiplying them: the cast
     # is this rank's piece, and a product of two pieces would be a dot product of them.
