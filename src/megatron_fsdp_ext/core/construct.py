@@ -11,6 +11,7 @@ from typing import List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from .. import _C
 from . import backends
@@ -261,8 +262,6 @@ def check_devices(module: nn.Module, params: list, names: list, pg, mesh=None,
 def _refuse_torch_fsdp2_module(module: nn.Module, prefix: str) -> None:
     """A module torch's own fully_shard sharded holds FSDP2's DTensor parameters and hooks,
     which our unit can neither take over nor drive (both would gather and reduce them)."""
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(module, FSDPModule) and "_mfsdp_state" not in module.__dict__:
         where = f"module '{prefix[:-1]}'" if prefix else "this module"
         raise ValueError(

@@ -9,9 +9,9 @@ fill (`nn.init.normal_` / `trunc_normal_` / `uniform_` / `kaiming_*` / `xavier_*
 `Tensor.normal_`, `uniform_`, ..., on the parameter or its `.data`; trunc_normal_'s
 rejection loop too) runs on a full tensor of the parameter's shape, drawing exactly what
 one plain process draws for it, and this rank keeps its slice (a fill of a detached
-copy, `p.detach()` or `p.data.clone()`, is the piece's own draw). So the values equal a plain module's given the same seed (FSDP2's
-DTensors draw by offset on CUDA only), every rank's RNG stays in step, and no two
-pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
+copy, `p.detach()` or `p.data.clone()`, is the piece's own draw). So the values equal a
+plain module's given the same seed (FSDP2's DTensors draw by offset on CUDA only), every
+rank's RNG stays in step, and no two pieces repeat one stream. Elementwise writes (`zero_`, `fill_`, `mul_`, `erfinv_`,
 `clamp_`) act on the piece as they are; a `copy_` of a value of the parameter's shape
 keeps this rank's slice of it (torchtitan's fused-qkv init builds its value whole); the
 structural initializers (`nn.init.orthogonal_`, `sparse_`, `eye_`, `dirac_`, looked up on
@@ -42,9 +42,9 @@ from .state_dict import face_shape
 from .states import ParamInit
 
 # Tensor methods and nn.init functions that fill a tensor with random values.
-_RANDOM_FILLS = {
-    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
-    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+_TENSOR_RANDOM_FILLS = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
+                        "log_normal_", "cauchy_")
+_RANDOM_FILLS = {getattr(torch.Tensor, name) for name in _TENSOR_RANDOM_FILLS} | {
     nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
 }
 
@@ -203,8 +203,7 @@ def _is_data_of(data: torch.Tensor, param: torch.Tensor) -> bool:
             torch.Tensor.numel(data) == torch._C.TensorBase.numel(param)
 
 
-for _name in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_",
-              "cauchy_"):
+for _name in _TENSOR_RANDOM_FILLS:
     setattr(piece_rows.PieceData, _name, _data_fill(_name))
 
 

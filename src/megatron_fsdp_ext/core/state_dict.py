@@ -511,24 +511,23 @@ class ModuleStateDictHooks:
             callers_arrived([state], "state_dict()", state_dict)
             values = self._current_values()
         if self._keep_vars:
-            values = self._as_parameters(owner, present, values)
+            self._as_parameters(owner, present, values)
         for key, i in present:
             state_dict[prefix + key] = values[i]
             if not values[i].is_meta:
                 record_handed_out(state, i, values[i])
 
-    def _as_parameters(self, owner: nn.Module, present: List[Tuple[str, int]], values: list) -> list:
-        """keep_vars=True: each value as an nn.Parameter with its parameter's requires_grad,
-        as torch and FSDP2 hand out the parameters themselves (code keeps the trainable
-        entries by `v.requires_grad`). Still copies: they are not the parameter objects,
-        whose local tensors are our flat pieces. One object per parameter, so tied keys
-        share it as they share the parameter (`values` is this call's own list)."""
+    def _as_parameters(self, owner: nn.Module, present: List[Tuple[str, int]], values: list) -> None:
+        """keep_vars=True: each value, replaced in `values` (this call's own list), as an
+        nn.Parameter with its parameter's requires_grad, as torch and FSDP2 hand out the
+        parameters themselves (code keeps the trainable entries by `v.requires_grad`).
+        Still copies: they are not the parameter objects, whose local tensors are our flat
+        pieces. One object per parameter, so tied keys share it as they share the parameter."""
         for key, i in present:
             if not isinstance(values[i], nn.Parameter):
                 live = owner._parameters.get(key)
                 requires_grad = live.requires_grad if live is not None else False
                 values[i] = nn.Parameter(values[i], requires_grad=requires_grad)
-        return values
 
     def _pre_load(self, owned: List[Tuple[str, int]], module, state_dict, prefix, local_metadata, strict,
                   missing_keys, unexpected_keys, error_msgs) -> None:
