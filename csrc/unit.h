@@ -268,6 +268,12 @@ class Unit {
   // without, accumulate them locally in the reduce dtype. Returns false when there
   // was nothing to reduce.
   bool reduce_grads(bool sync);
+  // This rank ran the unit's forward with grad enabled (the forward hook says so): every
+  // rank then reduces the unit at its next synced reduction, so a rank on which none of
+  // its parameters got a gradient (they were used on other ranks only) still joins the
+  // agreement and, where another rank has a gradient, reduces zeros. Cleared by that
+  // reduction; without it such a rank would skip a collective the others run.
+  void expect_reduction() { expects_reduction_ = true; }
   // reduce_grads(true) for several units with one collective: those that reduce-scatter
   // (not HSDP, not the full-gradient strategies) on the first such unit's reduce-scatter
   // communicator, reduce dtype and context are packed and reduce-scattered by one
@@ -426,6 +432,10 @@ class Unit {
   // reduce bucket; the first leads).
   static void agree_on_grads(const std::vector<Unit*>& units);
   bool lacks_some_grad() const;
+  // With no gradient packed on this rank: whether it must still take part in the unit's
+  // synced reduction (expect_reduction, trainable parameters, other ranks in the group).
+  bool joins_without_grads() const;
+  bool any_agreed_grad() const;
   // The same all-reduce carries h and -h, h a hash of the reduced units' labels: the sum
   // of their maxima over the ranks (the agreement word) is 0 unless some rank reduced other
   // units at this point (rank-dependent control flow that skips whole units: collectives
@@ -509,6 +519,7 @@ class Unit {
   std::vector<at::Tensor> sharded_params_, unsharded_params_;
   std::vector<at::Tensor> unsharded_locals_;  // gradient holders (bind_params)
   std::vector<bool> has_grad_;  // per param: received a gradient since the last sync
+  bool expects_reduction_ = false;  // forward ran with grad since the last synced reduction
   // The last agreement's word (agree_on_grads) on its way to the host, and its copy's event.
   at::Tensor agreement_word_;
   std::unique_ptr<StreamEvent> agreement_copied_;

@@ -78,10 +78,20 @@ bool Unit::reduce_grads(bool sync) {
   check_bound("reduce_grads");
   at::Tensor flat = pack_grads(sync);
   const bool defer = sync && replicate_comm_.defined() && !requires_all_reduce_;
+  bool agreed = false;
   if (!flat.defined()) {
-    // No gradient this time, but deferred shards still wait for their all-reduce: the
-    // reduction runs with zeros so that it happens (every rank of the group alike).
-    if (!sync || defer || !partial_.defined()) return false;
+    if (!sync) return false;
+    // No gradient here. Deferred shards still wait for their all-reduce, and the unit's
+    // parameters may have gradients on other ranks (used there only): the reduction then
+    // runs with zeros so that it happens on every rank of the group alike.
+    const bool pending_partial = !defer && partial_.defined();
+    if (!pending_partial) {
+      if (!joins_without_grads()) return false;
+      agree_on_grads({this});
+      agreed = true;
+      expects_reduction_ = false;
+      if (!any_agreed_grad()) return false;  // no rank had one: the same answer everywhere
+    }
     ctx().make_room_for_reduction();
     flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
     packed_scale_ = pack_scale();
@@ -91,7 +101,8 @@ bool Unit::reduce_grads(bool sync) {
     return true;
   }
   accumulated_ = at::Tensor();
-  agree_on_grads({this});
+  expects_reduction_ = false;
+  if (!agreed) agree_on_grads({this});
   GradBuffers buffers = plan_reduction(std::move(flat), defer);
   at::Tensor partial = partial_;  // consumed by a non-deferred reduction: freed once it is done
   if (defer && !partial_.defined()) {
@@ -270,18 +281,39 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   for (Unit* u : alone) u->reduce_grads(/*sync=*/true);
   // Pack every member's gradients (the first pack retires the held reduction); units
   // without any gradient drop out, as reduce_grads would skip them.
+  // A member with no gradient here that other ranks may reduce (joins_without_grads)
+  // takes part in the agreement; it stays a member, with zeros, if some rank had one.
   std::vector<Unit*> members;
   std::vector<at::Tensor> flats;
   for (Unit* u : together) {
     u->check_bound("reduce_grads");
     at::Tensor flat = u->pack_grads(/*sync=*/true);
-    if (!flat.defined()) continue;
+    const bool joins = flat.defined() || u->joins_without_grads();
     u->accumulated_ = at::Tensor();
+    u->expects_reduction_ = false;
+    if (!joins) continue;
     members.push_back(u);
     flats.push_back(std::move(flat));
   }
   if (members.empty()) return;
   agree_on_grads(members);
+  // The agreed flags are the same on every rank, so every rank drops the same members.
+  size_t kept = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Unit& u = *members[i];
+    if (!flats[i].defined()) {
+      if (!u.any_agreed_grad()) continue;
+      u.ctx().make_room_for_reduction();
+      flats[i] = at::zeros({u.layout_.total_numel()}, u.device_options(u.reduce_dtype_));
+      u.packed_scale_ = u.pack_scale();
+    }
+    members[kept] = members[i];
+    flats[kept] = std::move(flats[i]);
+    ++kept;
+  }
+  members.resize(kept);
+  flats.resize(kept);
+  if (members.empty()) return;
   std::vector<GradBuffers> buffers;
   for (size_t i = 0; i < members.size(); ++i) {
     buffers.push_back(members[i]->plan_reduction(std::move(flats[i]), /*defer=*/false));
@@ -327,6 +359,14 @@ bool Unit::lacks_some_grad() const {
     if (!has_grad_[i] && sharded_params_[i].requires_grad()) return true;
   }
   return false;
+}
+
+bool Unit::joins_without_grads() const {
+  return expects_reduction_ && world_size() * replicate_size() > 1 && lacks_some_grad();
+}
+
+bool Unit::any_agreed_grad() const {
+  return std::find(has_grad_.begin(), has_grad_.end(), true) != has_grad_.end();
 }
 
 void Unit::agree_on_grads(const std::vector<Unit*>& units) {

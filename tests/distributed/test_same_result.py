@@ -75,6 +75,17 @@ def test_parameters_used_on_some_ranks_only_get_their_gradient(layout, world):
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
+@pytest.mark.parametrize("layout,world,micro_batches", [
+    ("units", 2, 1), ("buckets", 2, 1), ("hsdp", 4, 1), ("units", 3, 2), ("buckets", 2, 2), ("hsdp", 4, 2)])
+def test_unit_without_any_gradient_on_some_ranks_still_reduces(layout, world, micro_batches):
+    """The root's only parameters are used on some ranks only: a rank with no gradient in
+    the unit joins the reduction the others run (it once returned early and every rank
+    hung), a step where no rank used them leaves them without a gradient, and accumulation
+    with sync off carries the first micro-batch's use to the synced reduction."""
+    worst = run_distributed(w.aux_unit_used_on_some_ranks, world, layout, micro_batches, timeout=120)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
 def test_gradient_idioms_of_training_scripts_give_one_process_results():
     assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, 2, timeout=180))
 

@@ -49,6 +49,16 @@ def test_parameters_used_on_some_ranks_only_get_their_gradient_gpu(layout):
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
+@pytest.mark.parametrize("layout,micro_batches", [("units", 1), ("buckets", 2), ("hsdp", 2)])
+def test_unit_without_any_gradient_on_some_ranks_still_reduces_gpu(layout, micro_batches):
+    """A rank with no gradient in a unit joins the agreement (and waits for it on the
+    host) and reduces zeros on the reduce stream, where other ranks reduce theirs."""
+    if layout == "hsdp" and WORLD % 2:
+        pytest.skip("HSDP over (2, world / 2) needs an even world")
+    worst = run_distributed(w.aux_unit_used_on_some_ranks, WORLD, layout, micro_batches, **GPU, timeout=240)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
 @pytest.mark.dtensor_collectives
 def test_gradient_idioms_and_ema_swap_through_data_gpu():
     """Gradients replaced out of place before the clip, MAE's total norm of detached

@@ -386,6 +386,83 @@ def partly_used_parameters(rank, world, layout: str):
     return train_against_plain(PartlyUsed, shard, lambda m, b: m(b).pow(2).mean())
 
 
+class AuxOnSomeRanks(nn.Module):
+    """The root's only parameters (`aux`) are used on some ranks only, while `body` and
+    `head` (units of their own) are used everywhere: a rank that did not call `aux` has no
+    gradient at all in the root's unit, and must still take part in its reduction."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(D, D)
+        self.aux = nn.Linear(D, D)
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x, use_aux: bool):
+        h = torch.tanh(self.body(x))
+        if use_aux:
+            h = h + self.aux(h)
+        return self.head(h)
+
+
+# Per step, the ranks that call `aux` (None: all): one, none, another, all.
+_AUX_USERS = [{0}, set(), {1}, None]
+
+
+def aux_unit_used_on_some_ranks(rank, world, layout: str, micro_batches: int):
+    """A unit whose parameters get gradients on some ranks only, and none at all on the
+    others, against one plain process on the whole batch, step by step (gradients of every
+    parameter, None where no rank used it). `layout`: "units" (reduced alone), "buckets"
+    (one reduce bucket: the coalesced path), "hsdp" (a 2 x world/2 mesh: the deferred
+    all-reduce). With `micro_batches` > 1 the gradients accumulate with sync off and
+    `aux` is called in the first micro-batch only. Returns the worst relative errors."""
+    device = device_for_backend()
+    kwargs = {}
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    buckets = 1 << 30 if layout == "buckets" else 0
+    plain = AuxOnSomeRanks().to(device)
+    model = copy.deepcopy(plain)
+    mfsdp.fully_shard(model.body, **kwargs)
+    mfsdp.fully_shard(model.head, **kwargs)
+    mfsdp.fully_shard(model, reduce_bucket_bytes=buckets, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    names = [n for n, _ in plain.named_parameters()]
+    worst = {"grad": 0.0, "loss": 0.0}
+    for step, users in enumerate(_AUX_USERS):
+        users = set(range(world)) if users is None else users
+        losses, ref_losses = [], []
+        for mb in range(micro_batches):
+            batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(10 * step + mb)).to(device)
+            calls = [r in users and mb == 0 for r in range(world)]
+            ref = sum(plain(batch[r], calls[r]).pow(2).mean() for r in range(world)) / (world * micro_batches)
+            ref.backward()
+            ref_losses.append(ref.item())
+            if micro_batches > 1:
+                model.set_requires_gradient_sync(mb == micro_batches - 1)
+            loss = model(batch[rank], calls[rank]).pow(2).mean() / micro_batches
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        worst["loss"] = max(worst["loss"], abs(sum(losses) - sum(ref_losses)) / abs(sum(ref_losses)))
+        for name, p, q in zip(names, model.parameters(), plain.parameters()):
+            if q.grad is None:  # used on no rank: no gradient, as in one process
+                assert p.grad is None, f"step {step}: {name} used on no rank got a gradient"
+                continue
+            g = _full_grad(p)
+            err = ((g.to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
+            worst["grad"] = max(worst["grad"], err)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return worst
+
+
 def _three_blocks():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))

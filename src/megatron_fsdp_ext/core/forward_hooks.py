@@ -79,6 +79,10 @@ class ForwardHooks:
             self._adopt_replaced(self.slots.use(hook_support.units_to_gather(gathers), bucketed), unsharded=True)
         if torch.is_grad_enabled() and not self.ctx.in_backward:
             self.backward_progress = BackwardProgress.NONE
+            if self.unit is not None:
+                # Every rank ran this forward: each joins the unit's next reduction, also
+                # one whose parameters got no gradient here (used on other ranks only).
+                self.unit.expect_reduction()
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
