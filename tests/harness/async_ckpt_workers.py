@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 import time
 
 import torch
@@ -78,6 +79,20 @@ def slow_writes(seconds_per_item):
     return make
 
 
+def gated_writes(gate):
+    """Every write waits until `gate` is set: the save is surely still writing while the
+    test trains, however fast the disk and however slow the training. A write that is
+    not in the background (the caller blocked on it) times out by name."""
+    def make(rank, original):
+        def gated(*args, **kwargs):
+            if not gate.wait(timeout=60):
+                raise TimeoutError("the checkpoint write waited 60 s for the test's gate: did the save run "
+                                   "in the foreground?")
+            return original(*args, **kwargs)
+        return gated
+    return make
+
+
 def no_space_on(failing_rank):
     def make(rank, original):
         if rank != failing_rank:
@@ -116,14 +131,15 @@ def async_save_keeps_values_at_save_time(rank, world, root):
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
     save_checkpoint(sync_path, model, opt)
     at_save = snapshot(model, opt)
-    with patched_item_write(slow_writes(0.02)):
+    gate = threading.Event()
+    with patched_item_write(gated_writes(gate)):
         handle = save_checkpoint(async_path, model, opt, async_save=True)
         assert isinstance(handle, AsyncSave) and not handle.done(), "the save did not run in the background"
-        for step in range(2):
+        for step in range(2):  # the parameters and optimizer state change while nothing is written yet
             train_step(model, opt, 1 + step)
-        still_writing = not handle.done()
+        assert not handle.done()
+        gate.set()
         handle.result(timeout=60)
-    assert still_writing, "training did not overlap the background write: nothing was tested"
     assert handle.done()
     after = snapshot(model, opt)
     assert not torch.equal(after[0]["norm.weight"], at_save[0]["norm.weight"])
