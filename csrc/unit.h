@@ -274,6 +274,10 @@ class Unit {
   // agreement and, where another rank has a gradient, reduces zeros. Cleared by that
   // reduction; without it such a rank would skip a collective the others run.
   void expect_reduction() { expects_reduction_ = true; }
+  // Forget the gradients not reduced yet: those accumulated with sync off and a deferred
+  // HSDP partial sum (module.zero_grad() between micro-batches, where plain PyTorch drops
+  // what .grad held). Waits for a reduction still adding into the partial sum.
+  void drop_unreduced_grads();
   // reduce_grads(true) for several units with one collective: those that reduce-scatter
   // (not HSDP, not the full-gradient strategies) on the first such unit's reduce-scatter
   // communicator, reduce dtype and context are packed and reduce-scattered by one

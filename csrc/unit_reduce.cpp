@@ -124,6 +124,13 @@ bool Unit::reduce_grads(bool sync) {
   return true;
 }
 
+void Unit::drop_unreduced_grads() {
+  if (ctx_ != nullptr) ctx().wait_reductions();
+  accumulated_ = at::Tensor();
+  partial_ = at::Tensor();
+  std::fill(has_grad_.begin(), has_grad_.end(), false);
+}
+
 at::Tensor Unit::pack_grads(bool sync) {
   const int64_t n = layout_.num_params();
   std::vector<at::Tensor> grads(n);
@@ -444,9 +451,10 @@ void Unit::check_agreement_word(int32_t word, bool previous) const {
                       ", another rank of its group reduced another unit's, so their collectives were paired across "
                       "different units (their gathered parameters and reduced gradients are wrong). Every rank must "
                       "run the same fully_shard units in the same order in forward and backward: control flow that "
-                      "skips a whole unit on some ranks only (LayerDrop, a rank-dependent branch) is not supported; "
-                      "keep such layers inside one unit (a parameter used on some ranks only is fine there) or skip "
-                      "them on every rank alike."));
+                      "skips a whole unit on some ranks only (LayerDrop, a rank-dependent branch), or leaves a unit's "
+                      "output out of the loss on some ranks only (its backward then runs at another point there), is "
+                      "not supported; keep such layers inside one unit (a parameter used on some ranks only is fine "
+                      "there) or skip them on every rank alike."));
 }
 
 std::vector<int64_t> Unit::hooked_landings() const {

@@ -86,6 +86,14 @@ def test_unit_without_any_gradient_on_some_ranks_still_reduces(layout, world, mi
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
+@pytest.mark.parametrize("layout,world", [("no_sync", 2), ("no_sync", 3), ("hsdp_deferred", 4)])
+def test_module_zero_grad_drops_a_discarded_micro_batch(layout, world):
+    """model.zero_grad() between micro-batches drops what the units accumulated unsynced
+    (or hold in HSDP's deferred partial sum), as one plain process drops it from .grad."""
+    worst = run_distributed(w.zero_grad_drops_a_discarded_micro_batch, world, layout, timeout=120)[0]
+    assert worst["grad"] < 1e-5, worst
+
+
 def test_gradient_idioms_of_training_scripts_give_one_process_results():
     assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, 2, timeout=180))
 

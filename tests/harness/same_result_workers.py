@@ -463,6 +463,52 @@ def aux_unit_used_on_some_ranks(rank, world, layout: str, micro_batches: int):
     return worst
 
 
+def zero_grad_drops_a_discarded_micro_batch(rank, world, layout: str):
+    """`model.zero_grad()` after a micro-batch whose gradients were not synced (a bad batch
+    skipped mid-accumulation) drops them, as plain PyTorch drops them from .grad: the step
+    then uses the later micro-batches only. `layout`: "no_sync" (set_requires_gradient_sync
+    (False) on the discarded micro-batch), "hsdp_deferred" (a 2 x world/2 mesh with
+    set_requires_all_reduce(False): the reduced shards wait in the partial sum). Returns the
+    worst relative errors against one plain process."""
+    device = device_for_backend()
+    kwargs = {}
+    if layout == "hsdp_deferred":
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    plain = AuxOnSomeRanks().to(device)
+    model = copy.deepcopy(plain)
+    for m in (model.body, model.head, model):
+        mfsdp.fully_shard(m, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    names = [n for n, _ in plain.named_parameters()]
+    worst = {"grad": 0.0}
+    for step in range(3):
+        for mb in range(3):  # the second is discarded (zero_grad after it), at step 1 only
+            batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(10 * step + mb)).to(device)
+            discard = step == 1 and mb == 1
+            ref = sum(plain(batch[r], True).pow(2).mean() for r in range(world)) / (world * 3)
+            ref.backward()
+            last = mb == 2
+            if layout == "hsdp_deferred":
+                model.set_requires_all_reduce(last)
+            else:
+                model.set_requires_gradient_sync(last)
+            (model(batch[rank], True).pow(2).mean() / 3).backward()
+            if discard:
+                plain.zero_grad()
+                model.zero_grad()
+        for name, p, q in zip(names, model.parameters(), plain.parameters()):
+            err = ((_full_grad(p).to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e}"
+            worst["grad"] = max(worst["grad"], err)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return worst
+
+
 def _three_blocks():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))

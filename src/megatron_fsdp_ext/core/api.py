@@ -112,10 +112,13 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's, after waiting for the units' overlapped optimizer updates
-        (CPUAdamW(overlap_step=True)), which still read the gradients it would zero."""
+        (CPUAdamW(overlap_step=True)), which still read the gradients it would zero. What
+        the units accumulated with sync off (not in any .grad yet) is dropped too, as plain
+        PyTorch drops it from .grad: a micro-batch discarded before the synced one."""
         for state in self._states(True):
             if state.unit is not None:
                 state.unit.wait_host_update()
+                state.unit.drop_unreduced_grads()
         super().zero_grad(set_to_none=set_to_none)
 
     def _apply(self, fn, recurse: bool = True):

@@ -304,7 +304,9 @@ def collect_params(modules: list, ignored: frozenset):
                 owner = getattr(p, "_mfsdp_owner", None)
                 if owner is not None:
                     raise ValueError(
-                        f"parameter '{prefix}{name}' already belongs to the fully_shard unit of "
+                        f"parameter '{prefix}{name}' of the {type(mod).__name__} passed to fully_shard"
+                        f"{'' if mod is module else f' (inside a {type(module).__name__})'} already belongs to "
+                        f"the fully_shard unit of "
                         f"{owner()!s}: either fully_shard was applied to an ancestor before this module "
                         "(call fully_shard bottom-up: inner modules first, then the root), or the parameter "
                         "is tied to a module of another unit (tied parameters must live in one unit)"
