@@ -25,6 +25,24 @@ def _full_grad(p):
     return state.unit.gather_full(pieces, torch.float32)[i]
 
 
+def _step_and_compare(model, plain, opt, ref_opt, step: int, worst: dict, unused_ok: bool = False) -> None:
+    """Every parameter's full gradient against plain's (worst["grad"] keeps the largest
+    relative error), then both optimizers step and zero. `unused_ok`: a parameter no rank
+    used has no gradient in plain and must have none here; else plain must have one."""
+    for (name, q), p in zip(plain.named_parameters(), model.parameters()):
+        if q.grad is None:
+            assert unused_ok, f"step {step}: plain has no gradient for {name}"
+            assert p.grad is None, f"step {step}: {name}, used on no rank, got a gradient"
+            continue
+        err = ((_full_grad(p).to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+        assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
+        worst["grad"] = max(worst["grad"], err)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+
+
 def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float = 0.05):
     """Trains model_fn() sharded by shard_fn and plain on the whole batch (the mean of the
     ranks' losses); returns the worst relative error of the gradients (every parameter,
@@ -35,7 +53,6 @@ def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float =
     model = shard_fn(copy.deepcopy(plain))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=lr)
-    names = [n for n, _ in plain.named_parameters()]
     worst = {"grad": 0.0, "loss": 0.0}
     for step in range(steps):
         batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step)).to(device)
@@ -46,16 +63,7 @@ def train_against_plain(model_fn, shard_fn, loss_fn, steps: int = 4, lr: float =
         total = loss.detach().clone()
         dist.all_reduce(total)
         worst["loss"] = max(worst["loss"], abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-        for name, p, q in zip(names, model.parameters(), plain.parameters()):
-            assert q.grad is not None, name
-            g = _full_grad(p)
-            err = ((g.to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
-            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
-            worst["grad"] = max(worst["grad"], err)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_compare(model, plain, opt, ref_opt, step, worst)
     return worst
 
 
@@ -429,7 +437,6 @@ def aux_unit_used_on_some_ranks(rank, world, layout: str, micro_batches: int):
     mfsdp.fully_shard(model, reduce_bucket_bytes=buckets, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
-    names = [n for n, _ in plain.named_parameters()]
     worst = {"grad": 0.0, "loss": 0.0}
     for step, users in enumerate(_AUX_USERS):
         users = set(range(world)) if users is None else users
@@ -448,18 +455,7 @@ def aux_unit_used_on_some_ranks(rank, world, layout: str, micro_batches: int):
             dist.all_reduce(total)
             losses.append(total.item() / world)
         worst["loss"] = max(worst["loss"], abs(sum(losses) - sum(ref_losses)) / abs(sum(ref_losses)))
-        for name, p, q in zip(names, model.parameters(), plain.parameters()):
-            if q.grad is None:  # used on no rank: no gradient, as in one process
-                assert p.grad is None, f"step {step}: {name} used on no rank got a gradient"
-                continue
-            g = _full_grad(p)
-            err = ((g.to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
-            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e} (got None: {p.grad is None})"
-            worst["grad"] = max(worst["grad"], err)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_compare(model, plain, opt, ref_opt, step, worst, unused_ok=True)
     return worst
 
 
@@ -481,7 +477,6 @@ def zero_grad_drops_a_discarded_micro_batch(rank, world, layout: str):
         mfsdp.fully_shard(m, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
-    names = [n for n, _ in plain.named_parameters()]
     worst = {"grad": 0.0}
     for step in range(3):
         for mb in range(3):  # the second is discarded (zero_grad after it), at step 1 only
@@ -498,14 +493,7 @@ def zero_grad_drops_a_discarded_micro_batch(rank, world, layout: str):
             if discard:
                 plain.zero_grad()
                 model.zero_grad()
-        for name, p, q in zip(names, model.parameters(), plain.parameters()):
-            err = ((_full_grad(p).to(q.grad.device) - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
-            assert err < 1e-5, f"step {step}: gradient of {name} off by {err:.2e}"
-            worst["grad"] = max(worst["grad"], err)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_compare(model, plain, opt, ref_opt, step, worst)
     return worst
 
 
