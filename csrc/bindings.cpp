@@ -597,12 +597,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "Bytes of the copy kept after forward (0: none kept)")
       .def("shard_changed", &Unit::shard_changed, py::arg("index") = py::none(), py::arg("value") = py::none(),
            py::call_guard<py::gil_scoped_release>())
-      .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_grads", &Unit::reduce_grads, py::arg("sync"), py::arg("may_join") = true,
+           py::call_guard<py::gil_scoped_release>())
       .def("drop_unreduced_grads", &Unit::drop_unreduced_grads, py::call_guard<py::gil_scoped_release>())
       .def("expect_reduction", &Unit::expect_reduction,
            "The unit's forward ran with grad on this rank: its next synced reduction runs on every rank")
       .def_property_readonly("can_share_reduction", &Unit::can_share_reduction)
-      .def_static("reduce_together", &Unit::reduce_together, py::arg("units"),
+      .def_static("reduce_together", &Unit::reduce_together, py::arg("units"), py::arg("may_join") = true,
                   py::call_guard<py::gil_scoped_release>(),
                   "reduce_grads(True) for several units, those that can share it in one coalesced reduce-scatter")
       .def("gather_full_params", &Unit::gather_full_params, py::call_guard<py::gil_scoped_release>());

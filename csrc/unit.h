@@ -267,7 +267,10 @@ class Unit {
   // reduce-scatter them (plus anything accumulated earlier) into the sharded .grad;
   // without, accumulate them locally in the reduce dtype. Returns false when there
   // was nothing to reduce.
-  bool reduce_grads(bool sync);
+  // `may_join`: whether a rank with no gradient here may join the others' reduction
+  // (expect_reduction); false in a backward that accumulates into no parameter
+  // (autograd.grad with respect to inputs), where no rank reduces anything.
+  bool reduce_grads(bool sync, bool may_join = true);
   // This rank ran the unit's forward with grad enabled (the forward hook says so): every
   // rank then reduces the unit at its next synced reduction, so a rank on which none of
   // its parameters got a gradient (they were used on other ranks only) still joins the
@@ -283,7 +286,7 @@ class Unit {
   // communicator, reduce dtype and context are packed and reduce-scattered by one
   // coalesced collective (one c10d call), each then scaled into its own .grad; the
   // others by their own reduction. Units without a gradient take no part.
-  static void reduce_together(const std::vector<Unit*>& units);
+  static void reduce_together(const std::vector<Unit*>& units, bool may_join = true);
   // Whether this unit's reduction can join others' in reduce_together: it reduce-scatters
   // (not an all-reduce of full gradients) and nothing follows it (HSDP's all-reduce).
   bool can_share_reduction() const { return !full_grads() && !replicate_comm_.defined(); }

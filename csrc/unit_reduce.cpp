@@ -74,7 +74,7 @@ at::Tensor Unit::flat_grad_behind_views() const {
   return at::empty({0}, sharded_flat_.options()).set_(storage, base, {seg}, {1});
 }
 
-bool Unit::reduce_grads(bool sync) {
+bool Unit::reduce_grads(bool sync, bool may_join) {
   check_bound("reduce_grads");
   at::Tensor flat = pack_grads(sync);
   const bool defer = sync && replicate_comm_.defined() && !requires_all_reduce_;
@@ -86,7 +86,7 @@ bool Unit::reduce_grads(bool sync) {
     // runs with zeros so that it happens on every rank of the group alike.
     const bool pending_partial = !defer && partial_.defined();
     if (!pending_partial) {
-      if (!joins_without_grads()) return false;
+      if (!may_join || !joins_without_grads()) return false;
       agree_on_grads({this});
       agreed = true;
       expects_reduction_ = false;
@@ -277,7 +277,7 @@ void Unit::finish_reduction(GradBuffers& b) {
 }
 
 
-void Unit::reduce_together(const std::vector<Unit*>& units) {
+void Unit::reduce_together(const std::vector<Unit*>& units, bool may_join) {
   auto [together, alone] = split_for_coalescing(
       units, "reduce_together", [](Unit&) { return true; },
       [](const Unit& u) { return u.can_share_reduction() && u.ctx_ != nullptr; },
@@ -285,7 +285,7 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
         return u.rs_comm_.group().get() == lead.rs_comm_.group().get() && u.reduce_dtype_ == lead.reduce_dtype_ &&
                u.ctx_ == lead.ctx_;
       });
-  for (Unit* u : alone) u->reduce_grads(/*sync=*/true);
+  for (Unit* u : alone) u->reduce_grads(/*sync=*/true, may_join);
   // Pack every member's gradients (the first pack retires the held reduction); units
   // without any gradient drop out, as reduce_grads would skip them.
   // A member with no gradient here that other ranks may reduce (joins_without_grads)
@@ -295,10 +295,10 @@ void Unit::reduce_together(const std::vector<Unit*>& units) {
   for (Unit* u : together) {
     u->check_bound("reduce_grads");
     at::Tensor flat = u->pack_grads(/*sync=*/true);
-    const bool joins = flat.defined() || u->joins_without_grads();
+    const bool joins = flat.defined() || (may_join && u->joins_without_grads());
     u->accumulated_ = at::Tensor();
-    u->expects_reduction_ = false;
     if (!joins) continue;
+    u->expects_reduction_ = false;
     members.push_back(u);
     flats.push_back(std::move(flat));
   }

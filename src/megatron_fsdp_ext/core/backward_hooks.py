@@ -82,7 +82,8 @@ class BackwardHooks:
         # Without sync the gradients only accumulate locally: nothing to bucket. A second
         # reduction in one backward goes alone (its bucket, if any, has moved on).
         if self.reduce_again or not (self.requires_gradient_sync and self.ctx.reduce_or_hold(self)):
-            self.unit.reduce_grads(self.requires_gradient_sync)
+            self.unit.reduce_grads(self.requires_gradient_sync,
+                                   not self.requires_gradient_sync or self.ctx.backward_accumulates())
         if not self.options.overlap_grad_reduce:
             self.ctx.comm.wait_reductions()
 

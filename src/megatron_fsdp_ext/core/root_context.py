@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 
 from .. import _C
 from . import grad_norm, in_place_init, link
@@ -17,6 +18,15 @@ from .consistency import check_units_agree
 from .param_index import check_materialized
 from .schedule import Schedule
 from .states import BackwardProgress, RootPhase
+
+
+def _will_accumulate_into(param) -> bool:
+    """Whether the running backward will write `param`'s gradient. torch refuses the
+    question for a parameter inside autograd.grad(), which writes no .grad at all."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError:
+        return False
 
 
 class RootContext:
@@ -38,6 +48,9 @@ class RootContext:
         self.phase = RootPhase.IDLE
         # The running backward has create_graph=True (set when its first hook runs).
         self.backward_builds_graph = False
+        # Whether the running backward accumulates into any parameter of these units (not
+        # autograd.grad with respect to inputs only); decided at its first reduction.
+        self._accumulates: Optional[bool] = None
         self.schedule = Schedule(lambda: self.root.options)  # the root's settings govern its tree
         # The units' link as measured for the "auto" bucket budgets (link.py); None until then.
         self.link: Optional[link.LinkModel] = None
@@ -56,13 +69,27 @@ class RootContext:
     def in_backward(self) -> bool:
         return self.phase is RootPhase.BACKWARD
 
+    def backward_accumulates(self) -> bool:
+        """Whether the running backward writes any parameter's gradient here: a unit
+        without a gradient on this rank joins the others' reduction only then (in an
+        autograd.grad with respect to inputs no rank reduces anything, and joining would
+        cost a collective per unit). Asked of the engine, once per backward: the first
+        parameter it will accumulate into answers it (every unit's parameters only when
+        none will: a backward that accumulates nothing)."""
+        if not self.in_backward:
+            return True  # finish_gradient_sync and flushes outside backward
+        if self._accumulates is None:
+            self._accumulates = any(_will_accumulate_into(p) for s in self.states if s.unit is not None
+                                    for p in s.unit.unsharded_params if p.requires_grad)
+        return self._accumulates
+
     def reduce_or_hold(self, state) -> bool:
         """With reduce buckets: `state`'s gradients wait (on its unsharded parameters)
         until every member of its bucket is done with backward, then the bucket is
         reduce-scattered by one coalesced collective. False when `state` reduces on its own."""
         held, ready = self.schedule.hold_for_reduction(state)
         if ready:
-            _C.Unit.reduce_together([s.unit for s in ready])
+            _C.Unit.reduce_together([s.unit for s in ready], self.backward_accumulates())
         return held
 
     def queue_final_callback(self) -> None:
@@ -71,6 +98,7 @@ class RootContext:
         self.phase = RootPhase.BACKWARD
         # Inside backward, grad mode is on exactly when it runs with create_graph=True.
         self.backward_builds_graph = torch.is_grad_enabled()
+        self._accumulates = None
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def abandon_backward(self) -> None:
@@ -117,8 +145,10 @@ class RootContext:
         """A bucket whose last member to finish did not sync (requires_gradient_sync off
         on that unit alone) was never reduced: now, last bucket first, the same order on
         every rank."""
-        for members in self.schedule.take_held():
-            _C.Unit.reduce_together([s.unit for s in members])
+        held = self.schedule.take_held()
+        may_join = bool(held) and self.backward_accumulates()
+        for members in held:
+            _C.Unit.reduce_together([s.unit for s in members], may_join)
 
     def _measure_link(self) -> None:
         """Resolve the "auto" bucket budgets: time the link of the units' group (every
