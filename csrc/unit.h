@@ -416,6 +416,9 @@ class Unit {
   // Packs the unsharded grads (added to any accumulated ones) into a flat reduce-dtype
   // buffer and frees them; undefined when there was nothing to pack.
   at::Tensor pack_grads(bool sync);
+  // What a rank with no gradient reduces where others reduce theirs: a zero flat buffer in
+  // the reduce dtype (packed_scale_ set as pack_grads sets it; the held reduction retired).
+  at::Tensor zeros_to_reduce();
   // `defer`: the reduced shard goes into the partial sum (no target, no landing).
   GradBuffers plan_reduction(at::Tensor flat, bool defer);
   // Reduce on the reduce-scatter stream (then across replicas, unless deferred, adding

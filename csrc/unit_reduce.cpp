@@ -92,9 +92,7 @@ bool Unit::reduce_grads(bool sync, bool may_join) {
       expects_reduction_ = false;
       if (!any_agreed_grad()) return false;  // no rank had one: the same answer everywhere
     }
-    ctx().make_room_for_reduction();
-    flat = at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
-    packed_scale_ = pack_scale();
+    flat = zeros_to_reduce();
   }
   if (!sync) {
     accumulated_ = flat;
@@ -122,6 +120,12 @@ bool Unit::reduce_grads(bool sync, bool may_join) {
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   run_post_accumulate_grad_hooks(hooked, buffers, *done);
   return true;
+}
+
+at::Tensor Unit::zeros_to_reduce() {
+  ctx().make_room_for_reduction();
+  packed_scale_ = pack_scale();
+  return at::zeros({layout_.total_numel()}, device_options(reduce_dtype_));
 }
 
 void Unit::drop_unreduced_grads() {
@@ -286,10 +290,10 @@ void Unit::reduce_together(const std::vector<Unit*>& units, bool may_join) {
                u.ctx_ == lead.ctx_;
       });
   for (Unit* u : alone) u->reduce_grads(/*sync=*/true, may_join);
-  // Pack every member's gradients (the first pack retires the held reduction); units
-  // without any gradient drop out, as reduce_grads would skip them.
-  // A member with no gradient here that other ranks may reduce (joins_without_grads)
-  // takes part in the agreement; it stays a member, with zeros, if some rank had one.
+  // Pack every member's gradients (the first pack retires the held reduction). A unit
+  // with no gradient here drops out, unless other ranks may reduce it
+  // (joins_without_grads): then it takes part in the agreement and stays a member, with
+  // zeros, if some rank had a gradient.
   std::vector<Unit*> members;
   std::vector<at::Tensor> flats;
   for (Unit* u : together) {
@@ -310,9 +314,7 @@ void Unit::reduce_together(const std::vector<Unit*>& units, bool may_join) {
     Unit& u = *members[i];
     if (!flats[i].defined()) {
       if (!u.any_agreed_grad()) continue;
-      u.ctx().make_room_for_reduction();
-      flats[i] = at::zeros({u.layout_.total_numel()}, u.device_options(u.reduce_dtype_));
-      u.packed_scale_ = u.pack_scale();
+      flats[i] = u.zeros_to_reduce();
     }
     members[kept] = members[i];
     flats[kept] = std::move(flats[i]);

@@ -25,6 +25,12 @@ def _full_grad(p):
     return state.unit.gather_full(pieces, torch.float32)[i]
 
 
+def _hsdp_mesh(world: int):
+    """HSDP's 2-D mesh for these workers: 2 replicas of world / 2 shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_for_backend().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+
 def _step_and_compare(model, plain, opt, ref_opt, step: int, worst: dict, unused_ok: bool = False) -> None:
     """Every parameter's full gradient against plain's (worst["grad"] keeps the largest
     relative error), then both optimizers step and zero. `unused_ok`: a parameter no rank
@@ -377,9 +383,7 @@ def partly_used_parameters(rank, world, layout: str):
     bucket: the coalesced path), "root" (one unit), "hsdp" (units over a 2 x world/2 mesh)."""
     kwargs = {}
     if layout == "hsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        kwargs["mesh"] = init_device_mesh(device_for_backend().type, (2, world // 2),
-                                          mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = _hsdp_mesh(world)
     buckets = {"reduce_bucket_bytes": 1 << 30} if layout == "buckets" else {"reduce_bucket_bytes": 0}
 
     def shard(m):
@@ -427,8 +431,7 @@ def aux_unit_used_on_some_ranks(rank, world, layout: str, micro_batches: int):
     device = device_for_backend()
     kwargs = {}
     if layout == "hsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = _hsdp_mesh(world)
     buckets = 1 << 30 if layout == "buckets" else 0
     plain = AuxOnSomeRanks().to(device)
     model = copy.deepcopy(plain)
@@ -469,8 +472,7 @@ def zero_grad_drops_a_discarded_micro_batch(rank, world, layout: str):
     device = device_for_backend()
     kwargs = {}
     if layout == "hsdp_deferred":
-        from torch.distributed.device_mesh import init_device_mesh
-        kwargs["mesh"] = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = _hsdp_mesh(world)
     plain = AuxOnSomeRanks().to(device)
     model = copy.deepcopy(plain)
     for m in (model.body, model.head, model):
@@ -575,9 +577,7 @@ def gradient_statistics(rank, world, layout: str):
 
     kwargs = {}
     if layout == "hsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        kwargs["mesh"] = init_device_mesh(device_for_backend().type, (2, world // 2),
-                                          mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = _hsdp_mesh(world)
     device = device_for_backend()
     plain = _three_blocks().to(device)
     model = _shard_blocks(copy.deepcopy(plain), **kwargs)
