@@ -136,3 +136,22 @@ def test_gradient_hooks_on_parameters_run_as_on_each_ddp_rank(strategy):
 def test_hugging_face_init_weights_after_fully_shard_zeroes_the_padding_row():
     pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (test extra)")
     run_distributed(w.hf_init_weights_after_fully_shard, 2, timeout=180)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_loss_term_over_sharded_parameters_is_refused_or_is_the_parameters(strategy):
+    """A norm penalty over model.parameters() where the module holds its sharded
+    parameters is of each rank's piece (the probe's silent wrong: loss and gradients
+    off): every rank refuses it in the backward, naming the parameter, also one frozen at
+    fully_shard; under no_shard the piece is the parameter and it trains as one process.
+    Taken while the units hold their gathered parameters it trains as one process."""
+    results = run_distributed(w.penalty_over_parameters, 2, strategy, timeout=120)
+    for r, out in enumerate(results):
+        for form in ("after_forward", "hooks"):
+            assert out[form]["grad"] < 1e-5 and out[form]["loss"] < 1e-5, (r, form, out)
+        refused = out["refused"]
+        if strategy == "no_shard":
+            assert refused == {"all": None, "unfrozen": None}, (r, refused)
+            continue
+        assert "a gradient reached fully_shard parameter" in (refused["all"] or ""), (r, refused)
+        assert "'bias' of unit 'inner'" in (refused["unfrozen"] or ""), (r, refused)

@@ -3,7 +3,8 @@
 step (against FSDP2 with the same mixed precision), and units called on inputs that need
 no gradient, tied embeddings in a unit of several modules and dataclass outputs train
 like one plain process, and so do training scripts' gradient idioms and an EMA swap
-through `.data`, and reductions of gradients besides their norm."""
+through `.data`, and reductions of gradients besides their norm; a loss term over sharded
+parameters is refused where it would be of pieces."""
 import pytest
 import torch
 
@@ -102,3 +103,19 @@ def test_gradient_statistics_are_global_gpu():
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 def test_gradient_hooks_on_parameters_run_as_on_each_ddp_rank_gpu(strategy):
     assert all(run_distributed(w.gradient_hooks, WORLD, strategy, **GPU, timeout=240))
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_loss_term_over_sharded_parameters_is_refused_or_is_the_parameters_gpu(strategy):
+    """A penalty over model.parameters() on CUDA pieces: refused in the backward on every
+    rank under sharding, the parameter's under no_shard; taken while the units hold their
+    gathered parameters it trains as one process."""
+    results = run_distributed(w.penalty_over_parameters, WORLD, strategy, **GPU, timeout=240)
+    for r, out in enumerate(results):
+        for form in ("after_forward", "hooks"):
+            assert out[form]["grad"] < 1e-5 and out[form]["loss"] < 1e-5, (r, form, out)
+        if strategy == "no_shard" or WORLD == 1:  # the piece is the whole parameter
+            assert out["refused"] == {"all": None, "unfrozen": None}, (r, out["refused"])
+        else:
+            assert "'bias' of unit 'inner'" in (out["refused"]["unfrozen"] or ""), (r, out["refused"])
+            assert "a gradient reached fully_shard parameter" in (out["refused"]["all"] or ""), (r, out["refused"])

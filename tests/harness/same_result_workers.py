@@ -338,6 +338,59 @@ def hook_reads_weight_after_fully_shard(rank, world):
     return train_against_plain(model_fn, shard, lambda m, b: m(b).pow(2).mean())
 
 
+def _norm_penalty(modules):
+    return 0.05 * sum(m.weight.norm() + m.bias.norm() for m in modules)
+
+
+def _two_units_sharded_as(strategy: str, **kwargs):
+    def shard(plain):
+        model = copy.deepcopy(plain)
+        mfsdp.fully_shard(model.inner, sharding_strategy=strategy, **kwargs)
+        return mfsdp.fully_shard(model, sharding_strategy=strategy, **kwargs)
+    return shard
+
+
+def penalty_over_parameters(rank, world, strategy: str):
+    """A norm penalty summed over the model's parameters is of each rank's piece where
+    the module holds the sharded parameters (before the first forward; after the forward
+    under resharding): refused in the backward on every rank, naming the parameter, also
+    for a parameter frozen at fully_shard and unfrozen after it; under no_shard the piece
+    is the whole parameter and the term trains as one process. The refusal's advice, the
+    same penalty taken while the units hold their gathered parameters (after the forward
+    with reshard_after_forward=False, or in forward hooks of the units' modules), trains
+    as one process under every strategy."""
+    def penalty_after_forward(m, b):
+        return m(b).pow(2).mean() + _norm_penalty([m.inner, m.head])
+
+    def penalty_in_forward_hooks(m, b):
+        terms = []
+        handles = [sub.register_forward_hook(lambda mod, args, out: terms.append(_norm_penalty([mod])))
+                   for sub in (m.inner, m.head)]
+        out = m(b)
+        for h in handles:
+            h.remove()
+        return out.pow(2).mean() + sum(terms)
+
+    # The other strategies keep them gathered after the forward anyway.
+    kept = {"reshard_after_forward": False} if strategy == "optim_grads_params" else {}
+    result = {name: train_against_plain(TwoUnits, _two_units_sharded_as(strategy, **kept), loss_fn)
+              for name, loss_fn in (("after_forward", penalty_after_forward), ("hooks", penalty_in_forward_hooks))}
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(rank)).to(device_for_backend())
+    result["refused"] = {}
+    for name, penalty in (("all", lambda m: _norm_penalty([m.inner, m.head])),
+                          ("unfrozen", lambda m: 0.05 * m.inner.bias.norm())):
+        plain = TwoUnits().to(x.device)
+        plain.inner.bias.requires_grad_(False)
+        model = _two_units_sharded_as(strategy)(plain)
+        model.inner.bias.requires_grad_(True)  # its guard was registered while it was frozen
+        try:
+            (penalty(model) + model(x).pow(2).mean()).backward()
+            result["refused"][name] = None
+        except RuntimeError as e:
+            result["refused"][name] = str(e)
+    return result
+
+
 class _SkippableBlock(nn.Module):
     def __init__(self):
         super().__init__()

@@ -17,7 +17,7 @@ from .. import _C
 from . import backends
 from .extension_points import gather_transform, outer_sharding, user_attributes
 from .options import FLOAT_DTYPES, as_timeout
-from .sharded_param import ShardedParameter
+from .sharded_param import ShardedParameter, refuse_gradients_into_piece
 
 def groups_from_mesh(mesh, process_group):
     """(shard group, replicate group or None) from fully_shard's mesh/process_group.
@@ -491,6 +491,7 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
     mx_scales = unit.mx_scale_views() if unit.mx_block else None
     for i, (p, sview, uview) in enumerate(zip(params, unit.sharded_views(), locals_)):
         s = ShardedParameter(sview, requires_grad=p.requires_grad)
+        refuse_gradients_into_piece(s)
         if tp is not None and i in tp.specs:
             u = tp.wrap(i, uview, p.requires_grad)
         elif fp8_weights[i] is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 
 import torch
 import torch._guards
@@ -105,14 +106,20 @@ def _emptied_by_to_empty() -> bool:
     return frame.f_code is _MODULE_APPLY and is_to_empty_function(frame.f_locals.get("fn"))
 
 
+def _tp_sharded(state, index: int) -> bool:
+    """Whether parameter `index` is sharded by tensor parallelism too (its piece is of
+    this rank's TP shard)."""
+    spec = state.tp.specs.get(index) if state.tp is not None else None
+    return spec is not None and spec.sharded
+
+
 def piece_rows_of(state, index: int):
     """(first element of parameter `index`'s piece in the parameter flattened row-major,
     the parameter's shape there, whether the piece is all of it on every rank) for
     indexing by rows (piece_rows.py); refused for a tensor-parallel
     sharded parameter, whose piece is of this rank's TP shard, not of the parameter."""
-    tp = state.tp
     spec = state.unit.param_spec(index)
-    if tp is not None and tp.specs.get(index) is not None and tp.specs[index].sharded:
+    if _tp_sharded(state, index):
         raise RuntimeError(
             f"indexing tensor-parallel parameter '{spec.name}' of fully_shard unit '{state.unit.label}' by rows: "
             "its piece is of this rank's tensor-parallel shard, whose rows are not the parameter's. Write "
@@ -519,6 +526,49 @@ class _NoGradientThroughFullProduct(torch.autograd.Function):
             "backward through a matrix product of two fully_shard parameters (p @ q outside their units' "
             "forward): the product is of their full values on every rank, and a gradient through it is not "
             "supported. Compute it inside a module's forward (a unit of both), or under torch.no_grad()")
+
+
+def refuse_gradients_into_piece(param: ShardedParameter) -> None:
+    """Guards `param` against autograd writing a gradient into it directly. Forward and
+    backward run on the unsharded parameter the unit installs, so the sharded one enters a
+    graph only through code that computed on it outside its unit's forward: a weight
+    penalty or a distance to another model summed over `model.parameters()`. That term is
+    of this rank's piece, its value and, unless it is elementwise, its gradient not the
+    parameter's (FSDP2 refuses it at once: its DTensor meets a plain loss). Refused in the
+    backward on every rank that computed it, naming the parameter, where the piece is part
+    of the parameter; where it is all of it (no_shard, one rank) the term is the
+    parameter's and trains as in one process. Taken while the module holds the gathered
+    parameters (after the forward under reshard_after_forward=False, or in a forward
+    hook), the term is the parameter's and never reaches this one.
+
+    A leaf's hook runs only when autograd reaches it, so this costs nothing in a step
+    that never does. Registered while `param` requires grad, so it stays through
+    freezing and unfreezing."""
+    ref = weakref.ref(param)
+
+    def refuse(grad):
+        p = ref()
+        state, index = owner_of(p) if p is not None else (None, -1)
+        if state is None:
+            return None  # left behind by its unit: the piece is all it is
+        unit = state.unit
+        if not _tp_sharded(state, index) and (unit.strategy.replicated or unit.world_size == 1):
+            return None
+        raise RuntimeError(
+            f"a gradient reached fully_shard parameter '{unit.param_spec(index).name}' of unit '{unit.label}' "
+            "itself: a loss term computed from the sharded parameter outside its unit's forward (a weight "
+            "penalty over model.parameters(), a distance to other weights) is of this rank's piece, so its "
+            "value and gradient are not the parameter's. Use the optimizer's weight_decay for an L2 penalty, or "
+            "take the term while the unit holds its gathered parameters, from its forward to its backward under "
+            "reshard_after_forward=False (model.parameters() after the forward, or a forward hook of the "
+            "unit's module): each rank adds the whole term, and the reduction averages it as the loss")
+
+    frozen = not param.requires_grad
+    if frozen:
+        torch.Tensor.requires_grad_(param, True)
+    torch.Tensor.register_hook(param, refuse)
+    if frozen:
+        torch.Tensor.requires_grad_(param, False)
 
 
 def _refuse_moved_registration(module: nn.Module, name: str, param) -> None:
