@@ -123,9 +123,11 @@ def _dcp_in_place(impl: str, folder: str) -> dict:
     _train_step(model, opt, 2)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(folder, impl))  # in place; no load_state_dict() after
+    # Read through the parameters before any use (verifying a load, starting an EMA): the loaded values.
+    read = {n: p.full_tensor().detach().double().cpu() for n, p in model.named_parameters()}
     loss = _loss(model, 3)
     loss.backward()
-    return {"loss": _global(loss), "grads": _full_grads(model), "saved": saved}
+    return {"loss": _global(loss), "grads": _full_grads(model), "saved": saved, "read": read}
 
 
 def _optimizer_dcp_in_place(impl: str, folder: str) -> dict:
@@ -362,7 +364,7 @@ def _writes_vs_fsdp2(rank: int, world: int, case: str, folder: str = "", mesh_sh
     # unsharded tensors): the tolerance then allows for that, far below what a missed write moves.
     tol = 1e-6 if _dev().type == "cpu" else 1e-4
     assert abs(got["loss"] - ref["loss"]) <= tol * abs(ref["loss"]), (case, got["loss"], ref["loss"])
-    for key in ("grads", "values", "saved", "model"):
+    for key in ("grads", "values", "saved", "model", "read"):
         if key in ref:
             _close(got[key], ref[key], f"{case}: {key}", tol)
     if case.startswith("ema"):  # the EMA lags the model: its values are its own, not a copy of the model's

@@ -210,9 +210,12 @@ def _full_of(value, what: str) -> torch.Tensor:
 def full_param(state, index: int) -> torch.Tensor:
     """Parameter `index`'s full value (across tensor parallelism too, as FSDP2's
     full_tensor()) on the shard's device. A collective over the unit's group (and the TP
-    group)."""
+    group). Writes into state-dict values not yet taken (a dcp.load in place into
+    `model.state_dict()`) are taken first, as full_state_dict() takes them: the read is a
+    collective already, and one of the parameter must see what a load wrote."""
     check_materialized([state], "full_tensor()")
     check_resharded(state, "full_tensor()")
+    apply_state_dict_writes_of([state], "full_tensor()", may_change=lambda s: False)
     shard = state.unit.sharded_param(index)
     value = _row_values(state, [], shard.dtype, shard.device)[index]
     return _full_of(value, f"full_tensor() of '{state.names[index]}'")
