@@ -2,6 +2,7 @@
 process train alike, where our units once gave silently different gradients (issue 41's
 probe findings), each compared step by step with one plain process on the whole batch."""
 import copy
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -263,10 +264,11 @@ class TwoUnits(nn.Module):
         return self.head(torch.tanh(self.inner(x)))
 
 
-def _two_units_sharded(plain):
+def _two_units_sharded(plain, **kwargs):
+    """A copy of `plain` with its inner unit and its root sharded by fully_shard(**kwargs)."""
     model = copy.deepcopy(plain)
-    mfsdp.fully_shard(model.inner)
-    return mfsdp.fully_shard(model)
+    mfsdp.fully_shard(model.inner, **kwargs)
+    return mfsdp.fully_shard(model, **kwargs)
 
 
 def _full_values(model):
@@ -342,14 +344,6 @@ def _norm_penalty(modules):
     return 0.05 * sum(m.weight.norm() + m.bias.norm() for m in modules)
 
 
-def _two_units_sharded_as(strategy: str, **kwargs):
-    def shard(plain):
-        model = copy.deepcopy(plain)
-        mfsdp.fully_shard(model.inner, sharding_strategy=strategy, **kwargs)
-        return mfsdp.fully_shard(model, sharding_strategy=strategy, **kwargs)
-    return shard
-
-
 def penalty_over_parameters(rank, world, strategy: str):
     """A norm penalty summed over the model's parameters is of each rank's piece where
     the module holds the sharded parameters (before the first forward; after the forward
@@ -373,7 +367,8 @@ def penalty_over_parameters(rank, world, strategy: str):
 
     # The other strategies keep them gathered after the forward anyway.
     kept = {"reshard_after_forward": False} if strategy == "optim_grads_params" else {}
-    result = {name: train_against_plain(TwoUnits, _two_units_sharded_as(strategy, **kept), loss_fn)
+    shard = functools.partial(_two_units_sharded, sharding_strategy=strategy, **kept)
+    result = {name: train_against_plain(TwoUnits, shard, loss_fn)
               for name, loss_fn in (("after_forward", penalty_after_forward), ("hooks", penalty_in_forward_hooks))}
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(rank)).to(device_for_backend())
     result["refused"] = {}
@@ -381,7 +376,7 @@ def penalty_over_parameters(rank, world, strategy: str):
                           ("unfrozen", lambda m: 0.05 * m.inner.bias.norm())):
         plain = TwoUnits().to(x.device)
         plain.inner.bias.requires_grad_(False)
-        model = _two_units_sharded_as(strategy)(plain)
+        model = _two_units_sharded(plain, sharding_strategy=strategy)
         model.inner.bias.requires_grad_(True)  # its guard was registered while it was frozen
         try:
             (penalty(model) + model(x).pow(2).mean()).backward()
@@ -389,6 +384,22 @@ def penalty_over_parameters(rank, world, strategy: str):
         except RuntimeError as e:
             result["refused"][name] = str(e)
     return result
+
+
+def check_penalty_outcome(results, refused_expected: bool) -> None:
+    """The assertions on penalty_over_parameters' per-rank results: both advised forms
+    train as one process on every rank; the penalty over the sharded parameters is
+    refused (naming the parameter, also the one unfrozen after fully_shard) exactly where
+    `refused_expected`, else it passes."""
+    for r, out in enumerate(results):
+        for form in ("after_forward", "hooks"):
+            assert out[form]["grad"] < 1e-5 and out[form]["loss"] < 1e-5, (r, form, out)
+        refused = out["refused"]
+        if not refused_expected:
+            assert refused == {"all": None, "unfrozen": None}, (r, refused)
+            continue
+        assert "a gradient reached fully_shard parameter" in (refused["all"] or ""), (r, refused)
+        assert "'bias' of unit 'inner'" in (refused["unfrozen"] or ""), (r, refused)
 
 
 class _SkippableBlock(nn.Module):

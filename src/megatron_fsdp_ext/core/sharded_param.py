@@ -113,6 +113,12 @@ def _tp_sharded(state, index: int) -> bool:
     return spec is not None and spec.sharded
 
 
+def _pieces_are_whole(unit) -> bool:
+    """Whether every rank's piece of the unit's parameters is the whole parameter (a
+    replicated strategy, or a group of one)."""
+    return unit.strategy.replicated or unit.world_size == 1
+
+
 def piece_rows_of(state, index: int):
     """(first element of parameter `index`'s piece in the parameter flattened row-major,
     the parameter's shape there, whether the piece is all of it on every rank) for
@@ -124,8 +130,7 @@ def piece_rows_of(state, index: int):
             f"indexing tensor-parallel parameter '{spec.name}' of fully_shard unit '{state.unit.label}' by rows: "
             "its piece is of this rank's tensor-parallel shard, whose rows are not the parameter's. Write "
             "rows before parallelizing, or through full_tensor() / the state dict")
-    unit = state.unit
-    return spec.slice.param_offset, tuple(spec.shape), unit.strategy.replicated or unit.world_size == 1
+    return spec.slice.param_offset, tuple(spec.shape), _pieces_are_whole(state.unit)
 
 
 # Code outside torch that asks whether a module is distributed by asking whether any of its
@@ -552,7 +557,7 @@ def refuse_gradients_into_piece(param: ShardedParameter) -> None:
         if state is None:
             return None  # left behind by its unit: the piece is all it is
         unit = state.unit
-        if not _tp_sharded(state, index) and (unit.strategy.replicated or unit.world_size == 1):
+        if not _tp_sharded(state, index) and _pieces_are_whole(unit):
             return None
         raise RuntimeError(
             f"a gradient reached fully_shard parameter '{unit.param_spec(index).name}' of unit '{unit.label}' "
