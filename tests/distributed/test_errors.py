@@ -61,6 +61,9 @@ def _bad_inputs(rank, world):
     m = nn.Module()
     m.w = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
     expect_error(lambda: mfsdp.fully_shard(m), ValueError, "'w' has non-floating dtype torch.int64")
+    m.w = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    expect_error(lambda: mfsdp.fully_shard(m), ValueError, "'w' has complex dtype torch.complex64",
+                 "torch.view_as_real(w)")
 
     # Mixed dtypes inside one unit.
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())

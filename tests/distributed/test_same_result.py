@@ -16,6 +16,14 @@ def test_unit_called_on_input_without_grad_then_again():
     assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_contiguous_parameters_train_like_one_process(world):
+    """Channels-last convolution weights and a transposed Linear weight (FSDP2 refuses
+    them): packed in logical order, so values and gradients are one process's."""
+    worst = run_distributed(w.non_contiguous_parameters, world, timeout=120)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
 @pytest.mark.parametrize("buckets", [0, 1 << 20], ids=["per_unit", "reduce_buckets"])
 def test_tied_embedding_in_a_unit_of_several_modules(buckets):
     """fully_shard([embed, norm, head]) with the head tied to the embedding: the lookup's

@@ -134,6 +134,38 @@ class DataclassModel(nn.Module):
         return self.head(out.hidden).pow(2).mean() + out.aux
 
 
+class NonContiguousParams(nn.Module):
+    """Parameters whose strides are not the contiguous ones: channels-last convolution
+    weights (model.to(memory_format=torch.channels_last)) and a Linear weight stored
+    transposed. FSDP2 refuses both; ours packs them in logical order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(2, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 4, 3, padding=1, groups=2)
+        self.to(memory_format=torch.channels_last)
+        self.proj_weight = nn.Parameter(0.1 * torch.randn(D // 2 * 4, D).t())
+
+    def forward(self, x):
+        h = x.view(-1, 2, 4, D // 8).contiguous(memory_format=torch.channels_last)
+        h = self.conv2(torch.relu(self.conv1(h)))
+        return nn.functional.linear(h.flatten(1), self.proj_weight)
+
+
+def non_contiguous_parameters(rank, world):
+    def model_fn():
+        m = NonContiguousParams()
+        laid_out = {n: p.is_contiguous() for n, p in m.named_parameters() if p.dim() > 1}
+        assert not any(laid_out.values()), f"the test's parameters are meant to be non-contiguous: {laid_out}"
+        return m
+
+    def shard(m):
+        mfsdp.fully_shard(m.conv1)
+        return mfsdp.fully_shard(m)
+    return train_against_plain(model_fn, shard, lambda m, x: m(x).pow(2).mean())
+
+
 def shared_on_raw_input(rank, world):
     def shard(m):
         mfsdp.fully_shard(m.shared)

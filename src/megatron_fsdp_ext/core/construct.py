@@ -474,9 +474,13 @@ def make_unit(params: list, names: list, pg, alignment: int, mp_policy, strategy
                 "extension (fsdp_pre_all_gather / fsdp_post_all_gather); units do not run other subclasses' "
                 "gathers. torchao's FP8-gathered Float8Linear weights are supported")
         if p.dtype not in FLOAT_DTYPES:
-            kind = "unsupported floating" if p.is_floating_point() else "non-floating"
+            kind = "unsupported floating" if p.is_floating_point() else "complex" if p.is_complex() else "non-floating"
+            # A complex piece would have to be cut between whole (real, imaginary) pairs and
+            # viewed back on every path that hands values out: refused, not half-supported.
+            hint = ("; keep it as real pairs instead (nn.Parameter(torch.view_as_real(w)), and "
+                    "torch.view_as_complex(self.w) in forward)") if p.is_complex() else ""
             raise ValueError(f"fully_shard: parameter '{n}' has {kind} dtype {p.dtype}; units hold "
-                             f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters")
+                             f"{', '.join(str(d) for d in FLOAT_DTYPES)} parameters{hint}")
     masters = [transform.master_of(h) for h in held]
     unit = _C.Unit([m.detach() for m in masters], names, pg, transform.alignment_for(alignment, fp8_weights),
                    mp_policy.param_dtype, mp_policy.reduce_dtype, strategy, materialize_on)
