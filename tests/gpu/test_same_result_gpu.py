@@ -1,10 +1,10 @@
 """The same-result tests with CUDA tensors on the GPU suite's backend: writes through
 `p.data` after the step are seen on every strategy, under offload and the overlapped CPU
 step (against FSDP2 with the same mixed precision), and units called on inputs that need
-no gradient, tied embeddings in a unit of several modules and dataclass outputs train
-like one plain process, and so do training scripts' gradient idioms and an EMA swap
-through `.data`, and reductions of gradients besides their norm; a loss term over sharded
-parameters is refused where it would be of pieces."""
+no gradient, tied embeddings in a unit of several modules, dataclass outputs and
+non-contiguous parameters train like one plain process, and so do training scripts'
+gradient idioms and an EMA swap through `.data`, and reductions of gradients besides
+their norm; a loss term over sharded parameters is refused where it would be of pieces."""
 import pytest
 import torch
 
@@ -37,6 +37,13 @@ def test_units_called_again_and_dataclass_outputs_gpu(case):
     args = (1 << 20,) if case == "tied_embedding" else ()
     worst = run_distributed(getattr(w, case), WORLD, *args, **GPU, timeout=240)[0]
     assert worst["grad"] < 1e-4 and worst["loss"] < 1e-4, worst
+
+
+def test_non_contiguous_parameters_train_like_one_process_gpu():
+    """Channels-last convolution weights and a transposed Linear weight, sharded on the
+    device: packed in logical order."""
+    worst = run_distributed(w.non_contiguous_parameters, WORLD, **GPU, timeout=240)[0]
+    assert worst["grad"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
 @pytest.mark.parametrize("layout", ["units", "buckets", "root", "hsdp"])

@@ -154,6 +154,10 @@ class NonContiguousParams(nn.Module):
 
 
 def non_contiguous_parameters(rank, world):
+    # cuDNN convolutions default to TF32; the plain model's channels-last weight and the
+    # gathered contiguous one may take different algorithms: compare in full fp32.
+    torch.backends.cudnn.allow_tf32 = False
+
     def model_fn():
         m = NonContiguousParams()
         laid_out = {n: p.is_contiguous() for n, p in m.named_parameters() if p.dim() > 1}
