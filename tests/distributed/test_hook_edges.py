@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 from harness import run_distributed
-from harness.workers import TinyStack, expect_error, gather_full_grads
+from harness.workers import TinyStack, expect_error, flat_piece, gather_full_grads
 
 
 class Tagged(torch.Tensor):
@@ -40,7 +40,7 @@ def _grads_match(net, plain):
     model's; every rank trained on the same batch, so the mean over ranks is that batch's."""
     full = gather_full_grads(net, replicated=False)
     for name, p in plain.named_parameters():
-        torch.testing.assert_close(full[name], p.grad.reshape(-1), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(full[name], flat_piece(p.grad), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 

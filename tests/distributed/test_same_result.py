@@ -106,6 +106,14 @@ def test_gradient_idioms_of_training_scripts_give_one_process_results():
     assert all(err < 1e-5 for err in run_distributed(w.gradient_idioms, 2, timeout=180))
 
 
+@pytest.mark.parametrize("layout,world", [("units", 2), ("units", 3), ("no_shard", 2)])
+def test_flat_gradient_vectors_train_like_one_process(layout, world):
+    """PCGrad through parameters_to_vector and `p.grad = vec[i:i + n].view(p.shape)` gives
+    one process's gradients and weights; a flat vector of pieces is refused where pieces
+    are split."""
+    worst = run_distributed(w.flat_gradient_vectors, world, layout, timeout=120)[0]
+    assert worst < 1e-5, worst
+
 @pytest.mark.parametrize("layout,world", [("units", 2), ("units", 3), ("hsdp", 4)])
 def test_gradient_statistics_are_global_like_one_process(layout, world):
     """Sums, means, maxima, std, counts and finiteness checks of gradient pieces are the

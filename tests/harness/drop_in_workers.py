@@ -16,7 +16,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core import fsdp2_view
 from megatron_fsdp_ext.core.grad_norm import ShardedGrad
 
-from .workers import device_for_backend, expect_error
+from .workers import device_for_backend, expect_error, flat_piece
 
 
 def mlp():
@@ -620,7 +620,7 @@ def norm_orders(rank: int, world: int) -> bool:
             grad = net[0].weight.grad
             if rank == holder.item():
                 with torch.no_grad():
-                    grad.detach().view(-1)[0] = math.nan
+                    flat_piece(grad)[0] = math.nan
             expect_error(lambda: clip(net.parameters(), 1.0, ord, error_if_nonfinite=True), RuntimeError,
                          "non-finite")
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import TinyStack, _full, device_for_backend, expect_error, gather_full_grads
+from .workers import TinyStack, _full, device_for_backend, expect_error, flat_piece, gather_full_grads
 
 STEPS = 3
 MICRO_BATCHES = 3  # "accumulate": the first two without gradient sync
@@ -116,7 +116,7 @@ def hook_error_propagates(rank: int, world: int) -> bool:
     (sum(plain(_batch(1, 0, r, device)).sum() for r in range(world)) / world).backward()
     full = gather_full_grads(net, replicated=False)
     for name, p in plain.named_parameters():
-        torch.testing.assert_close(full[name], p.grad.detach().reshape(-1).cpu(), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(full[name], flat_piece(p.grad).cpu(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
     dist.barrier()
     return True

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import megatron_fsdp_ext as mfsdp
 
-from .workers import TinyStack, device_for_backend, expect_error, gather_full_grads
+from .workers import TinyStack, device_for_backend, expect_error, flat_piece, gather_full_grads
 
 STEPS = 3
 PENALTY = 10.0
@@ -100,7 +100,7 @@ def _train(net, plain, ours_opt, plain_opt, rank: int, world: int, device, mode:
         plain_loss.backward()
         full = gather_full_grads(net, replicated=False)
         for name, p in plain.named_parameters():
-            torch.testing.assert_close(full[name], p.grad.detach().reshape(-1).cpu(), rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(full[name], flat_piece(p.grad).cpu(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, name=name, step=step: f"step {step}, grad of {name}: {m}")
         ours_opt.step()
         plain_opt.step()
@@ -123,6 +123,6 @@ def create_graph_into_parameters_is_refused(rank: int, world: int) -> bool:
     (sum(plain(_batch(1, r, 0, device)).sum() for r in range(world)) / world).backward()
     full = gather_full_grads(net, replicated=False)
     for name, p in plain.named_parameters():
-        torch.testing.assert_close(full[name], p.grad.detach().reshape(-1).cpu(), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(full[name], flat_piece(p.grad).cpu(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
     return True

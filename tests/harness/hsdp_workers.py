@@ -20,7 +20,7 @@ from megatron_fsdp_ext.models import LlamaConfig, LlamaModel
 from megatron_fsdp_ext.core.param_index import iter_states
 
 from .observe import count_collectives
-from .workers import _full, device_for_backend, expect_error, rel_err, shard_piece, unique_storage_bytes
+from .workers import _full, device_for_backend, expect_error, flat_piece, rel_err, shard_piece, unique_storage_bytes
 
 SEED = 1234
 CFG = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, ffn_hidden=72)
@@ -50,7 +50,7 @@ def _full_grads(model) -> Dict[str, torch.Tensor]:
     local = {}
     for name, p in model.named_parameters():
         state, idx, piece = shard_piece(p)
-        g = None if p.grad is None else p.grad.detach().reshape(-1).double().cpu()
+        g = flat_piece(p.grad).double().cpu() if p.grad is not None else None
         local[name] = (piece.param_offset, state.unit.layout.numels[idx], g)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, local)
@@ -128,7 +128,7 @@ def hsdp_parity(rank: int, world: int, replicate: int, scenarios: List[Dict]) ->
             assert got == want_all_reduces, f"step {step}: {got} all-reduces across replicas, expected {want_all_reduces}"
             ours = _full_grads(model)
             for name, p in ref.named_parameters():
-                err = rel_err(ours[name], p.grad.reshape(-1))
+                err = rel_err(ours[name], flat_piece(p.grad))
                 assert err <= sc.get("tol", 1e-5), f"{sc} step {step}: gradient of '{name}' rel err {err:.3e}"
                 worst = max(worst, err)
             if clip is not None:

@@ -55,7 +55,7 @@ from megatron_fsdp_ext.core.states import SlotsHold
 
 from .fp8_workers import bf16_policy, fp8_gathered, fp8_gathered_names
 from .observe import counting_aot_eager, schedule_buckets
-from .workers import device_for_backend, rel_err, shard_piece
+from .workers import device_for_backend, flat_piece, rel_err, shard_piece
 
 D, H = 16, 32
 N_MICRO = 4
@@ -202,7 +202,7 @@ def full_grads_of_ours(stage: nn.Module, dp_group, tp_placements: Dict[str, tupl
     local = {}
     for name, p in stage.named_parameters():
         state, idx, piece = shard_piece(p)
-        g = None if p.grad is None else p.grad.detach().reshape(-1).cpu().clone()
+        g = None if p.grad is None else flat_piece(p.grad).cpu().clone()
         local[name] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), g)
     every = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(every, local, group=dp_group)

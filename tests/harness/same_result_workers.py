@@ -660,6 +660,84 @@ def gradient_idioms(rank, world):
     return worst
 
 
+def flat_gradient_vectors(rank, world, layout: str = "units"):
+    """PCGrad on one flat gradient vector per task, as multi-task code writes it:
+    `parameters_to_vector` of the gradients (global, as of FSDP2's DTensors), the dot
+    product and projection on the full vectors, then the vector written back by
+    `p.grad = vec[i:i + n].view(p.shape)` (this rank's part is kept) and stepped. Against
+    one plain process doing the same on the whole batch. The spelling that would be of
+    pieces, `torch.cat([p.grad.view(-1) ...])`, once gave every rank its own vector (length,
+    dot and projection local, silently): refused on every rank where pieces are split;
+    a 1-D gradient's own flattening stays a gradient whose norm is global."""
+    from torch.nn.utils import parameters_to_vector
+
+    device = device_for_backend()
+    plain = _three_blocks().to(device)
+    model = copy.deepcopy(plain)
+    if layout == "units":
+        _shard_blocks(model)
+    else:
+        mfsdp.fully_shard(model, sharding_strategy=layout)
+    split = layout != "no_shard" and world > 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def task_losses(m, x):
+        out = m(x)
+        return out[:, :2].pow(2).mean(), (out[:, 2:] - 1).pow(2).mean() - out[:, :2].mean()
+
+    def pcgrad(m, o, xs):
+        vectors = []
+        for task in range(2):
+            o.zero_grad()
+            (sum(task_losses(m, x)[task] for x in xs) / len(xs)).backward()
+            vectors.append(parameters_to_vector([p.grad for p in m.parameters()]).clone())
+        g1, g2 = vectors
+        dot = torch.dot(g1, g2)
+        g = g1 + g2 - (dot / g2.norm() ** 2 * g2 if dot < 0 else 0)
+        offset = 0
+        for p in m.parameters():
+            p.grad = g[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        return dot.item(), g
+
+    projected = 0
+    worst = 0.0
+    for step in range(4):
+        batch = torch.randn(world, 4, D, generator=torch.Generator().manual_seed(step)).to(device)
+        want_dot, want = pcgrad(plain, ref_opt, list(batch))
+        got_dot, got = pcgrad(model, opt, [batch[rank]])
+        projected += want_dot < 0
+        assert got.shape == want.shape and abs(got_dot - want_dot) <= 1e-5 * abs(want_dot), (step, got_dot, want_dot)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            g = _full_grad(p)
+            err = ((g - q.grad.reshape(g.shape)).norm() / q.grad.norm()).item()
+            assert err < 1e-5, f"step {step}: the written-back gradient is off by {err:.2e}"
+            worst = max(worst, err)
+        weight, bias = model[2].weight, model[2].bias
+        for spell in (lambda: torch.cat([p.grad.view(-1) for p in model.parameters()]),
+                      lambda: weight.grad.flatten(), lambda: weight.grad.reshape(-1),
+                      lambda: torch.cat([b.grad for b in (model[0].bias, bias)])):
+            if split:
+                try:
+                    spell()
+                except RuntimeError as e:
+                    assert "would be of this rank's 1-D piece" in str(e), e
+                else:
+                    raise AssertionError(f"step {step}: a flat vector of gradient pieces was not refused")
+            else:
+                spell()  # the pieces are the gradients: nothing to refuse
+        bias_norm = bias.grad.view(-1).norm().item()
+        assert abs(bias_norm - plain[2].bias.grad.norm().item()) <= 1e-5 * bias_norm, "a 1-D gradient's view(-1)"
+        opt.step()
+        ref_opt.step()
+    assert projected, "the data never made the task gradients conflict: the projection was not exercised"
+    for name, q in plain.named_parameters():
+        full = _full_value(model.state_dict()[name])
+        assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"'{name}' after the steps"
+    return worst
+
+
 def _read(x):
     return x.tolist() if isinstance(x, torch.Tensor) else x
 

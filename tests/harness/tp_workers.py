@@ -23,7 +23,7 @@ import megatron_fsdp_ext as mfsdp
 from megatron_fsdp_ext.core.param_index import iter_states
 
 from .funcol_c10d import route_functional_collectives_through_c10d
-from .workers import device_for_backend, expect_error, rel_err, shard_piece
+from .workers import device_for_backend, expect_error, flat_piece, rel_err, shard_piece
 
 D_IN, D, H, D_OUT, SEQ = 8, 16, 32, 4, 8
 SEED = 7
@@ -172,7 +172,7 @@ def full_of_ours(model, which: str, tp_placements: Dict[str, Tuple], tp_mesh=Non
     for name, p in model.named_parameters():
         state, idx, piece = shard_piece(p)
         t = p.grad if which == "grad" else p
-        t = None if t is None else t.detach().reshape(-1).double().cpu()
+        t = None if t is None else flat_piece(t).double().cpu()
         local[plain_name(name)] = (piece.param_offset, tuple(state.unit.param_spec(idx).shape), t)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (tp_mesh.get_local_rank() if tp_mesh is not None else 0, local))

@@ -88,6 +88,17 @@ def device_for_backend() -> torch.device:
     return torch.device("cpu")
 
 
+def flat_piece(t):
+    """This rank's piece of a sharded gradient (or parameter) as a flat plain tensor, a
+    view (writes land in it); None stays None. The tests read pieces this way: flattening a
+    sharded gradient itself is refused between backward and the step, where its result
+    would pass for the whole gradient's (use `to_local()` in user code)."""
+    if t is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach().reshape(-1)
+
+
 def expect_error(fn, exc_type, *fragments: str) -> None:
     """fn() must raise exc_type whose message contains every fragment."""
     try:
@@ -341,7 +352,7 @@ def gather_full_grads(model: nn.Module, replicated: bool) -> Dict[str, torch.Ten
     local = {}
     for name, p in model.named_parameters():
         state, idx, piece = shard_piece(p)
-        grad = None if p.grad is None else p.grad.detach().reshape(-1).cpu().clone()
+        grad = None if p.grad is None else flat_piece(p.grad).cpu().clone()
         local[name] = (piece.param_offset, state.unit.layout.numels[idx], grad)
     pieces_by_rank = [None] * dist.get_world_size()
     dist.all_gather_object(pieces_by_rank, local)

@@ -150,6 +150,10 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _RESHAPES or func in _JOINS:
+            kept = _flatten_or_join(func, args, kwargs)
+            if kept is not None:
+                return kept
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -165,6 +169,53 @@ class ShardedGrad(LogicalShape, torch.Tensor, DTensorFace):
         if reduction is not None and isinstance(args[0], ShardedGrad):
             return _reduce_piece(func, reduction, args, kwargs)
         return _plain_call(func, args, kwargs)
+
+
+def _split(g: "ShardedGrad") -> bool:
+    """Whether the gradient's pieces differ between ranks (not replicated, not a group of one)."""
+    domain = type(g).domain
+    return domain is not None and any(len(ranks) > 1 for ranks in domain.ranks)
+
+
+def _one_dim_target(func, args, kwargs) -> bool:
+    """Whether a flatten / ravel, or a view / reshape to a 1-D shape (`view(-1)`,
+    `reshape(n)`), not a dtype view."""
+    if func in (torch.Tensor.flatten, torch.flatten, torch.Tensor.ravel, torch.ravel):
+        return True
+    shape = args[1:] or (kwargs.get("shape", kwargs.get("size")),)
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return len(shape) == 1 and isinstance(shape[0], (int, torch.SymInt))
+
+
+def _flatten_or_join(func, args, kwargs):
+    """Flattening a gradient, or joining gradients (`torch.cat([p.grad.view(-1) for p in
+    params])`, the flat-gradient vector of PCGrad and gradient-similarity code), would give
+    this rank's fragment: its length, dot products and norm local and different on every
+    rank, silently (FSDP2's DTensors stay sharded and reduce when read). Refused by name on
+    every rank where the pieces are split. A 1-D gradient's flattening is the gradient
+    itself: it keeps its type (norms of it stay global). None: not such a call."""
+    if func in _JOINS:
+        tensors = args[0] if args else kwargs.get("tensors", ())
+        split = [t for t in tensors if isinstance(t, ShardedGrad) and _split(t)]
+        what = f"torch.{func.__name__} of fully_shard gradients"
+    else:
+        g = args[0] if args else None
+        if not (isinstance(g, ShardedGrad) and _one_dim_target(func, args, kwargs)):
+            return None
+        if len(type(g).face_shape) <= 1:
+            with DisableTorchFunctionSubclass():
+                return torch.Tensor.as_subclass(func(*args, **kwargs), type(g))
+        split = [g] if _split(g) else []
+        what = f"flattening a fully_shard gradient ({func.__name__})"
+    if not split:
+        return None
+    raise RuntimeError(
+        f"megatron_fsdp_ext: {what} of shape {tuple(type(split[0]).face_shape)} would be of this rank's 1-D piece "
+        "(its length and values differ between ranks), not of the whole gradient. For the full vector use "
+        "torch.nn.utils.parameters_to_vector([p.grad for p in params]) (a collective, on every rank; write a "
+        "vector back with p.grad = vec[i:i + n].view(p.shape)) or g.full_tensor(); norms and sums of the "
+        "gradients themselves are global")
 
 
 def _refuse_full_shape_meeting_piece(func, args) -> None:
@@ -798,6 +849,10 @@ _KEEPS_NORM = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.T
                torch.Tensor.cpu, torch.Tensor.cuda}
 # Views of a gradient that are the gradient's piece itself: they keep its ShardedGrad type.
 _KEEPS_GRAD = {torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__}
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+             torch.Tensor.ravel, torch.ravel}
+_JOINS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack, torch.dstack,
+          torch.column_stack, torch.row_stack}
 
 
 def unit_grad_types(state) -> list:

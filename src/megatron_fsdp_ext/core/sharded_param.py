@@ -26,6 +26,7 @@ Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data =
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
 
+import math
 import sys
 import types
 import weakref
@@ -364,11 +365,28 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         # the unit's gradients carry theirs, so torch's clip after it stays global (FSDP2's
         # arithmetic on a DTensor gradient gives a DTensor). Only sets pay for this: reads
         # of p.grad (every optimizer step, every parameter) stay torch's own.
+        if name == "grad" and isinstance(value, torch.Tensor):
+            value = self._piece_of_full_grad(value)
         super().__setattr__(name, value)
         if name == "grad" and type(value) is torch.Tensor:
             state, index = owner_of(self)
             if state is not None and state.grads_tagged and local_shape(value) == local_shape(self):
                 state.retag_grad(index)
+
+
+    def _piece_of_full_grad(self, value: torch.Tensor) -> torch.Tensor:
+        """A gradient of the parameter's full shape (`p.grad = vec[i:i + n].view(p.shape)`
+        after torch's parameters_to_vector, as PCGrad-style code writes a projected vector
+        back; FSDP2 takes a full DTensor there): this rank's part of it, as `p.data = x` keeps
+        this rank's part. Every rank holds the same full value, so nothing is exchanged."""
+        here, full = tuple(local_shape(self)), tuple(self._logical_shape())
+        if here == full or tuple(local_shape(value)) != full:
+            return value
+        state, index = owner_of(self)
+        if state is None or state.unit is None or _tp_sharded(state, index):
+            return value  # torch's own size error names both shapes
+        start = state.unit.param_spec(index).slice.param_offset
+        return value.reshape(-1).narrow(0, start, math.prod(here)).clone()
 
 
 class PieceCast(torch.Tensor):
