@@ -3,7 +3,7 @@
 step (against FSDP2 with the same mixed precision), and units called on inputs that need
 no gradient, tied embeddings in a unit of several modules, dataclass outputs and
 non-contiguous parameters train like one plain process, and so do training scripts'
-gradient idioms and an EMA swap through `.data`, and reductions of gradients besides
+gradient idioms, PCGrad's flat gradient vectors and an EMA swap through `.data`, and reductions of gradients besides
 their norm; a loss term over sharded parameters is refused where it would be of pieces."""
 import pytest
 import torch
@@ -37,6 +37,14 @@ def test_units_called_again_and_dataclass_outputs_gpu(case):
     args = (1 << 20,) if case == "tied_embedding" else ()
     worst = run_distributed(getattr(w, case), WORLD, *args, **GPU, timeout=240)[0]
     assert worst["grad"] < 1e-4 and worst["loss"] < 1e-4, worst
+
+
+@pytest.mark.parametrize("layout", ["units", "no_shard"])
+def test_flat_gradient_vectors_train_like_one_process_gpu(layout):
+    """PCGrad through parameters_to_vector and a full-shape `p.grad` write-back, CUDA
+    gradients; flat vectors of pieces refused where pieces are split."""
+    worst = run_distributed(w.flat_gradient_vectors, WORLD, layout, **GPU, timeout=240)[0]
+    assert worst < 1e-5, worst
 
 
 def test_non_contiguous_parameters_train_like_one_process_gpu():

@@ -732,8 +732,9 @@ def flat_gradient_vectors(rank, world, layout: str = "units"):
         opt.step()
         ref_opt.step()
     assert projected, "the data never made the task gradients conflict: the projection was not exercised"
+    weights = mfsdp.full_state_dict(model, rank0_only=False)  # our gather: no DTensor collectives (Gloo + CUDA)
     for name, q in plain.named_parameters():
-        full = _full_value(model.state_dict()[name])
+        full = weights[name].to(q.device)
         assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), f"'{name}' after the steps"
     return worst
 
