@@ -26,7 +26,6 @@ Everything else is nn.Parameter's: ops on it return plain tensors, and `p.data =
 still goes through the unit's own check at the next use (a pointer compare)."""
 from __future__ import annotations
 
-import math
 import sys
 import types
 import weakref
@@ -373,7 +372,6 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
             if state is not None and state.grads_tagged and local_shape(value) == local_shape(self):
                 state.retag_grad(index)
 
-
     def _piece_of_full_grad(self, value: torch.Tensor) -> torch.Tensor:
         """A gradient of the parameter's full shape (`p.grad = vec[i:i + n].view(p.shape)`
         after torch's parameters_to_vector, as PCGrad-style code writes a projected vector
@@ -385,8 +383,7 @@ class ShardedParameter(LogicalShape, nn.Parameter, DTensorFace):
         state, index = owner_of(self)
         if state is None or state.unit is None or _tp_sharded(state, index):
             return value  # torch's own size error names both shapes
-        start = state.unit.param_spec(index).slice.param_offset
-        return value.reshape(-1).narrow(0, start, math.prod(here)).clone()
+        return state.unit.local_piece(index, value).clone()
 
 
 class PieceCast(torch.Tensor):
